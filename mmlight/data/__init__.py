@@ -1,0 +1,8 @@
+"""Data: webdataset shard writing and the LightningDataModules that stream shard sets."""
+
+from mmlight.data.digits import DigitsDataModule, write_digits_shards
+from mmlight.data.images import ImageAugment, ImageShardDataModule
+from mmlight.data.shards import read_info, write_info, write_split
+
+__all__ = ["DigitsDataModule", "write_digits_shards", "ImageAugment", "ImageShardDataModule",
+           "read_info", "write_info", "write_split"]

@@ -1,0 +1,154 @@
+"""Streaming image classification data from webdataset shards (``{jpg|png}`` image bytes + ``cls``)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+import webdataset as wds
+from PIL import Image
+from timm.data import create_transform
+
+from mmlight.data.shards import read_info, split_urls
+
+log = logging.getLogger(__name__)
+
+IMAGE_KEYS = ("jpg", "jpeg", "png")
+
+
+@dataclass
+class ImageAugment:
+    """Image transforms, passed to :func:`timm.data.create_transform`.
+
+    Args:
+        image_size: side of the (square) network input.
+        channels: 3 (RGB) or 1 (grayscale); images are converted on decode.
+        scale: RandomResizedCrop area range for training.
+        hflip: horizontal flip probability.
+        auto_augment: timm policy string such as ``rand-m9-mstd0.5-inc1``, or None.
+        color_jitter: colour jitter strength (ignored by timm when auto_augment is set).
+        re_prob: random erasing probability.
+        interpolation: resize interpolation.
+        crop_pct: evaluation centre-crop fraction.
+        mean: normalisation mean per channel.
+        std: normalisation std per channel.
+    """
+
+    image_size: int = 224
+    channels: Literal[1, 3] = 3
+    scale: tuple[float, float] = (0.08, 1.0)
+    hflip: float = 0.5
+    auto_augment: str | None = None
+    color_jitter: float | None = 0.4
+    re_prob: float = 0.0
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.875
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+
+    def build(self, train: bool):
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(f"mean/std need {self.channels} values, got {self.mean} and {self.std}")
+        common = dict(input_size=(self.channels, self.image_size, self.image_size),
+                      interpolation=self.interpolation, mean=self.mean, std=self.std)
+        if not train:
+            return create_transform(is_training=False, crop_pct=self.crop_pct, **common)
+        return create_transform(
+            is_training=True, scale=self.scale, hflip=self.hflip, auto_augment=self.auto_augment,
+            color_jitter=self.color_jitter or 0.0, re_prob=self.re_prob, **common,
+        )
+
+
+class ImageShardDataModule(L.LightningDataModule):
+    """Streams an image shard set: resampled shards with a fixed epoch length for training (every
+    rank runs the same number of steps), and each shard read once for validation.
+
+    Args:
+        root: folder holding the shards and ``_info.json``.
+        batch_size: per-device batch size.
+        num_workers: DataLoader worker processes per device.
+        augment: the image transforms.
+        shuffle_buffer: samples held in the training shuffle buffer.
+        train_split: name of the training split in ``_info.json``.
+        val_split: name of the validation split.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        augment: ImageAugment = ImageAugment(),
+        shuffle_buffer: int = 5000,
+        train_split: str = "train",
+        val_split: str = "val",
+    ):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.root = root
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.augment = augment
+        self.shuffle_buffer = shuffle_buffer
+        self.train_split = train_split
+        self.val_split = val_split
+        self.info: dict | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self._info()["classes"])
+
+    def _info(self) -> dict:
+        if self.info is None:
+            self.info = read_info(self.root)
+        return self.info
+
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def _decode(self, sample: dict) -> tuple[Image.Image, int]:
+        key = next((k for k in IMAGE_KEYS if k in sample), None)
+        if key is None:
+            raise ValueError(f"sample {sample.get('__key__')} has no image ({'/'.join(IMAGE_KEYS)})")
+        image = Image.open(io.BytesIO(sample[key]))
+        image = image.convert("RGB" if self.augment.channels == 3 else "L")
+        return image, int(sample["cls"])
+
+    def _pipeline(self, urls: list[str], train: bool) -> wds.WebDataset:
+        transform = self.augment.build(train)
+        if train:
+            dataset = wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node,
+                                     handler=wds.warn_and_continue).shuffle(self.shuffle_buffer)
+        else:
+            dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
+                                     workersplitter=wds.split_by_worker, handler=wds.warn_and_continue)
+        return (dataset.map(self._decode, handler=wds.warn_and_continue)
+                .map_tuple(transform, torch.tensor)
+                .batched(self.batch_size, partial=not train))
+
+    def train_dataloader(self):
+        info = self._info()
+        num_samples = info["splits"][self.train_split]["num_samples"]
+        steps = num_samples // (self.batch_size * self._world_size())
+        if steps < 1:
+            raise ValueError(f"{num_samples} training samples are fewer than one global batch "
+                             f"({self.batch_size} x {self._world_size()} devices)")
+        dataset = self._pipeline(split_urls(self.root, info, self.train_split), train=True)
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                               persistent_workers=self.num_workers > 0)
+        # with_epoch on the loader counts batches across all workers of this rank; with_length
+        # only reports that count to Lightning (webdataset warns that it does nothing more).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
+            return loader.with_epoch(steps).with_length(steps)
+
+    def val_dataloader(self):
+        info = self._info()
+        dataset = self._pipeline(split_urls(self.root, info, self.val_split), train=False)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)

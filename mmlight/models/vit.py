@@ -1,0 +1,116 @@
+"""ViT / DeiT from timm with every attention layer routed through a reweighting function, and an
+optional MultiMax modulation of the output logits (the paper's Table 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from mmlight import reweighting
+from mmlight.nn import ReweightedAttention
+
+ReweightingName = Literal["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk"]
+
+#: Named architectures: (embed_dim, depth, num_heads). DeiT sizes from Touvron et al. (2021).
+VARIANTS: dict[str, tuple[int, int, int]] = {
+    "deit_tiny": (192, 12, 3),
+    "deit_small": (384, 12, 6),
+    "deit_base": (768, 12, 12),
+    "vit_micro": (64, 4, 4),  # the CPU quick start
+}
+
+
+@dataclass
+class ReweightingSpec:
+    """Which reweighting function to build, and its options.
+
+    Args:
+        name: a name from :func:`mmlight.reweighting.available`.
+        options: keyword arguments of that function (e.g. ``{order: 2}`` for MultiMax); an unknown
+            key stops model construction with a message naming it.
+    """
+
+    name: ReweightingName = "softmax"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> reweighting.Reweighting:
+        return reweighting.build(self.name, **self.options)
+
+
+@dataclass
+class ViTConfig:
+    """Architecture of the image classifier.
+
+    Args:
+        variant: a key of :data:`VARIANTS`, fixing width, depth and heads.
+        img_size: input resolution (square).
+        patch_size: patch side in pixels.
+        in_chans: input channels.
+        num_classes: classifier outputs.
+        global_pool: ``avg`` (GAP over patch tokens, the paper's choice) or ``token`` (CLS token).
+        drop_path_rate: stochastic depth at the last block (linearly increasing).
+        attention: the reweighting function of every attention layer (one instance per layer).
+        output_multimax: apply a learnable MultiMax sigma to the logits before the loss.
+        output_multimax_order: its order (1 or 2).
+    """
+
+    variant: Literal["deit_tiny", "deit_small", "deit_base", "vit_micro"] = "deit_small"
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    global_pool: Literal["avg", "token"] = "avg"
+    drop_path_rate: float = 0.1
+    attention: ReweightingSpec = field(default_factory=ReweightingSpec)
+    output_multimax: bool = False
+    output_multimax_order: int = 2
+
+
+class ReweightedViT(nn.Module):
+    """A timm ``VisionTransformer`` whose attention layers use ``config.attention``.
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.config = config
+        embed_dim, depth, num_heads = VARIANTS[config.variant]
+        self.vit = VisionTransformer(
+            img_size=config.img_size,
+            patch_size=config.patch_size,
+            in_chans=config.in_chans,
+            num_classes=config.num_classes,
+            global_pool=config.global_pool,
+            class_token=config.global_pool == "token",
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            drop_path_rate=config.drop_path_rate,
+            attn_layer=ReweightedAttention,
+        )
+        for block in self.vit.blocks:
+            block.attn.reweight = config.attention.build()
+        self.output = (
+            reweighting.MultiMax(order=config.output_multimax_order) if config.output_multimax else None
+        )
+
+    def attention_reweightings(self) -> list[reweighting.Reweighting]:
+        """The reweighting module of each attention layer, in depth order."""
+        return [block.attn.reweight for block in self.vit.blocks]
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters to exclude from weight decay besides 1-D ones (timm's convention)."""
+        return {f"vit.{name}" for name in self.vit.no_weight_decay()}
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        logits = self.vit(images)  # (B, num_classes)
+        if self.output is not None:
+            logits = self.output.modulate(logits)
+        return logits

@@ -1,0 +1,105 @@
+"""The attention entry point. Models call :func:`attention` with a reweighting module; the choice
+between a fused kernel and the explicit path is made here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention as TimmAttention
+
+from mmlight.reweighting import Reweighting, Softmax
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean ``(q_len, k_len)`` mask, True = keep, aligned bottom-right.
+
+    Query ``i`` sits at position ``k_len - q_len + i`` and sees keys up to it, which is what
+    incremental decoding with a key/value cache needs (SDPA's ``is_causal`` aligns top-left).
+    """
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    reweight: Reweighting,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with a swappable reweighting function.
+
+    Args:
+        q: queries ``(B, nh, Tq, hs)``.
+        k: keys ``(B, nh, Tk, hs)``.
+        v: values ``(B, nh, Tk, hv)``.
+        reweight: the reweighting module applied to the scores.
+        mask: optional boolean mask broadcastable to ``(B, nh, Tq, Tk)``, True = attend.
+        is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`).
+        dropout_p: dropout on the attention weights (pass 0 in eval mode).
+        scale: score scale, ``hs ** -0.5`` by default.
+
+    Returns:
+        ``(B, nh, Tq, hv)``. A query whose keys are all masked gets a zero output, never NaN.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if is_causal and (mask is not None or q_len != k_len or reweight.sdpa_scale is None):
+        causal = causal_mask(q_len, k_len, q.device)
+        mask = causal if mask is None else mask & causal
+        is_causal = False
+
+    if reweight.sdpa_scale is not None:
+        # Fused path (flash / memory-efficient kernels): plain softmax with a fixed temperature.
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale * reweight.sdpa_scale
+            )
+        # SDPA returns NaN for a query with no key: let such rows see every key, then zero them.
+        has_key = mask.any(dim=-1, keepdim=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p, scale=scale * reweight.sdpa_scale
+        )
+        return y * has_key
+
+    # Explicit path: materialise the scores and reweight them.
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    probs = reweight(scores, mask)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return probs @ v  # (B, nh, Tq, hv)
+
+
+class ReweightedAttention(TimmAttention):
+    """timm's multi-head self-attention (same parameters, so timm weights load) routed through
+    :func:`attention` with a swappable ``reweight`` module (softmax until the model sets another).
+
+    Takes timm's ``Attention`` arguments; see :class:`timm.layers.Attention`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reweight: Reweighting = Softmax()
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            raise TypeError("ReweightedAttention takes a boolean attn_mask (True = attend)")
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, nh, N, hs) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = attention(
+            q, k, v, self.reweight,
+            mask=attn_mask, is_causal=is_causal,
+            dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale,
+        )
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))

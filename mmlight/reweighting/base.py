@@ -1,0 +1,74 @@
+"""Shared masking logic for every reweighting function.
+
+Every function maps scores ``(..., K)`` to weights on the simplex over the last dimension. Masked-out
+positions (``mask == False``) and ``-inf`` scores get weight exactly 0; a row with nothing left
+gets all zeros, never NaN. The work is done in at least float32 (bf16/fp16 inputs are upcast and
+the result cast back), float64 inputs stay float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Masked positions are set this far below the row maximum before normalising. exp(-1e4) is 0 in
+# fp32, and every sparse map used here (sparsemax, entmax-1.5, top-k) zeroes anything more than a
+# few units below the maximum, so the masked entries get exactly 0 without any -inf arithmetic.
+MASKED_GAP = 1e4
+
+
+def keep_positions(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Boolean tensor shaped like ``scores``: True where a position takes part in the row.
+
+    Args:
+        scores: raw scores ``(..., K)``.
+        mask: optional boolean mask broadcastable to ``scores``; True = keep.
+    """
+    keep = scores != float("-inf")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = keep), got dtype {mask.dtype}")
+        keep = keep & mask
+    return keep
+
+
+def shift_and_fill(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Subtract the row maximum over kept entries and put masked entries ``MASKED_GAP`` below it.
+
+    The result is finite everywhere (also for fully masked rows), so forward and backward are NaN-free.
+    """
+    neg_inf = torch.finfo(x.dtype).min
+    row_max = torch.where(keep, x, neg_inf).amax(dim=-1, keepdim=True)
+    row_max = torch.where(keep.any(dim=-1, keepdim=True), row_max, 0.0).detach()
+    return torch.where(keep, x - row_max, -MASKED_GAP)
+
+
+class Reweighting(nn.Module):
+    """Base class: ``forward(scores, mask=None)`` returns weights over the last dimension.
+
+    Subclasses override :meth:`transform` (an elementwise map of the raw scores before masking:
+    temperature, MultiMax's sigma) and/or :meth:`normalize` (softmax unless overridden).
+    """
+
+    #: True when the function is plain softmax with a fixed scale, which fused SDPA kernels compute.
+    sdpa_scale: float | None = None
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise map applied to the (finite, fp32) scores before masking. Identity here."""
+        return x
+
+    def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Map finite fp32 scores ``(..., K)``, max-shifted over ``keep``, to the simplex.
+
+        Entries outside ``keep`` sit ``MASKED_GAP`` below the maximum; their output is zeroed after.
+        """
+        return torch.softmax(x, dim=-1)
+
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        keep = keep_positions(scores, mask)
+        # -inf scores are masked positions: give the transform a finite stand-in so that
+        # sigma(-inf) = -inf + t * inf = NaN never happens.
+        x = torch.where(keep, scores.to(torch.promote_types(scores.dtype, torch.float32)), 0.0)
+        x = shift_and_fill(self.transform(x), keep)
+        probs = self.normalize(x, keep)
+        return torch.where(keep, probs, 0.0).to(scores.dtype)

@@ -1,0 +1,42 @@
+"""Softmax with a temperature, optionally learnable."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.registry import register
+
+
+@register("softmax")
+class Softmax(Reweighting):
+    """``softmax(x / temperature)`` over the last dimension.
+
+    Args:
+        temperature: the divisor of the scores (the paper's 1/t); 1 is plain softmax.
+        learnable: make the temperature a trained parameter (stored as its logarithm, so it stays
+            positive). A fixed temperature lets attention use fused SDPA kernels.
+    """
+
+    def __init__(self, temperature: float = 1.0, learnable: bool = False):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"softmax temperature must be positive, got {temperature}")
+        self.learnable = learnable
+        log_t = torch.tensor(float(temperature)).log()
+        if learnable:
+            self.log_temperature = nn.Parameter(log_t)
+        else:
+            self.register_buffer("log_temperature", log_t, persistent=False)
+            self.sdpa_scale = 1.0 / temperature
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.log_temperature.exp()
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.temperature
+
+    def extra_repr(self) -> str:
+        return f"temperature={float(self.temperature):.4g}, learnable={self.learnable}"

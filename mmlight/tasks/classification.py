@@ -1,0 +1,133 @@
+"""Image classification (DeiT recipe) with a swappable attention reweighting."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.tasks.optim import param_groups, warmup_cosine
+
+
+class ImageClassifier(L.LightningModule):
+    """Trains a :class:`~mmlight.models.ReweightedViT`.
+
+    Args:
+        model: the architecture, including the attention reweighting.
+        lr: peak learning rate, before batch scaling.
+        lr_reference_batch: if set, the peak is ``lr * global_batch / lr_reference_batch`` (DeiT: 512).
+        weight_decay: AdamW decoupled weight decay (not applied to 1-D, position-embedding or
+            reweighting parameters).
+        betas: AdamW betas.
+        warmup_epochs: linear warmup length in epochs, converted to optimiser steps.
+        min_lr: floor of the cosine schedule.
+        label_smoothing: label smoothing of the cross-entropy (also inside mixup's soft targets).
+        mixup_alpha: mixup Beta parameter; 0 disables mixup.
+        cutmix_alpha: cutmix Beta parameter; 0 disables cutmix.
+        mixup_switch_prob: probability of cutmix instead of mixup when both are on.
+        ema_decay: if set, keep an exponential moving average of the weights and also report its
+            validation accuracy as ``val/ema_top1``.
+    """
+
+    def __init__(
+        self,
+        model: ViTConfig = ViTConfig(),
+        lr: float = 5e-4,
+        lr_reference_batch: int | None = 512,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_epochs: float = 5.0,
+        min_lr: float = 1e-5,
+        label_smoothing: float = 0.1,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mixup_switch_prob: float = 0.5,
+        ema_decay: float | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = ReweightedViT(model)
+        num_classes = model.num_classes
+        self.mixup = None
+        if mixup_alpha > 0 or cutmix_alpha > 0:
+            self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, switch_prob=mixup_switch_prob,
+                               label_smoothing=label_smoothing, num_classes=num_classes)
+            self.soft_ce = SoftTargetCrossEntropy()
+        self.ema = None
+        if ema_decay is not None:
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
+            self.ema.requires_grad_(False)
+        top5 = min(5, num_classes)
+        self.val_loss = MeanMetric()
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.val_ema_top1 = copy.deepcopy(self.val_top1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def on_fit_start(self) -> None:
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        if self.mixup is not None and batch_size is not None and batch_size % 2:
+            raise ValueError(f"mixup/cutmix needs an even per-device batch size, got {batch_size}")
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        if self.mixup is not None:
+            images, targets = self.mixup(images, labels)
+            loss = self.soft_ce(self(images), targets)
+        else:
+            loss = F.cross_entropy(self(images), labels, label_smoothing=self.hparams.label_smoothing)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        logits = self(images)
+        self.val_loss.update(F.cross_entropy(logits, labels), weight=labels.numel())
+        self.val_top1.update(logits, labels)
+        self.val_top5.update(logits, labels)
+        if self.ema is not None:
+            self.val_ema_top1.update(self.ema(images), labels)
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() syncs across ranks; every rank calls it, also one that saw no batch.
+        metrics = {"val/loss": self.val_loss, "val/top1": self.val_top1, "val/top5": self.val_top5}
+        if self.ema is not None:
+            metrics["val/ema_top1"] = self.val_ema_top1
+        for name, metric in metrics.items():
+            self.log(name, metric.compute(), prog_bar=name == "val/top1")
+            metric.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        lr = hp.lr
+        if hp.lr_reference_batch:
+            lr = lr * self._global_batch_size() / hp.lr_reference_batch
+        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=lr, betas=hp.betas)
+        total = int(self.trainer.estimated_stepping_batches)
+        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
+        steps_per_epoch = math.ceil(total / epochs) if epochs else total
+        warmup = min(total, round(hp.warmup_epochs * steps_per_epoch))
+        scheduler = warmup_cosine(optimizer, warmup, total, min_lr_ratio=min(1.0, hp.min_lr / lr))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _global_batch_size(self) -> int:
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        if batch_size is None:
+            raise ValueError("lr_reference_batch needs a datamodule with a batch_size attribute; "
+                             "set model.lr_reference_batch: null to use lr as given")
+        return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches

@@ -1,0 +1,47 @@
+"""Optimiser parameter groups and learning-rate schedules shared by the tasks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mmlight.reweighting import Reweighting
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split ``model``'s trainable parameters into decayed and non-decayed groups.
+
+    Not decayed: 1-D and 0-D parameters (biases, norms), names in ``model.no_weight_decay()``
+    (position embeddings, class token), and every parameter of a reweighting module (MultiMax's
+    ``ranges``/``ts``, a learnable temperature): decay would pull them toward plain softmax.
+    """
+    skip_names = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    skip_ids = {id(p) for m in model.modules() if isinstance(m, Reweighting) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name in skip_names or id(p) in skip_ids:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup from 0 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x the peak
+    at ``total_steps``. Step it once per optimiser step."""
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps})")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

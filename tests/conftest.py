@@ -1,0 +1,24 @@
+"""Shared fixtures: every test starts from the same global state."""
+
+import os
+
+import pytest
+import torch
+
+# Quiet and deterministic: no GPU probing surprises, no TensorBoard/tqdm noise from Lightning.
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+@pytest.fixture(autouse=True)
+def reset_global_state():
+    """Restore torch's default dtype, grad mode and RNG after each test."""
+    dtype = torch.get_default_dtype()
+    grad = torch.is_grad_enabled()
+    rng = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    torch.random.set_rng_state(rng)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
