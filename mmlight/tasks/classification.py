@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import lightning as L
@@ -62,15 +61,14 @@ class ImageClassifier(L.LightningModule):
             self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, switch_prob=mixup_switch_prob,
                                label_smoothing=label_smoothing, num_classes=num_classes)
             self.soft_ce = SoftTargetCrossEntropy()
+        self.val_loss = MeanMetric()
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         self.ema = None
         if ema_decay is not None:
             self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
-            self.ema.requires_grad_(False)
-        top5 = min(5, num_classes)
-        self.val_loss = MeanMetric()
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
-        self.val_ema_top1 = copy.deepcopy(self.val_top1)
+            self.ema.requires_grad_(False)  # updated by averaging, never by the optimiser
+            self.val_ema_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

@@ -1,0 +1,47 @@
+"""Monitoring callbacks: MultiMax parameters as scalars, the sigma figure, the final metrics."""
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mmlight.callbacks import FinalMetrics, ReweightingMonitor
+from mmlight.data import DigitsDataModule, write_digits_shards
+from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.reweighting import MultiMax
+from mmlight.tasks import ImageClassifier
+
+
+def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
+    write_digits_shards(tmp_path / "digits")
+    model = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                  attention=ReweightingSpec("multimax"), output_multimax=True),
+        lr_reference_batch=None, warmup_epochs=0)
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=2, log_every_n_steps=1, enable_progress_bar=False,
+        logger=TensorBoardLogger(tmp_path / "runs", name="t"), callbacks=[ReweightingMonitor(), FinalMetrics()],
+        enable_checkpointing=False)
+    trainer.fit(model, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
+
+    events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for layer in ["blocks.0", "blocks.3", "output"]:
+        for i in range(4):
+            assert f"multimax/{layer}/ranges_{i}" in scalars and f"multimax/{layer}/ts_{i}" in scalars
+    logged = events.Scalars("multimax/output/ts_0")[-1].value
+    assert abs(logged - model.model.output.ts[0].item()) < 1e-3  # the last logged step's value
+    assert "multimax/sigma_curves" in events.Tags()["images"]
+    out = capsys.readouterr().out
+    assert "Final validation metrics" in out and "val/top1" in out
+
+
+def test_sigma_figure_has_one_panel_per_layer():
+    modules = {f"blocks.{i}": MultiMax() for i in range(5)}
+    figure = ReweightingMonitor().figure(modules)
+    titled = [ax for ax in figure.axes if ax.get_title()]
+    assert [ax.get_title() for ax in titled] == list(modules)
+    assert all(len(ax.lines) == 2 for ax in titled)  # identity and sigma
+    x, y = titled[0].lines[1].get_data()
+    torch.testing.assert_close(torch.as_tensor(y), modules["blocks.0"].modulate(torch.as_tensor(x)).detach())

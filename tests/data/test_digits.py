@@ -1,0 +1,65 @@
+"""The digits shard set: written once, streamed through the same path as ImageNet."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from sklearn.datasets import load_digits
+
+from mmlight.data import DigitsDataModule, read_info, write_digits_shards
+from mmlight.data.shards import sha256
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    write_digits_shards(out, val_fraction=0.2, seed=0)
+    return out
+
+
+def test_info_counts_and_checksums(shards):
+    info = read_info(shards)
+    assert info["classes"] == [str(i) for i in range(10)]
+    assert info["splits"]["train"]["num_samples"] == 1438 and info["splits"]["val"]["num_samples"] == 359
+    for split in info["splits"].values():
+        assert sum(s["num_samples"] for s in split["shards"]) == split["num_samples"]
+        for s in split["shards"]:
+            assert sha256(shards / s["name"]) == s["sha256"]
+
+
+def test_shards_hold_the_real_images(shards):
+    digits = load_digits()
+    seen = {}
+    for sample in wds.WebDataset(str(shards / "val-000000.tar"), shardshuffle=False).decode("l8"):
+        seen[int(sample["__key__"][5:])] = (sample["png"], int(sample["cls"]))
+    for i, (image, label) in list(seen.items())[:20]:
+        assert label == digits.target[i]
+        np.testing.assert_array_equal(image, np.clip(digits.images[i] * 16, 0, 255).astype(np.uint8))
+
+
+def test_stream_a_batch_and_a_full_validation_pass(shards):
+    dm = DigitsDataModule(cache_dir=str(shards), batch_size=16, num_workers=0)
+    dm.prepare_data()  # already there: nothing rewritten
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (16, 1, 8, 8) and images.dtype == torch.float32
+    assert labels.shape == (16,) and labels.dtype == torch.int64 and labels.max() < 10
+    assert len(dm.train_dataloader()) == 1438 // 16
+    val = list(dm.val_dataloader())
+    assert sum(len(y) for _, y in val) == 359  # every validation sample exactly once
+
+
+def test_missing_shard_set_names_the_file(tmp_path):
+    dm = DigitsDataModule(cache_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="_info.json"):
+        dm.train_dataloader()
+
+
+def test_prepare_writes_once(tmp_path):
+    dm = DigitsDataModule(cache_dir=str(tmp_path))
+    dm.prepare_data()
+    stamp = (tmp_path / "_info.json").stat().st_mtime_ns
+    dm.prepare_data()
+    assert (tmp_path / "_info.json").stat().st_mtime_ns == stamp
+    assert json.loads((tmp_path / "_info.json").read_text())["dataset"] == "sklearn-digits"

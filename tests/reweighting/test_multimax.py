@@ -1,0 +1,115 @@
+"""MultiMax specifics: Eq. 4-6, the official parameter layout, and Proposition 4.2."""
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight.reweighting import MultiMax, multimax_sigma, multimodality, sparsity
+from tests.reweighting import references as ref
+
+
+def set_params(module, ranges, ts):
+    with torch.no_grad():
+        module.ranges.copy_(torch.tensor(ranges))
+        module.ts.copy_(torch.tensor(ts))
+    return module
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_zero_ts_is_softmax(order):
+    module = set_params(MultiMax(order=order).double(), [0.3, -0.2, 0.5, 0.1][: 2 * order], [0.0] * (2 * order))
+    scores = torch.randn(5, 11, dtype=torch.float64) * 3
+    mask = torch.rand(5, 11) > 0.2
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    torch.testing.assert_close(module(scores, mask), want)
+
+
+def test_first_order_is_eq5_piecewise_linear():
+    """sigma in the official relu form equals Eq. 5: slope t_b below b, t_d above d, identity between."""
+    b, d, t_b, t_d = -0.5, 1.0, 2.5, 0.4
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    got = multimax_sigma(x, torch.tensor([b, d], dtype=torch.float64), torch.tensor([1 - t_b, t_d - 1], dtype=torch.float64))
+    np.testing.assert_allclose(got.numpy(), ref.multimax_sigma_piecewise(x.numpy(), b, d, t_b, t_d), atol=1e-12)
+
+
+def test_second_order_terms():
+    x = torch.tensor([-3.0, -1.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    ranges = torch.tensor([0.0, 0.0, -1.0, 1.0], dtype=torch.float64)
+    ts = torch.tensor([0.0, 0.0, 0.5, -0.25], dtype=torch.float64)
+    # only the quadratic terms act: +0.5 (−1−x)^2 below −1, −0.25 (x−1)^2 above 1
+    want = torch.tensor([-3.0 + 0.5 * 4, -1.0, 0.0, 1.0, 3.0 - 0.25 * 4], dtype=torch.float64)
+    torch.testing.assert_close(multimax_sigma(x, ranges, ts), want)
+
+
+def test_official_state_dict_layout_loads():
+    official = {"ranges": torch.tensor([0.1, -0.2, 0.3, 0.05]), "ts": torch.tensor([-0.5, 0.2, 0.01, -0.03])}
+    module = MultiMax(order=2)
+    module.load_state_dict(official, strict=True)
+    x = torch.randn(7)
+    r, t = official["ranges"], official["ts"]
+    official_sigma = (x + t[0] * torch.relu(r[0] - x) + t[1] * torch.relu(x - r[1])
+                      + t[2] * torch.relu(r[2] - x) ** 2 + t[3] * torch.relu(x - r[3]) ** 2)
+    torch.testing.assert_close(module.modulate(x), official_sigma)
+
+
+def test_init_is_close_to_softmax():
+    torch.manual_seed(1)
+    module = MultiMax(order=2)
+    assert module.ranges.abs().max() <= 0.04 and module.ts.abs().max() <= 0.04
+    assert module.ranges.std() > 0 and module.ts.std() > 0  # actually random, not zeros
+    scores = torch.randn(16, 32)
+    assert (module(scores) - torch.softmax(scores, -1)).abs().max() < 0.02
+
+
+def test_bad_order_and_shapes():
+    with pytest.raises(ValueError, match="order must be 1 or 2"):
+        MultiMax(order=3)
+    with pytest.raises(ValueError, match=r"shape \(2,\) or \(4,\)"):
+        multimax_sigma(torch.zeros(3), torch.zeros(3), torch.zeros(3))
+
+
+class TestProposition42:
+    """Proposition 4.2 with t_b > 1 (MultiMax-1: term (1) only, t_d = 1), on constructed inputs.
+
+    Statement 1 (sparser than softmax at temperature 1) holds. Statement 2, read literally with
+    Definition 3.2, cannot hold: for t_b > 1, sigma(x) < x below b and sigma(x) = x above it, so the
+    normaliser shrinks, every weight above b grows by the same factor and every gap
+    p_max - p_n grows, which lowers M. What does hold, and is what the paper's Pareto argument
+    needs, is that no softmax temperature reaches MultiMax-1's (sparsity, multi-modality) pair:
+    at equal sparsity, softmax is less multi-modal. Both facts are checked here.
+    """
+
+    X = torch.tensor([[2.0, 1.5, 1.0, -0.5, -1.0, -2.0],
+                      [3.0, 2.2, 0.4, -0.1, -0.3, -2.5]], dtype=torch.float64)
+    EPS = 0.0  # entries below 0 count for sparsity, above it for multi-modality; b = 0 too
+
+    def points(self, t_b):
+        module = set_params(MultiMax(order=1).double(), [0.0, 1e3], [1 - t_b, 0.0])
+        s_ref = torch.softmax(self.X, -1).amin(-1, keepdim=True)  # the paper's reference s
+        p_mm = module(self.X).detach()
+        return s_ref, sparsity(self.X, p_mm, self.EPS, s_ref), multimodality(self.X, p_mm, self.EPS)
+
+    @pytest.mark.parametrize("t_b", [1.5, 3.0])
+    def test_statement_1_sparser_than_softmax(self, t_b):
+        s_ref, s_mm, _ = self.points(t_b)
+        s_sm = sparsity(self.X, torch.softmax(self.X, -1), self.EPS, s_ref)
+        assert (s_mm > s_sm).all()
+
+    @pytest.mark.parametrize("t_b", [1.5, 3.0])
+    def test_statement_2_literal_reading_fails(self, t_b):
+        _, _, m_mm = self.points(t_b)
+        assert (m_mm < multimodality(self.X, torch.softmax(self.X, -1), self.EPS)).all()
+
+    @pytest.mark.parametrize("t_b", [1.5, 3.0])
+    def test_no_softmax_temperature_dominates(self, t_b):
+        s_ref, s_mm, m_mm = self.points(t_b)
+        temps = torch.logspace(-1.5, 1.5, 4001, dtype=torch.float64)  # inverse temperatures t
+        for row in range(self.X.shape[0]):
+            x = self.X[row].expand(len(temps), -1)
+            p = torch.softmax(temps[:, None] * x, -1)
+            s_sm = sparsity(x, p, self.EPS, s_ref[row])
+            m_sm = multimodality(x, p, self.EPS)
+            dominated = (s_sm >= s_mm[row]) & (m_sm >= m_mm[row])
+            assert not dominated.any()
+            # and the frontier is really traced: some t is as sparse, some t as multi-modal
+            assert (s_sm >= s_mm[row]).any() and (m_sm >= m_mm[row]).any()

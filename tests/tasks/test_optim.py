@@ -1,0 +1,40 @@
+"""Parameter groups and the warmup-cosine schedule."""
+
+import math
+
+import pytest
+import torch
+
+from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.tasks.optim import param_groups, warmup_cosine
+
+
+def test_no_decay_on_1d_pos_embed_and_reweighting():
+    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                                    global_pool="token", attention=ReweightingSpec("softmax", {"learnable": True}),
+                                    output_multimax=True))
+    decay, no_decay = param_groups(model, weight_decay=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert {"vit.pos_embed", "vit.cls_token", "output.ranges", "output.ts",
+            "vit.blocks.0.attn.reweight.log_temperature", "vit.blocks.0.attn.qkv.bias"} <= skipped
+    assert {"vit.blocks.0.attn.qkv.weight", "vit.head.weight", "vit.patch_embed.proj.weight"} <= decayed
+    assert all(model.get_parameter(n).ndim >= 2 for n in decayed)
+    assert len(decayed) + len(skipped) == len(list(model.parameters()))
+
+
+def test_warmup_cosine_values():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(15):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert lrs[14] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        warmup_cosine(opt, warmup_steps=20, total_steps=10)
