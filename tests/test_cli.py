@@ -1,5 +1,6 @@
 """The ``mmlight`` CLI: every shipped config parses, quick starts run, bad configs fail early."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,12 @@ CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("digits_*.yaml"))
 
 
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    """LightningCLI warns when it gets args while sys.argv holds pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+
+
 def test_configs_exist():
     names = {p.relative_to(ROOT / "configs").as_posix() for p in CONFIGS}
     assert {"deit_small_multimax.yaml", "deit_small_softmax.yaml",
@@ -20,29 +27,33 @@ def test_configs_exist():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_prints(config, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config), "--print_config"])
-    assert exit_info.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
+    printed = resolved_config(config, capsys)
     assert printed["model"]["class_path"].startswith("mmlight.tasks.")
     assert printed["data"]["class_path"].startswith("mmlight.data.")
 
 
-def test_deit_small_recipe():
+def resolved_config(config, capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name, attention", [("deit_small_multimax.yaml", "multimax"), ("deit_small_softmax.yaml", "softmax")])
+def test_deit_small_recipe(name, attention, capsys):
     """The ImageNet configs carry the DeiT recipe the paper trains with."""
-    for name, attention in [("deit_small_multimax.yaml", "multimax"), ("deit_small_softmax.yaml", "softmax")]:
-        cfg = build_cli(["--config", str(ROOT / "configs" / name)], run=False).config
-        model = cfg.model.init_args
-        assert model.model.variant == "deit_small" and model.model.global_pool == "avg"
-        assert model.model.attention.name == attention
-        assert model.model.output_multimax == (attention == "multimax")
-        assert model.model.drop_path_rate == 0.1
-        assert (model.lr, model.lr_reference_batch, model.weight_decay) == (5e-4, 512, 0.05)
-        assert (model.warmup_epochs, model.mixup_alpha, model.cutmix_alpha, model.label_smoothing) == (5, 0.8, 1.0, 0.1)
-        augment = cfg.data.init_args.augment
-        assert (augment.auto_augment, augment.re_prob, augment.interpolation) == ("rand-m9-mstd0.5-inc1", 0.25, "bicubic")
-        assert cfg.trainer.max_epochs == 300 and cfg.trainer.precision == "bf16-mixed"
-        assert cfg.trainer.strategy == "ddp"
+    cfg = resolved_config(ROOT / "configs" / name, capsys)
+    model, arch = cfg["model"]["init_args"], cfg["model"]["init_args"]["model"]
+    assert (arch["variant"], arch["global_pool"], arch["drop_path_rate"]) == ("deit_small", "avg", 0.1)
+    assert arch["attention"]["name"] == attention and arch["output_multimax"] == (attention == "multimax")
+    assert (model["lr"], model["lr_reference_batch"], model["weight_decay"]) == (5e-4, 512, 0.05)
+    assert (model["warmup_epochs"], model["mixup_alpha"], model["cutmix_alpha"]) == (5, 0.8, 1.0)
+    assert model["label_smoothing"] == 0.1 and model["ema_decay"] is not None
+    augment = cfg["data"]["init_args"]["augment"]
+    assert (augment["auto_augment"], augment["color_jitter"], augment["re_prob"]) == ("rand-m9-mstd0.5-inc1", 0.3, 0.25)
+    assert (augment["interpolation"], augment["crop_pct"]) == ("bicubic", 0.875)
+    trainer = cfg["trainer"]
+    assert (trainer["max_epochs"], trainer["precision"], trainer["strategy"]) == (300, "bf16-mixed", "ddp")
 
 
 @pytest.mark.parametrize(
@@ -75,3 +86,16 @@ def test_quickstart_fast_dev_run(config, tmp_path):
     )
     assert cli.trainer.global_step == 2
     assert (tmp_path / "digits" / "_info.json").is_file()
+
+
+def test_validate_test_predict_subcommands(tmp_path):
+    common = ["--config", str(QUICKSTARTS[0]), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+              "--data.init_args.cache_dir", str(tmp_path / "digits")]
+    cli = build_cli(["test", *common, "--trainer.limit_test_batches", "2"])
+    assert 0.0 <= cli.trainer.callback_metrics["test/top1"] <= 1.0
+    cli = build_cli(["validate", *common, "--trainer.limit_val_batches", "2"])
+    assert "val/top5" in cli.trainer.callback_metrics
+    cli = build_cli(["predict", *common, "--trainer.limit_predict_batches", "2"])
+    predictions = cli.trainer.predict_loop.predictions
+    assert len(predictions) == 2 and predictions[0]["probs"].shape == (32, 10)
+    assert (predictions[0]["pred"] == predictions[0]["probs"].argmax(-1)).all()

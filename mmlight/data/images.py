@@ -76,6 +76,7 @@ class ImageShardDataModule(L.LightningDataModule):
         shuffle_buffer: samples held in the training shuffle buffer.
         train_split: name of the training split in ``_info.json``.
         val_split: name of the validation split.
+        test_split: name of the split that ``test`` and ``predict`` read.
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class ImageShardDataModule(L.LightningDataModule):
         shuffle_buffer: int = 5000,
         train_split: str = "train",
         val_split: str = "val",
+        test_split: str = "val",
     ):
         super().__init__()
         if batch_size < 1:
@@ -98,6 +100,7 @@ class ImageShardDataModule(L.LightningDataModule):
         self.shuffle_buffer = shuffle_buffer
         self.train_split = train_split
         self.val_split = val_split
+        self.test_split = test_split
         self.info: dict | None = None
 
     @property
@@ -148,7 +151,15 @@ class ImageShardDataModule(L.LightningDataModule):
             warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
             return loader.with_epoch(steps).with_length(steps)
 
-    def val_dataloader(self):
-        info = self._info()
-        dataset = self._pipeline(split_urls(self.root, info, self.val_split), train=False)
+    def _eval_loader(self, split: str):
+        dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_split)
+
+    def test_dataloader(self):
+        return self._eval_loader(self.test_split)
+
+    def predict_dataloader(self):
+        return self._eval_loader(self.test_split)

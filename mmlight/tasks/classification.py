@@ -7,6 +7,7 @@ import math
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -61,14 +62,21 @@ class ImageClassifier(L.LightningModule):
             self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, switch_prob=mixup_switch_prob,
                                label_smoothing=label_smoothing, num_classes=num_classes)
             self.soft_ce = SoftTargetCrossEntropy()
-        self.val_loss = MeanMetric()
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         self.ema = None
         if ema_decay is not None:
             self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)  # updated by averaging, never by the optimiser
-            self.val_ema_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.eval_metrics = nn.ModuleDict({stage: self._metrics(num_classes) for stage in ("val", "test")})
+
+    def _metrics(self, num_classes: int) -> nn.ModuleDict:
+        metrics = nn.ModuleDict({
+            "loss": MeanMetric(),
+            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
+        })
+        if self.ema is not None:
+            metrics["ema_top1"] = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        return metrics
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -92,23 +100,39 @@ class ImageClassifier(L.LightningModule):
         if self.ema is not None:
             self.ema.update_parameters(self.model)
 
-    def validation_step(self, batch, batch_idx):
+    def _eval_step(self, stage: str, batch) -> None:
         images, labels = batch
         logits = self(images)
-        self.val_loss.update(F.cross_entropy(logits, labels), weight=labels.numel())
-        self.val_top1.update(logits, labels)
-        self.val_top5.update(logits, labels)
+        metrics = self.eval_metrics[stage]
+        metrics["loss"].update(F.cross_entropy(logits, labels), weight=labels.numel())
+        metrics["top1"].update(logits, labels)
+        metrics["top5"].update(logits, labels)
         if self.ema is not None:
-            self.val_ema_top1.update(self.ema(images), labels)
+            metrics["ema_top1"].update(self.ema(images), labels)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        # compute() syncs across ranks; every rank calls it, also one that saw no batch.
+        for name, metric in self.eval_metrics[stage].items():
+            self.log(f"{stage}/{name}", metric.compute(), prog_bar=name == "top1")
+            metric.reset()
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step("val", batch)
 
     def on_validation_epoch_end(self) -> None:
-        # compute() syncs across ranks; every rank calls it, also one that saw no batch.
-        metrics = {"val/loss": self.val_loss, "val/top1": self.val_top1, "val/top5": self.val_top5}
-        if self.ema is not None:
-            metrics["val/ema_top1"] = self.val_ema_top1
-        for name, metric in metrics.items():
-            self.log(name, metric.compute(), prog_bar=name == "val/top1")
-            metric.reset()
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step("test", batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def predict_step(self, batch, batch_idx):
+        """Class probabilities ``(B, num_classes)`` and predicted labels ``(B,)`` for a batch."""
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        probs = torch.softmax(self(images).float(), dim=-1)
+        return {"probs": probs, "pred": probs.argmax(dim=-1)}
 
     def configure_optimizers(self):
         hp = self.hparams

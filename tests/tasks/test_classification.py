@@ -1,0 +1,55 @@
+"""ImageClassifier: EMA arithmetic, mixup training step, learning-rate scaling."""
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from mmlight.data import DigitsDataModule, write_digits_shards
+from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.tasks import ImageClassifier
+
+MICRO = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                  attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
+
+
+def test_ema_follows_the_exponential_average():
+    module = ImageClassifier(MICRO, ema_decay=0.9)
+    first = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    module.on_train_batch_end(None, None, 0)  # first update copies the weights
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(1.0)
+    module.on_train_batch_end(None, None, 1)
+    ema = dict(module.ema.module.named_parameters())
+    for name, p in module.model.named_parameters():
+        torch.testing.assert_close(ema[name], 0.9 * first[name] + 0.1 * p.detach())
+    assert not any(p.requires_grad for p in module.ema.parameters())
+
+
+def test_mixup_step_uses_soft_targets():
+    module = ImageClassifier(MICRO, mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1)
+    module.log = lambda *a, **k: None
+    images, labels = torch.randn(8, 1, 8, 8), torch.arange(8) % 10
+    np.random.seed(3)  # timm draws lambda and the mode with numpy
+    loss = module.training_step((images.clone(), labels), 0)  # timm mixes in place
+    np.random.seed(3)  # timm draws lambda and the mode with numpy
+    mixed, targets = module.mixup(images.clone(), labels)
+    want = -(targets * torch.log_softmax(module(mixed), -1)).sum(-1).mean()
+    torch.testing.assert_close(loss, want)
+    assert torch.allclose(targets.sum(-1), torch.ones(8))
+
+
+def test_lr_scales_with_global_batch_and_odd_batch_fails_with_mixup(tmp_path):
+    write_digits_shards(tmp_path)
+    module = ImageClassifier(MICRO, lr=5e-4, lr_reference_batch=512, warmup_epochs=1, mixup_alpha=0.8)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=3, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        accumulate_grad_batches=2)
+    dm = DigitsDataModule(cache_dir=str(tmp_path), batch_size=64)
+    trainer.fit(module, dm)
+    peak = 5e-4 * 64 * 2 / 512  # one device, two accumulated batches
+    assert trainer.optimizers[0].param_groups[0]["initial_lr"] == pytest.approx(peak)
+    with pytest.raises(ValueError, match="even per-device batch size"):
+        L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
+            ImageClassifier(MICRO, mixup_alpha=0.8), DigitsDataModule(cache_dir=str(tmp_path), batch_size=7))
