@@ -82,9 +82,14 @@ class ImageClassifier(L.LightningModule):
         return self.model(images)
 
     def on_fit_start(self) -> None:
-        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        datamodule = self.trainer.datamodule
+        batch_size = getattr(datamodule, "batch_size", None)
         if self.mixup is not None and batch_size is not None and batch_size % 2:
             raise ValueError(f"mixup/cutmix needs an even per-device batch size, got {batch_size}")
+        data_classes = getattr(datamodule, "num_classes", None)
+        if data_classes is not None and data_classes != self.model.config.num_classes:
+            raise ValueError(f"the data has {data_classes} classes but model.num_classes is "
+                             f"{self.model.config.num_classes}")
 
     def training_step(self, batch, batch_idx):
         images, labels = batch

@@ -53,3 +53,11 @@ def test_lr_scales_with_global_batch_and_odd_batch_fails_with_mixup(tmp_path):
     with pytest.raises(ValueError, match="even per-device batch size"):
         L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
             ImageClassifier(MICRO, mixup_alpha=0.8), DigitsDataModule(cache_dir=str(tmp_path), batch_size=7))
+
+
+def test_class_count_mismatch_stops_fit(tmp_path):
+    write_digits_shards(tmp_path)
+    wrong = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=7))
+    with pytest.raises(ValueError, match="the data has 10 classes but model.num_classes is 7"):
+        L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
+            wrong, DigitsDataModule(cache_dir=str(tmp_path)))
