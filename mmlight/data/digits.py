@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
-from mmlight.data.shards import INFO_FILE, write_info, write_split
+from mmlight.data.shards import INFO_FILE, read_info, write_info, write_split
 
 DIGITS_AUGMENT = ImageAugment(
     image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
@@ -38,6 +38,8 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
 
     info = {
         "dataset": "sklearn-digits",
+        "val_fraction": val_fraction,
+        "seed": seed,
         "classes": [str(c) for c in range(10)],
         "splits": {name: write_split(samples(idx), out_dir, name, maxcount) for name, idx in splits.items()},
     }
@@ -73,3 +75,10 @@ class DigitsDataModule(ImageShardDataModule):
     def prepare_data(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():
             write_digits_shards(Path(self.root), self.val_fraction, self.seed)
+            return
+        info = read_info(self.root)
+        if (info.get("val_fraction"), info.get("seed")) != (self.val_fraction, self.seed):
+            raise ValueError(
+                f"{self.root} holds digits shards split with val_fraction={info.get('val_fraction')}, "
+                f"seed={info.get('seed')}, not {self.val_fraction}, {self.seed}: choose another cache_dir "
+                "or delete that folder")

@@ -63,3 +63,9 @@ def test_prepare_writes_once(tmp_path):
     dm.prepare_data()
     assert (tmp_path / "_info.json").stat().st_mtime_ns == stamp
     assert json.loads((tmp_path / "_info.json").read_text())["dataset"] == "sklearn-digits"
+
+
+def test_cache_written_with_another_split_is_refused(tmp_path):
+    DigitsDataModule(cache_dir=str(tmp_path)).prepare_data()
+    with pytest.raises(ValueError, match="val_fraction=0.2, seed=0, not 0.3, 0"):
+        DigitsDataModule(cache_dir=str(tmp_path), val_fraction=0.3).prepare_data()
