@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import logging
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -15,8 +14,6 @@ from PIL import Image
 from timm.data import create_transform
 
 from mmlight.data.shards import read_info, split_urls
-
-log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 

@@ -17,7 +17,6 @@ def register(name: str) -> Callable[[type[Reweighting]], type[Reweighting]]:
         if name in _REGISTRY:
             raise ValueError(f"reweighting {name!r} is registered twice")
         _REGISTRY[name] = cls
-        cls.registry_name = name
         return cls
 
     return wrap
