@@ -5,8 +5,11 @@ import os
 import pytest
 import torch
 
-# Quiet and deterministic: no GPU probing surprises, no TensorBoard/tqdm noise from Lightning.
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. The variable is read
+# when a kernel is decorated, so it is set before any test imports mmlight.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

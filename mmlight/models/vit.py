@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn import ReweightedAttention
+from mmlight.reweighting.backend import Backend
 
 ReweightingName = Literal["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk"]
 
@@ -38,8 +40,11 @@ class ReweightingSpec:
     name: ReweightingName = "softmax"
     options: dict[str, Any] = field(default_factory=dict)
 
-    def build(self) -> reweighting.Reweighting:
-        return reweighting.build(self.name, **self.options)
+    def build(self, backend: Backend = "auto") -> reweighting.Reweighting:
+        """The module, computed on ``backend`` (the model config's key; not an entry of ``options``)."""
+        if "backend" in self.options:
+            raise ValueError("set the backend with the model's `backend` key, not in the reweighting options")
+        return reweighting.build(self.name, backend=backend, **self.options)
 
 
 @dataclass
@@ -57,6 +62,8 @@ class ViTConfig:
         attention: the reweighting function of every attention layer (one instance per layer).
         output_multimax: apply a learnable MultiMax sigma to the logits before the loss.
         output_multimax_order: its order (1 or 2).
+        backend: how every reweighting in the model is computed: ``auto`` (Triton kernels on CUDA,
+            eager PyTorch on the CPU), ``reference``, ``compile`` or ``triton``.
     """
 
     variant: Literal["deit_tiny", "deit_small", "deit_base", "vit_micro"] = "deit_small"
@@ -69,6 +76,7 @@ class ViTConfig:
     attention: ReweightingSpec = field(default_factory=ReweightingSpec)
     output_multimax: bool = False
     output_multimax_order: int = 2
+    backend: Backend = "auto"
 
 
 class ReweightedViT(nn.Module):
@@ -96,10 +104,10 @@ class ReweightedViT(nn.Module):
             attn_layer=ReweightedAttention,
         )
         for block in self.vit.blocks:
-            block.attn.reweight = config.attention.build()
-        self.output = (
-            reweighting.MultiMax(order=config.output_multimax_order) if config.output_multimax else None
-        )
+            block.attn.reweight = config.attention.build(config.backend)
+        self.output = None
+        if config.output_multimax:
+            self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
 
     def attention_reweightings(self) -> list[reweighting.Reweighting]:
         """The reweighting module of each attention layer, in depth order."""
@@ -110,7 +118,16 @@ class ReweightedViT(nn.Module):
         return {f"vit.{name}" for name in self.vit.no_weight_decay()}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Class scores ``(B, num_classes)``: the logits, modulated by the output MultiMax if any."""
         logits = self.vit(images)  # (B, num_classes)
         if self.output is not None:
             logits = self.output.modulate(logits)
         return logits
+
+    def loss(self, images: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean cross-entropy of ``forward(images)`` against hard ``labels`` ``(B,)``; with an output
+        MultiMax it runs fused (sigma, log-softmax and NLL in one kernel) on the Triton backend."""
+        logits = self.vit(images)  # (B, num_classes)
+        if self.output is not None:
+            return self.output.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 
 from mmlight.reweighting import Reweighting, Softmax
+from mmlight.reweighting.backend import Backend, check_backend, resolve_backend
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -20,6 +21,17 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> t
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
+def key_padding_of(mask: torch.Tensor | None, batch: int, k_len: int) -> torch.Tensor | None:
+    """``mask`` as a ``(B, Tk)`` key-padding mask when it is one, i.e. the same for every head and
+    query (shape ``(Tk,)``, ``(B|1, 1, Tk)`` or ``(B|1, 1, 1, Tk)``); None otherwise."""
+    if mask is None or mask.dim() > 4:
+        return None
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)  # (B|1, nh|1, Tq|1, Tk|1)
+    if shape[1] != 1 or shape[2] != 1 or shape[3] != k_len:
+        return None
+    return mask.reshape(shape[0], k_len).expand(batch, k_len)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -29,8 +41,18 @@ def attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with a swappable reweighting function.
+
+    Three paths, chosen here and nowhere else:
+
+    * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels);
+    * a function with a Triton kernel (MultiMax) on the ``triton`` backend, no dropout and at most
+      a key-padding mask: the fused kernel of :func:`mmlight.kernels.multimax_attention`, which
+      never materialises the ``(Tq, Tk)`` scores;
+    * otherwise explicit scores, reweighted by the function on the resolved backend (with a
+      general mask the ``triton`` backend still uses the row-wise kernel).
 
     Args:
         q: queries ``(B, nh, Tq, hs)``.
@@ -41,12 +63,25 @@ def attention(
         is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`).
         dropout_p: dropout on the attention weights (pass 0 in eval mode).
         scale: score scale, ``hs ** -0.5`` by default.
+        backend: overrides ``reweight.backend`` for this call.
 
     Returns:
         ``(B, nh, Tq, hv)``. A query whose keys are all masked gets a zero output, never NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
+    backend = check_backend(backend or reweight.backend)
+    sigma = reweight.fused_sigma()
+    if reweight.sdpa_scale is None and sigma is not None and dropout_p == 0.0:
+        key_padding = key_padding_of(mask, q.shape[0], k_len)
+        fusable = mask is None or key_padding is not None
+        if fusable and resolve_backend(backend, q, True, type(reweight).__name__) == "triton":
+            from mmlight.kernels.attention import SUPPORTED_HEAD_DIMS, multimax_attention  # Triton, lazily
+
+            if q.shape[-1] in SUPPORTED_HEAD_DIMS:
+                return multimax_attention(q, k, v, sigma.ranges, sigma.ts, scale * sigma.scale,
+                                          causal=is_causal, key_padding=key_padding)
+
     if is_causal and (mask is not None or q_len != k_len or reweight.sdpa_scale is None):
         causal = causal_mask(q_len, k_len, q.device)
         mask = causal if mask is None else mask & causal
@@ -67,7 +102,7 @@ def attention(
 
     # Explicit path: materialise the scores and reweight them.
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
-    probs = reweight(scores, mask)
+    probs = reweight.compute(scores, mask, backend)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return probs @ v  # (B, nh, Tq, hv)
 

@@ -8,8 +8,12 @@ the result cast back), float64 inputs stay float64.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from mmlight.reweighting.backend import Backend, check_backend, resolve_backend
 
 # Masked positions are set this far below the row maximum before normalising. exp(-1e4) is 0 in
 # fp32, and every sparse map used here (sparsemax, entmax-1.5, top-k) zeroes anything more than a
@@ -43,15 +47,37 @@ def shift_and_fill(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x - row_max, -MASKED_GAP)
 
 
+class FusedSigma(NamedTuple):
+    """The scores transform in the form the Triton kernels take: ``sigma(scale * x)`` with MultiMax
+    parameters ``ranges``/``ts`` (None for plain softmax)."""
+
+    scale: float
+    ranges: torch.Tensor | None
+    ts: torch.Tensor | None
+
+
 class Reweighting(nn.Module):
     """Base class: ``forward(scores, mask=None)`` returns weights over the last dimension.
 
     Subclasses override :meth:`transform` (an elementwise map of the raw scores before masking:
-    temperature, MultiMax's sigma) and/or :meth:`normalize` (softmax unless overridden).
+    temperature, MultiMax's sigma) and/or :meth:`normalize` (softmax unless overridden), and
+    :meth:`fused_sigma` when the Triton kernels can compute them.
+
+    Args:
+        backend: ``auto``, ``reference``, ``compile`` or ``triton``; see
+            :mod:`mmlight.reweighting.backend`.
     """
 
     #: True when the function is plain softmax with a fixed scale, which fused SDPA kernels compute.
     sdpa_scale: float | None = None
+
+    def __init__(self, backend: Backend = "auto"):
+        super().__init__()
+        self.backend = check_backend(backend)
+
+    def fused_sigma(self) -> FusedSigma | None:
+        """The transform for the Triton kernels, or None when this function has no kernel."""
+        return None
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise map applied to the (finite, fp32) scores before masking. Identity here."""
@@ -65,6 +91,26 @@ class Reweighting(nn.Module):
         return torch.softmax(x, dim=-1)
 
     def forward(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Weights ``(..., K)`` for scores ``(..., K)`` and an optional bool ``mask`` (True = keep)."""
+        return self.compute(scores, mask, self.backend)
+
+    def compute(self, scores: torch.Tensor, mask: torch.Tensor | None, backend: Backend) -> torch.Tensor:
+        """:meth:`forward` with the backend given per call (attention passes its own)."""
+        backend = resolve_backend(backend, scores, self.fused_sigma() is not None, type(self).__name__)
+        if backend == "triton":
+            from mmlight.kernels import multimax_softmax  # imports Triton only when it is used
+
+            scale, ranges, ts = self.fused_sigma()
+            return multimax_softmax(scores, mask, ranges, ts, scale)
+        if backend == "compile":
+            if getattr(self, "_compiled_reference", None) is None:
+                # Instances of one class share the compiled graph (their parameters are graph inputs).
+                self._compiled_reference = torch.compile(self.reference)
+            return self._compiled_reference(scores, mask)
+        return self.reference(scores, mask)
+
+    def reference(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager PyTorch definition that every other backend is tested against."""
         keep = keep_positions(scores, mask)
         # -inf scores are masked positions: give the transform a finite stand-in so that
         # sigma(-inf) = -inf + t * inf = NaN never happens.

@@ -11,10 +11,14 @@ holds the one definition of sigma; every faster backend is tested against it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.backend import Backend, resolve_backend
+from mmlight.reweighting.base import FusedSigma, Reweighting
 from mmlight.reweighting.registry import register
 
 
@@ -34,6 +38,28 @@ def multimax_sigma(x: torch.Tensor, ranges: torch.Tensor, ts: torch.Tensor) -> t
     return out
 
 
+def multimax_cross_entropy_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ranges: torch.Tensor,
+    ts: torch.Tensor,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``cross_entropy(sigma(logits), target)`` in eager PyTorch (fp32 at least): the definition the
+    fused kernel :func:`mmlight.kernels.multimax_cross_entropy` is tested against."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(multimax_sigma(x, ranges, ts), target, label_smoothing=label_smoothing,
+                           ignore_index=ignore_index, reduction=reduction)
+
+
+@functools.cache
+def _compiled_cross_entropy():
+    """:func:`multimax_cross_entropy_reference` under ``torch.compile``, built on first use."""
+    return torch.compile(multimax_cross_entropy_reference)
+
+
 @register("multimax")
 class MultiMax(Reweighting):
     """Learnable MultiMax reweighting; with ``ts == 0`` it is exactly softmax.
@@ -47,10 +73,11 @@ class MultiMax(Reweighting):
         init_std: std of the truncated-normal init of ``ranges`` and ``ts`` (0.02, as the official
             code), so a new layer starts close to softmax.
         learnable: if False, the parameters are frozen (useful for analysis with fixed t_b, t_d).
+        backend: ``auto``, ``reference``, ``compile`` or ``triton`` (see :mod:`mmlight.reweighting.backend`).
     """
 
-    def __init__(self, order: int = 2, init_std: float = 0.02, learnable: bool = True):
-        super().__init__()
+    def __init__(self, order: int = 2, init_std: float = 0.02, learnable: bool = True, backend: Backend = "auto"):
+        super().__init__(backend)
         if order not in (1, 2):
             raise ValueError(f"MultiMax order must be 1 or 2, got {order}")
         n = 2 * order
@@ -67,8 +94,38 @@ class MultiMax(Reweighting):
         """sigma(x) alone, e.g. for classifier logits before cross-entropy (the paper's Table 2)."""
         return multimax_sigma(x, self.ranges, self.ts)
 
+    def cross_entropy(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Cross-entropy of ``softmax(sigma(logits))`` against hard targets, on this module's backend.
+
+        Args:
+            logits: ``(T, V)`` output-layer scores.
+            target: ``(T,)`` class indices.
+            label_smoothing: as in :func:`torch.nn.functional.cross_entropy`.
+            ignore_index: target value that contributes neither loss nor gradient.
+            reduction: ``mean`` (over non-ignored targets) or ``sum``.
+        """
+        backend = resolve_backend(self.backend, logits, True, "MultiMax cross-entropy")
+        args = (logits, target, self.ranges, self.ts, label_smoothing, ignore_index, reduction)
+        if backend == "triton":
+            from mmlight.kernels import multimax_cross_entropy  # imports Triton only when it is used
+
+            return multimax_cross_entropy(*args)
+        if backend == "compile":
+            return _compiled_cross_entropy()(*args)
+        return multimax_cross_entropy_reference(*args)
+
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return self.modulate(x)
 
+    def fused_sigma(self) -> FusedSigma:
+        return FusedSigma(1.0, self.ranges, self.ts)
+
     def extra_repr(self) -> str:
-        return f"order={self.order}"
+        return f"order={self.order}, backend={self.backend}"

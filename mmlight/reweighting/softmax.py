@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.backend import Backend
+from mmlight.reweighting.base import FusedSigma, Reweighting
 from mmlight.reweighting.registry import register
 
 
@@ -17,10 +18,12 @@ class Softmax(Reweighting):
         temperature: the divisor of the scores (the paper's 1/t); 1 is plain softmax.
         learnable: make the temperature a trained parameter (stored as its logarithm, so it stays
             positive). A fixed temperature lets attention use fused SDPA kernels.
+        backend: ``auto``, ``reference``, ``compile`` or ``triton`` (the Triton kernel needs a fixed
+            temperature).
     """
 
-    def __init__(self, temperature: float = 1.0, learnable: bool = False):
-        super().__init__()
+    def __init__(self, temperature: float = 1.0, learnable: bool = False, backend: Backend = "auto"):
+        super().__init__(backend)
         if temperature <= 0:
             raise ValueError(f"softmax temperature must be positive, got {temperature}")
         self.learnable = learnable
@@ -37,6 +40,9 @@ class Softmax(Reweighting):
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return x / self.temperature
+
+    def fused_sigma(self) -> FusedSigma | None:
+        return None if self.learnable else FusedSigma(self.sdpa_scale, None, None)
 
     def extra_repr(self) -> str:
         return f"temperature={float(self.temperature):.4g}, learnable={self.learnable}"

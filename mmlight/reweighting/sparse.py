@@ -8,6 +8,7 @@ from __future__ import annotations
 import entmax
 import torch
 
+from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.registry import register
 
@@ -38,10 +39,11 @@ class EvSoftmax(Reweighting):
 
     Args:
         eps: training-time weight factor of the entries below the mean.
+        backend: ``auto``, ``reference`` or ``compile`` (no Triton kernel).
     """
 
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
+    def __init__(self, eps: float = 1e-6, backend: Backend = "auto"):
+        super().__init__(backend)
         self.eps = eps
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -63,10 +65,11 @@ class TopK(Reweighting):
 
     Args:
         k: number of entries kept per row.
+        backend: ``auto``, ``reference`` or ``compile`` (no Triton kernel).
     """
 
-    def __init__(self, k: int = 8):
-        super().__init__()
+    def __init__(self, k: int = 8, backend: Backend = "auto"):
+        super().__init__(backend)
         if k < 1:
             raise ValueError(f"top-k needs k >= 1, got {k}")
         self.k = k

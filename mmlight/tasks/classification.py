@@ -97,7 +97,7 @@ class ImageClassifier(L.LightningModule):
             images, targets = self.mixup(images, labels)
             loss = self.soft_ce(self(images), targets)
         else:
-            loss = F.cross_entropy(self(images), labels, label_smoothing=self.hparams.label_smoothing)
+            loss = self.model.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -1,0 +1,185 @@
+"""The row-wise Triton kernel against the eager reference (float64 autograd) and a NumPy formula.
+
+Without a GPU these run under ``TRITON_INTERPRET=1`` (set in ``tests/conftest.py``), fp32 arithmetic.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight.kernels import rowwise
+from mmlight.kernels.rowwise import multimax_softmax
+from mmlight.reweighting import MultiMax, Softmax, build
+from mmlight.reweighting.backend import resolve_backend
+
+from tests.reweighting.references import apply_masked, softmax as np_softmax
+
+# Values that bend sigma visibly (the 0.02 init would hide mistakes in the derivative terms).
+RANGES = {1: [-0.5, 0.6], 2: [-0.5, 0.6, -1.0, 1.2]}
+TS = {1: [0.3, 0.25], 2: [0.3, 0.25, 0.1, 0.05]}
+
+
+def multimax(order: int, dtype=torch.float64, backend="reference") -> MultiMax:
+    module = MultiMax(order=order, backend=backend).to(dtype)
+    with torch.no_grad():
+        module.ranges.copy_(torch.tensor(RANGES[order]))
+        module.ts.copy_(torch.tensor(TS[order]))
+    return module
+
+
+def scores_and_mask(rows=(3, 5), n=197, seed=0):
+    """Scores ``(*rows, n)`` with a key mask broadcast over the middle dim, one fully masked row
+    group and one ``-inf`` score."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, n, generator=g, dtype=torch.float64) * 2
+    x[0, 0, 3] = float("-inf")
+    mask = torch.rand(rows[0], 1, n, generator=g) > 0.3
+    mask[1] = False  # every row of batch 1 fully masked
+    return x, mask
+
+
+def run_kernel(x, mask, order, dy):
+    """Kernel output and gradients (x, ranges, ts) in fp32."""
+    ranges = torch.tensor(RANGES[order], requires_grad=True) if order else None
+    ts = torch.tensor(TS[order], requires_grad=True) if order else None
+    xk = x.float().requires_grad_()
+    y = multimax_softmax(xk, mask, ranges, ts)
+    y.backward(dy.float())
+    return y, xk.grad, (ranges.grad if order else None), (ts.grad if order else None)
+
+
+def run_reference(x, mask, order, dy):
+    module = multimax(order) if order else Softmax().double()
+    xr = x.clone().requires_grad_()
+    y = module.reference(xr, mask)
+    y.backward(dy)
+    grads = (module.ranges.grad, module.ts.grad) if order else (None, None)
+    return (y, xr.grad, *grads)
+
+
+def assert_matches_reference(x, mask, order, atol=2e-6):
+    dy = torch.randn_like(x)
+    got = run_kernel(x, mask, order, dy)
+    want = run_reference(x, mask, order, dy)
+    for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
+        if w is None:
+            continue
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.double(), w, atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_short_rows_match_reference(order):
+    """N = 197 (not a power of two), several rows per program, broadcast mask, masked rows, -inf."""
+    x, mask = scores_and_mask()
+    assert_matches_reference(x, mask, order)
+
+
+def test_long_rows_take_the_multi_block_loop(monkeypatch):
+    """Rows longer than one block: the online max/sum loop (shrunk here so the interpreter is quick)."""
+    monkeypatch.setattr(rowwise, "MAX_SINGLE_BLOCK", 64)
+    monkeypatch.setattr(rowwise, "LONG_ROW_BLOCK", 32)
+    assert rowwise._launch_config(100)["long"]
+    x, mask = scores_and_mask(rows=(3, 2), n=100)
+    assert_matches_reference(x, mask, order=2)
+
+
+def test_partial_tile_of_rows():
+    """A row count that does not fill the last multi-row tile."""
+    cfg = rowwise._launch_config(40)
+    assert cfg["ROWS"] > 1
+    x = torch.randn(cfg["ROWS"] + 3, 40, dtype=torch.float64)
+    assert_matches_reference(x, None, order=2)
+
+
+def test_forward_matches_numpy_formula():
+    """Independent of the package: sigma from Eq. 6 in NumPy, softmax over kept entries per row."""
+    x, mask = scores_and_mask(rows=(3, 4), n=37)
+    r, t = RANGES[2], TS[2]
+
+    def row_fn(z):
+        sigma = (z + t[0] * np.maximum(r[0] - z, 0) + t[1] * np.maximum(z - r[1], 0)
+                 + t[2] * np.maximum(r[2] - z, 0) ** 2 + t[3] * np.maximum(z - r[3], 0) ** 2)
+        return np_softmax(sigma)
+
+    want = apply_masked(row_fn, x.numpy(), mask.numpy())
+    got = multimax_softmax(x.float(), mask, torch.tensor(r), torch.tensor(t))
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-6)
+
+
+def test_softmax_temperature_is_a_scale():
+    x = torch.randn(4, 50)
+    got = multimax_softmax(x, scale=0.5)
+    torch.testing.assert_close(got, torch.softmax(x * 0.5, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    x, mask = scores_and_mask(rows=(2, 3), n=197)
+    module = multimax(2, dtype=torch.float32)
+    want = module.reference(x.float(), mask)
+    got = multimax_softmax(x.to(dtype), mask, module.ranges, module.ts)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)
+    got.float().pow(2).sum().backward()  # backward runs in half precision inputs too
+    assert torch.isfinite(module.ts.grad).all()
+
+
+def test_parameter_gradients_are_deterministic():
+    x, mask = scores_and_mask()
+    dy = torch.randn_like(x)
+    first = run_kernel(x, mask, 2, dy)
+    second = run_kernel(x, mask, 2, dy)
+    assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
+
+
+def test_empty_batch():
+    module = multimax(2, torch.float32, backend="triton")
+    x = torch.randn(0, 3, 197, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+
+
+def test_module_backends_agree():
+    """MultiMax(backend="triton") equals the reference module inside the module API, grads included."""
+    x, mask = scores_and_mask(rows=(2, 3), n=29)
+    x = x.float()
+    ref, fused = multimax(2, torch.float32, "reference"), multimax(2, torch.float32, "triton")
+    y_ref, y_fused = ref(x, mask), fused(x, mask)
+    torch.testing.assert_close(y_fused, y_ref)
+    y_ref.pow(2).sum().backward()
+    y_fused.pow(2).sum().backward()
+    torch.testing.assert_close(fused.ts.grad, ref.ts.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(fused.ranges.grad, ref.ranges.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_backend_errors_are_clear(monkeypatch):
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        build("sparsemax", backend="triton")(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        build("softmax", learnable=True, backend="triton")(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="float64"):
+        multimax(2, torch.float64, "triton")(torch.randn(2, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown backend"):
+        build("multimax", backend="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        resolve_backend("triton", torch.randn(2), True, "MultiMax")
+
+
+def test_auto_is_reference_on_cpu_tensors():
+    assert resolve_backend("auto", torch.randn(2), True, "MultiMax") == "reference"
+
+
+@pytest.mark.slow
+def test_compile_backend_matches_reference():
+    """torch.compile of the reference (slow: a first compile takes tens of seconds on the CPU)."""
+    x, mask = scores_and_mask(rows=(2, 3), n=29)
+    x = x.float()
+    ref, compiled = multimax(2, torch.float32, "reference"), multimax(2, torch.float32, "compile")
+    y_ref, y_comp = ref(x, mask), compiled(x, mask)
+    torch.testing.assert_close(y_comp, y_ref)
+    y_ref.pow(2).sum().backward()
+    y_comp.pow(2).sum().backward()
+    torch.testing.assert_close(compiled.ts.grad, ref.ts.grad, atol=1e-6, rtol=1e-4)
