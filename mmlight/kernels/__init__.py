@@ -11,6 +11,8 @@ eager definition in :mod:`mmlight.reweighting`; on a machine without a GPU they 
 only when the ``triton`` backend is used.
 """
 
+from mmlight.kernels.attention import multimax_attention
+from mmlight.kernels.cross_entropy import multimax_cross_entropy
 from mmlight.kernels.rowwise import multimax_softmax
 
-__all__ = ["multimax_softmax"]
+__all__ = ["multimax_softmax", "multimax_attention", "multimax_cross_entropy"]

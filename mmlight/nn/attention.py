@@ -23,7 +23,7 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> t
 
 def key_padding_of(mask: torch.Tensor | None, batch: int, k_len: int) -> torch.Tensor | None:
     """``mask`` as a ``(B, Tk)`` key-padding mask when it is one, i.e. the same for every head and
-    query (shape ``(Tk,)``, ``(B|1, 1, Tk)`` or ``(B|1, 1, 1, Tk)``); None otherwise."""
+    query: shape ``(B|1, 1, 1, Tk)`` after broadcasting's left-padding (so also ``(Tk,)``); else None."""
     if mask is None or mask.dim() > 4:
         return None
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)  # (B|1, nh|1, Tq|1, Tk|1)
@@ -74,7 +74,8 @@ def attention(
     sigma = reweight.fused_sigma()
     if reweight.sdpa_scale is None and sigma is not None and dropout_p == 0.0:
         key_padding = key_padding_of(mask, q.shape[0], k_len)
-        fusable = mask is None or key_padding is not None
+        # The fused kernel takes no empty tensors; the explicit path handles an empty batch.
+        fusable = (mask is None or key_padding is not None) and q.numel() > 0 and k_len > 0
         if fusable and resolve_backend(backend, q, True, type(reweight).__name__) == "triton":
             from mmlight.kernels.attention import SUPPORTED_HEAD_DIMS, multimax_attention  # Triton, lazily
 

@@ -6,6 +6,8 @@ from timm.layers import Attention as TimmAttention
 
 from mmlight import reweighting
 from mmlight.nn import ReweightedAttention, attention, causal_mask
+from mmlight.nn.attention import key_padding_of
+from mmlight.reweighting import MultiMax
 
 
 def manual_attention(q, k, v, mask, scale):
@@ -87,3 +89,49 @@ def test_reweighted_attention_equals_timm_attention():
     torch.testing.assert_close(ours(x, attn_mask=mask), timm_attn(x, attn_mask=mask))
     with pytest.raises(TypeError, match="boolean attn_mask"):
         ours(x, attn_mask=mask.float())
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 7), (1, 1, 7), (2, 1, 1, 7), (1, 1, 1, 7)])
+def test_key_padding_forms_are_recognised(shape):
+    mask = torch.rand(shape) > 0.5
+    padding = key_padding_of(mask, 2, 7)
+    assert padding.shape == (2, 7)
+    assert torch.equal(padding.reshape(2, 1, 1, 7), mask.reshape(-1, 1, 1, 7).expand(2, 1, 1, 7))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 1, 7), (2, 1, 5, 7), (2, 1, 1, 1), (2, 1, 7)])
+def test_other_masks_are_not_key_padding(shape):
+    assert key_padding_of(torch.ones(shape, dtype=torch.bool), 2, 7) is None
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "general"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_triton_backend_matches_reference(mask_kind, is_causal):
+    """Fused attention (no mask, key padding) and the row-wise kernel (a general mask) agree with
+    the reference path, gradients of q, k, v and the MultiMax parameters included."""
+    q, k, v = (t.float() for t in qkv(B=2, H=2, Tq=9, Tk=9, D=16))
+    masks = {"none": None, "padding": torch.tensor([[True] * 9, [True] * 5 + [False] * 4]).reshape(2, 1, 1, 9),
+             "general": torch.rand(2, 2, 9, 9) > 0.3}
+    mask = masks[mask_kind]
+    module = MultiMax(order=2)
+    with torch.no_grad():
+        module.ranges.copy_(torch.tensor([-0.5, 0.6, -1.0, 1.2]))
+        module.ts.copy_(torch.tensor([0.3, 0.25, 0.1, 0.05]))
+    outputs, grads = {}, {}
+    for backend in ("reference", "triton"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        module.zero_grad()
+        out = attention(*leaves, module, mask=mask, is_causal=is_causal, backend=backend)
+        out.pow(2).sum().backward()
+        outputs[backend] = out
+        grads[backend] = [t.grad for t in leaves] + [module.ranges.grad.clone(), module.ts.grad.clone()]
+    torch.testing.assert_close(outputs["triton"], outputs["reference"], atol=1e-5, rtol=1e-4)
+    for g_fused, g_ref in zip(grads["triton"], grads["reference"]):
+        torch.testing.assert_close(g_fused, g_ref, atol=1e-5, rtol=1e-3)
+
+
+def test_triton_backend_takes_an_empty_batch():
+    q, k, v = (t.float()[:0].requires_grad_() for t in qkv(B=2, H=2, Tq=9, Tk=9, D=16))
+    out = attention(q, k, v, MultiMax(), is_causal=True, backend="triton")
+    out.sum().backward()
+    assert out.shape == (0, 2, 9, 16) and q.grad.shape == q.shape

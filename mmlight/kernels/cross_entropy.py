@@ -1,0 +1,306 @@
+"""Fused MultiMax cross-entropy for a language model's output layer, in Triton.
+
+Computes, for logits ``z`` of shape ``(T, V)`` and targets ``y``::
+
+    s = sigma(z)                      # MultiMax modulation (identity without ranges/ts)
+    p = softmax(s)
+    loss_t = (1 - eps) * (-log p_y) + eps * mean_j(-log p_j)        # label smoothing eps
+    loss = sum_t loss_t / n_valid   ("mean")   or   sum_t loss_t   ("sum")
+
+which is ``F.cross_entropy(multimax_sigma(z.float(), ranges, ts), y, label_smoothing=eps,
+ignore_index=..., reduction=...)``.
+
+Design. One program per row (token). The row is streamed in column blocks of ``BLOCK_V``:
+
+* pass 1 keeps an online max / sum-of-exp in fp32 scalars, giving ``lse = logsumexp(s)``, plus the
+  row sum of ``s`` (for label smoothing); the target's ``s_y`` is one scalar load;
+* pass 2 (only when a gradient is needed) re-reads the row and writes the gradient right away::
+
+      dsigma_j = (p_j - (1 - eps) [j == y] - eps / V) * w_t     # w_t = 1/n_valid, 1 or 0 if ignored
+      dz_j     = dsigma_j * sigma'(z_j)
+
+  and reduces ``dsigma_j * d sigma(z_j) / d theta`` over the row into 8 fp32 partials for the
+  MultiMax parameters (one ``(8,)`` row per program in a ``(T, 8)`` buffer, summed on the host in a
+  fixed order: deterministic, no atomics).
+
+Nothing of size ``T x V`` is ever held in fp32: only the logits (any dtype) and a gradient buffer
+in the logits' dtype exist. With ``b`` bytes per logit (2 for bf16/fp16, 4 for fp32), the forward
+moves ``3b`` bytes per element (two reads, one write) when a gradient is needed and ``b`` (one read)
+otherwise. The autograd backward only scales the stored gradient by the scalar ``grad_output``, in
+place: ``2b`` more bytes per element and no new ``T x V`` allocation. For T = 8,192 and
+V = 267,744 in bf16 that is one extra 4.4 GB buffer (none with ``inplace_grad=True``), where the
+eager composition keeps several fp32 ``T x V`` tensors (upcast, sigma, log-softmax, gradients) of
+8.8 GB each.
+
+Ignored rows (target == ignore_index) skip pass 1 entirely (their loads are masked off) and, when
+the logits need a gradient, only write zeros in pass 2.
+
+Differences from torch: when every target is ignored (or T == 0) the loss is 0.0 with zero
+gradients, where ``F.cross_entropy(..., reduction="mean")`` gives NaN. ``reduction="none"``,
+class weights and probability targets are not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmlight.kernels.sigma import (
+    NUM_SIGMA_PARAMS,
+    load_sigma_params,
+    pack_sigma_params,
+    sigma_derivative,
+    sigma_forward,
+    sigma_param_partials,
+    store_param_partials,
+    unpack_param_grads,
+)
+
+__all__ = ["multimax_cross_entropy"]
+
+#: Largest column block of the row loop. 4096 fp32 values per block are 16 per thread at 8 warps:
+#: enough bytes in flight per program to stream at bandwidth, small enough that the order-2 backward
+#: (x, s, p, g, dz and the partial terms) stays in registers. Tests lower it to run several blocks.
+MAX_BLOCK_V = 4096
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REDUCTIONS = ("mean", "sum")
+
+
+@triton.jit
+def _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3,
+               ORDER: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over the first ``n_active`` columns (the whole row, or none for an ignored row):
+    ``(max_s, sum_exp, sum_s)`` in fp32, with ``logsumexp(s) = max_s + log(sum_exp)``."""
+    running_max = float("-inf")
+    running_sum = 0.0
+    sum_s = 0.0
+    for start in range(0, n_active, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        inside = cols < n_active
+        # Masked lanes load a finite 0 (sigma(-inf) would be -inf + t * inf = NaN) and are set to
+        # -inf only after the modulation.
+        x = tl.load(row_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+        sum_s += tl.sum(tl.where(inside, s, 0.0))
+        s = tl.where(inside, s, float("-inf"))
+        # Every block holds at least one real column, so new_max is finite and the first rescale
+        # is exp(-inf) = 0 rather than NaN.
+        new_max = tl.maximum(running_max, tl.max(s))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(s - new_max))
+        running_max = new_max
+    return running_max, running_sum, sum_s
+
+
+@triton.jit
+def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, lse, w, confidence, smooth,
+              r0, r1, r2, r3, t0, t1, t2, t3,
+              ORDER: tl.constexpr, BLOCK_V: tl.constexpr, STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
+    """Pass 2: write ``dz`` for the row (if ``STORE_DZ``) and return the 8 parameter partials.
+
+    Columns at or past ``n_active`` (all of them for an ignored row) are not read and get
+    ``dsigma = 0``; the loop still covers all ``V`` columns when ``dz`` must be written, so ignored
+    rows receive explicit zeros."""
+    dr0 = 0.0
+    dr1 = 0.0
+    dr2 = 0.0
+    dr3 = 0.0
+    dt0 = 0.0
+    dt1 = 0.0
+    dt2 = 0.0
+    dt3 = 0.0
+    if STORE_DZ:
+        n_loop = V
+    else:
+        n_loop = n_active
+    for start in range(0, n_loop, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        active = cols < n_active
+        x = tl.load(row_ptr + cols, mask=active, other=0.0).to(tl.float32)
+        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+        p = tl.exp(s - lse)
+        g = (p - smooth - tl.where(cols == y, confidence, 0.0)) * w
+        # where (a select), not a product with the mask, so that nothing from inactive lanes leaks in.
+        g = tl.where(active, g, 0.0)
+        if STORE_DZ:
+            dz = g * sigma_derivative(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+            tl.store(grad_row_ptr + cols, dz.to(grad_row_ptr.dtype.element_ty), mask=cols < V)
+        if PARAM_GRADS:
+            # The shared helper reduces 2-D tiles; x is finite and g is 0 on inactive lanes, as it requires.
+            b0, b1, b2, b3, c0, c1, c2, c3 = sigma_param_partials(
+                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+            dr0 += b0
+            dr1 += b1
+            dr2 += b2
+            dr3 += b3
+            dt0 += c0
+            dt1 += c1
+            dt2 += c2
+            dt3 += c3
+    return dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3
+
+
+@triton.jit
+def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr,
+                          loss_ptr, grad_ptr, stride_grad, partials_ptr,
+                          V, ignore_index, confidence, smooth,
+                          ORDER: tl.constexpr, BLOCK_V: tl.constexpr,
+                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
+    # int64 row offsets: T * V exceeds 2**31 at LM sizes (8,192 x 267,744 = 2.2e9).
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_logits
+    r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
+
+    y = tl.load(target_ptr + row)
+    valid = y != ignore_index
+    w = tl.load(scale_ptr)  # 1/n_valid ("mean") or 1 ("sum")
+    # Ignored rows read nothing: no columns are active, so their dsigma is 0 (the where in pass 2).
+    n_active = tl.where(valid, V, 0)
+
+    max_s, sum_exp, sum_s = _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V)
+    # An ignored row read nothing (max -inf, sum 0): give it lse = 0 so pass 2 stays finite.
+    lse = tl.where(valid, max_s + tl.log(tl.where(valid, sum_exp, 1.0)), 0.0)
+    x_y = tl.load(row_ptr + y, mask=valid, other=0.0).to(tl.float32)
+    s_y = sigma_forward(x_y, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    # (1-eps)(lse - s_y) + eps * mean_j(lse - s_j)  =  lse - (1-eps) s_y - (eps/V) sum_j s_j
+    loss = lse - confidence * s_y - smooth * sum_s
+    tl.store(loss_ptr + row, tl.where(valid, loss * w, 0.0))
+
+    if STORE_DZ or PARAM_GRADS:
+        dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
+            row_ptr, grad_ptr + row * stride_grad, y, V, n_active, lse, w, confidence, smooth,
+            r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
+        if PARAM_GRADS:
+            store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
+
+
+def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
+    """Raise ValueError for anything the kernel cannot take; one host sync for the target range."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D tensor (T, V), got shape {getattr(logits, 'shape', None)}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"logits dtype must be one of {SUPPORTED_DTYPES}, got {logits.dtype}")
+    T, V = logits.shape
+    if V == 0:
+        raise ValueError("logits must have at least one class (V >= 1)")
+    if V > 1 and logits.stride(1) != 1:
+        raise ValueError(f"the last dim of logits must be contiguous (stride 1), got strides {logits.stride()}; "
+                         "call .contiguous() first")
+    if not isinstance(target, torch.Tensor) or target.shape != (T,):
+        raise ValueError(f"target must have shape ({T},), got {getattr(target, 'shape', None)}")
+    if target.dtype != torch.int64:
+        raise ValueError(f"target must be int64, got {target.dtype}")
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits on {logits.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS} ('none' is not supported), got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if (ranges is None) != (ts is None):
+        raise ValueError("ranges and ts must be given together (or both None for plain cross-entropy)")
+    if ranges is not None and (ranges.shape != ts.shape or ranges.shape not in ((2,), (4,))):
+        raise ValueError(f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}")
+    if inplace_grad and logits.is_leaf and logits.requires_grad:
+        raise ValueError("inplace_grad=True would overwrite a leaf tensor that requires grad; "
+                         "use it only on an intermediate (e.g. the output of the LM head)")
+    if T > 0:
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        if bool(bad.any()):  # the one host sync
+            value = int(target[bad][0])
+            raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
+
+
+def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction,
+            store_dz, param_grads, inplace_grad):
+    """Run the kernel: ``(loss, grad_logits or None, partials or None)``."""
+    T, V = logits.shape
+    device = logits.device
+    if reduction == "mean":
+        # On device: no second host sync; an all-ignored batch divides 0 by 1.
+        n_valid = (target != ignore_index).sum()
+        scale = (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=device)
+    row_loss = torch.empty(T, dtype=torch.float32, device=device)
+    grad = None
+    if store_dz:
+        grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
+    partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
+    if T > 0:
+        block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+        _cross_entropy_kernel[(T,)](
+            logits, logits.stride(0), target, params, scale,
+            row_loss, grad if store_dz else logits, grad.stride(0) if store_dz else 0,
+            partials if param_grads else row_loss,  # unused pointers are never touched
+            V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
+            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
+            num_warps=8 if block_v >= 2048 else 4,
+        )
+    # Fixed-order sum over rows: deterministic (no atomics).
+    return row_loss.sum(), grad, partials
+
+
+class _MultiMaxCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
+        params, order = pack_sigma_params(ranges, ts, logits.device)
+        need_logits, _, need_ranges, need_ts = ctx.needs_input_grad[:4]
+        param_grads = order > 0 and (need_ranges or need_ts)
+        loss, grad, partials = _launch(logits, target, params, order, float(label_smoothing), ignore_index,
+                                       reduction, need_logits, param_grads, inplace_grad)
+        ctx.grad_logits = grad
+        if param_grads:
+            # The parameters may live elsewhere (and in another dtype) than the logits.
+            ctx.param_grads = tuple(g.to(ranges) for g in unpack_param_grads(partials, ranges.shape[0]))
+        else:
+            ctx.param_grads = None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_logits = grad_ranges = grad_ts = None
+        if ctx.needs_input_grad[0]:
+            if ctx.grad_logits is None:
+                raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
+                                   "(its stored gradient is scaled in place)")
+            # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
+            grad_logits = ctx.grad_logits.mul_(grad_output)
+            ctx.grad_logits = None
+        if ctx.param_grads is not None:
+            d_ranges, d_ts = ctx.param_grads
+            scale = grad_output.to(d_ranges)
+            grad_ranges = d_ranges * scale if ctx.needs_input_grad[2] else None
+            grad_ts = d_ts * scale if ctx.needs_input_grad[3] else None
+        return grad_logits, None, grad_ranges, grad_ts, None, None, None, None
+
+
+def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: torch.Tensor | None = None,
+                           ts: torch.Tensor | None = None, label_smoothing: float = 0.0, ignore_index: int = -100,
+                           reduction: str = "mean", inplace_grad: bool = False) -> torch.Tensor:
+    """Cross-entropy of ``softmax(multimax_sigma(logits))`` against ``target``, fused and chunked.
+
+    Equals ``F.cross_entropy(multimax_sigma(logits.float(), ranges, ts), target, label_smoothing=...,
+    ignore_index=..., reduction=...)`` (plain cross-entropy when ``ranges`` and ``ts`` are None), but
+    never materialises an fp32 ``(T, V)`` tensor; the gradient is computed during the forward.
+
+    Args:
+        logits: ``(T, V)`` fp32, bf16 or fp16; any row stride, last dim contiguous.
+        target: ``(T,)`` int64 class indices in ``[0, V)`` or ``ignore_index``.
+        ranges: MultiMax ``ranges``, ``(2,)`` (first order) or ``(4,)`` (second order); None for plain CE.
+        ts: MultiMax ``ts``, same shape as ``ranges``; None for plain CE.
+        label_smoothing: eps in ``[0, 1]``: loss = (1-eps) * NLL + eps * mean over classes of -log p.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: ``"mean"`` (over non-ignored tokens) or ``"sum"``.
+        inplace_grad: write the logits' gradient into the logits' own storage instead of a new buffer
+            (saves one ``T x V`` allocation). The logits' values are destroyed by the forward, so it is
+            safe only when nothing reads them afterwards: e.g. the fresh output of the LM head matmul,
+            whose backward needs the hidden states and weight but not its output, and which is not
+            logged, reused or a leaf (a leaf raises). Without a gradient to compute it does nothing.
+
+    Returns:
+        The fp32 scalar loss; 0.0 (with zero gradients) when every target is ignored or ``T == 0``,
+        where torch's "mean" would give NaN.
+    """
+    _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad)
+    return _MultiMaxCrossEntropy.apply(logits, target, ranges, ts, label_smoothing, ignore_index, reduction,
+                                       inplace_grad)

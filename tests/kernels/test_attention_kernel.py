@@ -1,0 +1,268 @@
+"""The fused MultiMax attention kernel against an independent float64 PyTorch reference.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so every shape here is tiny. Most tests force 16-wide tiles so that lengths like 19 and 37 span
+several query and key blocks, partial last blocks and skipped causal blocks.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmlight.kernels import attention as kernel
+from mmlight.kernels.attention import multimax_attention
+from mmlight.reweighting.multimax import multimax_sigma
+
+# large enough that sigma bends the scores (the 0.02-std init is almost the identity)
+RANGES = {1: [-0.5, 0.5], 2: [-0.5, 0.5, -1.0, 1.0]}
+TS = {1: [0.3, 0.2], 2: [0.3, 0.2, 0.1, 0.05]}
+
+
+def use_blocks(monkeypatch, block_m, block_n):
+    """Force ``block_m`` x ``block_n`` tiles in every kernel."""
+    cfg = kernel.BlockConfig(block_m, block_n, num_warps=4, num_stages=1)
+    monkeypatch.setattr(kernel, "forward_config", lambda head_dim, dtype: cfg)
+    monkeypatch.setattr(kernel, "backward_configs", lambda head_dim, dtype: (cfg, cfg))
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """16 x 16 tiles: lengths 19 and 37 span 2 and 3 blocks, the last one partial."""
+    use_blocks(monkeypatch, 16, 16)
+
+
+def make_inputs(B=2, H=2, Tq=19, Tk=37, D=32, order=2, dtype=torch.float32, seed=0):
+    """Leaf tensors ``(q, k, v, ranges, ts)``; ranges and ts are None for plain softmax."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (1.5 * torch.randn(B, H, Tq, D, generator=gen)).to(dtype).requires_grad_()
+    k = torch.randn(B, H, Tk, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, H, Tk, D, generator=gen).to(dtype).requires_grad_()
+    if order is None:
+        return q, k, v, None, None
+    ranges = torch.tensor(RANGES[order], requires_grad=True)
+    ts = torch.tensor(TS[order], requires_grad=True)
+    return q, k, v, ranges, ts
+
+
+def make_padding(B, Tk, seed=1):
+    """Random key padding (True = keep) with at least one kept and one dropped key per batch row."""
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(B, Tk, generator=gen) > 0.3
+    keep[:, 0] = True
+    keep[:, -1] = False
+    return keep
+
+
+def reference(q, k, v, ranges=None, ts=None, scale=None, causal=False, key_padding=None):
+    """Plain float64 attention with the full score matrix; a row without keys gives 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    x = q @ k.transpose(-2, -1) * scale  # (B, H, Tq, Tk)
+    s = x if ranges is None else multimax_sigma(x, ranges.double(), ts.double())
+    keep = torch.ones(q.shape[0], 1, Tq, Tk, dtype=torch.bool)
+    if causal:
+        query_pos = torch.arange(Tq)[:, None] + (Tk - Tq)  # bottom-right aligned
+        keep = keep & (torch.arange(Tk)[None, :] <= query_pos)
+    if key_padding is not None:
+        keep = keep & key_padding[:, None, None, :]
+    has_key = keep.any(dim=-1, keepdim=True)
+    # rows without keys softmax a row of zeros instead of -inf (NaN), then are zeroed
+    s = torch.where(keep, s, float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.where(keep, torch.softmax(s, dim=-1), 0.0)
+    return p @ v
+
+
+def run(fn, inputs, grad_out, **kwargs):
+    """``fn(*inputs, **kwargs)`` and the gradients of ``(out * grad_out).sum()`` (None if unused)."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
+    out = fn(*leaves, **kwargs)
+    (out.double() * grad_out.double()).sum().backward()
+    return out, [None if t is None else t.grad for t in leaves]
+
+
+def assert_close(actual, expected, tol, what=""):
+    """Max abs error within ``tol`` times the expected magnitude (at least 1)."""
+    assert actual is not None and expected is not None, what
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual.double() - expected.double()).abs().max().item()
+    bound = tol * max(1.0, expected.double().abs().max().item())
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def check_against_reference(inputs, tol_out, tol_grad, tol_param=1e-4, **kwargs):
+    """Kernel vs float64 reference: output and the gradients of every input that requires grad.
+
+    ``tol_param`` is looser than ``tol_grad``: the ranges/ts gradients are sums over every
+    (query, key) pair with a lot of cancellation, so fp32 rounding shows more in them.
+    """
+    gen = torch.Generator().manual_seed(7)
+    # rounded to the input dtype so that kernel and reference get the same output gradient
+    grad_out = torch.randn(inputs[0].shape, generator=gen).to(inputs[0].dtype)
+    out, grads = run(multimax_attention, inputs, grad_out, **kwargs)
+    ref_out, ref_grads = run(reference, inputs, grad_out, **kwargs)
+    assert out.dtype == inputs[0].dtype and out.shape == inputs[0].shape
+    assert_close(out, ref_out, tol_out, "output")
+    for name, g, ref_g in zip(("q", "k", "v", "ranges", "ts"), grads, ref_grads):
+        if ref_g is not None:
+            assert_close(g, ref_g, tol_param if name in ("ranges", "ts") else tol_grad, f"grad {name}")
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "Tq, Tk, causal, padded, order, scale, blocks",
+    [
+        (37, 37, False, False, 2, None, (16, 16)),  # self-attention, no mask
+        (19, 37, True, False, 1, None, (16, 32)),  # cross, causal, Tq < Tk
+        (37, 19, True, False, 2, 0.3, (32, 16)),  # causal, Tq > Tk: the first 18 queries see no key
+        (37, 37, True, False, 2, None, (32, 16)),  # causal self-attention, BLOCK_M > BLOCK_N
+        (37, 37, False, True, 1, None, (16, 32)),  # key padding
+        (20, 37, True, True, 2, None, (16, 16)),  # causal + padding; Tk - Tq = 17 = 1 mod 16 puts
+        # a query block's last visible key first in its key block: catches off-by-one block skipping
+        (37, 19, True, True, None, None, (16, 16)),  # plain softmax, causal + padding
+    ],
+)
+def test_matches_reference(monkeypatch, Tq, Tk, causal, padded, order, scale, blocks):
+    use_blocks(monkeypatch, *blocks)
+    inputs = make_inputs(Tq=Tq, Tk=Tk, order=order)
+    pad = make_padding(2, Tk) if padded else None
+    check_against_reference(inputs, 1e-5, 2e-5, scale=scale, causal=causal, key_padding=pad)
+
+
+def test_fully_padded_batch_row_gives_zeros(small_blocks):
+    q, k, v, ranges, ts = make_inputs(Tq=19, Tk=37, order=2)
+    pad = make_padding(2, 37)
+    pad[1] = False  # batch row 1 has no key at all
+    out, grads = check_against_reference((q, k, v, ranges, ts), 1e-5, 2e-5, key_padding=pad)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for g in grads[:3]:
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+    # and fully causal-masked rows (Tq > Tk) together with padding
+    check_against_reference(make_inputs(Tq=37, Tk=19, order=1), 1e-5, 2e-5, causal=True, key_padding=pad[:, :19])
+
+
+def test_saved_log_sum_exp(small_blocks):
+    """lse (fp32, per row) is log sum_j exp(s_j) over kept keys, +inf for a row without keys."""
+    q, k, v, ranges, ts = make_inputs(Tq=37, Tk=19, order=2)
+    params, order = kernel.pack_sigma_params(ranges, ts, q.device)
+    _, lse = kernel._forward(q.detach(), k.detach(), v.detach(), params, order, 32 ** -0.5, True, None)
+    x = q.detach().double() @ k.detach().double().transpose(-2, -1) * 32 ** -0.5
+    s = multimax_sigma(x, ranges.detach().double(), ts.detach().double())
+    keep = torch.ones(37, 19, dtype=torch.bool).tril(19 - 37)
+    want = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)  # -inf where no key
+    assert lse.dtype == torch.float32 and lse.shape == (2, 2, 37)
+    assert torch.isposinf(lse[:, :, :18]).all() and torch.isneginf(want[:, :, :18]).all()
+    assert_close(lse[:, :, 18:], want[:, :, 18:], 1e-5, "lse")
+
+
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+def test_head_dims_default_blocks(D):
+    """The production tile sizes (one tile per head at these lengths), every supported D."""
+    check_against_reference(make_inputs(Tq=23, Tk=29, D=D, order=2), 1e-5, 2e-5, causal=True,
+                            key_padding=make_padding(2, 29))
+
+
+@pytest.mark.parametrize("causal, Tq, Tk", [(False, 19, 37), (True, 37, 37), (True, 19, 37)])
+def test_plain_softmax_matches_sdpa(small_blocks, causal, Tq, Tk):
+    q, k, v, _, _ = make_inputs(Tq=Tq, Tk=Tk, order=None)
+    pad = make_padding(2, Tk)
+    keep = pad[:, None, None, :]
+    if causal:
+        keep = keep & torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)
+    grad_out = torch.randn(2, 2, Tq, 32)
+    out, grads = run(multimax_attention, (q, k, v), grad_out, causal=causal, key_padding=pad)
+    sdpa_out, sdpa_grads = run(F.scaled_dot_product_attention, (q, k, v), grad_out, attn_mask=keep)
+    assert_close(out, sdpa_out, 1e-5, "output")
+    for name, g, ref_g in zip("qkv", grads, sdpa_grads):
+        assert_close(g, ref_g, 2e-5, f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype, tol_out, tol_grad", [(torch.float16, 4e-3, 1e-2), (torch.bfloat16, 3e-2, 6e-2)])
+def test_half_precision(small_blocks, dtype, tol_out, tol_grad):
+    """fp16/bf16 inputs (P and dS are rounded to the input dtype before the matmuls, as in FA2)."""
+    inputs = make_inputs(Tq=19, Tk=37, order=2, dtype=dtype)
+    out, grads = check_against_reference(inputs, tol_out, tol_grad, tol_param=tol_grad, causal=True,
+                                         key_padding=make_padding(2, 37))
+    assert all(g.dtype == dtype for g in grads[:3])
+    assert grads[3].dtype == grads[4].dtype == torch.float32
+
+
+def test_parameter_grads_are_deterministic(small_blocks):
+    q, k, v, ranges, ts = make_inputs(Tq=37, Tk=37, order=2)
+    pad = make_padding(2, 37)
+    results = []
+    for _ in range(2):
+        ranges.grad = ts.grad = None
+        multimax_attention(q, k, v, ranges, ts, causal=True, key_padding=pad).sum().backward()
+        results.append((ranges.grad.clone(), ts.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    _, ref_grads = run(reference, (q, k, v, ranges, ts), torch.ones(2, 2, 37, 32), causal=True, key_padding=pad)
+    assert_close(results[0][0], ref_grads[3], 1e-4, "grad ranges")
+    assert_close(results[0][1], ref_grads[4], 1e-4, "grad ts")
+
+
+@pytest.mark.parametrize("which", ["ranges", "ts"])
+def test_only_sigma_params_require_grad(small_blocks, which):
+    """Frozen q, k, v (and one frozen parameter): only the wanted gradient is returned."""
+    q, k, v, ranges, ts = make_inputs(Tq=19, Tk=37, order=1)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    (ts if which == "ranges" else ranges).requires_grad_(False)
+    check_against_reference((q, k, v, ranges, ts), 1e-5, 2e-5, causal=True)
+    out, grads = run(multimax_attention, (q, k, v, ranges, ts), torch.ones(2, 2, 19, 32), causal=True)
+    assert (grads[3] is None) == (which == "ts") and (grads[4] is None) == (which == "ranges")
+
+
+def test_non_contiguous_inputs(small_blocks):
+    """q, k, v sliced out of a permuted qkv projection, strided padding, strided output grad."""
+    B, T, H, D = 2, 37, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen).permute(2, 0, 3, 1, 4)  # (3, B, H, T, D) view
+    q, k, v = (t.requires_grad_() for t in qkv.unbind(0))
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    pad = make_padding(B, T).t().contiguous().t()  # (B, T) with strides (1, B)
+    assert not pad.is_contiguous()
+    ranges, ts = torch.tensor(RANGES[2], requires_grad=True), torch.tensor(TS[2], requires_grad=True)
+    # an output grad that is a transposed view, as after out.transpose(1, 2).reshape(B, T, H * D)
+    grad_out = torch.randn(B, T, H, D, generator=gen).transpose(1, 2)
+    out, grads = run(multimax_attention, (q, k, v, ranges, ts), grad_out, causal=True, key_padding=pad)
+    ref_out, ref_grads = run(reference, (q, k, v, ranges, ts), grad_out, causal=True, key_padding=pad)
+    assert_close(out, ref_out, 1e-5, "output")
+    for name, g, ref_g in zip(("q", "k", "v", "ranges", "ts"), grads, ref_grads):
+        assert_close(g, ref_g, 1e-4 if name in ("ranges", "ts") else 2e-5, f"grad {name}")
+
+
+def _bad(**changes):
+    """Keyword arguments of a valid call with some of them replaced."""
+    q, k, v = torch.zeros(2, 2, 5, 16), torch.zeros(2, 2, 7, 16), torch.zeros(2, 2, 7, 16)
+    args = dict(q=q, k=k, v=v, ranges=torch.zeros(2), ts=torch.zeros(2), key_padding=None)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (_bad(q=torch.zeros(2, 5, 16)), "4-D"),
+        (_bad(k=torch.zeros(3, 2, 7, 16), v=torch.zeros(3, 2, 7, 16)), "does not match"),
+        (_bad(v=torch.zeros(2, 2, 6, 16)), "same shape"),
+        (_bad(q=torch.zeros(2, 2, 5, 48), k=torch.zeros(2, 2, 7, 48), v=torch.zeros(2, 2, 7, 48)), "head dim D=48"),
+        (_bad(v=torch.zeros(2, 2, 7, 16, dtype=torch.float16)), "share a dtype"),
+        (_bad(q=torch.zeros(2, 2, 5, 16).double(), k=torch.zeros(2, 2, 7, 16).double(),
+              v=torch.zeros(2, 2, 7, 16).double()), "not supported"),
+        (_bad(q=torch.zeros(2, 2, 0, 16)), "empty"),
+        (_bad(key_padding=torch.ones(2, 5, dtype=torch.bool)), r"shape \(B, Tk\)"),
+        (_bad(key_padding=torch.ones(2, 7)), "bool tensor"),
+        (_bad(ranges=torch.zeros(3), ts=torch.zeros(3)), r"shape \(2,\) or \(4,\)"),
+        (_bad(ranges=torch.zeros(2), ts=torch.zeros(4)), r"shape \(2,\) or \(4,\)"),
+        (_bad(ts=None), "both ranges and ts"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        multimax_attention(**args)
+
+
+def test_bad_scale_raises():
+    q = torch.zeros(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        multimax_attention(q, q, q, scale=float("nan"))
