@@ -1,0 +1,50 @@
+"""The benchmark script runs end to end (tiny shapes, CPU interpreter) and writes the records
+BENCHMARKS.md is built from. Timings here mean nothing; the fields and the side-by-side layout do."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = {"device", "torch", "triton", "op", "backend", "shape", "dtype", "fwd_ms", "bwd_ms", "gbps", "peak_mem_mb"}
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_side_by_side_records(tmp_path):
+    out = tmp_path / "smoke.jsonl"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py"), "--smoke",
+                    "--backends", "reference", "triton", "--out", str(out)], check=True, env=env, cwd=ROOT)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(REQUIRED <= r.keys() for r in records)
+    by_op = {}
+    for r in records:
+        by_op.setdefault(r["op"], []).append(r["backend"])
+    assert by_op == {
+        "rowwise": ["torch.softmax", "softmax/triton", "multimax/reference", "multimax/triton"],
+        "cross_entropy": ["torch.cross_entropy", "multimax/reference", "multimax/triton"],
+        "attention": ["sdpa", "multimax/reference", "multimax/triton"],
+        "attention_causal": ["sdpa", "multimax/reference", "multimax/triton"],
+        "vit_micro_train_step": ["softmax/sdpa", "multimax/reference", "multimax/triton"],
+    }
+    baselines = [r for r in records if r["backend"] in ("torch.softmax", "torch.cross_entropy", "sdpa", "softmax/sdpa")]
+    assert all(r.get("fwd_ratio", r.get("step_ratio")) == 1.0 for r in baselines)
+    rowwise = records[0]
+    assert rowwise["gbps"]["fwd"] == pytest.approx(rowwise["bytes_fwd"] / rowwise["fwd_ms"] / 1e6, abs=0.1)
+
+    report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(out)],
+                            check=True, capture_output=True, text=True).stdout
+    assert report.count("\n| ") - report.count("\n| backend") == len(records)  # one table row per record
+    assert "multimax/triton" in report and "torch" in report
+
+
+def test_refuses_to_run_without_a_gpu_unless_smoke():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a GPU is present: the full benchmark would run")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py")],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
