@@ -33,8 +33,12 @@ def test_every_config_parses_and_prints(config, capsys):
 
 
 def resolved_config(config, capsys) -> dict:
+    return resolved_config_with(config, [], capsys)
+
+
+def resolved_config_with(config, overrides, capsys) -> dict:
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config), "--print_config"])
+        main(["fit", "--config", str(config), *overrides, "--print_config"])
     assert exit_info.value.code in (0, None)
     return yaml.safe_load(capsys.readouterr().out)
 
@@ -54,6 +58,12 @@ def test_deit_small_recipe(name, attention, capsys):
     assert (augment["interpolation"], augment["crop_pct"]) == ("bicubic", 0.875)
     trainer = cfg["trainer"]
     assert (trainer["max_epochs"], trainer["precision"], trainer["strategy"]) == (300, "bf16-mixed", "ddp")
+    assert arch["backend"] == "auto"  # Triton kernels on the GPUs, eager on a CPU
+
+
+def test_backend_is_a_config_key(capsys):
+    cfg = resolved_config_with(QUICKSTARTS[0], ["--model.init_args.model.backend", "compile"], capsys)
+    assert cfg["model"]["init_args"]["model"]["backend"] == "compile"
 
 
 @pytest.mark.parametrize(
@@ -62,6 +72,7 @@ def test_deit_small_recipe(name, attention, capsys):
         (["--model.init_args.model.attenton.name", "multimax"], "attenton"),
         (["--model.init_args.lr", "fast"], "lr"),
         (["--model.init_args.model.attention.name", "softmaxx"], "softmaxx"),
+        (["--model.init_args.model.backend", "cuda"], "backend"),
     ],
 )
 def test_bad_config_stops_before_work(override, message, capsys):
