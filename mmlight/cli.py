@@ -1,4 +1,5 @@
-"""The ``mmlight`` command: a LightningCLI with ``fit``, ``validate``, ``test`` and ``predict``.
+"""The ``mmlight`` command: a LightningCLI with ``fit``, ``validate``, ``test`` and ``predict``,
+plus ``mmlight prepare <dataset> --src RAW --out SHARDS`` (see :mod:`mmlight.data.prepare`).
 
 Model and data are given in subclass mode, so a config names them by ``class_path``::
 
@@ -10,6 +11,8 @@ Model and data are given in subclass mode, so a config names them by ``class_pat
 
 from __future__ import annotations
 
+import sys
+
 from lightning import LightningDataModule, LightningModule
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import ArgsType, LightningCLI
@@ -20,18 +23,20 @@ from lightning.pytorch.loggers import TensorBoardLogger
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
-from mmlight.callbacks import FinalMetrics, ReweightingMonitor
+from mmlight.callbacks import FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor
 
 
 def trainer_defaults() -> dict:
     """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar, the
-    learning rate per step, MultiMax parameters and curves, and the final metrics printed."""
+    learning rate per step, MultiMax parameters and curves, the count of skipped corrupt samples,
+    and the final metrics printed."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
         "callbacks": [
             lazy_instance(RichProgressBar),
             lazy_instance(LearningRateMonitor, logging_interval="step"),
             lazy_instance(ReweightingMonitor),
+            lazy_instance(SkippedSamplesMonitor),
             lazy_instance(FinalMetrics),
         ],
     }
@@ -55,6 +60,12 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``mmlight`` console script; ``args`` lets tests call it in-process."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["prepare"]:
+        from mmlight.data.prepare import main as prepare_main
+
+        prepare_main(argv[1:])
+        return
     build_cli(args)
 
 

@@ -2,7 +2,8 @@
 
 from mmlight.data.digits import DigitsDataModule, write_digits_shards
 from mmlight.data.images import ImageAugment, ImageShardDataModule
-from mmlight.data.shards import read_info, write_info, write_split
+from mmlight.data.shards import read_info, write_info
+from mmlight.data.translation import TranslationDataModule
 
 __all__ = ["DigitsDataModule", "write_digits_shards", "ImageAugment", "ImageShardDataModule",
-           "read_info", "write_info", "write_split"]
+           "TranslationDataModule", "read_info", "write_info"]

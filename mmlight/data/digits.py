@@ -12,12 +12,18 @@ import numpy as np
 from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
-from mmlight.data.shards import INFO_FILE, read_info, write_info, write_split
+from mmlight.data.prepare.writer import plan_shards, write_shards
+from mmlight.data.shards import INFO_FILE, read_info, write_info
 
 DIGITS_AUGMENT = ImageAugment(
     image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
     interpolation="bilinear", crop_pct=1.0, mean=(0.5,), std=(0.5,),
 )
+
+
+def _as_sample(item: tuple[str, bytes, int]) -> dict:
+    key, png, label = item
+    return {"__key__": key, "png": png, "cls": str(label)}
 
 
 def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0, maxcount: int = 300) -> dict:
@@ -30,18 +36,20 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
     n_val = round(len(images) * val_fraction)
     splits = {"val": order[:n_val], "train": order[n_val:]}
 
-    def samples(indices):
+    def items(indices):
         for i in indices:
             buf = io.BytesIO()
             Image.fromarray(images[i], mode="L").save(buf, format="PNG")
-            yield {"__key__": f"digit{i:05d}", "png": buf.getvalue(), "cls": str(int(digits.target[i]))}
+            yield f"digit{i:05d}", buf.getvalue(), int(digits.target[i])
 
     info = {
         "dataset": "sklearn-digits",
         "val_fraction": val_fraction,
         "seed": seed,
         "classes": [str(c) for c in range(10)],
-        "splits": {name: write_split(samples(idx), out_dir, name, maxcount) for name, idx in splits.items()},
+        "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
+                                      desc=f"digits {name}")
+                   for name, idx in splits.items()},
     }
     write_info(out_dir, info)
     return info

@@ -14,6 +14,7 @@ from PIL import Image
 from timm.data import create_transform
 
 from mmlight.data.shards import read_info, split_urls
+from mmlight.data.skips import SkipCounter, Skipping, is_kept
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 
@@ -61,6 +62,43 @@ class ImageAugment:
         )
 
 
+class DecodeImage:
+    """Sample dict (image bytes under ``jpg``/``jpeg``/``png``, label under ``cls``) -> ``(image
+    tensor, label tensor)``, transformed. A class so that it pickles into worker processes.
+
+    Args:
+        channels: 3 decodes to RGB, 1 to grayscale.
+        transform: the timm transform applied to the PIL image.
+    """
+
+    def __init__(self, channels: int, transform):
+        self.mode = "RGB" if channels == 3 else "L"
+        self.transform = transform
+
+    def __call__(self, sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        key = next((k for k in IMAGE_KEYS if k in sample), None)
+        if key is None:
+            raise ValueError(f"sample {sample.get('__key__')} has no image ({'/'.join(IMAGE_KEYS)})")
+        image = Image.open(io.BytesIO(sample[key])).convert(self.mode)
+        return self.transform(image), torch.tensor(int(sample["cls"]))
+
+
+class RepeatEach:
+    """Pipeline stage: yield every sample ``times`` times in a row (repeated augmentation).
+
+    Args:
+        times: copies per sample.
+    """
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def __call__(self, samples):
+        for sample in samples:
+            for _ in range(self.times):
+                yield sample
+
+
 class ImageShardDataModule(L.LightningDataModule):
     """Streams an image shard set: resampled shards with a fixed epoch length for training (every
     rank runs the same number of steps), and each shard read once for validation.
@@ -74,6 +112,9 @@ class ImageShardDataModule(L.LightningDataModule):
         train_split: name of the training split in ``_info.json``.
         val_split: name of the validation split.
         test_split: name of the split that ``test`` and ``predict`` read.
+        repeated_augmentation: training copies of each image, each augmented independently and
+            spread by the shuffle buffer (DeiT uses 3). The epoch length stays one pass's worth of
+            samples, so an epoch sees ``1/repeats`` of the distinct images, as with DeiT's sampler.
     """
 
     def __init__(
@@ -86,10 +127,15 @@ class ImageShardDataModule(L.LightningDataModule):
         train_split: str = "train",
         val_split: str = "val",
         test_split: str = "val",
+        repeated_augmentation: int = 1,
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if repeated_augmentation < 1:
+            raise ValueError(f"repeated_augmentation must be >= 1, got {repeated_augmentation}")
+        self.repeated_augmentation = repeated_augmentation
+        self.skipped = SkipCounter()  # shared with the loader workers: corrupt samples met so far
         self.root = root
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -112,24 +158,19 @@ class ImageShardDataModule(L.LightningDataModule):
     def _world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
 
-    def _decode(self, sample: dict) -> tuple[Image.Image, int]:
-        key = next((k for k in IMAGE_KEYS if k in sample), None)
-        if key is None:
-            raise ValueError(f"sample {sample.get('__key__')} has no image ({'/'.join(IMAGE_KEYS)})")
-        image = Image.open(io.BytesIO(sample[key]))
-        image = image.convert("RGB" if self.augment.channels == 3 else "L")
-        return image, int(sample["cls"])
-
     def _pipeline(self, urls: list[str], train: bool) -> wds.WebDataset:
         transform = self.augment.build(train)
         if train:
             dataset = wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node,
-                                     handler=wds.warn_and_continue).shuffle(self.shuffle_buffer)
+                                     handler=wds.warn_and_continue)
+            if self.repeated_augmentation > 1:  # copies share the encoded bytes until decoded
+                dataset = dataset.compose(RepeatEach(self.repeated_augmentation))
+            dataset = dataset.shuffle(self.shuffle_buffer)
         else:
             dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
                                      workersplitter=wds.split_by_worker, handler=wds.warn_and_continue)
-        return (dataset.map(self._decode, handler=wds.warn_and_continue)
-                .map_tuple(transform, torch.tensor)
+        decode = DecodeImage(self.augment.channels, transform)
+        return (dataset.map(Skipping(decode, self.skipped)).select(is_kept)
                 .batched(self.batch_size, partial=not train))
 
     def train_dataloader(self):

@@ -5,7 +5,8 @@ A shard set is a folder of ``{split}-{index:06d}.tar`` files plus ``_info.json``
     {"splits": {"train": {"num_samples": N, "shards": [{"name": ..., "num_samples": n, "sha256": ...}]}},
      "classes": [...], ...}
 
-Every dataset (the digits quick start, ImageNet, ...) goes through the same writer and reader.
+Every dataset (the digits quick start, ImageNet, ...) goes through the same writer
+(:mod:`mmlight.data.prepare.writer`) and reader.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
-
-import webdataset as wds
 
 INFO_FILE = "_info.json"
 
@@ -28,22 +26,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def write_split(samples: Iterable[dict[str, Any]], out_dir: Path, split: str, maxcount: int = 10_000) -> dict:
-    """Write ``samples`` (webdataset dicts with ``__key__``) as shards of ``split`` in ``out_dir``.
-
-    Returns the split's entry for ``_info.json``: sample count and each shard's name, count and checksum.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts: dict[str, int] = {}
-    with wds.ShardWriter(str(out_dir / f"{split}-%06d.tar"), maxcount=maxcount, verbose=0) as writer:
-        for sample in samples:
-            writer.write(sample)
-            name = Path(writer.fname).name
-            counts[name] = counts.get(name, 0) + 1
-    shards = [{"name": n, "num_samples": c, "sha256": sha256(out_dir / n)} for n, c in sorted(counts.items())]
-    return {"num_samples": sum(counts.values()), "shards": shards}
 
 
 def write_info(out_dir: Path, info: dict) -> None:

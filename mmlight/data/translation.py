@@ -1,0 +1,318 @@
+"""Streaming translation data (IWSLT14 de-en shards from ``mmlight prepare iwslt14``) with token budgets.
+
+Conventions (fairseq's ``LanguagePairDataset`` / ``transformer_iwslt_de_en``):
+
+* the source is the German ids followed by ``</s>``;
+* the decoder input starts with ``</s>``, not ``<s>``: fairseq builds ``prev_output_tokens`` by moving
+  the target's final ``</s>`` to the front, so ``tgt_in = </s> + target`` and ``tgt_out = target + </s>``
+  (``decoder_start_id`` says which id is used);
+* a sample's size is ``max(len(src), len(tgt))`` counting the ``</s>`` (fairseq's ``num_tokens``), and
+  a batch of ``B`` samples whose largest size is ``L`` obeys ``B * L <= max_tokens``, so both padded
+  tensors ``src`` (B, S) and ``tgt_*`` (B, T) hold at most ``max_tokens`` entries;
+* a sample longer than ``max_source_positions``/``max_target_positions`` or bigger than ``max_tokens``
+  on its own is skipped with a warning that counts the skips of its worker (fairseq would stop with an
+  error unless told to skip).
+
+Batches are dicts::
+
+    src (B, S) int64, pad-padded      src_mask (B, S) bool, True = real token
+    tgt_in (B, T) int64               tgt_out (B, T) int64        tgt_mask (B, T) bool
+    ntokens int (real target tokens incl. </s>)   keys list[str]   ids (B,) int64 (index in the split / file)
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+import warnings
+from collections.abc import Iterable, Iterator
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+from mmlight.data.prepare.iwslt import (
+    SRC_LANG,
+    TGT_LANG,
+    UNK_ID,
+    apply_bpe,
+    load_dictionary,
+    moses_tokenize,
+)
+from mmlight.data.shards import read_info, split_urls
+from mmlight.data.skips import SkipCounter, Skipping, is_kept
+
+log = logging.getLogger(__name__)
+
+
+def sample_size(sample: dict) -> int:
+    """fairseq's ``num_tokens``: the longer side, counting its ``</s>``."""
+    return max(len(sample["src"]), len(sample["tgt"])) + 1
+
+
+def _from_shard(sample: dict) -> dict:
+    """Raw shard sample (``.npy`` bytes) -> ``{key, id, src, tgt}``; raises on a corrupt sample."""
+    key = sample["__key__"]
+    src, tgt = (np.load(io.BytesIO(sample[name]), allow_pickle=False) for name in ("src.npy", "tgt.npy"))
+    return {"key": key, "id": int(key.rsplit("-", 1)[1]), "src": src.astype(np.int64), "tgt": tgt.astype(np.int64)}
+
+
+def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffle: bool,
+                   max_source_positions: int = 1024, max_target_positions: int = 1024,
+                   sort: bool = True, rng: random.Random | None = None) -> Iterator[list[dict]]:
+    """Cut a sample stream into batches with ``len(batch) * max(sample_size) <= max_tokens``.
+
+    ``buffer`` samples are gathered, sorted by size (when ``sort``), cut greedily into budget-bounded
+    batches, and those are yielded in shuffled order (when ``shuffle``); the last batches may be small.
+    Samples over the position limits or the budget are skipped with a warning.
+    """
+    rng = rng or random.Random()
+    skipped = 0
+
+    def cut(pool: list[dict]) -> list[list[dict]]:
+        if sort:
+            pool.sort(key=sample_size)
+        batches, batch, longest = [], [], 0
+        for s in pool:
+            size = sample_size(s)
+            if batch and (len(batch) + 1) * max(longest, size) > max_tokens:
+                batches.append(batch)
+                batch, longest = [], 0
+            batch.append(s)
+            longest = max(longest, size)
+        if batch:
+            batches.append(batch)
+        if shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    pool: list[dict] = []
+    for s in samples:
+        if (len(s["src"]) + 1 > max_source_positions or len(s["tgt"]) + 1 > max_target_positions
+                or sample_size(s) > max_tokens):
+            skipped += 1
+            warnings.warn(f"skipping sample {s.get('key')} ({len(s['src'])} source, {len(s['tgt'])} target "
+                          f"tokens): over max_tokens={max_tokens} or the position limits; "
+                          f"{skipped} skipped so far in this worker")
+            continue
+        pool.append(s)
+        if len(pool) >= buffer:
+            yield from cut(pool)
+            pool = []
+    if pool:
+        yield from cut(pool)
+
+
+def collate(batch: list[dict], pad_id: int, eos_id: int, start_id: int) -> dict:
+    """Pad a list of ``{"src", "tgt", "key", "id"}`` samples into the batch dict (see the module doc)."""
+    n = len(batch)
+    s_len = max(len(b["src"]) for b in batch) + 1
+    t_len = max(len(b["tgt"]) for b in batch) + 1
+    src = torch.full((n, s_len), pad_id, dtype=torch.int64)
+    tgt_in = torch.full((n, t_len), pad_id, dtype=torch.int64)
+    tgt_out = torch.full((n, t_len), pad_id, dtype=torch.int64)
+    for i, b in enumerate(batch):
+        s, t = torch.as_tensor(b["src"], dtype=torch.int64), torch.as_tensor(b["tgt"], dtype=torch.int64)
+        src[i, :len(s)] = s
+        src[i, len(s)] = eos_id
+        tgt_in[i, 0] = start_id
+        tgt_in[i, 1:len(t) + 1] = t
+        tgt_out[i, :len(t)] = t
+        tgt_out[i, len(t)] = eos_id
+    src_mask = torch.zeros((n, s_len), dtype=torch.bool)
+    tgt_mask = torch.zeros((n, t_len), dtype=torch.bool)
+    for i, b in enumerate(batch):
+        src_mask[i, :len(b["src"]) + 1] = True
+        tgt_mask[i, :len(b["tgt"]) + 1] = True
+    return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "tgt_out": tgt_out, "tgt_mask": tgt_mask,
+            "ntokens": int(tgt_mask.sum()), "keys": [b["key"] for b in batch],
+            "ids": torch.tensor([b["id"] for b in batch], dtype=torch.int64)}
+
+
+def _batch_stage(src: Iterable[dict], **kwargs) -> Iterator[list[dict]]:
+    yield from budget_batches(src, **kwargs)
+
+
+class TranslationDataModule(L.LightningDataModule):
+    """Streams a translation shard set (``mmlight prepare iwslt14``) in token-budget batches.
+
+    Training reads resampled shards (split by node, shuffled) for a fixed number of batches per
+    epoch, ``num_tokens(train) // (max_tokens * world_size)`` where ``num_tokens`` sums the sample sizes
+    of the split (``_info.json``), so every DDP rank runs the same number of steps. Padding makes real
+    batches hold fewer than ``max_tokens`` sizes, so an "epoch" sees somewhat fewer samples than the
+    split holds; it is an approximate epoch. Validation and test read each shard once, split by node and
+    DataLoader worker, so each sample is seen exactly once over all ranks (ranks may get different
+    numbers of batches). Predict reads ``src_file`` (raw German, one sentence per line) when given,
+    else the test split.
+
+    Args:
+        root: folder holding the shards, ``_info.json``, ``dict.txt`` and the BPE ``code``.
+        max_tokens: token budget per batch: batch size x largest sample size (longer side + ``</s>``).
+        num_workers: DataLoader worker processes per device.
+        max_source_positions: longest source (with ``</s>``) kept; longer samples are skipped.
+        max_target_positions: longest target (with ``</s>``) kept; longer samples are skipped.
+        bucket_buffer: samples gathered, sorted by length and cut into batches at a time.
+        src_file: raw German text file for ``predict`` (tokenised, lowercased and BPE'd like the data).
+        train_split: name of the training split in ``_info.json``.
+        val_split: name of the validation split.
+        test_split: name of the test split (also predicted when ``src_file`` is None).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        max_tokens: int = 4096,
+        num_workers: int = 2,
+        max_source_positions: int = 1024,
+        max_target_positions: int = 1024,
+        bucket_buffer: int = 2000,
+        src_file: str | None = None,
+        train_split: str = "train",
+        val_split: str = "valid",
+        test_split: str = "test",
+    ):
+        super().__init__()
+        self.skipped = SkipCounter()  # corrupt samples met while streaming, shared with workers
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        if bucket_buffer < 1:
+            raise ValueError(f"bucket_buffer must be >= 1, got {bucket_buffer}")
+        self.root = root
+        self.max_tokens = max_tokens
+        self.num_workers = num_workers
+        self.max_source_positions = max_source_positions
+        self.max_target_positions = max_target_positions
+        self.bucket_buffer = bucket_buffer
+        self.src_file = src_file
+        self.train_split = train_split
+        self.val_split = val_split
+        self.test_split = test_split
+        self.info: dict | None = None
+        self._vocab: list[str] | None = None
+        self._index: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ vocabulary
+    def _info(self) -> dict:
+        if self.info is None:
+            self.info = read_info(self.root)
+        return self.info
+
+    @property
+    def vocab(self) -> list[str]:
+        """Id -> token."""
+        if self._vocab is None:
+            self._vocab = load_dictionary(Path(self.root) / self._info()["dict_file"])
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def pad_id(self) -> int:
+        return self._info()["pad_id"]
+
+    @property
+    def bos_id(self) -> int:
+        return self._info()["bos_id"]
+
+    @property
+    def eos_id(self) -> int:
+        return self._info()["eos_id"]
+
+    @property
+    def unk_id(self) -> int:
+        return self._info()["unk_id"]
+
+    @property
+    def decoder_start_id(self) -> int:
+        """First decoder input: ``</s>``, as fairseq's ``prev_output_tokens``."""
+        return self.eos_id
+
+    def encode(self, text: str, lang: str = SRC_LANG) -> list[int]:
+        """Raw text -> ids (Moses tokenisation, lowercasing, the saved BPE; no ``</s>``)."""
+        if self._index is None:
+            self._index = {tok: i for i, tok in enumerate(self.vocab)}
+        bpe = apply_bpe(moses_tokenize(text, lang), Path(self.root) / self._info()["bpe_file"])
+        return [self._index.get(tok, UNK_ID) for tok in bpe.split()]
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, detokenize: bool = True, lang: str = TGT_LANG) -> str:
+        """Ids -> text: specials dropped, BPE removed (``@@ ``), then Moses-detokenised (and unescaped)
+        unless ``detokenize`` is False, which gives the tokenised lowercased text."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        special = {self.bos_id, self.pad_id, self.eos_id}
+        text = " ".join(self.vocab[i] for i in ids if i not in special)
+        text = (text + " ").replace("@@ ", "").rstrip()
+        if not detokenize:
+            return text
+        from sacremoses import MosesDetokenizer
+        return MosesDetokenizer(lang=lang).detokenize(text.split())
+
+    # ------------------------------------------------------------------ loaders
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
+        if train:
+            dataset = wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node,
+                                     handler=wds.warn_and_continue).shuffle(self.bucket_buffer)
+        else:
+            dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
+                                     workersplitter=wds.split_by_worker, handler=wds.warn_and_continue)
+        stage = partial(_batch_stage, max_tokens=self.max_tokens, buffer=self.bucket_buffer, shuffle=train,
+                        max_source_positions=self.max_source_positions,
+                        max_target_positions=self.max_target_positions)
+        return (dataset.map(Skipping(_from_shard, self.skipped)).select(is_kept).compose(stage)
+                .map(partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)))
+
+    def train_steps(self) -> int:
+        """Batches per rank per epoch: the split's summed sample sizes // (max_tokens x world size)."""
+        split = self._info()["splits"][self.train_split]
+        steps = split["num_tokens"] // (self.max_tokens * self._world_size())
+        if steps < 1:
+            raise ValueError(f"the {split['num_tokens']} training tokens are fewer than one global batch "
+                             f"({self.max_tokens} x {self._world_size()} devices)")
+        return steps
+
+    def train_dataloader(self):
+        steps = self.train_steps()
+        dataset = self._pipeline(split_urls(self.root, self._info(), self.train_split), train=True)
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                               persistent_workers=self.num_workers > 0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
+            return loader.with_epoch(steps).with_length(steps)
+
+    def _eval_loader(self, split: str):
+        dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_split)
+
+    def test_dataloader(self):
+        return self._eval_loader(self.test_split)
+
+    def predict_dataloader(self):
+        """Batches of ``src_file`` in file order (``ids`` = 0-based line numbers; ``tgt_*`` empty), or the test split."""
+        if self.src_file is None:
+            return self._eval_loader(self.test_split)
+        with open(self.src_file, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+        samples = [{"key": f"line-{i:07d}", "id": i, "src": np.asarray(self.encode(line), dtype=np.int64),
+                    "tgt": np.zeros(0, dtype=np.int64)} for i, line in enumerate(lines)]
+        for s in samples:  # every line must come back: a too-long one is an error here, not a skip
+            if len(s["src"]) + 1 > min(self.max_source_positions, self.max_tokens):
+                raise ValueError(f"{self.src_file}:{s['id'] + 1} has {len(s['src']) + 1} tokens with </s>, over "
+                                 f"max_tokens={self.max_tokens} or max_source_positions={self.max_source_positions}")
+        batches = [collate(b, self.pad_id, self.eos_id, self.decoder_start_id)
+                   for b in budget_batches(samples, self.max_tokens, buffer=len(samples) or 1, shuffle=False,
+                                           max_source_positions=self.max_source_positions,
+                                           max_target_positions=self.max_target_positions, sort=False)]
+        return DataLoader(batches, batch_size=None, shuffle=False)

@@ -1,0 +1,161 @@
+"""ImageNet preparation and streaming on a tiny raw set written here in the ILSVRC-2012 layout,
+with a truncated JPEG and a zero-byte file among the images."""
+
+import io
+import json
+import logging
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from mmlight.cli import main
+from mmlight.data import ImageAugment, ImageShardDataModule
+from mmlight.data.images import RepeatEach
+from mmlight.data.prepare import imagenet, prepare
+from mmlight.data.shards import read_info
+
+WNIDS = ["n01440764", "n01443537", "n01484850"]
+SMALL = ImageAugment(image_size=16, channels=3, scale=(0.5, 1.0), color_jitter=None, crop_pct=1.0)
+
+
+def jpeg(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (20, 24, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def write_raw(root, val_layout="flat"):
+    """3 classes x 4 train images (+ one truncated, one empty), 2 val images per class."""
+    for c, wnid in enumerate(WNIDS):
+        folder = root / "train" / wnid
+        folder.mkdir(parents=True)
+        for i in range(4):
+            (folder / f"{wnid}_{i}.JPEG").write_bytes(jpeg(10 * c + i))
+    (root / "train" / WNIDS[0] / f"{WNIDS[0]}_truncated.JPEG").write_bytes(jpeg(99)[:300])
+    (root / "train" / WNIDS[1] / f"{WNIDS[1]}_empty.JPEG").write_bytes(b"")
+    val = root / "val"
+    val.mkdir()
+    labels = {}
+    for n in range(6):
+        name = f"ILSVRC2012_val_{n + 1:08d}"
+        labels[name] = WNIDS[n % 3]
+        target = val / labels[name] if val_layout == "folders" else val
+        target.mkdir(exist_ok=True)
+        (target / f"{name}.JPEG").write_bytes(jpeg(100 + n))
+    if val_layout == "flat":
+        rows = ["ImageId,PredictionString"] + [f"{k},{w} 1 2 3 4" for k, w in labels.items()]
+        (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    if val_layout == "devkit":
+        from scipy.io import savemat
+
+        ids = {w: i + 1 for i, w in enumerate(reversed(WNIDS))}  # devkit ids are not the sorted order
+        synsets = np.array([(i, w) for w, i in ids.items()], dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O")])
+        savemat(str(root / "meta.mat"), {"synsets": synsets})
+        (root / "ILSVRC2012_validation_ground_truth.txt").write_text("\n".join(str(ids[w]) for w in labels.values()))
+    return labels
+
+
+def read_shards(out, split):
+    info = read_info(out)
+    samples = []
+    for shard in info["splits"][split]["shards"]:
+        with tarfile.open(out / shard["name"]) as tar:
+            members = sorted(tar.getmembers(), key=lambda m: m.name)
+            samples += [(m.name, tar.extractfile(m).read()) for m in members]
+    return samples
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    monkeypatch.setattr(imagenet, "SAMPLES_PER_SHARD", 4)
+
+
+@pytest.mark.parametrize("layout", ["flat", "folders", "devkit"])
+def test_prepare_counts_labels_and_skips(tmp_path, small_shards, layout, caplog):
+    labels = write_raw(tmp_path / "raw", layout)
+    with caplog.at_level(logging.WARNING):
+        info = prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1)
+    assert info["classes"] == WNIDS
+    train, val = info["splits"]["train"], info["splits"]["val"]
+    assert (train["num_samples"], train["num_skipped"], val["num_samples"], val["num_skipped"]) == (12, 2, 6, 0)
+    assert len(train["shards"]) == 4 and sum(s["num_samples"] for s in train["shards"]) == 12  # 14 items, 4 per shard
+    reasons = {s["path"].rsplit("/", 1)[-1]: s["reason"] for s in train["skipped"]}
+    assert set(reasons) == {f"{WNIDS[0]}_truncated.JPEG", f"{WNIDS[1]}_empty.JPEG"} and reasons[f"{WNIDS[1]}_empty.JPEG"] == "empty file"
+    assert f"{WNIDS[0]}_truncated.JPEG" in caplog.text  # logged with its path
+    # bytes stored as they were, labels from the label file / folders
+    val_samples = dict(read_shards(tmp_path / "out", "val"))
+    for n, (name, wnid) in enumerate(labels.items()):
+        assert val_samples[f"{name}.jpg"] == jpeg(100 + n)
+        assert val_samples[f"{name}.cls"] == str(WNIDS.index(wnid)).encode()
+
+
+def test_rerun_verifies_and_rewrites_nothing_and_a_killed_run_resumes(tmp_path, small_shards):
+    write_raw(tmp_path / "raw")
+    first = prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=2)
+    shards = sorted((tmp_path / "out").glob("*.tar"))
+    mtimes = {p: p.stat().st_mtime_ns for p in shards}
+    assert prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=2) == first
+    assert {p: p.stat().st_mtime_ns for p in shards} == mtimes
+    # a run killed mid-way: one shard without its record, one half-written temp file, one corrupted
+    (tmp_path / "out" / "train-000001.tar.done.json").unlink()
+    (tmp_path / "out" / "train-000002.tar.tmp").write_bytes(b"partial")
+    (tmp_path / "out" / "val-000000.tar").write_bytes(b"garbage")
+    assert prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1) == first
+    untouched = [p for p in shards if p.name not in ("train-000001.tar", "val-000000.tar")]
+    assert all(p.stat().st_mtime_ns == mtimes[p] for p in untouched)
+
+
+def test_missing_layout_names_what_was_expected(tmp_path, capsys):
+    (tmp_path / "raw" / "train" / WNIDS[0]).mkdir(parents=True)
+    (tmp_path / "raw" / "val").mkdir()
+    (tmp_path / "raw" / "val" / "ILSVRC2012_val_00000001.JPEG").write_bytes(jpeg(0))
+    with pytest.raises(SystemExit):
+        main(["prepare", "imagenet", "--src", str(tmp_path / "raw"), "--out", str(tmp_path / "out")])
+    assert "LOC_val_solution.csv" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="train"):
+        prepare("imagenet", tmp_path, tmp_path / "out2")
+
+
+def test_stream_val_once_and_train_fixed_length(tmp_path, small_shards):
+    write_raw(tmp_path / "raw")
+    prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1)
+    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=5, num_workers=0, augment=SMALL)
+    labels = torch.cat([y for _, y in dm.val_dataloader()])
+    assert sorted(labels.tolist()) == [0, 0, 1, 1, 2, 2]
+    train = dm.train_dataloader()
+    batches = list(train)
+    assert len(batches) == len(train) == 12 // 5
+    images, labels = batches[0]
+    assert images.shape == (5, 3, 16, 16) and labels.dtype == torch.int64
+
+
+def test_corrupt_sample_in_a_shard_is_skipped_counted_and_logged(tmp_path, caplog):
+    out = tmp_path / "shards"
+    out.mkdir()
+    with wds.TarWriter(str(out / "val-000000.tar")) as writer:
+        writer.write({"__key__": "good0", "jpg": jpeg(1), "cls": "0"})
+        writer.write({"__key__": "broken", "jpg": b"\xff\xd8 not really a jpeg", "cls": "1"})
+        writer.write({"__key__": "good1", "jpg": jpeg(2), "cls": "1"})
+    info = {"classes": ["a", "b"], "splits": {"val": {"num_samples": 3, "shards": [{"name": "val-000000.tar"}]}}}
+    (out / "_info.json").write_text(json.dumps(info))
+    dm = ImageShardDataModule(str(out), batch_size=2, num_workers=0, augment=SMALL)
+    with caplog.at_level(logging.WARNING):
+        labels = torch.cat([y for _, y in dm.val_dataloader()])
+    assert labels.tolist() == [0, 1] and dm.skipped.value == 1
+    assert "broken" in caplog.text
+
+
+def test_repeated_augmentation_repeats_inside_the_stream(tmp_path, small_shards):
+    assert list(RepeatEach(3)(iter("ab"))) == list("aaabbb")
+    write_raw(tmp_path / "raw")
+    prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1)
+    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=0, augment=SMALL,
+                              shuffle_buffer=1, repeated_augmentation=3)
+    images, labels = next(iter(dm.train_dataloader()))
+    assert labels[0] == labels[1] == labels[2] and labels[3] == labels[4] == labels[5]
+    assert not torch.equal(images[0], images[1])  # each copy augmented on its own

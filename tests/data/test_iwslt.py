@@ -1,0 +1,280 @@
+"""IWSLT14 de-en: preparation from both raw layouts, and token-budget streaming."""
+
+import random
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from sacremoses import MosesTokenizer
+
+from mmlight.data.prepare import main as prepare_main
+from mmlight.data.prepare.iwslt import RAW_TEST_SETS, load_dictionary, prepare_iwslt
+from mmlight.data.shards import read_info
+from mmlight.data.translation import TranslationDataModule
+
+SUBJECTS = [("der Hund", "the dog"), ("die Katze", "the cat"), ("mein Vater", "my father"),
+            ("unsere Lehrerin", "our teacher"), ("das Kind", "the child"), ("ein Wissenschaftler", "a scientist")]
+VERBS = [("sieht", "sees"), ("liebt", "loves"), ("findet", "finds"), ("beobachtet", "watches"),
+         ("versteht", "understands")]
+OBJECTS = [("den Garten", "the garden"), ("die Sonne", "the sun"), ("das Wasser", "the water"),
+           ("den Computer", "the computer"), ("die Zukunft", "the future"), ("die Musik", "the music")]
+ENDS = [(".", "."), ("!", "!"), (" heute.", " today."), (" nicht.", " not."), (", oder?", ", doesn't it?")]
+
+
+def _sentences(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        (sd, se), (vd, ve), (od, oe), (ed, ee) = (rng.choice(x) for x in (SUBJECTS, VERBS, OBJECTS, ENDS))
+        out.append((f"{sd[0].upper()}{sd[1:]} {vd} {od}{ed}", f"{se[0].upper()}{se[1:]} {ve} {oe}{ee}"))
+    return out
+
+
+def _tok(text: str, lang: str) -> str:
+    return MosesTokenizer(lang=lang).tokenize(text, escape=True, return_str=True).lower()
+
+
+def _write_raw(root):
+    """A tiny raw IWSLT14 release; returns the pairs expected after extraction+cleaning, in order."""
+    root.mkdir(parents=True, exist_ok=True)
+    pairs = _sentences(60)
+    de, en, kept = [], [], []
+    for talk in range(2):
+        de += [f"<url>http://www.ted.com/talks/{talk}.html</url>", "<keywords>talks, science</keywords>",
+               f"<talkid>{talk}</talkid>", f"<title>Anna Weber: Über Hunde {talk}</title>",
+               "<description>Sie spricht über Hunde.</description>"]
+        en += [f"<url>http://www.ted.com/talks/{talk}.html</url>", "<keywords>talks, science</keywords>",
+               f"<talkid>{talk}</talkid>", f"<title>Anna Weber: About dogs {talk}</title>",
+               "<description>She talks about dogs.</description>"]
+        kept += [(f"Anna Weber: Über Hunde {talk}", f"Anna Weber: About dogs {talk}"),
+                 ("Sie spricht über Hunde.", "She talks about dogs.")]
+        for d, e in pairs[talk * 30:(talk + 1) * 30]:
+            de.append(d)
+            en.append(e)
+            kept.append((d, e))
+    de_b = [line.encode() for line in de]
+    en_b = [line.encode() for line in en]
+    # bad pairs: an empty English side (line 10), invalid UTF-8 in German (line 20),
+    # a pair with a length ratio over 1.5 and one over 175 tokens (both cleaned out)
+    de_b.insert(9, b"Das ist leer.")
+    en_b.insert(9, b"")
+    de_b.insert(19, b"Kaputt \xff\xfe Text.")
+    en_b.insert(19, b"Broken text.")
+    de_b.insert(30, b"Ja .")
+    en_b.insert(30, b"Yes , yes , yes , yes , yes .")
+    de_b.insert(40, " ".join(["Wort"] * 180).encode())
+    en_b.insert(40, " ".join(["word"] * 180).encode())
+    (root / "train.tags.de-en.de").write_bytes(b"\n".join(de_b) + b"\n")
+    (root / "train.tags.de-en.en").write_bytes(b"\n".join(en_b) + b"\n")
+
+    test = []
+    tests = _sentences(10, seed=1)
+    tests[0] = ("Der Hund sieht die Sonne, oder?", "The dog sees the sun, doesn't it?")  # ’ in the XML
+    for k, name in enumerate(RAW_TEST_SETS):
+        for lang, side in (("de", 0), ("en", 1)):
+            segs = tests[2 * k:2 * k + 2]
+            lines = ['<?xml version="1.0" encoding="UTF-8"?>', '<mteval>', f'<srcset setid="{name}" srclang="{lang}">',
+                     '<doc docid="1" genre="lectures">', f"<talkid>{k}</talkid>", "<title>Ein Titel</title>"]
+            lines += [f'<seg id="{i + 1}"> {s[side].replace(chr(39), chr(8217))} </seg>' for i, s in enumerate(segs)]
+            lines += ["</doc>", "</srcset>", "</mteval>"]
+            (root / f"{name}.de-en.{lang}.xml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        test += tests[2 * k:2 * k + 2]
+    return kept, test
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    root = tmp_path_factory.mktemp("iwslt_raw")
+    kept, test = _write_raw(root)
+    return root, kept, test
+
+
+@pytest.fixture(scope="module")
+def shards(raw, tmp_path_factory):
+    out = tmp_path_factory.mktemp("iwslt_shards")
+    prepare_iwslt(raw[0], out, workers=1, merges=50, samples_per_shard=4)
+    return out
+
+
+def _read_split(out, split):
+    info = read_info(out)
+    samples = {}
+    for shard in info["splits"][split]["shards"]:
+        for s in wds.WebDataset(str(out / shard["name"]), shardshuffle=False).decode():
+            samples[s["__key__"]] = s
+    return [samples[k] for k in sorted(samples)]
+
+
+def _unbpe(text):
+    return (text + " ").replace("@@ ", "").rstrip()
+
+
+def test_raw_counts_cleaning_and_skips(raw, shards):
+    root, kept, test = raw
+    info = read_info(shards)
+    assert info["dataset"] == "iwslt14" and info["layout"] == "raw" and info["bpe_merges"] == 50
+    assert (info["bos_id"], info["pad_id"], info["eos_id"], info["unk_id"]) == (0, 1, 2, 3)
+    assert info["specials"] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert info["cleaning"] == {"tag_lines_dropped": 6, "cleaned_out": 2}
+    assert len(kept) == 64
+    splits = info["splits"]
+    assert (splits["train"]["num_samples"], splits["valid"]["num_samples"], splits["test"]["num_samples"]) == (62, 2, 10)
+    assert splits["train"]["num_skipped"] == 2 and splits["valid"]["num_skipped"] == splits["test"]["num_skipped"] == 0
+    where = {s["path"]: s["reason"] for s in splits["train"]["skipped"]}
+    assert where == {f"{root}/train.tags.de-en.en:10": "empty English side",
+                     f"{root}/train.tags.de-en.de:20": where.get(f"{root}/train.tags.de-en.de:20")}
+    assert "invalid UTF-8" in where[f"{root}/train.tags.de-en.de:20"]
+    # valid = every 23rd kept pair, lowercased and tokenised; train = the rest in order
+    valid = _read_split(shards, "valid")
+    expect_valid = [kept[22], kept[45]]
+    assert [(_unbpe(s["src.txt"]), _unbpe(s["tgt.txt"])) for s in valid] == \
+        [(_tok(d, "de"), _tok(e, "en")) for d, e in expect_valid]
+    train = _read_split(shards, "train")
+    expect_train = [p for i, p in enumerate(kept, 1) if i % 23]
+    assert [_unbpe(s["src.txt"]) for s in train] == [_tok(d, "de") for d, _ in expect_train]
+    assert train[0]["src.txt"] == train[0]["src.txt"].lower() and "<title>" not in train[0]["src.txt"]
+    assert not any("url" in s["src.txt"] or "talkid" in s["src.txt"] for s in train)
+    # test = the five sets in order, with ’ turned into '
+    tst = _read_split(shards, "test")
+    assert [_unbpe(s["tgt.txt"]) for s in tst] == [_tok(e, "en") for _, e in test]
+    assert any("doesn &apos;t" in _unbpe(s["tgt.txt"]) for s in tst)
+    # ids match the dictionary, no BOS/EOS stored
+    vocab = load_dictionary(shards / "dict.txt")
+    assert len(vocab) == info["vocab_size"] and vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
+    for s in train[:5]:
+        assert s["src.npy"].dtype == np.int32 and [vocab[i] for i in s["src.npy"]] == s["src.txt"].split()
+    # dict order: descending count, ties alphabetical
+    counts = [(line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in (shards / "dict.txt").read_text().splitlines()]
+    assert counts == sorted(counts, key=lambda tc: (-tc[1], tc[0]))
+    assert any("@@" in tok for tok, _ in counts)  # BPE did merge subwords
+
+
+def test_rerun_writes_nothing_and_resume_is_identical(raw, shards, tmp_path):
+    before = {p.name: p.stat().st_mtime_ns for p in shards.iterdir() if p.name != "_info.json"}
+    info = read_info(shards)
+    again = prepare_iwslt(raw[0], shards, workers=1, merges=50, samples_per_shard=4)
+    assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir() if p.name != "_info.json"} == before
+    assert again == info
+    # an interrupted run: copy, lose the last train shards and the dictionary, leave a half-written tmp
+    out = tmp_path / "resumed"
+    shutil.copytree(shards, out)
+    for name in ("train-000015.tar", "train-000015.tar.done.json", "train-000014.tar.done.json", "dict.txt", "_info.json"):
+        (out / name).unlink()
+    (out / "train-000015.tar.tmp").write_bytes(b"partial")
+    resumed = prepare_iwslt(raw[0], out, workers=2, merges=50, samples_per_shard=4)
+    assert (out / "code").stat().st_mtime_ns == (shards / "code").stat().st_mtime_ns  # BPE not relearnt
+    assert resumed["splits"]["train"]["num_samples"] == 62
+    for split in ("train", "valid", "test"):
+        a, b = _read_split(shards, split), _read_split(out, split)
+        assert [(s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in a] == \
+            [(s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in b]
+    assert (out / "dict.txt").read_text() == (shards / "dict.txt").read_text()
+
+
+def test_missing_and_misaligned_files(tmp_path, raw):
+    with pytest.raises(FileNotFoundError, match=r"train\.tags\.de-en\.de.*") as err:
+        prepare_iwslt(tmp_path, tmp_path / "out")
+    assert "code" in str(err.value) and "IWSLT14.TED.tst2012.de-en.en.xml" in str(err.value)
+    bad = tmp_path / "bad"
+    shutil.copytree(raw[0], bad)
+    with open(bad / "train.tags.de-en.en", "a") as f:
+        f.write("one more line\n")
+    with pytest.raises(ValueError, match="line-aligned"):
+        prepare_iwslt(bad, tmp_path / "out2", merges=50)
+
+
+def test_fairseq_layout_via_cli(shards, tmp_path, capsys):
+    src = tmp_path / "fairseq"
+    src.mkdir()
+    for split in ("train", "valid", "test"):
+        samples = _read_split(shards, split)
+        de = [s["src.txt"] for s in samples]
+        en = [s["tgt.txt"] for s in samples]
+        if split == "valid":
+            de.append("ein satz")
+            en.append("")
+        (src / f"{split}.de").write_text("".join(x + "\n" for x in de))
+        (src / f"{split}.en").write_text("".join(x + "\n" for x in en))
+    shutil.copyfile(shards / "code", src / "code")
+    out = tmp_path / "out"
+    prepare_main(["iwslt14", "--src", str(src), "--out", str(out), "--workers", "1"])
+    assert "train 62 samples (0 skipped), valid 2 samples (1 skipped), test 10 samples" in capsys.readouterr().out
+    info = read_info(out)
+    assert info["layout"] == "fairseq" and info["splits"]["valid"]["skipped"] == \
+        [{"path": f"{src}/valid.en:3", "reason": "empty English side"}]
+    assert (out / "code").read_bytes() == (shards / "code").read_bytes()
+    assert (out / "dict.txt").read_text() == (shards / "dict.txt").read_text()
+    assert [s["src.npy"].tolist() for s in _read_split(out, "test")] == \
+        [s["src.npy"].tolist() for s in _read_split(shards, "test")]
+
+
+def _check_batch(batch, dm, max_tokens):
+    src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
+    assert src.dtype == tgt_in.dtype == torch.int64
+    assert src.numel() <= max_tokens and tgt_out.numel() <= max_tokens
+    assert torch.equal(batch["src_mask"], src != dm.pad_id) and torch.equal(batch["tgt_mask"], tgt_out != dm.pad_id)
+    assert (tgt_in[:, 0] == dm.eos_id).all()  # fairseq's decoder start symbol
+    for i in range(len(src)):
+        t = int(batch["tgt_mask"][i].sum())
+        assert torch.equal(tgt_in[i, 1:t], tgt_out[i, :t - 1]) and tgt_out[i, t - 1] == dm.eos_id
+        assert (tgt_in[i, t:] == dm.pad_id).all()
+        assert src[i, int(batch["src_mask"][i].sum()) - 1] == dm.eos_id
+    assert batch["ntokens"] == int(batch["tgt_mask"].sum())
+
+
+def test_eval_batches_budget_and_exactly_once(shards, monkeypatch):
+    dm = TranslationDataModule(str(shards), max_tokens=48, num_workers=2, bucket_buffer=8, val_split="test")
+    assert dm.vocab_size == read_info(shards)["vocab_size"] and (dm.bos_id, dm.pad_id, dm.eos_id) == (0, 1, 2)
+    batches = list(dm.val_dataloader())
+    for b in batches:
+        _check_batch(b, dm, 48)
+    assert sorted(i for b in batches for i in b["ids"].tolist()) == list(range(10))
+    assert len(batches) > 1
+    # two simulated ranks: webdataset's split_by_node reads RANK/WORLD_SIZE
+    dm = TranslationDataModule(str(shards), max_tokens=48, num_workers=0, bucket_buffer=8)
+    seen = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ids = [k for b in dm.test_dataloader() for k in b["keys"]]
+        assert ids
+        seen += ids
+    assert sorted(seen) == [f"test-{i:07d}" for i in range(10)]
+
+
+def test_train_epoch_length_and_budget(shards):
+    dm = TranslationDataModule(str(shards), max_tokens=64, num_workers=0, bucket_buffer=16)
+    steps = read_info(shards)["splits"]["train"]["num_tokens"] // 64
+    loader = dm.train_dataloader()
+    assert len(loader) == steps > 2
+    batches = list(loader)
+    assert len(batches) == steps
+    for b in batches:
+        _check_batch(b, dm, 64)
+    dm.trainer = SimpleNamespace(world_size=2)
+    assert dm.train_steps() == steps // 2
+    # a sample bigger than the budget is skipped with a warning
+    with pytest.warns(UserWarning, match="skipping sample"):
+        assert next(iter(TranslationDataModule(str(shards), max_tokens=4, num_workers=0).val_dataloader()), None) is None
+
+
+def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
+    dm = TranslationDataModule(str(shards), max_tokens=24, num_workers=0)
+    for de, en in raw[1][:8]:
+        assert dm.decode(dm.encode(de, "de"), detokenize=False) == _tok(de, "de")
+        assert dm.decode(dm.encode(en, "en"), detokenize=False) == _tok(en, "en")
+    ids = dm.encode("The dog sees the sun, doesn't it?", "en")
+    assert dm.unk_id not in ids and any(dm.vocab[i].endswith("@@") for i in ids)
+    assert dm.decode(ids + [dm.eos_id, dm.pad_id]) == "the dog sees the sun, doesn't it?"
+    lines = [d for d, _ in raw[1][:7]]
+    (tmp_path / "input.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dm = TranslationDataModule(str(shards), max_tokens=64, num_workers=0, src_file=str(tmp_path / "input.de"))
+    batches = list(dm.predict_dataloader())
+    assert len(batches) > 1 and [i for b in batches for i in b["ids"].tolist()] == list(range(7))
+    rows = [row[mask].tolist() for b in batches for row, mask in zip(b["src"], b["src_mask"])]
+    assert rows == [dm.encode(line) + [dm.eos_id] for line in lines]
+    for b in batches:
+        assert b["src"].numel() <= 64
