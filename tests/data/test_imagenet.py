@@ -159,3 +159,18 @@ def test_repeated_augmentation_repeats_inside_the_stream(tmp_path, small_shards)
     images, labels = next(iter(dm.train_dataloader()))
     assert labels[0] == labels[1] == labels[2] and labels[3] == labels[4] == labels[5]
     assert not torch.equal(images[0], images[1])  # each copy augmented on its own
+
+
+def test_randaugment_posterize_at_full_magnitude_does_not_crash():
+    """timm's RandAugment reaches posterize with 0 bits at magnitude 10; Pillow 13 refuses 0 bits.
+    The DeiT transform must keep working and give the black image older Pillow gave."""
+    from timm.data.auto_augment import rand_augment_transform
+
+    image = Image.fromarray(np.full((16, 16, 3), 200, dtype=np.uint8))
+    op = rand_augment_transform("rand-n1-m10-inc1", {}).ops
+    posterize = next(o for o in op if o.name == "PosterizeIncreasing")
+    posterize.prob = 1.0
+    assert np.asarray(posterize(image)).max() == 0
+    transform = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3).build(train=True)
+    for _ in range(200):
+        transform(image)

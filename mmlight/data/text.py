@@ -1,0 +1,321 @@
+"""Word-level language-model data (WikiText-103) from the shard set of ``mmlight prepare wikitext103``.
+
+Training streams resampled shards and cuts each stored chunk of the token stream into contiguous
+blocks; evaluation slides a window with a stated context over the whole validation/test stream, so
+every token is scored exactly once (``fairseq-eval-lm --context-window``).
+
+Batches are dicts:
+
+* ``input`` (B, T) int64 token ids, ``target`` (B, T) int64 the next token of each input position;
+* ``loss_mask`` (B, T) bool, True where the target is scored (all True in training; in evaluation
+  False on the context part of a window and on padding);
+* evaluation only: ``start`` (B,) int64, the position in the split's token stream of ``target[:, 0]``
+  (so ``target[b, t]`` is stream token ``start[b] + t`` wherever ``loss_mask[b, t]``).
+
+Padding (a short last evaluation window) uses :attr:`WikiTextDataModule.pad_id` in ``input`` and
+``target``, with ``loss_mask`` False.
+
+Perplexity per word = ``exp(sum of -log p(target) over scored targets / number of scored targets)``,
+summed over the whole split (accumulate the two sums per rank and all-reduce them once at the end of
+the epoch; don't average per-batch perplexities, and don't make collective calls per step, since
+ranks may run different numbers of evaluation batches). As in fairseq, the end-of-line symbol
+``</s>`` that ends every line is a token and is scored, and the first token of a split is predicted
+from ``</s>`` (the end of the "previous line"), so the number of scored targets equals the split's
+``num_tokens`` in ``_info.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import tarfile
+import warnings
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset
+
+from mmlight.data.prepare.wikitext import load_vocab
+from mmlight.data.shards import read_info, split_urls
+
+
+def decode_chunk(sample: dict) -> np.ndarray:
+    """A shard sample -> its uint32 token ids."""
+    return np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
+
+
+def cut_blocks(chunks: Iterator[np.ndarray], block_size: int, random_offset: bool = True
+               ) -> Iterator[dict]:
+    """Cut each chunk into contiguous blocks of ``block_size + 1`` tokens (consecutive blocks share
+    one token, so every target of the chunk after the offset is trained on); ``input = block[:-1]``,
+    ``target = block[1:]``.
+
+    With ``random_offset`` each chunk starts at a random offset in ``[0, block_size)`` so block
+    boundaries differ from epoch to epoch; tokens before the offset and after the last full block
+    are not used in that pass.
+    """
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    for ids in chunks:
+        start = rng.randrange(block_size) if random_offset else 0
+        for s in range(start, len(ids) - block_size, block_size):
+            block = ids[s:s + block_size + 1].astype(np.int64)
+            yield {"input": block[:-1], "target": block[1:]}
+
+
+def collate_blocks(samples: list[dict]) -> dict:
+    """Stack training blocks into a batch."""
+    inputs = torch.from_numpy(np.stack([s["input"] for s in samples]))
+    targets = torch.from_numpy(np.stack([s["target"] for s in samples]))
+    return {"input": inputs, "target": targets, "loss_mask": torch.ones_like(targets, dtype=torch.bool)}
+
+
+def eval_windows(num_tokens: int, block_size: int, context: int) -> list[tuple[int, int, int]]:
+    """The evaluation windows over a stream of ``num_tokens`` targets, as ``(start, first, stop)``.
+
+    Window ``k`` holds targets ``stream[start:start + block_size]`` (cut at ``num_tokens``) and scores
+    ``stream[first:stop]``: the first window scores all of its targets, every later one only its last
+    ``block_size - context`` targets, each of which is predicted from at least ``context + 1`` tokens
+    (``context`` tokens before its immediate predecessor). Consecutive windows' scored ranges tile
+    ``[0, num_tokens)``.
+    """
+    if not 0 <= context < block_size:
+        raise ValueError(f"eval_context must be in [0, eval_block_size), got {context} with block {block_size}")
+    stride = block_size - context
+    windows = []
+    start = 0
+    while True:
+        first = 0 if start == 0 else start + context
+        if first >= num_tokens:
+            break
+        windows.append((start, first, min(start + block_size, num_tokens)))
+        start += stride
+    return windows
+
+
+class EvalWindows(IterableDataset):
+    """Batches of evaluation windows over an in-memory token stream for one rank.
+
+    Rank ``r`` of ``W`` takes windows ``r, r + W, ...``; batches are formed from those in order.
+
+    Args:
+        stream: the split's token ids in order.
+        block_size: window length.
+        context: tokens of context (see :func:`eval_windows`).
+        batch_size: windows per batch (the last batch may be smaller).
+        pad_id: id used to pad a short window.
+        eos_id: the token the first target of the stream is predicted from.
+        rank: this rank.
+        world_size: number of ranks.
+    """
+
+    def __init__(self, stream: np.ndarray, block_size: int, context: int, batch_size: int, pad_id: int,
+                 eos_id: int, rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.stream = np.concatenate([[eos_id], np.asarray(stream, dtype=np.int64)])  # input of target j: [j]
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.windows = eval_windows(len(stream), block_size, context)[rank::world_size]
+
+    def __len__(self) -> int:
+        return (len(self.windows) + self.batch_size - 1) // self.batch_size
+
+    def _window(self, start: int, first: int, stop: int):
+        n = stop - start
+        inputs = np.full(self.block_size, self.pad_id, dtype=np.int64)
+        targets = np.full(self.block_size, self.pad_id, dtype=np.int64)
+        mask = np.zeros(self.block_size, dtype=bool)
+        inputs[:n] = self.stream[start:stop]
+        targets[:n] = self.stream[start + 1:stop + 1]
+        mask[first - start:n] = True
+        return inputs, targets, mask
+
+    def __iter__(self):
+        for b in range(0, len(self.windows), self.batch_size):
+            part = self.windows[b:b + self.batch_size]
+            inputs, targets, masks = zip(*(self._window(*w) for w in part))
+            yield {"input": torch.from_numpy(np.stack(inputs)), "target": torch.from_numpy(np.stack(targets)),
+                   "loss_mask": torch.from_numpy(np.stack(masks)),
+                   "start": torch.tensor([w[0] for w in part], dtype=torch.int64)}
+
+
+def read_stream(root: str | Path, info: dict, split: str) -> np.ndarray:
+    """A split's whole token stream, reassembled in order from its shards (checked against ``num_tokens``)."""
+    chunks: dict[str, np.ndarray] = {}
+    for url in split_urls(root, info, split):
+        with tarfile.open(url) as tar:
+            for member in tar:
+                if member.isfile() and member.name.endswith(".ids.npy"):
+                    key = member.name[:-len(".ids.npy")]
+                    chunks[key] = np.load(io.BytesIO(tar.extractfile(member).read()), allow_pickle=False)
+    keys = sorted(chunks)
+    if keys != [f"{i:06d}" for i in range(len(keys))]:
+        raise ValueError(f"split {split!r} of {root} does not hold consecutive chunks 000000..")
+    stream = np.concatenate([chunks[k] for k in keys]) if keys else np.zeros(0, np.uint32)
+    expected = info["splits"][split]["num_tokens"]
+    if len(stream) != expected:
+        raise ValueError(f"split {split!r} of {root} has {len(stream)} tokens, _info.json says {expected}")
+    return stream.astype(np.int64)
+
+
+class WikiTextDataModule(L.LightningDataModule):
+    """Word-level language modelling on a WikiText-103 shard set (see the module docstring for the
+    batch format and how to compute perplexity).
+
+    Training reads resampled shards (each rank and worker draws shards at random), cuts every chunk
+    into contiguous blocks, shuffles them in a buffer and batches them without partial batches; an
+    epoch is fixed to ``num_train_tokens // (block_size * batch_size * world_size)`` steps on every
+    rank, so DDP ranks never wait for each other. Validation and test slide a window with a stated
+    context over the whole split, split across ranks by window index, every token scored once.
+
+    Args:
+        root: folder of the shard set (``_info.json``, ``vocab.txt``, shards).
+        block_size: training tokens per sample (fairseq's ``tokens_per_sample``, 512 in the
+            ``transformer_lm`` WikiText-103 recipe).
+        batch_size: samples (blocks or windows) per device batch.
+        num_workers: DataLoader worker processes per device for training (evaluation reads the small
+            split into memory and runs in the main process).
+        eval_block_size: evaluation window length; None means ``block_size``.
+        eval_context: tokens of context for evaluation (fairseq-eval-lm ``--context-window``): every
+            window after the first scores only its last ``eval_block_size - eval_context`` targets, each
+            predicted from at least ``eval_context + 1`` tokens. None means 0 (non-overlapping windows,
+            fairseq's default); e.g. 400 with 512-token windows gives better-conditioned scores at
+            ~4.4x the evaluation cost. Must be smaller than the window.
+        shuffle_buffer: training blocks held in the shuffle buffer (0 disables shuffling).
+        train_split: name of the training split in ``_info.json``.
+        val_split: name of the validation split.
+        test_split: name of the split that ``test`` and ``predict`` read.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        block_size: int = 512,
+        batch_size: int = 8,
+        num_workers: int = 2,
+        eval_block_size: int | None = None,
+        eval_context: int | None = None,
+        shuffle_buffer: int = 4096,
+        train_split: str = "train",
+        val_split: str = "valid",
+        test_split: str = "test",
+    ):
+        super().__init__()
+        if block_size < 1 or batch_size < 1:
+            raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
+        self.root = root
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.eval_block_size = block_size if eval_block_size is None else eval_block_size
+        self.eval_context = 0 if eval_context is None else eval_context
+        if not 0 <= self.eval_context < self.eval_block_size:
+            raise ValueError(f"eval_context must be in [0, eval_block_size={self.eval_block_size}), "
+                             f"got {self.eval_context}")
+        self.shuffle_buffer = shuffle_buffer
+        self.train_split = train_split
+        self.val_split = val_split
+        self.test_split = test_split
+        self.info: dict | None = None
+        self._vocab: list[str] | None = None
+        self._streams: dict[str, np.ndarray] = {}
+
+    # -- shard set --------------------------------------------------------------------------------
+    def _info(self) -> dict:
+        if self.info is None:
+            self.info = read_info(self.root)
+        return self.info
+
+    @property
+    def vocab(self) -> list[str]:
+        """The vocabulary, index = token id (specials first)."""
+        if self._vocab is None:
+            info = self._info()
+            self._vocab = load_vocab(Path(self.root) / info["vocab_file"])
+            if len(self._vocab) != info["vocab_size"]:
+                raise ValueError(f"{info['vocab_file']} has {len(self._vocab)} entries, "
+                                 f"_info.json says {info['vocab_size']}")
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._info()["vocab_size"])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self._info()["special_ids"]["pad"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._info()["special_ids"]["eos"])
+
+    @property
+    def unk_id(self) -> int:
+        return int(self._info()["special_ids"]["unk"])
+
+    @property
+    def num_train_tokens(self) -> int:
+        return int(self._info()["splits"][self.train_split]["num_tokens"])
+
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def train_steps(self) -> int:
+        """Training steps per epoch on every rank."""
+        _, world = self._rank_and_world()
+        steps = self.num_train_tokens // (self.block_size * self.batch_size * world)
+        if steps < 1:
+            raise ValueError(f"{self.num_train_tokens} training tokens are fewer than one global batch "
+                             f"({self.batch_size} x {self.block_size} tokens x {world} devices)")
+        return steps
+
+    # -- loaders ----------------------------------------------------------------------------------
+    def train_dataloader(self):
+        info = self._info()
+        steps = self.train_steps()
+        urls = split_urls(self.root, info, self.train_split)
+        dataset = (wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node)
+                   .map(decode_chunk)
+                   .compose(partial(cut_blocks, block_size=self.block_size)))
+        if self.shuffle_buffer > 0:
+            dataset = dataset.shuffle(self.shuffle_buffer)
+        dataset = dataset.batched(self.batch_size, collation_fn=collate_blocks, partial=False)
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                               persistent_workers=self.num_workers > 0)
+        # with_epoch on the loader counts batches over all workers of this rank (webdataset#250).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
+            return loader.with_epoch(steps).with_length(steps)
+
+    def stream(self, split: str) -> np.ndarray:
+        """A split's whole token stream (int64), read once and kept in memory."""
+        if split not in self._streams:
+            self._streams[split] = read_stream(self.root, self._info(), split)
+        return self._streams[split]
+
+    def eval_dataset(self, split: str) -> EvalWindows:
+        """This rank's evaluation windows of ``split``."""
+        rank, world = self._rank_and_world()
+        return EvalWindows(self.stream(split), self.eval_block_size, self.eval_context, self.batch_size,
+                           self.pad_id, self.eos_id, rank, world)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        return DataLoader(self.eval_dataset(split), batch_size=None, num_workers=0)
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_split)
+
+    def test_dataloader(self):
+        return self._eval_loader(self.test_split)
+
+    def predict_dataloader(self):
+        return self._eval_loader(self.test_split)

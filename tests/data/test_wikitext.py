@@ -1,0 +1,327 @@
+"""WikiText-103: raw text -> vocabulary + token-id shards -> training blocks and evaluation windows."""
+
+import collections
+import json
+import math
+import shutil
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mmlight.data.prepare import main as prepare_main
+from mmlight.data.prepare.wikitext import load_vocab, prepare
+from mmlight.data.shards import sha256
+from mmlight.data.text import EvalWindows, WikiTextDataModule, eval_windows
+
+# The real raw format: every line starts with a space, "empty" lines hold one space, headings are
+# " = Title = ", and the text is pre-tokenised (`@-@`, `<unk>`, punctuation as words).
+TRAIN = (b" \n"
+         b" = Valkyria = \n"
+         b" \n"
+         b" The game @-@ play is <unk> . The <unk> game is fun . \n"
+         b"\xff\xfe bad \xc3 line \n"  # line 5: not UTF-8
+         b" = = Gameplay = = \n"
+         b" The play , the game . \n")
+VALID = (b" \n"
+         b" = Valkyria = \n"
+         b" The zebra game . \n")  # "zebra" is not in the training vocabulary
+TEST = (b" = Gameplay = \n"
+        b" \n"
+        b" fun is the play , <unk> . \n"
+        b" The game")  # no final newline
+VOCAB = ["<s>", "<pad>", "</s>", "<unk>",
+         "=",                                   # 6
+         ".", "The", "game",                    # 3 each, by code point
+         "is", "play",                          # 2
+         ",", "@-@", "Gameplay", "Valkyria", "fun", "the"]  # 1
+CHUNK, PER_SHARD = 8, 2  # small chunks so that the splits span several samples and shards
+
+
+def write_raw(src, files=None):
+    src.mkdir(parents=True, exist_ok=True)
+    for name, data in (files or {"wiki.train.tokens": TRAIN, "wiki.valid.tokens": VALID,
+                                 "wiki.test.tokens": TEST}).items():
+        (src / name).write_bytes(data)
+    return src
+
+
+def tokens(data: bytes) -> list[str]:
+    """The reference tokenisation, written independently: every good line + "</s>"."""
+    out = []
+    for raw in data.split(b"\n")[:None if not data.endswith(b"\n") else -1]:
+        try:
+            out += raw.decode("utf-8").split() + ["</s>"]
+        except UnicodeDecodeError:
+            pass
+    return out
+
+
+def ids(data: bytes) -> np.ndarray:
+    index = {w: i for i, w in enumerate(VOCAB)}
+    return np.array([index.get(w, 3) for w in tokens(data)], dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wikitext")
+    src = write_raw(root / "raw")
+    out = root / "shards"
+    prepare(src, out, workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    return src, out
+
+
+def snapshot(folder):
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def test_vocabulary_and_counts(shards):
+    src, out = shards
+    info = json.loads((out / "_info.json").read_text())
+    assert load_vocab(out / "vocab.txt") == VOCAB
+    assert (out / "vocab.txt").read_text() == "".join(w + "\n" for w in VOCAB)
+    assert info["dataset"] == "wikitext103" and info["vocab_file"] == "vocab.txt"
+    assert info["vocab_size"] == 16
+    assert info["special_ids"] == {"bos": 0, "pad": 1, "eos": 2, "unk": 3}
+    train, valid, test = (info["splits"][s] for s in ("train", "valid", "test"))
+    assert (train["num_tokens"], valid["num_tokens"], test["num_tokens"]) == (33, 10, 16)
+    assert (train["num_lines"], valid["num_lines"], test["num_lines"]) == (6, 3, 4)
+    assert train["num_skipped"] == 1 and valid["num_skipped"] == test["num_skipped"] == 0
+    assert train["skipped"][0]["path"] == f"{src / 'wiki.train.tokens'}:5"
+    assert "UTF-8" in train["skipped"][0]["reason"]
+    # 33 tokens in chunks of 8 -> 5 samples, 2 per shard -> 3 shards; 10 -> 2 samples; 16 -> 2.
+    assert train["num_samples"] == 5 and [s["num_samples"] for s in train["shards"]] == [2, 2, 1]
+    assert valid["num_samples"] == 2 and test["num_samples"] == 2
+    # the bad line sits after token 20, in chunk 2, i.e. shard 1
+    record = json.loads((out / "train-000001.tar.done.json").read_text())
+    assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.train.tokens'}:5"]
+
+
+def test_streams_reassemble_in_order(shards):
+    _, out = shards
+    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0)
+    assert dm.vocab == VOCAB and dm.vocab_size == 16 and dm.pad_id == 1
+    for split, data in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
+        np.testing.assert_array_equal(dm.stream(split), ids(data))
+    # "<unk>" in the text and the unseen "zebra" are the special; the literal is no entry of its own
+    assert dm.stream("valid")[-4] == 3 and dm.stream("train")[11] == 3
+
+
+def test_rerun_verifies_and_rewrites_nothing(shards, tmp_path, caplog):
+    src, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    before = snapshot(copy)
+    with caplog.at_level("WARNING"):
+        info = prepare(src, copy, workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    assert snapshot(copy) == before
+    assert info == json.loads((copy / "_info.json").read_text())
+    assert "wiki.train.tokens:5" in caplog.text  # the bad line is logged with path:line
+
+
+def test_interrupted_run_resumes_identically(shards, tmp_path):
+    src, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    (copy / "train-000001.tar.done.json").unlink()          # killed before its record
+    (copy / "train-000002.tar").unlink()                   # killed while writing shard 2
+    (copy / "train-000002.tar.done.json").unlink()
+    (copy / "train-000002.tar.tmp").write_bytes(b"partial")
+    (copy / "_info.json").unlink()
+    prepare(src, copy, workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    # The same files with the same samples. (Rewritten tars differ in bytes only by the member mtimes
+    # that webdataset's TarWriter stamps, hence in their checksums.)
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in out.iterdir())
+    for tar in out.glob("*.tar"):
+        assert members(copy / tar.name) == members(tar)
+    assert (copy / "vocab.txt").read_bytes() == (out / "vocab.txt").read_bytes()
+    info, resumed = (json.loads((d / "_info.json").read_text()) for d in (out, copy))
+    for split in resumed["splits"].values():
+        for shard in split["shards"]:
+            assert sha256(copy / shard["name"]) == shard.pop("sha256")
+    for split in info["splits"].values():
+        for shard in split["shards"]:
+            del shard["sha256"]
+    assert resumed == info
+
+
+def members(tar_path):
+    with tarfile.open(tar_path) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar]
+
+
+def test_changed_vocabulary_is_refused(shards, tmp_path):
+    src, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    (copy / "vocab.txt").write_text("<s>\n")
+    with pytest.raises(ValueError, match="vocab.txt differs"):
+        prepare(src, copy, workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+
+
+def test_missing_file_is_named(tmp_path, capsys):
+    src = write_raw(tmp_path / "raw", {"wiki.train.tokens": TRAIN, "wiki.test.tokens": TEST})
+    with pytest.raises(FileNotFoundError, match="wiki.valid.tokens"):
+        prepare(src, tmp_path / "out", workers=1)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main(["wikitext103", "--src", str(src), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "wiki.valid.tokens" in capsys.readouterr().err
+
+
+def test_command_line(shards, tmp_path, capsys):
+    src, _ = shards
+    prepare_main(["wikitext103", "--src", str(src), "--out", str(tmp_path / "cli"), "--workers", "2"])
+    assert "train 1 samples (1 skipped)" in capsys.readouterr().out  # default 65,536-token chunks
+    info = json.loads((tmp_path / "cli" / "_info.json").read_text())
+    assert info["chunk_tokens"] == 65536 and info["splits"]["train"]["num_tokens"] == 33
+    assert load_vocab(tmp_path / "cli" / "vocab.txt") == VOCAB
+
+
+def test_parallel_writers_give_the_same_samples(shards, tmp_path):
+    src, out = shards
+    info = prepare(src, tmp_path / "par", workers=2, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    assert sorted(p.name for p in (tmp_path / "par").iterdir()) == sorted(p.name for p in out.iterdir())
+    for tar in out.glob("*.tar"):
+        assert members(tmp_path / "par" / tar.name) == members(tar)
+    assert info["splits"]["train"]["skipped"] == json.loads((out / "_info.json").read_text())["splits"]["train"]["skipped"]
+
+
+def test_training_with_loader_workers(shards):
+    _, out = shards
+    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=2, shuffle_buffer=4)
+    loader = dm.train_dataloader()
+    for _ in range(2):  # persistent workers, two epochs of exactly 5 steps
+        assert sum(1 for _ in loader) == 5
+
+
+def find(stream: np.ndarray, row: np.ndarray) -> list[int]:
+    windows = np.lib.stride_tricks.sliding_window_view(stream, len(row))
+    return np.flatnonzero((windows == row).all(axis=1)).tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_training_blocks_are_contiguous_slices(shards, world_size):
+    _, out = shards
+    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0, shuffle_buffer=4)
+    if world_size > 1:
+        dm.trainer = SimpleNamespace(global_rank=1, world_size=world_size)
+    stream = ids(TRAIN)
+    steps = 33 // (3 * 2 * world_size)
+    assert dm.train_steps() == steps
+    loader = dm.train_dataloader()
+    assert len(loader) == steps
+    batches = list(loader)
+    assert len(batches) == steps
+    for batch in batches:
+        assert batch["input"].shape == batch["target"].shape == (2, 3)
+        assert batch["input"].dtype == batch["target"].dtype == torch.int64 and batch["loss_mask"].all()
+        for inp, tgt in zip(batch["input"].numpy(), batch["target"].numpy()):
+            block = np.concatenate([inp, tgt[-1:]])
+            assert np.array_equal(inp[1:], tgt[:-1])  # target = input shifted by one
+            starts = find(stream, block)
+            assert starts and any(s // CHUNK == (s + 3) // CHUNK for s in starts)  # within one chunk
+
+
+def scored_pairs(batches):
+    pairs = []
+    for batch in batches:
+        for start, tgt, mask in zip(batch["start"], batch["target"], batch["loss_mask"]):
+            pairs += [(int(start) + int(t), int(tgt[t])) for t in torch.nonzero(mask).flatten()]
+    return pairs
+
+
+def test_eval_window_geometry():
+    # 16 targets, windows of 5 with 2 tokens of context -> stride 3, 5 windows, the last short
+    assert eval_windows(16, 5, 2) == [(0, 0, 5), (3, 5, 8), (6, 8, 11), (9, 11, 14), (12, 14, 16)]
+    assert eval_windows(10, 5, 0) == [(0, 0, 5), (5, 5, 10)]
+    assert eval_windows(3, 5, 4) == [(0, 0, 3)]
+    with pytest.raises(ValueError):
+        eval_windows(10, 5, 5)
+
+
+@pytest.mark.parametrize("block,context,world_size", [(5, 2, 1), (5, 2, 2), (4, 0, 2), (20, 3, 1)])
+def test_eval_scores_every_token_once(shards, block, context, world_size):
+    _, out = shards
+    stream = ids(TEST)
+    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0,
+                            eval_block_size=block, eval_context=context)
+    pairs, counts = [], []
+    for rank in range(world_size):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world_size)
+        batches = list(dm.test_dataloader())
+        counts.append(sum(len(b["start"]) for b in batches))
+        for batch in batches:
+            assert batch["input"].shape == batch["target"].shape == batch["loss_mask"].shape
+            assert batch["input"].shape[1] == block and batch["loss_mask"].dtype == torch.bool
+            for start, inp, tgt, mask in zip(batch["start"], batch["input"], batch["target"],
+                                             batch["loss_mask"]):
+                s = int(start)
+                n = min(block, len(stream) - s)
+                # target t is stream[s + t]; input t is its predecessor ("</s>" before the first token)
+                np.testing.assert_array_equal(tgt[:n].numpy(), stream[s:s + n])
+                np.testing.assert_array_equal(inp[:n].numpy(), np.concatenate([[2], stream])[s:s + n])
+                assert (inp[n:] == 1).all() and (tgt[n:] == 1).all() and not mask[n:].any()
+                scored = torch.nonzero(mask).flatten()
+                if s > 0:  # every scored target sees >= context + 1 tokens of the window
+                    assert int(scored.min()) + 1 >= context + 1 and int(scored.min()) == context
+        pairs += scored_pairs(batches)
+    assert collections.Counter(pairs) == collections.Counter(enumerate(stream.tolist()))
+    if world_size == 2 and (block, context) == (5, 2):
+        assert counts == [3, 2]  # uneven windows across ranks
+
+
+def test_perplexity_matches_independent_computation(shards):
+    """A bigram "model" (add-one smoothed, trained on the train stream): perplexity from the batches
+    equals exp(mean NLL) over the raw test text, the first token conditioned on "</s>"."""
+    _, out = shards
+    train = ids(TRAIN)
+    counts = np.ones((16, 16))
+    np.add.at(counts, (np.concatenate([[2], train[:-1]]), train), 1)
+    logp = torch.from_numpy(np.log(counts / counts.sum(1, keepdims=True)))
+
+    dm = WikiTextDataModule(str(out), batch_size=3, eval_block_size=6, eval_context=2)
+    nll, n = 0.0, 0
+    for batch in dm.test_dataloader():
+        token_logp = logp[batch["input"], batch["target"]]
+        nll -= float(token_logp[batch["loss_mask"]].sum())
+        n += int(batch["loss_mask"].sum())
+
+    words = tokens(TEST)
+    index = {w: i for i, w in enumerate(VOCAB)}
+    prev, ref = "</s>", []
+    for w in words:
+        ref.append(-math.log(counts[index[prev], index.get(w, 3)] / counts[index[prev]].sum()))
+        prev = w
+    assert n == len(words) == 16
+    assert math.exp(nll / n) == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-12)
+
+
+def test_eval_windows_dataset_length():
+    ds = EvalWindows(np.arange(4, 20), 5, 2, batch_size=2, pad_id=1, eos_id=2, rank=1, world_size=2)
+    assert len(ds) == len(list(ds)) == 1
+
+
+def test_datamodule_from_config(shards):
+    import jsonargparse
+    _, out = shards
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(WikiTextDataModule, "data")
+    cfg = parser.parse_args(["--data.root", str(out), "--data.eval_context", "400",
+                             "--data.eval_block_size", "512"])
+    dm = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    dm = dm(cfg).data
+    assert isinstance(dm, WikiTextDataModule) and dm.eval_context == 400 and dm.block_size == 512
+    with pytest.raises(ValueError, match="eval_context"):
+        WikiTextDataModule(str(out), eval_block_size=8, eval_context=8)
+    # the example config snippet builds the same class
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs/data/wikitext103.yaml").read_text())
+    assert config["data"]["class_path"] == "mmlight.data.WikiTextDataModule"
+    init_args = {**config["data"]["init_args"], "root": str(out)}
+    cfg = parser.parse_object({"data": init_args})
+    dm = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    assert dm(cfg).data.eval_context == 400
