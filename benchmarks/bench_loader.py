@@ -20,6 +20,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--samples", type=int, default=1500, help="samples timed per measurement")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating measurements per loader; the median counts")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # decode and augment are per-worker work; keep the main process out of it
@@ -98,14 +100,19 @@ def main(argv: list[str] | None = None) -> Path:
         cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
         with out.open("a") as sink:
             for workers in args.workers:
-                rates = {"webdataset shards": throughput(shard_loader(shards, args.batch_size, workers), args.samples),
-                         "ImageFolder": throughput(folder_loader(raw, args.batch_size, workers), args.samples)}
+                loaders = {"webdataset shards": lambda: shard_loader(shards, args.batch_size, workers),
+                           "ImageFolder": lambda: folder_loader(raw, args.batch_size, workers)}
+                samples = {name: [] for name in loaders}
+                for _ in range(args.repeats):  # alternate, so a busy moment hits both alike
+                    for name, make in loaders.items():
+                        samples[name].append(throughput(make(), args.samples))
+                rates = {name: statistics.median(values) for name, values in samples.items()}
                 for name, rate in rates.items():
                     record = {"op": "image_loader_deit_train", "backend": name, "device": cpu,
                               "torch": torch.__version__, "torchvision": torchvision.__version__,
                               "workers": workers, "batch_size": args.batch_size, "samples": args.samples,
                               "images": "generated 500x375 JPEG q90" if args.src is None else str(args.src),
-                              "samples_per_s": round(rate, 1),
+                              "samples_per_s": round(rate, 1), "repeats": args.repeats,
                               "samples_per_s_per_worker": round(rate / max(workers, 1), 1),
                               "ratio_to_imagefolder": round(rate / rates["ImageFolder"], 3)}
                     sink.write(json.dumps(record) + "\n")

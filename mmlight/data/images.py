@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.shards import read_info, split_urls
+from mmlight.data.shards import TarSamples, read_info, split_urls
 from mmlight.data.skips import SkipCounter, Skipping, is_kept
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
@@ -175,20 +175,17 @@ class ImageShardDataModule(L.LightningDataModule):
     def _world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
 
-    def _pipeline(self, urls: list[str], train: bool) -> wds.WebDataset:
-        transform = self.augment.build(train)
-        if train:
-            dataset = wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node,
-                                     handler=wds.warn_and_continue)
+    def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
+        if train:  # resampled shards: an endless stream, cut into equal epochs by the loader
+            stages = [wds.ResampledShards(urls), wds.split_by_node, TarSamples(self.skipped)]
             if self.repeated_augmentation > 1:  # copies share the encoded bytes until decoded
-                dataset = dataset.compose(RepeatEach(self.repeated_augmentation))
-            dataset = dataset.shuffle(self.shuffle_buffer)
-        else:
-            dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
-                                     workersplitter=wds.split_by_worker, handler=wds.warn_and_continue)
-        decode = DecodeImage(self.augment.channels, transform)
-        return (dataset.map(Skipping(decode, self.skipped)).select(is_kept)
-                .batched(self.batch_size, partial=not train))
+                stages.append(RepeatEach(self.repeated_augmentation))
+            stages.append(wds.shuffle(self.shuffle_buffer))
+        else:  # each shard once, split over ranks and workers
+            stages = [wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker, TarSamples(self.skipped)]
+        decode = DecodeImage(self.augment.channels, self.augment.build(train))
+        return wds.DataPipeline(*stages, wds.map(Skipping(decode, self.skipped)), wds.select(is_kept),
+                                wds.batched(self.batch_size, partial=not train))
 
     def train_dataloader(self):
         info = self._info()

@@ -45,3 +45,31 @@ def test_sigma_figure_has_one_panel_per_layer():
     assert all(len(ax.lines) == 2 for ax in titled)  # identity and sigma
     x, y = titled[0].lines[1].get_data()
     torch.testing.assert_close(torch.as_tensor(y), modules["blocks.0"].modulate(torch.as_tensor(x)).detach())
+
+
+def test_skipped_samples_are_logged_as_a_running_count(tmp_path):
+    """A corrupt sample in the validation shards reaches TensorBoard as data/skipped_samples."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+
+    from mmlight.callbacks import SkippedSamplesMonitor
+
+    write_digits_shards(tmp_path / "digits")
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8), mode="L").save(buf, format="PNG")
+    with wds.TarWriter(str(tmp_path / "digits" / "val-000000.tar")) as writer:  # replace a val shard
+        writer.write({"__key__": "fine", "png": buf.getvalue(), "cls": "0"})
+        writer.write({"__key__": "corrupt", "png": b"\x89PNG truncated", "cls": "1"})
+    model = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10),
+                            lr_reference_batch=None, warmup_epochs=0)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, log_every_n_steps=1,
+                        enable_progress_bar=False, logger=TensorBoardLogger(tmp_path / "runs", name="t"),
+                        callbacks=[SkippedSamplesMonitor()], enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer.fit(model, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
+    assert trainer.callback_metrics["data/skipped_samples"] == 1
+    events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
+    events.Reload()
+    assert events.Scalars("data/skipped_samples")[-1].value == 1

@@ -69,3 +69,11 @@ def test_cache_written_with_another_split_is_refused(tmp_path):
     DigitsDataModule(cache_dir=str(tmp_path)).prepare_data()
     with pytest.raises(ValueError, match="val_fraction=0.2, seed=0, not 0.3, 0"):
         DigitsDataModule(cache_dir=str(tmp_path), val_fraction=0.3).prepare_data()
+
+
+def test_prepare_digits_command_writes_the_same_shard_set(tmp_path, shards, capsys):
+    from mmlight.cli import main
+
+    main(["prepare", "digits", "--out", str(tmp_path / "digits"), "--workers", "1"])
+    assert "val 359 samples (0 skipped), train 1438 samples (0 skipped)" in capsys.readouterr().out
+    assert read_info(tmp_path / "digits")["splits"] == read_info(shards)["splits"]  # byte-identical shards
