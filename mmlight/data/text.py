@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from mmlight.data.prepare.wikitext import load_vocab
 from mmlight.data.shards import read_info, split_urls
+from mmlight.data.skips import SkipCounter, Skipping, is_kept
 
 
 def decode_chunk(sample: dict) -> np.ndarray:
@@ -207,6 +208,7 @@ class WikiTextDataModule(L.LightningDataModule):
         test_split: str = "test",
     ):
         super().__init__()
+        self.skipped = SkipCounter()  # corrupt training chunks met while streaming
         if block_size < 1 or batch_size < 1:
             raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
         self.root = root
@@ -284,7 +286,7 @@ class WikiTextDataModule(L.LightningDataModule):
         steps = self.train_steps()
         urls = split_urls(self.root, info, self.train_split)
         dataset = (wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node)
-                   .map(decode_chunk)
+                   .map(Skipping(decode_chunk, self.skipped)).select(is_kept)
                    .compose(partial(cut_blocks, block_size=self.block_size)))
         if self.shuffle_buffer > 0:
             dataset = dataset.shuffle(self.shuffle_buffer)

@@ -325,3 +325,26 @@ def test_datamodule_from_config(shards):
     cfg = parser.parse_object({"data": init_args})
     dm = getattr(parser, "instantiate", None) or parser.instantiate_classes
     assert dm(cfg).data.eval_context == 400
+
+
+def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog):
+    """A chunk whose ids.npy does not load is skipped while streaming, counted and logged."""
+    import shutil
+
+    import webdataset as wds
+
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    info = json.loads((copy / "_info.json").read_text())
+    for shard in info["splits"]["train"]["shards"]:  # a corrupt chunk ahead of every shard's own
+        good = list(wds.WebDataset(str(out / shard["name"]), shardshuffle=False))
+        with wds.TarWriter(str(copy / shard["name"])) as writer:
+            writer.write({"__key__": "corrupt", "ids.npy": b"not an npy file"})
+            for sample in good:
+                writer.write({"__key__": sample["__key__"], "ids.npy": sample["ids.npy"]})
+    dm = WikiTextDataModule(str(copy), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
+    with caplog.at_level("WARNING"):
+        for _ in zip(range(20), dm.train_dataloader()):
+            pass
+    assert dm.skipped.value >= 1 and "corrupt" in caplog.text
