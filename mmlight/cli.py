@@ -11,13 +11,16 @@ Model and data are given in subclass mode, so a config names them by ``class_pat
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from lightning import LightningDataModule, LightningModule
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import TensorBoardLogger
 
 # Imported so that their classes are known to the parser by their short names too.
@@ -42,9 +45,81 @@ def trainer_defaults() -> dict:
     }
 
 
+class MmlightCLI(LightningCLI):
+    """LightningCLI plus what a cluster run needs.
+
+    * ``last_checkpoint`` (periodic ``last.ckpt``, written atomically by Lightning) and
+      ``best_checkpoint`` (best by a validation metric) are config groups of their own;
+    * under SLURM the TensorBoard version is ``slurm-<job id>``, and the trainer's root directory is
+      that run directory, so a requeued job (same id) finds its checkpoints there;
+    * ``--ckpt_path last`` resumes from the newest of ``last.ckpt`` and Lightning's
+      ``hpc_ckpt_*.ckpt`` (written on SLURM's warning signal) of any version of the run's name,
+      and starts fresh when there is none;
+    * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once.
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "last_checkpoint")
+        parser.set_defaults({"last_checkpoint.save_last": True, "last_checkpoint.save_top_k": 0,
+                             "last_checkpoint.every_n_train_steps": 1000})
+        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
+        parser.set_defaults({"best_checkpoint.monitor": "val/top1", "best_checkpoint.mode": "max",
+                             "best_checkpoint.filename": "best-{epoch}-{step}", "best_checkpoint.save_top_k": 1,
+                             "best_checkpoint.auto_insert_metric_name": False})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand, self.config)
+        job_id = os.environ.get("SLURM_JOB_ID")
+        logger = config.trainer.get("logger")
+        if job_id and self.subcommand == "fit" and getattr(logger, "init_args", None) is not None:
+            if logger.init_args.get("version") is None:
+                logger.init_args.version = f"slurm-{job_id}"
+            if config.trainer.get("default_root_dir") is None:  # where Lightning writes hpc_ckpt_*.ckpt
+                config.trainer.default_root_dir = str(run_dir(logger.init_args))
+
+    def before_fit(self) -> None:
+        check_slurm_tasks(self.trainer)
+        config = self.config[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            config_init = self.config_init[self.subcommand]
+            config_init["ckpt_path"] = newest_checkpoint(self.trainer)
+            print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
+
+
+def run_dir(logger_args) -> Path:
+    """``save_dir/name/version`` of a TensorBoard logger's arguments."""
+    return Path(logger_args.get("save_dir") or ".") / (logger_args.get("name") or "") / str(logger_args.get("version"))
+
+
+def newest_checkpoint(trainer) -> str | None:
+    """The most recently written ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` of this run's name (every
+    version), or None."""
+    roots = {Path(trainer.default_root_dir)}
+    if trainer.logger is not None and trainer.logger.log_dir is not None:
+        roots.add(Path(trainer.logger.log_dir).parent)
+    found = [p for root in roots if root.is_dir() for pattern in ("**/last*.ckpt", "**/hpc_ckpt_*.ckpt")
+             for p in root.glob(pattern)]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def check_slurm_tasks(trainer) -> None:
+    """Under SLURM, stop when the job's task counts do not match the trainer: Lightning would
+    otherwise wait forever at "initializing distributed" for processes that never start."""
+    if not SLURMEnvironment.detect():
+        return
+    ntasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+    expected = trainer.num_devices * trainer.num_nodes
+    if ntasks != expected or nodes != trainer.num_nodes:
+        raise SystemExit(
+            f"mmlight: SLURM started {ntasks} task(s) on {nodes} node(s), but the trainer expects "
+            f"devices={trainer.num_devices} x num_nodes={trainer.num_nodes} = {expected} process(es). "
+            "Make --ntasks-per-node equal --trainer.devices and --nodes equal --trainer.num_nodes.")
+
+
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """Parse ``args`` (``sys.argv`` by default), build model, data and trainer, and run the subcommand."""
-    return LightningCLI(
+    return MmlightCLI(
         model_class=LightningModule,
         datamodule_class=LightningDataModule,
         subclass_mode_model=True,

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mmlight.cli import build_cli, main
@@ -113,3 +114,28 @@ def test_validate_test_predict_subcommands(tmp_path):
     predictions = cli.trainer.predict_loop.predictions
     assert len(predictions) == 2 and predictions[0]["probs"].shape == (32, 10)
     assert (predictions[0]["pred"] == predictions[0]["probs"].argmax(-1)).all()
+
+
+def test_resume_last_and_refuse_a_checkpoint_of_another_model(tmp_path, plain_argv, capsys):
+    """`--ckpt_path last` starts fresh, then resumes the newest last.ckpt of the run name; a
+    checkpoint of another architecture stops with a message naming what differs."""
+    common = ["--config", str(QUICKSTARTS[0]), "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
+              "--data.init_args.cache_dir", str(tmp_path / "digits"), "--trainer.logger.init_args.save_dir",
+              str(tmp_path / "runs"), "--last_checkpoint.every_n_train_steps", "2", "--ckpt_path", "last"]
+    main(["fit", *common, "--trainer.max_epochs", "1"])
+    assert "no checkpoint yet, starting fresh" in capsys.readouterr().out
+    main(["fit", *common, "--trainer.max_epochs", "2"])
+    assert "version_0/checkpoints/last.ckpt" in capsys.readouterr().out
+    last = tmp_path / "runs" / "digits_multimax" / "version_1" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6  # 3 + 3: continued
+    # (the CLI itself rebuilds the model from the checkpoint's hyperparameters; the Python API does not)
+    import lightning as L
+
+    from mmlight.data import DigitsDataModule
+    from mmlight.models import ViTConfig
+    from mmlight.tasks import ImageClassifier
+
+    other = ImageClassifier(ViTConfig(variant="deit_tiny", img_size=8, patch_size=2, in_chans=1, num_classes=10))
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=1)
+    with pytest.raises(ValueError, match="another model or config.*shapes differ"):
+        trainer.validate(other, DigitsDataModule(cache_dir=str(tmp_path / "digits")), ckpt_path=str(last))

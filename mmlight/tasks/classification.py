@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.tasks.checkpoint import check_checkpoint_matches
 from mmlight.tasks.optim import param_groups, warmup_cosine
 
 
@@ -80,6 +81,9 @@ class ImageClassifier(L.LightningModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_checkpoint_matches(self, checkpoint)
 
     def on_fit_start(self) -> None:
         datamodule = self.trainer.datamodule

