@@ -71,7 +71,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     # two validation epochs; rank 0 reads shards 0 and 2 (13 samples), rank 1 shard 1 (10)
     assert [r["val_samples"] for r in ranks] == [2 * 13, 2 * 10]
 
-    checkpoint = next((tmp_path / "runs").rglob("*.ckpt"))
+    checkpoint = next((tmp_path / "runs").rglob("last.ckpt"))  # the final weights (best-*.ckpt may be older)
     run_mmlight(["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path,
                 timeout=200)
     single = json.loads((single_dir / "rank0-validate.json").read_text())
