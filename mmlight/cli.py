@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
-from mmlight.callbacks import FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor
+from mmlight.callbacks import FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor
 
 
 def trainer_defaults() -> dict:
@@ -48,7 +48,7 @@ def trainer_defaults() -> dict:
 class MmlightCLI(LightningCLI):
     """LightningCLI plus what a cluster run needs.
 
-    * ``last_checkpoint`` (periodic ``last.ckpt``, written atomically by Lightning) and
+    * ``last_checkpoint`` (``last.ckpt`` every N steps and at epoch ends, written atomically) and
       ``best_checkpoint`` (best by a validation metric) are config groups of their own;
     * under SLURM the TensorBoard version is ``slurm-<job id>``, and the trainer's root directory is
       that run directory, so a requeued job (same id) finds its checkpoints there;
@@ -59,7 +59,7 @@ class MmlightCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "last_checkpoint")
+        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
         parser.set_defaults({"last_checkpoint.save_last": True, "last_checkpoint.save_top_k": 0,
                              "last_checkpoint.every_n_train_steps": 1000})
         parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")

@@ -1,7 +1,8 @@
-"""Callbacks: monitoring of reweighting parameters, skipped samples, and final metrics."""
+"""Callbacks: monitoring of reweighting parameters, skipped samples, final metrics; the last checkpoint."""
 
+from mmlight.callbacks.checkpoint import LastCheckpoint
 from mmlight.callbacks.final_metrics import FinalMetrics
 from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, multimax_modules
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 
-__all__ = ["FinalMetrics", "ReweightingMonitor", "SkippedSamplesMonitor", "multimax_modules"]
+__all__ = ["FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor", "multimax_modules"]

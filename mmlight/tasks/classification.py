@@ -105,7 +105,14 @@ class ImageClassifier(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Updated here rather than in on_train_batch_end, which runs after the checkpoint callbacks:
+        # a checkpoint taken at step k then holds an EMA of exactly k updates.
+        self.update_ema()
+
+    def update_ema(self) -> None:
+        """One EMA update from the current weights (a no-op without ``ema_decay``)."""
         if self.ema is not None:
             self.ema.update_parameters(self.model)
 

@@ -16,11 +16,11 @@ MICRO = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num
 def test_ema_follows_the_exponential_average():
     module = ImageClassifier(MICRO, ema_decay=0.9)
     first = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    module.on_train_batch_end(None, None, 0)  # first update copies the weights
+    module.update_ema()  # first update copies the weights
     with torch.no_grad():
         for p in module.model.parameters():
             p.add_(1.0)
-    module.on_train_batch_end(None, None, 1)
+    module.update_ema()
     ema = dict(module.ema.module.named_parameters())
     for name, p in module.model.named_parameters():
         torch.testing.assert_close(ema[name], 0.9 * first[name] + 0.1 * p.detach())
