@@ -117,3 +117,20 @@ def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
     first_run, *later = scalar_steps(run_dir, "train/loss")
     assert later, "the resumed run logged nothing"
     assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0
+
+
+@pytest.mark.slow
+def test_task_count_mismatch_fails_fast(cluster, tmp_path):
+    """2 SLURM tasks but --trainer.devices 1: every task stops at once, naming the numbers."""
+    start = time.time()
+    job, result = submit(tmp_path, "--trainer.devices", "1", wait=True)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert result.returncode != 0 and job_state(job) == "FAILED"
+    assert "SLURM started 2 task(s) on 1 node(s), but the trainer expects devices=1 x num_nodes=1" in log
+    assert time.time() - start < 120  # no wait at "initializing distributed"
+
+
+def test_cluster_scripts_parse():
+    """Shell syntax of every script in slurm/ (bash -n); runs without SLURM too."""
+    for script in sorted((ROOT / "slurm").glob("*.sh")):
+        subprocess.run(["bash", "-n", str(script)], check=True)
