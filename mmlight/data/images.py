@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-import lightning as L
 import torch
 import webdataset as wds
 from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.shards import TarSamples, read_info, split_urls
-from mmlight.data.skips import SkipCounter, Skipping, is_kept
+from mmlight.data.shards import TarSamples, split_urls
+from mmlight.data.skips import Skipping, is_kept
+from mmlight.data.streaming import ShardDataModule
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 
@@ -116,7 +115,7 @@ class RepeatEach:
                 yield sample
 
 
-class ImageShardDataModule(L.LightningDataModule):
+class ImageShardDataModule(ShardDataModule):
     """Streams an image shard set: resampled shards with a fixed epoch length for training (every
     rank runs the same number of steps), and each shard read once for validation.
 
@@ -146,34 +145,20 @@ class ImageShardDataModule(L.LightningDataModule):
         test_split: str = "val",
         repeated_augmentation: int = 1,
     ):
-        super().__init__()
+        super().__init__(root, num_workers, val_split, test_split)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if repeated_augmentation < 1:
             raise ValueError(f"repeated_augmentation must be >= 1, got {repeated_augmentation}")
         self.repeated_augmentation = repeated_augmentation
-        self.skipped = SkipCounter()  # shared with the loader workers: corrupt samples met so far
-        self.root = root
         self.batch_size = batch_size
-        self.num_workers = num_workers
         self.augment = augment
         self.shuffle_buffer = shuffle_buffer
         self.train_split = train_split
-        self.val_split = val_split
-        self.test_split = test_split
-        self.info: dict | None = None
 
     @property
     def num_classes(self) -> int:
         return len(self._info()["classes"])
-
-    def _info(self) -> dict:
-        if self.info is None:
-            self.info = read_info(self.root)
-        return self.info
-
-    def _world_size(self) -> int:
-        return self.trainer.world_size if self.trainer is not None else 1
 
     def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
         if train:  # resampled shards: an endless stream, cut into equal epochs by the loader
@@ -194,24 +179,8 @@ class ImageShardDataModule(L.LightningDataModule):
         if steps < 1:
             raise ValueError(f"{num_samples} training samples are fewer than one global batch "
                              f"({self.batch_size} x {self._world_size()} devices)")
-        dataset = self._pipeline(split_urls(self.root, info, self.train_split), train=True)
-        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                               persistent_workers=self.num_workers > 0)
-        # with_epoch on the loader counts batches across all workers of this rank; with_length
-        # only reports that count to Lightning (webdataset warns that it does nothing more).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
-            return loader.with_epoch(steps).with_length(steps)
+        return self.fixed_epoch_loader(self._pipeline(split_urls(self.root, info, self.train_split), train=True), steps)
 
     def _eval_loader(self, split: str):
         dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
-
-    def val_dataloader(self):
-        return self._eval_loader(self.val_split)
-
-    def test_dataloader(self):
-        return self._eval_loader(self.test_split)
-
-    def predict_dataloader(self):
-        return self._eval_loader(self.test_split)

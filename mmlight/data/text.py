@@ -30,20 +30,19 @@ import io
 import os
 import random
 import tarfile
-import warnings
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
 from mmlight.data.prepare.wikitext import load_vocab
-from mmlight.data.shards import read_info, split_urls
-from mmlight.data.skips import SkipCounter, Skipping, is_kept
+from mmlight.data.shards import split_urls
+from mmlight.data.skips import Skipping, is_kept
+from mmlight.data.streaming import ShardDataModule
 
 
 def decode_chunk(sample: dict) -> np.ndarray:
@@ -165,7 +164,7 @@ def read_stream(root: str | Path, info: dict, split: str) -> np.ndarray:
     return stream.astype(np.int64)
 
 
-class WikiTextDataModule(L.LightningDataModule):
+class WikiTextDataModule(ShardDataModule):
     """Word-level language modelling on a WikiText-103 shard set (see the module docstring for the
     batch format and how to compute perplexity).
 
@@ -207,14 +206,11 @@ class WikiTextDataModule(L.LightningDataModule):
         val_split: str = "valid",
         test_split: str = "test",
     ):
-        super().__init__()
-        self.skipped = SkipCounter()  # corrupt training chunks met while streaming
+        super().__init__(root, num_workers, val_split, test_split)
         if block_size < 1 or batch_size < 1:
             raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
-        self.root = root
         self.block_size = block_size
         self.batch_size = batch_size
-        self.num_workers = num_workers
         self.eval_block_size = block_size if eval_block_size is None else eval_block_size
         self.eval_context = 0 if eval_context is None else eval_context
         if not 0 <= self.eval_context < self.eval_block_size:
@@ -222,17 +218,8 @@ class WikiTextDataModule(L.LightningDataModule):
                              f"got {self.eval_context}")
         self.shuffle_buffer = shuffle_buffer
         self.train_split = train_split
-        self.val_split = val_split
-        self.test_split = test_split
-        self.info: dict | None = None
         self._vocab: list[str] | None = None
         self._streams: dict[str, np.ndarray] = {}
-
-    # -- shard set --------------------------------------------------------------------------------
-    def _info(self) -> dict:
-        if self.info is None:
-            self.info = read_info(self.root)
-        return self.info
 
     @property
     def vocab(self) -> list[str]:
@@ -291,12 +278,7 @@ class WikiTextDataModule(L.LightningDataModule):
         if self.shuffle_buffer > 0:
             dataset = dataset.shuffle(self.shuffle_buffer)
         dataset = dataset.batched(self.batch_size, collation_fn=collate_blocks, partial=False)
-        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                               persistent_workers=self.num_workers > 0)
-        # with_epoch on the loader counts batches over all workers of this rank (webdataset#250).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
-            return loader.with_epoch(steps).with_length(steps)
+        return self.fixed_epoch_loader(dataset, steps)
 
     def stream(self, split: str) -> np.ndarray:
         """A split's whole token stream (int64), read once and kept in memory."""
@@ -313,11 +295,3 @@ class WikiTextDataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader:
         return DataLoader(self.eval_dataset(split), batch_size=None, num_workers=0)
 
-    def val_dataloader(self):
-        return self._eval_loader(self.val_split)
-
-    def test_dataloader(self):
-        return self._eval_loader(self.test_split)
-
-    def predict_dataloader(self):
-        return self._eval_loader(self.test_split)

@@ -30,7 +30,6 @@ from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 import webdataset as wds
@@ -44,8 +43,9 @@ from mmlight.data.prepare.iwslt import (
     load_dictionary,
     moses_tokenize,
 )
-from mmlight.data.shards import read_info, split_urls
-from mmlight.data.skips import SkipCounter, Skipping, is_kept
+from mmlight.data.shards import split_urls
+from mmlight.data.skips import Skipping, is_kept
+from mmlight.data.streaming import ShardDataModule
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _batch_stage(src: Iterable[dict], **kwargs) -> Iterator[list[dict]]:
     yield from budget_batches(src, **kwargs)
 
 
-class TranslationDataModule(L.LightningDataModule):
+class TranslationDataModule(ShardDataModule):
     """Streams a translation shard set (``mmlight prepare iwslt14``) in token-budget batches.
 
     Training reads resampled shards (split by node, shuffled) for a fixed number of batches per
@@ -176,31 +176,21 @@ class TranslationDataModule(L.LightningDataModule):
         val_split: str = "valid",
         test_split: str = "test",
     ):
-        super().__init__()
-        self.skipped = SkipCounter()  # corrupt samples met while streaming, shared with workers
+        super().__init__(root, num_workers, val_split, test_split)
         if max_tokens < 2:
             raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
         if bucket_buffer < 1:
             raise ValueError(f"bucket_buffer must be >= 1, got {bucket_buffer}")
-        self.root = root
         self.max_tokens = max_tokens
-        self.num_workers = num_workers
         self.max_source_positions = max_source_positions
         self.max_target_positions = max_target_positions
         self.bucket_buffer = bucket_buffer
         self.src_file = src_file
         self.train_split = train_split
-        self.val_split = val_split
-        self.test_split = test_split
-        self.info: dict | None = None
         self._vocab: list[str] | None = None
         self._index: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ vocabulary
-    def _info(self) -> dict:
-        if self.info is None:
-            self.info = read_info(self.root)
-        return self.info
 
     @property
     def vocab(self) -> list[str]:
@@ -282,22 +272,12 @@ class TranslationDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         steps = self.train_steps()
-        dataset = self._pipeline(split_urls(self.root, self._info(), self.train_split), train=True)
-        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                               persistent_workers=self.num_workers > 0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
-            return loader.with_epoch(steps).with_length(steps)
+        return self.fixed_epoch_loader(self._pipeline(split_urls(self.root, self._info(), self.train_split),
+                                                      train=True), steps)
 
     def _eval_loader(self, split: str):
         dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
-
-    def val_dataloader(self):
-        return self._eval_loader(self.val_split)
-
-    def test_dataloader(self):
-        return self._eval_loader(self.test_split)
 
     def predict_dataloader(self):
         """Batches of ``src_file`` in file order (``ids`` = 0-based line numbers; ``tgt_*`` empty), or the test split."""

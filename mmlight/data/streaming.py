@@ -1,0 +1,64 @@
+"""What every shard-streaming DataModule shares: the shard set's ``_info.json``, the rank count,
+the corrupt-sample counter, the fixed-length training loader, and val/test/predict on named splits."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import webdataset as wds
+
+from mmlight.data.shards import read_info
+from mmlight.data.skips import SkipCounter
+
+
+class ShardDataModule(L.LightningDataModule):
+    """Base of the streaming DataModules. Subclasses implement :meth:`train_dataloader` (usually
+    through :meth:`fixed_epoch_loader`) and :meth:`_eval_loader`.
+
+    Args:
+        root: folder holding the shards and ``_info.json``.
+        num_workers: DataLoader worker processes per device.
+        val_split: split read by ``validate`` (and during ``fit``).
+        test_split: split read by ``test`` and ``predict``.
+    """
+
+    def __init__(self, root: str, num_workers: int, val_split: str, test_split: str):
+        super().__init__()
+        self.root = root
+        self.num_workers = num_workers
+        self.val_split = val_split
+        self.test_split = test_split
+        self.info: dict | None = None
+        self.skipped = SkipCounter()  # corrupt samples met while streaming, shared with the workers
+
+    def _info(self) -> dict:
+        if self.info is None:
+            self.info = read_info(self.root)
+        return self.info
+
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def fixed_epoch_loader(self, dataset, steps: int) -> wds.WebLoader:
+        """A loader of ``dataset`` (already batched) cut into epochs of exactly ``steps`` batches, so
+        every DDP rank runs the same number of steps whatever its shards."""
+        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                               persistent_workers=self.num_workers > 0)
+        # with_epoch on the loader counts batches across all workers of this rank (webdataset#250);
+        # with_length only reports that count to Lightning (webdataset warns that it does no more).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
+            return loader.with_epoch(steps).with_length(steps)
+
+    def _eval_loader(self, split: str):
+        raise NotImplementedError
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_split)
+
+    def test_dataloader(self):
+        return self._eval_loader(self.test_split)
+
+    def predict_dataloader(self):
+        return self._eval_loader(self.test_split)
