@@ -12,7 +12,7 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.shards import TarSamples, split_urls
+from mmlight.data.shards import split_urls
 from mmlight.data.skips import Skipping, is_kept
 from mmlight.data.streaming import ShardDataModule
 
@@ -161,13 +161,11 @@ class ImageShardDataModule(ShardDataModule):
         return len(self._info()["classes"])
 
     def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
-        if train:  # resampled shards: an endless stream, cut into equal epochs by the loader
-            stages = [wds.ResampledShards(urls), wds.split_by_node, TarSamples(self.skipped)]
+        stages = self.shard_stages(urls, train)
+        if train:
             if self.repeated_augmentation > 1:  # copies share the encoded bytes until decoded
                 stages.append(RepeatEach(self.repeated_augmentation))
             stages.append(wds.shuffle(self.shuffle_buffer))
-        else:  # each shard once, split over ranks and workers
-            stages = [wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker, TarSamples(self.skipped)]
         decode = DecodeImage(self.augment.channels, self.augment.build(train))
         return wds.DataPipeline(*stages, wds.map(Skipping(decode, self.skipped)), wds.select(is_kept),
                                 wds.batched(self.batch_size, partial=not train))

@@ -8,7 +8,7 @@ import warnings
 import lightning as L
 import webdataset as wds
 
-from mmlight.data.shards import read_info
+from mmlight.data.shards import TarSamples, read_info
 from mmlight.data.skips import SkipCounter
 
 
@@ -39,6 +39,17 @@ class ShardDataModule(L.LightningDataModule):
 
     def _world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
+
+    def shard_stages(self, urls: list[str], train: bool) -> list:
+        """The head of a pipeline: shard URLs -> raw samples (``mmlight.data.shards.TarSamples``).
+
+        Training resamples shards at random, split by node: an endless stream that
+        :meth:`fixed_epoch_loader` cuts into equal epochs. Evaluation reads each shard once, split over
+        ranks and loader workers. An unreadable shard is counted in :attr:`skipped` and skipped.
+        """
+        if train:
+            return [wds.ResampledShards(urls), wds.split_by_node, TarSamples(self.skipped)]
+        return [wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker, TarSamples(self.skipped)]
 
     def fixed_epoch_loader(self, dataset, steps: int) -> wds.WebLoader:
         """A loader of ``dataset`` (already batched) cut into epochs of exactly ``steps`` batches, so

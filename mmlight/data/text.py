@@ -272,13 +272,12 @@ class WikiTextDataModule(ShardDataModule):
         info = self._info()
         steps = self.train_steps()
         urls = split_urls(self.root, info, self.train_split)
-        dataset = (wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node)
-                   .map(Skipping(decode_chunk, self.skipped)).select(is_kept)
-                   .compose(partial(cut_blocks, block_size=self.block_size)))
+        stages = [*self.shard_stages(urls, train=True), wds.map(Skipping(decode_chunk, self.skipped)),
+                  wds.select(is_kept), partial(cut_blocks, block_size=self.block_size)]
         if self.shuffle_buffer > 0:
-            dataset = dataset.shuffle(self.shuffle_buffer)
-        dataset = dataset.batched(self.batch_size, collation_fn=collate_blocks, partial=False)
-        return self.fixed_epoch_loader(dataset, steps)
+            stages.append(wds.shuffle(self.shuffle_buffer))
+        stages.append(wds.batched(self.batch_size, collation_fn=collate_blocks, partial=False))
+        return self.fixed_epoch_loader(wds.DataPipeline(*stages), steps)
 
     def stream(self, split: str) -> np.ndarray:
         """A split's whole token stream (int64), read once and kept in memory."""

@@ -249,17 +249,13 @@ class TranslationDataModule(ShardDataModule):
         return self.trainer.world_size if self.trainer is not None else 1
 
     def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
-        if train:
-            dataset = wds.WebDataset(urls, resampled=True, shardshuffle=False, nodesplitter=wds.split_by_node,
-                                     handler=wds.warn_and_continue).shuffle(self.bucket_buffer)
-        else:
-            dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
-                                     workersplitter=wds.split_by_worker, handler=wds.warn_and_continue)
-        stage = partial(_batch_stage, max_tokens=self.max_tokens, buffer=self.bucket_buffer, shuffle=train,
-                        max_source_positions=self.max_source_positions,
-                        max_target_positions=self.max_target_positions)
-        return (dataset.map(Skipping(_from_shard, self.skipped)).select(is_kept).compose(stage)
-                .map(partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)))
+        stages = self.shard_stages(urls, train) + ([wds.shuffle(self.bucket_buffer)] if train else [])
+        batches = partial(_batch_stage, max_tokens=self.max_tokens, buffer=self.bucket_buffer, shuffle=train,
+                          max_source_positions=self.max_source_positions,
+                          max_target_positions=self.max_target_positions)
+        return wds.DataPipeline(
+            *stages, wds.map(Skipping(_from_shard, self.skipped)), wds.select(is_kept), batches,
+            wds.map(partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)))
 
     def train_steps(self) -> int:
         """Batches per rank per epoch: the split's summed sample sizes // (max_tokens x world size)."""
