@@ -1,5 +1,7 @@
 """Networks built from typed configs. Models own the forward pass only."""
 
+from mmlight.models.transformer import TransformerConfig, TransformerLM, TransformerSeq2Seq
 from mmlight.models.vit import VARIANTS, ReweightedViT, ReweightingSpec, ViTConfig
 
-__all__ = ["VARIANTS", "ReweightedViT", "ReweightingSpec", "ViTConfig"]
+__all__ = ["VARIANTS", "ReweightedViT", "ReweightingSpec", "ViTConfig",
+           "TransformerConfig", "TransformerLM", "TransformerSeq2Seq"]
