@@ -7,9 +7,10 @@ import torch
 
 
 class SkippedSamplesMonitor(L.Callback):
-    """Logs ``data/skipped_samples``, summed over ranks, after every training step and every
-    validation epoch: points that every rank reaches equally often, so the sum cannot hang.
-    A DataModule without a ``skipped`` counter is ignored."""
+    """Logs ``data/skipped_samples``, summed over ranks, every ``log_every_n_steps`` training steps
+    and after every validation epoch. Both points are reached by every rank at the same global step,
+    so the sum cannot hang, and the training step pays for the scalar all-reduce only when the
+    logger writes anyway. A DataModule without a ``skipped`` counter is ignored."""
 
     def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         counter = getattr(trainer.datamodule, "skipped", None)
@@ -19,7 +20,8 @@ class SkippedSamplesMonitor(L.Callback):
         pl_module.log("data/skipped_samples", count, reduce_fx="sum", sync_dist=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._log(trainer, pl_module)
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            self._log(trainer, pl_module)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:

@@ -29,7 +29,6 @@ Causal programs skip key blocks that lie entirely in the future of their query b
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from mmlight.reweighting.backend import TRITON_DTYPES, triton_interpreting
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,
@@ -51,12 +51,12 @@ from mmlight.kernels.sigma import (
 __all__ = ["multimax_attention"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
 # exp(x) = exp2(x * LOG2E): exp2 is the cheaper instruction on GPUs
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # The jit decorators (here and in sigma.py) read TRITON_INTERPRET when the module is imported.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = triton_interpreting()
 # Triton's interpreter stores bf16 as raw uint16 bits and its tl.dot multiplies those integers
 # (triton 3.9), so under the interpreter bf16 operands are widened to fp32 first: the products
 # of bf16 values are exact in fp32, so the result is what a GPU's bf16 dot with fp32

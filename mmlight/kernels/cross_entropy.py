@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlight.reweighting.backend import TRITON_DTYPES
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,
@@ -63,7 +64,7 @@ __all__ = ["multimax_cross_entropy"]
 #: enough bytes in flight per program to stream at bandwidth, small enough that the order-2 backward
 #: (x, s, p, g, dz and the partial terms) stays in registers. Tests lower it to run several blocks.
 MAX_BLOCK_V = 4096
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
 REDUCTIONS = ("mean", "sum")
 
 

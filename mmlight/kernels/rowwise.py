@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlight.reweighting.backend import TRITON_DTYPES
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,
@@ -41,7 +42,7 @@ MAX_SINGLE_BLOCK = 16384
 LONG_ROW_BLOCK = 4096
 #: Elements per program a short-row tile aims for (several rows per program when rows are short).
 SHORT_TILE_ELEMENTS = 4096
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
 
 
 @triton.jit

@@ -117,7 +117,9 @@ def test_half_precision_inputs(name, dtype):
     mask[1] = False
     p = module(scores.to(dtype), mask)
     assert p.dtype == dtype and torch.isfinite(p).all()
-    torch.testing.assert_close(p.float(), module(scores, mask), atol=1e-2, rtol=0)
+    # against the fp32 computation on the same rounded scores: only the output rounding remains
+    want = module(scores.to(dtype).float(), mask)
+    torch.testing.assert_close(p.float(), want, rtol=8e-3 if dtype == torch.bfloat16 else 1e-3, atol=1e-6)
     assert (p[1] == 0).all()
 
 

@@ -199,6 +199,22 @@ def _empty_side(loc_de: str, loc_en: str, de: str, en: str) -> Skipped | None:
     return None
 
 
+def _tokenize_pairs(pairs: list[tuple[str, str, str, str]], skipped: list[dict], workers: int
+                    ) -> list[tuple[str, str]]:
+    """Tokenise ``(loc_de, loc_en, de, en)`` pairs; a pair with an empty side after tokenisation is
+    recorded in ``skipped`` (with the location of the empty side) and left out."""
+    tok_de = _parallel(_tokenize_chunk, "de", [p[2] for p in pairs], workers)
+    tok_en = _parallel(_tokenize_chunk, "en", [p[3] for p in pairs], workers)
+    kept = []
+    for (loc_de, loc_en, _, _), de, en in zip(pairs, tok_de, tok_en):
+        bad = _empty_side(loc_de, loc_en, de, en)
+        if bad is None:
+            kept.append((de, en))
+        else:
+            skipped.append(vars(bad))
+    return kept
+
+
 def _read_raw(src: Path, workers: int) -> tuple[dict, dict, dict]:
     """Raw layout -> ({split: (de_lines, en_lines)} tokenised + lowercased, {split: skipped}, stats)."""
     stats = {"tag_lines_dropped": 0, "cleaned_out": 0}
@@ -222,14 +238,8 @@ def _read_raw(src: Path, workers: int) -> tuple[dict, dict, dict]:
             stats["tag_lines_dropped"] += 1
             continue
         pairs.append((loc_de, loc_en, _STRIP_TAGS.sub("", de), _STRIP_TAGS.sub("", en)))
-    tok_de = _parallel(_tokenize_chunk, "de", [p[2] for p in pairs], workers)
-    tok_en = _parallel(_tokenize_chunk, "en", [p[3] for p in pairs], workers)
     cleaned = []
-    for (loc_de, loc_en, _, _), de, en in zip(pairs, tok_de, tok_en):
-        bad = _empty_side(loc_de, loc_en, de, en)
-        if bad is not None:
-            skipped["train"].append(vars(bad))
-            continue
+    for de, en in _tokenize_pairs(pairs, skipped["train"], workers):
         pair = clean_pair(de, en)
         if pair is None:
             stats["cleaned_out"] += 1
@@ -249,15 +259,8 @@ def _read_raw(src: Path, workers: int) -> tuple[dict, dict, dict]:
                 continue
             loc_de, loc_en, de, en = item
             test_pairs.append((loc_de, loc_en, _seg_text(de), _seg_text(en)))
-    tok_de = _parallel(_tokenize_chunk, "de", [p[2] for p in test_pairs], workers)
-    tok_en = _parallel(_tokenize_chunk, "en", [p[3] for p in test_pairs], workers)
-    test = []
-    for (loc_de, loc_en, _, _), de, en in zip(test_pairs, tok_de, tok_en):
-        bad = _empty_side(loc_de, loc_en, de, en)
-        if bad is not None:
-            skipped["test"].append(vars(bad))
-            continue
-        test.append((" ".join(de.split()), " ".join(en.split())))
+    test = [(" ".join(de.split()), " ".join(en.split()))
+            for de, en in _tokenize_pairs(test_pairs, skipped["test"], workers)]
 
     texts = {name: ([p[0] for p in split], [p[1] for p in split])
              for name, split in (("train", train), ("valid", valid), ("test", test))}

@@ -96,13 +96,12 @@ def _bad_line(path: Path, number: int, err: Exception) -> Skipped:
     return Skipped(f"{path}:{number}", f"line is not valid UTF-8 ({err.reason} at byte {err.start})")
 
 
-def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int, Skipped]]]:
-    """Read the training file once: build the vocabulary and encode the file with it.
+def _encode_lines(path: Path, word_id) -> tuple[np.ndarray, int, list[tuple[int, Skipped]]]:
+    """Read ``path`` once: ``word_id(word)`` for every word and ``</s>`` after every line.
 
-    Returns ``(vocab, ids, num_lines, bad)``: the vocabulary (specials first), the token stream as
-    uint32 ids, the number of lines encoded and the bad lines as ``(stream offset, Skipped)``.
+    Returns the uint32 token stream, the number of lines encoded and the bad (non-UTF-8) lines as
+    ``(stream offset, Skipped)``.
     """
-    first_id: dict[str, int] = {s: i for i, s in enumerate(SPECIALS)}  # word -> provisional id
     ids = array("I")
     bad: list[tuple[int, Skipped]] = []
     num_lines = 0
@@ -111,13 +110,23 @@ def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int,
             bad.append((len(ids), _bad_line(path, number, err)))
             continue
         num_lines += 1
-        for word in text.split():
-            tid = first_id.get(word)
-            if tid is None:
-                tid = first_id[word] = len(first_id)
-            ids.append(tid)
+        ids.extend(word_id(word) for word in text.split())
         ids.append(EOS)
-    provisional = np.frombuffer(ids, dtype=np.uint32) if len(ids) else np.zeros(0, np.uint32)
+    return np.frombuffer(ids, dtype=np.uint32).copy() if len(ids) else np.zeros(0, np.uint32), num_lines, bad
+
+
+def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int, Skipped]]]:
+    """Read the training file once: build the vocabulary and encode the file with it.
+
+    Returns ``(vocab, ids, num_lines, bad)``: the vocabulary (specials first), the token stream as
+    uint32 ids, the number of lines encoded and the bad lines as ``(stream offset, Skipped)``.
+    """
+    first_id: dict[str, int] = {s: i for i, s in enumerate(SPECIALS)}  # word -> provisional id
+
+    def provisional_id(word: str) -> int:
+        return first_id.setdefault(word, len(first_id))
+
+    provisional, num_lines, bad = _encode_lines(path, provisional_id)
     counts = np.bincount(provisional, minlength=len(first_id))
     words = list(first_id)[len(SPECIALS):]
     order = sorted(range(len(words)), key=lambda i: (-counts[i + len(SPECIALS)], words[i]))
@@ -130,17 +139,7 @@ def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int,
 
 def encode_file(path: Path, index: dict[str, int]) -> tuple[np.ndarray, int, list[tuple[int, Skipped]]]:
     """Encode ``path`` with the vocabulary ``index`` (word -> id); unknown words become ``<unk>``."""
-    ids = array("I")
-    bad: list[tuple[int, Skipped]] = []
-    num_lines = 0
-    for number, text, err in read_lines(path):
-        if text is None:
-            bad.append((len(ids), _bad_line(path, number, err)))
-            continue
-        num_lines += 1
-        ids.extend(index.get(word, UNK) for word in text.split())
-        ids.append(EOS)
-    return np.frombuffer(ids, dtype=np.uint32).copy() if len(ids) else np.zeros(0, np.uint32), num_lines, bad
+    return _encode_lines(path, lambda word: index.get(word, UNK))
 
 
 def make_sample(item) -> dict | Skipped:
