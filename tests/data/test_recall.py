@@ -1,0 +1,138 @@
+"""Multi-query associative recall: structure, scoring mask, determinism, and oracle/baseline accuracy."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight.data import RecallDataModule
+
+SMALL = {"num_keys": 12, "num_values": 10, "num_pairs": 5, "num_queries": 3, "train_size": 64, "val_size": 40,
+         "test_size": 30, "batch_size": 16, "seed": 0}
+
+
+def _full_sequences(dm, split):
+    """Whole sequences rebuilt from a pass over the split's loader (input + last target)."""
+    loader = {"train": dm.train_dataloader, "val": dm.val_dataloader, "test": dm.test_dataloader}[split]()
+    rows = []
+    for batch in loader:
+        rows.append(torch.cat([batch["input"], batch["target"][:, -1:]], dim=1))
+    return torch.cat(rows).numpy()
+
+
+def _answers(seq, num_keys, num_pairs):
+    """(position in the target, expected value token) of every query, by reading the pairs, token by token."""
+    out = []
+    pairs = {}
+    for i in range(0, 2 * num_pairs, 2):
+        pairs[int(seq[i])] = int(seq[i + 1])
+    for i in range(2 * num_pairs, len(seq), 2):
+        out.append((i, pairs[int(seq[i])]))  # target position i (predicting seq[i + 1]) is the answer
+    return out, pairs
+
+
+def test_batches_have_the_wikitext_format_and_shapes():
+    dm = RecallDataModule(**SMALL)
+    batch = next(iter(dm.train_dataloader()))
+    T = 2 * 5 + 2 * 3 - 1
+    assert set(batch) == {"input", "target", "loss_mask"}
+    assert batch["input"].shape == batch["target"].shape == batch["loss_mask"].shape == (16, T) == (16, dm.seq_len)
+    assert batch["input"].dtype == batch["target"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
+    torch.testing.assert_close(batch["input"][:, 1:], batch["target"][:, :-1])  # target = next token
+    assert len(dm.train_dataloader()) == 64 // 16
+    assert sum(len(b["input"]) for b in dm.val_dataloader()) == 40  # whole split, last partial batch kept
+    assert dm.vocab_size == 4 + 12 + 10 == len(dm.vocab)
+    assert (dm.pad_id, dm.eos_id) == (1, 2)
+    assert dm.vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"] and dm.vocab[4] == "k0" and dm.vocab[16] == "v0"
+
+
+@pytest.mark.parametrize("num_queries", [3, 8])  # without / with replacement of the queried pairs
+def test_sequence_structure_and_answers(num_queries):
+    args = {**SMALL, "num_queries": num_queries}
+    dm = RecallDataModule(**args)
+    seqs = _full_sequences(dm, "val")
+    assert seqs.shape == (40, 2 * 5 + 2 * num_queries)
+    key_ids = set(range(4, 16))
+    value_ids = set(range(16, 26))
+    for seq in seqs:
+        keys, values = seq[0:10:2], seq[1:10:2]
+        assert set(keys.tolist()) <= key_ids and len(set(keys.tolist())) == 5  # distinct keys
+        assert set(values.tolist()) <= value_ids
+        queries, answers = seq[10::2], seq[11::2]
+        assert set(queries.tolist()) <= set(keys.tolist())
+        if num_queries <= 5:
+            assert len(set(queries.tolist())) == num_queries  # drawn without replacement
+        expected, pairs = _answers(seq, 12, 5)
+        for pos, value in expected:
+            assert seq[pos + 1] == value
+        assert all(int(a) == pairs[int(q)] for q, a in zip(queries, answers))
+
+
+def test_loss_mask_marks_exactly_the_answers():
+    dm = RecallDataModule(**SMALL)
+    for batch in dm.val_dataloader():
+        for inp, tgt, mask in zip(batch["input"], batch["target"], batch["loss_mask"]):
+            seq = torch.cat([inp, tgt[-1:]]).numpy()
+            expected, _ = _answers(seq, 12, 5)
+            positions = {pos for pos, _ in expected}
+            assert set(torch.nonzero(mask).flatten().tolist()) == positions
+            assert all(int(tgt[p]) == v for p, v in expected)
+            assert all(16 <= int(tgt[p]) < 26 for p in positions)  # every scored target is a value
+
+
+def test_determinism_and_split_independence():
+    a = RecallDataModule(**SMALL)
+    b = RecallDataModule(**SMALL)
+    c = RecallDataModule(**{**SMALL, "seed": 1})
+    for split in ("train", "val", "test"):
+        np.testing.assert_array_equal(a.sequences(split), b.sequences(split))
+        assert not np.array_equal(a.sequences(split), c.sequences(split))
+    np.testing.assert_array_equal(_full_sequences(a, "val"), a.sequences("val"))  # in order
+    assert not np.array_equal(a.sequences("train")[:30], a.sequences("val")[:30])
+    assert not np.array_equal(a.sequences("val")[:30], a.sequences("test"))
+    # training order is shuffled, but holds the split's sequences
+    torch.manual_seed(0)
+    got = _full_sequences(a, "train")
+    assert not np.array_equal(got, a.sequences("train"))
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, a.sequences("train").tolist()))
+
+
+def test_oracle_reaches_one_and_the_majority_baseline_is_chance():
+    dm = RecallDataModule(num_keys=64, num_values=64, num_pairs=16, num_queries=8, train_size=64,
+                          val_size=2000, test_size=10, batch_size=64)
+    correct = oracle = total = 0
+    counts: Counter = Counter()
+    for batch in dm.train_dataloader():
+        counts.update(batch["target"][batch["loss_mask"]].tolist())
+    majority = counts.most_common(1)[0][0]
+    for batch in dm.val_dataloader():
+        inp, tgt, mask = batch["input"], batch["target"], batch["loss_mask"]
+        # perfect lookup: the token that followed the latest earlier occurrence of the current input token
+        T = inp.shape[1]
+        same = (inp[:, :, None] == inp[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril(-1)  # [b, t, s<t]
+        last = torch.where(same, torch.arange(T), -1).max(dim=2).values  # latest s, -1 when none
+        follower = torch.cat([inp[:, 1:], tgt[:, -1:]], dim=1)  # token after position s
+        pred = torch.where(last >= 0, follower.gather(1, last.clamp(min=0)), -1)
+        oracle += int((pred[mask] == tgt[mask]).sum())
+        correct += int((tgt[mask] == majority).sum())
+        total += int(mask.sum())
+    assert total == 2000 * 8
+    assert oracle / total == 1.0
+    assert abs(correct / total - 1 / 64) < 0.01
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"num_pairs": 13}, "num_keys >= num_pairs"),
+    ({"num_keys": 0}, "num_keys must be a positive integer"),
+    ({"num_values": -1}, "num_values must be a positive integer"),
+    ({"num_queries": 0}, "num_queries must be a positive integer"),
+    ({"val_size": 0}, "val_size"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"train_size": 8}, "smaller than one batch"),
+    ({"seed": -1}, "seed"),
+    ({"num_workers": -2}, "num_workers"),
+])
+def test_bad_arguments_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RecallDataModule(**{**SMALL, **bad})

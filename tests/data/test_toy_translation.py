@@ -1,0 +1,196 @@
+"""The toy translation corpus: its reordering rule, determinism, and streaming through the IWSLT pipeline."""
+
+import json
+
+import pytest
+from sacremoses import MosesDetokenizer
+
+from mmlight.data import ToyTranslationDataModule
+from mmlight.data.prepare.iwslt import load_dictionary
+from mmlight.data.toy_translation import (
+    ADJECTIVES,
+    ADVERBS,
+    CONJUNCTIONS,
+    DETERMINERS,
+    NOUNS,
+    PRONOUNS,
+    VERBS,
+    lexicon,
+    toy_pairs,
+    write_toy_corpus,
+)
+
+FILES = [f"{s}.{lang}" for s in ("train", "valid", "test") for lang in ("de", "en")] + ["code"]
+SMALL = {"train_size": 200, "valid_size": 30, "test_size": 20, "seed": 0, "max_tokens": 256, "samples_per_shard": 64}
+
+DETS = {w for forms, _ in DETERMINERS for w in forms}
+ADJS = {stem + end for stem, _ in ADJECTIVES for end in ("e", "er", "en")}
+NOUN_WORDS = {w for w, _ in NOUNS}
+VERB_WORDS = {w for w, _ in VERBS}
+PRONOUN_WORDS = {w for w, _ in PRONOUNS}
+ADVERB_WORDS = {w for w, _ in ADVERBS}
+CONJ_WORDS = {w for w, _ in CONJUNCTIONS}
+
+
+def _noun_phrase(words, i):
+    """The noun phrase starting at ``words[i]`` in target order, and the index after it."""
+    if words[i] in PRONOUN_WORDS:
+        return [words[i]], i + 1
+    assert words[i] in DETS, words
+    if words[i + 1] in ADJS:
+        assert words[i + 2] in NOUN_WORDS
+        return [words[i], words[i + 2], words[i + 1]], i + 3  # det adj noun -> det noun adj
+    assert words[i + 1] in NOUN_WORDS
+    return [words[i], words[i + 1]], i + 2
+
+
+def _reference_translation(de: str) -> str:
+    """The rule, re-derived from a German sentence by parsing it (not by the generator)."""
+    words = de.split()
+    assert words[-1] == "."
+    words = words[:-1]
+    main, sub = (words, None) if "," not in words else (words[:words.index(",")], words[words.index(",") + 1:])
+    out = []
+    if main[0] in ADVERB_WORDS:  # adv verb subj obj -> adv subj verb obj
+        assert main[1] in VERB_WORDS
+        subj, i = _noun_phrase(main, 2)
+        obj, j = _noun_phrase(main, i)
+        out += [main[0], *subj, main[1], *obj]
+    else:  # subj verb obj
+        subj, i = _noun_phrase(main, 0)
+        assert main[i] in VERB_WORDS
+        obj, j = _noun_phrase(main, i + 1)
+        out += [*subj, main[i], *obj]
+    assert j == len(main)
+    if sub is not None:  # conj subj obj verb -> conj subj verb obj
+        assert sub[0] in CONJ_WORDS and sub[-1] in VERB_WORDS
+        subj, i = _noun_phrase(sub, 1)
+        obj, j = _noun_phrase(sub, i)
+        assert j == len(sub) - 1
+        out += [",", sub[0], *subj, sub[-1], *obj]
+    words_en = {**{a: b for a, b in NOUNS + VERBS + PRONOUNS + ADVERBS + CONJUNCTIONS},
+                **{f: en for forms, en in DETERMINERS for f in forms},
+                **{stem + end: en for stem, en in ADJECTIVES for end in ("e", "er", "en")}, ",": ","}
+    return " ".join(words_en[w] for w in out) + " ."
+
+
+def _lines(path):
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def test_documented_examples_follow_the_rule():
+    assert _reference_translation("heute sieht mein alter koch den hund .") == "today my cook old sees the dog ."
+    assert (_reference_translation("der vogel findet einen blauen fisch , weil er den arzt fragt .")
+            == "the bird finds a fish blue , because he asks the doctor .")
+
+
+def test_every_generated_pair_follows_the_reordering_rule():
+    pairs = toy_pairs(1500, seed=3, split="train")
+    for de, en in pairs:
+        assert _reference_translation(de) == en
+        assert de.endswith(" .") and en.endswith(" .")
+    lengths = [len(de.split()) for de, _ in pairs]
+    assert min(lengths) == 5 and max(lengths) >= 16
+    # the long-distance moves actually occur
+    assert any(de.split()[0] in ADVERB_WORDS for de, _ in pairs)
+    assert sum("," in de for de, _ in pairs) > 300
+    assert set(lexicon()) >= {w for de, _ in pairs for w in de.split()}
+
+
+def test_corpus_files_are_deterministic(tmp_path):
+    a = write_toy_corpus(tmp_path / "a", seed=5, train_size=50, valid_size=10, test_size=10)
+    b = write_toy_corpus(tmp_path / "b", seed=5, train_size=50, valid_size=10, test_size=10)
+    c = write_toy_corpus(tmp_path / "c", seed=6, train_size=50, valid_size=10, test_size=10)
+    for name in FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert (a / "train.de").read_bytes() != (c / "train.de").read_bytes()
+    assert (a / "code").read_bytes() == (c / "code").read_bytes()  # the codes depend only on the lexicon
+    assert len(_lines(a / "train.de")) == len(_lines(a / "train.en")) == 50
+    assert _lines(a / "valid.de") != _lines(a / "train.de")[:10]
+    for de, en in zip(_lines(a / "test.de"), _lines(a / "test.en")):
+        assert _reference_translation(de) == en
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("toy")
+    dm = ToyTranslationDataModule(cache_dir=str(cache), **SMALL)
+    dm.prepare_data()
+    return dm, cache
+
+
+def test_vocabulary_and_ids_are_iwslt_s(prepared):
+    dm, cache = prepared
+    assert (dm.bos_id, dm.pad_id, dm.eos_id, dm.unk_id) == (0, 1, 2, 3)
+    assert dm.vocab == load_dictionary(cache / "dict.txt")
+    assert dm.vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert dm.vocab_size == len(dm.vocab) == dm._info()["vocab_size"]
+    words = set(lexicon()) | set(lexicon().values())
+    assert set(dm.vocab[4:]) <= words  # BPE left every word whole
+    assert dm.encode("Heute sieht der Hund den Fisch.") == [dm.vocab.index(w) for w in
+                                                            ("heute", "sieht", "der", "hund", "den", "fisch", ".")]
+
+
+def test_batches_decode_to_the_raw_target_lines(prepared):
+    dm, cache = prepared
+    detok = MosesDetokenizer(lang="en")
+    for split, loader, size in (("valid", dm.val_dataloader(), 30), ("test", dm.test_dataloader(), 20)):
+        de_lines, en_lines = _lines(cache / "raw" / f"{split}.de"), _lines(cache / "raw" / f"{split}.en")
+        seen = []
+        for batch in loader:
+            assert batch["src"].numel() <= 256 and batch["tgt_out"].numel() <= 256
+            assert (batch["tgt_in"][:, 0] == dm.eos_id).all()
+            for i, idx in enumerate(batch["ids"].tolist()):
+                seen.append(idx)
+                assert dm.decode(batch["tgt_out"][i]) == detok.detokenize(en_lines[idx].split())
+                assert dm.decode(batch["tgt_out"][i], detokenize=False) == en_lines[idx]
+                assert dm.decode(batch["src"][i], detokenize=False, lang="de") == de_lines[idx]
+        assert sorted(seen) == list(range(size))  # every sample once
+    batch = next(iter(dm.train_dataloader()))
+    en_lines = _lines(cache / "raw" / "train.en")
+    for i, idx in enumerate(batch["ids"].tolist()):
+        assert dm.decode(batch["tgt_out"][i]) == detok.detokenize(en_lines[idx].split())
+        assert batch["tgt_out"][i, batch["tgt_mask"][i].sum() - 1] == dm.eos_id
+    assert dm.decode(batch["tgt_out"][0]).endswith(".") and " ." not in dm.decode(batch["tgt_out"][0])
+
+
+def test_prepare_writes_once_and_refuses_other_arguments(prepared, tmp_path):
+    _, cache = prepared
+    stamp = (cache / "_info.json").stat().st_mtime_ns
+    ToyTranslationDataModule(cache_dir=str(cache), **SMALL).prepare_data()
+    assert (cache / "_info.json").stat().st_mtime_ns == stamp
+    assert json.loads((cache / "toy_translation.json").read_text())["train_size"] == 200
+    with pytest.raises(ValueError, match=r"seed=0 \(asked 1\)"):
+        ToyTranslationDataModule(cache_dir=str(cache), **{**SMALL, "seed": 1}).prepare_data()
+    with pytest.raises(ValueError, match=r"train_size=200 \(asked 100\)"):
+        ToyTranslationDataModule(cache_dir=str(cache), **{**SMALL, "train_size": 100}).prepare_data()
+    (tmp_path / "_info.json").write_text("{}")  # some other shard set
+    with pytest.raises(ValueError, match="not the toy translation corpus"):
+        ToyTranslationDataModule(cache_dir=str(tmp_path), **SMALL).prepare_data()
+
+
+def test_loaders_before_prepare_data_say_so(tmp_path):
+    dm = ToyTranslationDataModule(cache_dir=str(tmp_path / "empty"), **SMALL)
+    with pytest.raises(FileNotFoundError, match=r"call prepare_data\(\) first"):
+        dm.train_dataloader()
+    with pytest.raises(FileNotFoundError, match=r"prepare_data"):
+        _ = dm.vocab_size
+
+
+def test_same_seed_gives_the_same_shard_set(prepared, tmp_path):
+    dm, cache = prepared
+    other = ToyTranslationDataModule(cache_dir=str(tmp_path), **SMALL)
+    other.prepare_data()
+    for name in FILES:
+        assert (tmp_path / "raw" / name).read_bytes() == (cache / "raw" / name).read_bytes()
+    assert (tmp_path / "dict.txt").read_bytes() == (cache / "dict.txt").read_bytes()
+    info_a, info_b = other._info()["splits"], dm._info()["splits"]
+    assert [s["sha256"] for s in info_a["train"]["shards"]] == [s["sha256"] for s in info_b["train"]["shards"]]
+    assert len(info_a["train"]["shards"]) == 4  # 200 samples, 64 per shard
+
+
+def test_bad_arguments_raise(tmp_path):
+    with pytest.raises(ValueError, match="train_size"):
+        ToyTranslationDataModule(cache_dir=str(tmp_path), train_size=0)
+    with pytest.raises(ValueError, match="seed"):
+        ToyTranslationDataModule(cache_dir=str(tmp_path), seed=-1)
