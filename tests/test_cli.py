@@ -12,6 +12,7 @@ from mmlight.cli import build_cli, main
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("digits_*.yaml"))
+ALL_QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))
 
 
 @pytest.fixture(autouse=True)
@@ -22,16 +23,16 @@ def plain_argv(monkeypatch):
 
 def test_configs_exist():
     names = {p.relative_to(ROOT / "configs").as_posix() for p in CONFIGS}
-    assert {"deit_small_multimax.yaml", "deit_small_softmax.yaml",
-            "quickstart/digits_multimax.yaml", "quickstart/digits_softmax.yaml"} <= names
+    expected = {"deit_small_multimax.yaml", "deit_small_softmax.yaml", "lm_wikitext103_softmax.yaml",
+                "lm_wikitext103_multimax.yaml"}
+    expected |= {f"nmt_iwslt14_{name}.yaml" for name in ("softmax", "multimax", "sparsemax", "entmax15", "evsoftmax")}
+    expected |= {f"quickstart/{task}_{name}.yaml" for task in ("digits", "lm", "nmt") for name in ("softmax", "multimax")}
+    assert expected <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_prints(config, capsys):
-    if config.parent.name == "data":  # a data-only snippet, combined with a full config as documented
-        printed = resolved_config_with(QUICKSTARTS[0], ["--config", str(config)], capsys)
-    else:
-        printed = resolved_config(config, capsys)
+    printed = resolved_config(config, capsys)
     assert printed["model"]["class_path"].startswith("mmlight.tasks.")
     assert printed["data"]["class_path"].startswith("mmlight.data.")
 
@@ -92,15 +93,22 @@ def test_missing_config_file(capsys):
     assert "no_such_file.yaml" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("config", QUICKSTARTS, ids=lambda p: p.name)
-def test_quickstart_fast_dev_run(config, tmp_path):
-    cli = build_cli(
-        ["fit", "--config", str(config), "--trainer.fast_dev_run", "2",
-         "--trainer.default_root_dir", str(tmp_path),
-         "--data.init_args.cache_dir", str(tmp_path / "digits"), "--data.init_args.num_workers", "0"],
-    )
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache for the generated data sets of the quick starts (written on first use)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("config", ALL_QUICKSTARTS, ids=lambda p: p.name)
+def test_quickstart_fast_dev_run(config, cache_dir, tmp_path):
+    task = config.stem.split("_")[0]
+    cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
+    cli = build_cli(["fit", "--config", str(config), "--trainer.fast_dev_run", "2",
+                     "--trainer.default_root_dir", str(tmp_path), "--data.init_args.num_workers", "0", *cache])
     assert cli.trainer.global_step == 2
-    assert (tmp_path / "digits" / "_info.json").is_file()
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    if cache:
+        assert (cache_dir / task / "_info.json").is_file()
 
 
 def test_validate_test_predict_subcommands(tmp_path):
@@ -139,3 +147,42 @@ def test_resume_last_and_refuse_a_checkpoint_of_another_model(tmp_path, plain_ar
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=1)
     with pytest.raises(ValueError, match="another model or config.*shapes differ"):
         trainer.validate(other, DigitsDataModule(cache_dir=str(tmp_path / "digits")), ckpt_path=str(last))
+
+
+@pytest.fixture(scope="module")
+def text_shards(tmp_path_factory):
+    """Tiny WikiText-103 and IWSLT14 shard sets written from raw-format fixtures by the real preparers."""
+    from mmlight.data.prepare.iwslt import prepare_iwslt
+    from mmlight.data.prepare.wikitext import prepare
+    from tests.data.test_iwslt import _write_raw as write_iwslt
+    from tests.data.test_wikitext import write_raw as write_wikitext
+
+    root = tmp_path_factory.mktemp("text")
+    prepare(write_wikitext(root / "wikitext_raw"), root / "wikitext103", workers=1)
+    write_iwslt(root / "iwslt_raw")
+    prepare_iwslt(root / "iwslt_raw", root / "iwslt14", workers=1, merges=50, samples_per_shard=4)
+    return root
+
+
+PAPER_TEXT_CONFIGS = sorted((ROOT / "configs").glob("lm_*.yaml")) + sorted((ROOT / "configs").glob("nmt_*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", PAPER_TEXT_CONFIGS, ids=lambda p: p.stem)
+def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
+    """Each Table 3/4 config runs a training and a validation step at its full model size, on the CPU,
+    on the tiny fixture shards (only vocabulary, device and data location overridden)."""
+    import json
+
+    data = text_shards / ("wikitext103" if config.name.startswith("lm_") else "iwslt14")
+    info = json.loads((data / "_info.json").read_text())
+    cli = build_cli(
+        ["fit", "--config", str(config), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
+         "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
+         "--trainer.default_root_dir", str(tmp_path), "--data.init_args.root", str(data),
+         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(info["vocab_size"])])
+    assert cli.trainer.global_step == 1
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])
+    if config.name.startswith("nmt_"):
+        assert 0.0 <= metrics["val/bleu"] <= 100.0

@@ -550,8 +550,9 @@ class _OutputHead(nn.Module):
         logits = self.output_projection(hidden)
         return logits if self.output is None else self.output.modulate(logits)
 
-    def _summed_loss(self, hidden, targets, loss_mask, ignore_index, label_smoothing):
-        """Summed cross-entropy of ``logits(hidden)`` ``(B, T, V)`` against ``targets`` ``(B, T)``, and the count."""
+    def summed_loss(self, hidden, targets, loss_mask=None, ignore_index=None, label_smoothing=0.0):
+        """Summed cross-entropy of ``logits(hidden)`` ``(B, T, V)`` against ``targets`` ``(B, T)``, and the
+        count of scored targets (see :meth:`TransformerLM.loss` for the arguments)."""
         ignore_index = self.config.pad_id if ignore_index is None else ignore_index
         targets = targets.reshape(-1)  # (N,)
         if loss_mask is not None:
@@ -613,7 +614,7 @@ class TransformerLM(_OutputHead):
         Returns:
             ``(sum_loss, count)``: fp32 scalar and int64 scalar; ``sum_loss / count`` is the mean.
         """
-        return self._summed_loss(self(tokens), targets, loss_mask, ignore_index, label_smoothing)
+        return self.summed_loss(self(tokens), targets, loss_mask, ignore_index, label_smoothing)
 
 
 class TransformerSeq2Seq(_OutputHead):
@@ -682,7 +683,7 @@ class TransformerSeq2Seq(_OutputHead):
         """``(sum_loss, count)`` of the targets ``(B, T)`` given ``src`` ``(B, S)`` and ``tgt_in``
         ``(B, T)``; the other arguments as in :meth:`TransformerLM.loss`."""
         hidden = self(src, tgt_in, src_mask)
-        return self._summed_loss(hidden, targets, loss_mask, ignore_index, label_smoothing)
+        return self.summed_loss(hidden, targets, loss_mask, ignore_index, label_smoothing)
 
     def _keep(self, src: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
         return self.source_mask(src) if src_mask is None else src_mask

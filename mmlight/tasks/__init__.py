@@ -1,5 +1,7 @@
 """Tasks: LightningModules that own loss, metrics, optimiser, schedule and logging."""
 
 from mmlight.tasks.classification import ImageClassifier
+from mmlight.tasks.language_model import LanguageModel
+from mmlight.tasks.translator import Translator
 
-__all__ = ["ImageClassifier"]
+__all__ = ["ImageClassifier", "LanguageModel", "Translator"]

@@ -45,3 +45,17 @@ def warmup_cosine(
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_inverse_sqrt(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """fairseq's ``inverse_sqrt``: linear warmup from 0 to the peak over ``warmup_steps``, then the
+    peak x ``sqrt(warmup_steps / step)``. Step ``n`` (1-based) of the optimiser runs at factor
+    ``n / warmup_steps`` while ``n < warmup_steps``; the two pieces meet at ``n = warmup_steps``."""
+    if warmup_steps < 1:
+        raise ValueError(f"inverse_sqrt needs warmup_steps >= 1, got {warmup_steps}")
+
+    def factor(step: int) -> float:
+        n = step + 1
+        return n / warmup_steps if n < warmup_steps else math.sqrt(warmup_steps / n)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -318,8 +318,8 @@ def test_datamodule_from_config(shards):
     assert isinstance(dm, WikiTextDataModule) and dm.eval_context == 400 and dm.block_size == 512
     with pytest.raises(ValueError, match="eval_context"):
         WikiTextDataModule(str(out), eval_block_size=8, eval_context=8)
-    # the example config snippet builds the same class
-    config = yaml.safe_load((Path(__file__).parents[2] / "configs/data/wikitext103.yaml").read_text())
+    # the data section of the paper's LM config builds the same class
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs/lm_wikitext103_softmax.yaml").read_text())
     assert config["data"]["class_path"] == "mmlight.data.WikiTextDataModule"
     init_args = {**config["data"]["init_args"], "root": str(out)}
     cfg = parser.parse_object({"data": init_args})

@@ -1,0 +1,120 @@
+"""What the language-model and translation tasks share: the fairseq optimiser recipe (Adam with
+decoupled weight decay, inverse-sqrt or cosine schedule), the check that model and data agree on the
+vocabulary, and perplexity from summed NLL and token counts synced across ranks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import SumMetric
+
+from mmlight.models.transformer import TransformerConfig
+from mmlight.tasks.checkpoint import check_checkpoint_matches
+from mmlight.tasks.optim import param_groups, warmup_cosine, warmup_inverse_sqrt
+
+log = logging.getLogger(__name__)
+
+Schedule = Literal["inverse_sqrt", "cosine"]
+
+
+class SequenceTask(L.LightningModule):
+    """Base of :class:`~mmlight.tasks.LanguageModel` and :class:`~mmlight.tasks.Translator`.
+
+    Subclasses build ``self.model`` (a transformer whose ``config`` is a
+    :class:`~mmlight.models.TransformerConfig`) and feed :meth:`update_nll` in their evaluation steps.
+
+    Args:
+        lr: peak learning rate.
+        betas: Adam betas (fairseq recipes: 0.9, 0.98).
+        eps: Adam epsilon.
+        weight_decay: decoupled weight decay (as fairseq's ``adam``); not applied to 1-D parameters or
+            to the reweighting parameters.
+        schedule: ``inverse_sqrt`` (fairseq's: linear warmup, then ``peak * sqrt(warmup / step)``) or
+            ``cosine`` (linear warmup, then cosine decay to ``min_lr`` at the last step).
+        warmup_steps: optimiser steps of linear warmup.
+        min_lr: the floor of the cosine schedule (unused by ``inverse_sqrt``).
+        label_smoothing: label smoothing of the training loss (evaluation reports the plain NLL).
+    """
+
+    model: nn.Module
+
+    def __init__(
+        self,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        schedule: Schedule,
+        warmup_steps: int,
+        min_lr: float,
+        label_smoothing: float,
+    ):
+        super().__init__()
+        if schedule not in ("inverse_sqrt", "cosine"):
+            raise ValueError(f"schedule must be 'inverse_sqrt' or 'cosine', got {schedule!r}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        # Summed NLL and scored-token counts per stage; compute() all-reduces them once per epoch.
+        self.nll_sums = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
+        self.token_counts = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
+
+    @property
+    def config(self) -> TransformerConfig:
+        return self.model.config
+
+    # ------------------------------------------------------------------ checks
+    def setup(self, stage: str) -> None:
+        """Stop before any step when the data's vocabulary or padding id is not the model's."""
+        datamodule = self.trainer.datamodule
+        if datamodule is None:
+            return
+        vocab_size, pad_id = getattr(datamodule, "vocab_size", None), getattr(datamodule, "pad_id", None)
+        if vocab_size is not None and vocab_size != self.config.vocab_size:
+            raise ValueError(f"the data's vocabulary has {vocab_size} tokens but model.vocab_size is "
+                             f"{self.config.vocab_size}: set model.model.vocab_size: {vocab_size}")
+        if pad_id is not None and pad_id != self.config.pad_id:
+            raise ValueError(f"the data pads with id {pad_id} but model.pad_id is {self.config.pad_id}")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_checkpoint_matches(self, checkpoint)
+
+    # ------------------------------------------------------------------ perplexity
+    def update_nll(self, stage: str, nll_sum: torch.Tensor, count: torch.Tensor) -> None:
+        """Add one batch's summed NLL (nats) and number of scored tokens to ``stage``'s totals."""
+        self.nll_sums[stage].update(nll_sum.float())
+        self.token_counts[stage].update(count.float())
+
+    def log_perplexity(self, stage: str) -> None:
+        """Log ``{stage}/loss`` (mean NLL per token, nats) and ``{stage}/ppl`` = exp(loss) over the
+        whole split, from the totals summed over every rank. Every rank must call it."""
+        nll, count = self.nll_sums[stage].compute(), self.token_counts[stage].compute()
+        self.nll_sums[stage].reset()
+        self.token_counts[stage].reset()
+        if count.item() == 0:
+            log.warning("%s: no scored tokens on any rank, so no loss or perplexity is logged", stage)
+            return
+        loss = nll / count
+        self.log(f"{stage}/loss", loss, sync_dist=False)  # already global
+        self.log(f"{stage}/ppl", torch.exp(loss), prog_bar=True, sync_dist=False)
+        self.log(f"{stage}/tokens", count, sync_dist=False)
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas),
+                                      eps=hp.eps)
+        if hp.schedule == "inverse_sqrt":
+            scheduler = warmup_inverse_sqrt(optimizer, hp.warmup_steps)
+        else:
+            total = self.trainer.estimated_stepping_batches
+            if not math.isfinite(total) or total <= 0:
+                raise ValueError("the cosine schedule needs a finite run: set trainer.max_steps or max_epochs")
+            total = int(total)
+            scheduler = warmup_cosine(optimizer, min(hp.warmup_steps, total), total,
+                                      min_lr_ratio=min(1.0, hp.min_lr / hp.lr))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

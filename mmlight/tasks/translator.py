@@ -1,0 +1,175 @@
+"""Machine translation (fairseq ``transformer_iwslt_de_en`` on IWSLT14 de-en, the paper's Section 5.1.3)
+with a swappable reweighting in every encoder, decoder and cross-attention layer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mmlight.models.beam_search import BeamSearchConfig, beam_search
+from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
+from mmlight.tasks.bleu import corpus_bleu
+from mmlight.tasks.sequence import Schedule, SequenceTask
+
+log = logging.getLogger(__name__)
+
+
+class Translator(SequenceTask):
+    """Trains a :class:`~mmlight.models.TransformerSeq2Seq` on the batches of
+    :class:`~mmlight.data.TranslationDataModule` and translates with beam search.
+
+    * Training: label-smoothed cross-entropy per target token (fairseq normalises by the batch's
+      target tokens too).
+    * Validation: ``val/loss`` (NLL per target token, nats) and ``val/ppl``; with
+      ``bleu_in_validation`` also ``val/bleu`` and ``val/bleu_tok`` from beam search (fairseq's
+      ``--eval-bleu``, used to pick the best checkpoint).
+    * Test: the same plus BLEU, and the hypotheses written to ``output_dir`` as ``test.hyp``
+      (detokenised, in the split's order), ``test.hyp.tok`` (tokenised, lowercased, BPE removed),
+      the references ``test.ref``/``test.ref.tok`` and ``test.bleu.json`` (both scores, signatures).
+    * Predict: translations of the DataModule's ``src_file`` (or test split), in line order, written to
+      ``output_dir/predict.hyp`` (and ``predict.hyp.tok``).
+
+    BLEU and the files cover every rank's sentences: the decoded strings are gathered to every rank.
+    References are the stored target text with BPE removed and Moses-detokenised; the shards keep the
+    lowercased tokenised text, so the detokenised score is over lowercased text.
+
+    Args:
+        model: the architecture (e.g. the ``transformer_iwslt_de_en`` preset's fields).
+        lr: peak learning rate (fairseq recipe: 5e-4).
+        betas: Adam betas (0.9, 0.98).
+        eps: Adam epsilon.
+        weight_decay: decoupled weight decay (fairseq IWSLT example: 1e-4).
+        schedule: ``inverse_sqrt`` or ``cosine``.
+        warmup_steps: linear warmup in optimiser steps (4000).
+        min_lr: floor of the cosine schedule.
+        label_smoothing: label smoothing of the training loss (0.1).
+        beam: beam size, length penalty and maximum length relative to the source.
+        bleu_in_validation: also decode the validation split with beam search and report BLEU.
+        output_dir: folder for the hypotheses files; None = the run's log directory.
+    """
+
+    def __init__(
+        self,
+        model: TransformerConfig,
+        lr: float = 5e-4,
+        betas: tuple[float, float] = (0.9, 0.98),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-4,
+        schedule: Schedule = "inverse_sqrt",
+        warmup_steps: int = 4000,
+        min_lr: float = 1e-9,
+        label_smoothing: float = 0.1,
+        beam: BeamSearchConfig = BeamSearchConfig(),
+        bleu_in_validation: bool = False,
+        output_dir: str | None = None,
+    ):
+        super().__init__(lr, betas, eps, weight_decay, schedule, warmup_steps, min_lr, label_smoothing)
+        self.save_hyperparameters()
+        self.model = TransformerSeq2Seq(model)
+        self.translations: dict[str, list[dict]] = {}
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token scores ``(B, T, V)`` of the decoder inputs ``tgt_in`` given ``src``."""
+        return self.model.logits(self.model(src, tgt_in, src_mask))
+
+    def training_step(self, batch, batch_idx):
+        loss_sum, count = self.model.loss(batch["src"], batch["tgt_in"], batch["tgt_out"], batch["src_mask"],
+                                          batch["tgt_mask"], label_smoothing=self.hparams.label_smoothing)
+        loss = loss_sum / count.clamp_min(1)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens", count.float(), reduce_fx="sum")
+        return loss
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def translate(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Beam-search translations of ``src`` ``(B, S)``: one id tensor per sentence, without ``</s>``.
+        The special ids come from the attached DataModule's vocabulary."""
+        data = self.trainer.datamodule
+        hypotheses, _ = beam_search(self.model, src, src_mask, self.hparams.beam, start_id=data.decoder_start_id,
+                                    eos_id=data.eos_id, pad_id=self.config.pad_id, banned_ids=(data.bos_id,))
+        return hypotheses
+
+    def _generate(self, stage: str, batch) -> list[dict]:
+        """Translate a batch and keep the decoded strings (and references, outside predict)."""
+        data = self.trainer.datamodule
+        hypotheses = self.translate(batch["src"], batch["src_mask"])
+        rows = []
+        for b, (sample_id, hyp) in enumerate(zip(batch["ids"].tolist(), hypotheses)):
+            row = {"id": sample_id, "hyp": data.decode(hyp), "hyp_tok": data.decode(hyp, detokenize=False)}
+            if stage != "predict":
+                row["ref"] = data.decode(batch["tgt_out"][b])
+                row["ref_tok"] = data.decode(batch["tgt_out"][b], detokenize=False)
+            rows.append(row)
+        self.translations.setdefault(stage, []).extend(rows)
+        return rows
+
+    def _finish_generation(self, stage: str) -> list[dict]:
+        """Every rank's rows of ``stage`` in id order; logs BLEU (not in predict) and writes the files
+        (test and predict, global rank 0)."""
+        rows = sorted(gather_to_all(self.translations.pop(stage, [])), key=lambda r: r["id"])
+        files = {"hyp": [r["hyp"] for r in rows], "hyp.tok": [r["hyp_tok"] for r in rows]}
+        scores = None
+        if stage != "predict" and rows:
+            files.update({"ref": [r["ref"] for r in rows], "ref.tok": [r["ref_tok"] for r in rows]})
+            scores = corpus_bleu(files["hyp"], files["ref"], files["hyp.tok"], files["ref.tok"])
+            self.log(f"{stage}/bleu", scores.bleu, prog_bar=True, sync_dist=False)
+            self.log(f"{stage}/bleu_tok", scores.bleu_tok, sync_dist=False)
+            if self.trainer.is_global_zero:
+                log.info("%s BLEU %.2f (%s); tokenised BLEU %.2f (%s)", stage, scores.bleu, scores.signature,
+                         scores.bleu_tok, scores.signature_tok)
+        if stage in ("test", "predict") and self.trainer.is_global_zero:
+            self._write(stage, files, scores)
+        return rows
+
+    def _write(self, stage: str, files: dict[str, list[str]], scores) -> None:
+        out = Path(self.hparams.output_dir or self.trainer.log_dir or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        for suffix, lines in files.items():
+            (out / f"{stage}.{suffix}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        if scores is not None:
+            (out / f"{stage}.bleu.json").write_text(json.dumps(scores.as_dict(), indent=2) + "\n")
+        print(f"mmlight: {len(files['hyp'])} {stage} translations written to {out / (stage + '.hyp')}")
+
+    # ------------------------------------------------------------------ stages
+    def _eval_step(self, stage: str, batch, generate: bool) -> None:
+        hidden = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
+        nll_sum, count = self.model.summed_loss(hidden, batch["tgt_out"], batch["tgt_mask"])
+        self.update_nll(stage, nll_sum, count)
+        if generate:
+            self._generate(stage, batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step("val", batch, generate=self.hparams.bleu_in_validation)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_perplexity("val")
+        if self.hparams.bleu_in_validation:
+            self._finish_generation("val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step("test", batch, generate=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_perplexity("test")
+        self._finish_generation("test")
+
+    def predict_step(self, batch, batch_idx):
+        """``[{"id", "hyp", "hyp_tok"}, ...]`` for the batch's sentences."""
+        return self._generate("predict", batch)
+
+    def on_predict_epoch_end(self) -> None:
+        self._finish_generation("predict")
+
+
+def gather_to_all(rows: list) -> list:
+    """Concatenate every rank's ``rows`` (picklable objects) on every rank; ``rows`` when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rows
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, rows)
+    return [row for part in parts for row in part]

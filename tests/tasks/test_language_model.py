@@ -1,0 +1,105 @@
+"""LanguageModel: perplexity over a whole split equals exp(mean NLL) computed independently, the vocab
+check, the optimiser recipe and the inverse-sqrt schedule."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from mmlight.data.prepare.wikitext import load_vocab, prepare
+from mmlight.data.text import WikiTextDataModule
+from mmlight.models import ReweightingSpec, TransformerConfig
+from mmlight.tasks import LanguageModel
+from tests.data.test_wikitext import VALID, tokens, write_raw
+
+
+@pytest.fixture(scope="module")
+def wikitext(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wikitext")
+    out = root / "shards"
+    prepare(write_raw(root / "raw"), out, workers=1)
+    return out
+
+
+def tiny_lm(vocab_size: int, attention: str = "softmax", output_multimax: bool = False, **task) -> LanguageModel:
+    config = TransformerConfig(vocab_size=vocab_size, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, dropout=0.0,
+                               max_positions=64, attention=ReweightingSpec(attention), output_multimax=output_multimax)
+    return LanguageModel(config, **task)
+
+
+def trainer() -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def reference_ppl(model: LanguageModel, ids: list[int], eos: int, window: int, context: int = 0) -> float:
+    """exp(mean NLL), written from the definition: the stream after a leading </s>; windows of
+    ``window`` inputs start every ``window - context`` tokens; the first scores all its targets, each
+    later one only the targets after its first ``context``."""
+    stream = torch.tensor([eos] + ids)
+    nll = []
+    with torch.no_grad():
+        for start in range(0, len(ids), window - context):
+            skip = 0 if start == 0 else context
+            if start + skip >= len(ids):
+                break
+            inp = stream[start:min(start + window, len(ids))]
+            tgt = stream[start + 1:start + 1 + len(inp)]
+            logp = torch.log_softmax(model(inp[None])[0].double(), dim=-1)  # (T, V)
+            nll += (-logp[torch.arange(len(tgt)), tgt])[skip:].tolist()
+    assert len(nll) == len(ids)
+    return math.exp(sum(nll) / len(nll))
+
+
+@pytest.mark.parametrize("attention, output_multimax, window", [("softmax", False, 4), ("softmax", False, 64),
+                                                                 ("multimax", True, 5), ("entmax15", False, 3)])
+def test_perplexity_is_exp_mean_nll(wikitext, attention, output_multimax, window):
+    vocab = load_vocab(wikitext / "vocab.txt")
+    ids = [vocab.index(t) if t in vocab else vocab.index("<unk>") for t in tokens(VALID)]
+    torch.manual_seed(1)
+    model = tiny_lm(len(vocab), attention, output_multimax).eval()
+    data = WikiTextDataModule(str(wikitext), block_size=8, batch_size=2, num_workers=0, eval_block_size=window,
+                              eval_context=0)
+    metrics = trainer().validate(model, data, verbose=False)[0]
+    expected = reference_ppl(model, ids, vocab.index("</s>"), window)
+    assert metrics["val/ppl"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["val/loss"] == pytest.approx(math.log(expected), rel=1e-4)
+    assert metrics["val/tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("window, context", [(6, 3), (5, 4), (8, 1)])
+def test_sliding_window_perplexity(wikitext, window, context):
+    """With context, every token is scored once, each from the window the definition gives it."""
+    vocab = load_vocab(wikitext / "vocab.txt")
+    ids = [vocab.index(t) if t in vocab else vocab.index("<unk>") for t in tokens(VALID)]
+    model = tiny_lm(len(vocab), "multimax").eval()
+    data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=3, eval_block_size=window,
+                              eval_context=context)
+    metrics = trainer().validate(model, data, verbose=False)[0]
+    assert metrics["val/tokens"] == len(ids)
+    assert metrics["val/ppl"] == pytest.approx(reference_ppl(model, ids, vocab.index("</s>"), window, context),
+                                               rel=1e-4)
+
+
+def test_vocabulary_mismatch_stops_before_any_step(wikitext):
+    model = tiny_lm(7)
+    with pytest.raises(ValueError, match="vocab_size: 16"):
+        trainer().validate(model, WikiTextDataModule(str(wikitext), num_workers=0), verbose=False)
+
+
+def test_fit_steps_and_inverse_sqrt_schedule(wikitext):
+    """A few steps of training lower the training-set NLL and follow fairseq's inverse-sqrt rate."""
+    model = tiny_lm(16, lr=1e-2, warmup_steps=3)
+    data = WikiTextDataModule(str(wikitext), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
+    fit = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=6,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0)
+    fit.fit(model, data)
+    optimizer = fit.optimizers[0]
+    assert fit.global_step == 6
+    # after 6 steps the scheduler sets step 7's factor: sqrt(3 / 7)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * math.sqrt(3 / 7))
+    assert optimizer.defaults["betas"] == (0.9, 0.98)
+    decayed = [g for g in optimizer.param_groups if g["weight_decay"] > 0]
+    assert decayed and decayed[0]["weight_decay"] == 0.01
