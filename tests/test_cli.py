@@ -1,5 +1,6 @@
 """The ``mmlight`` CLI: every shipped config parses, quick starts run, bad configs fail early."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -167,22 +168,49 @@ def text_shards(tmp_path_factory):
 PAPER_TEXT_CONFIGS = sorted((ROOT / "configs").glob("lm_*.yaml")) + sorted((ROOT / "configs").glob("nmt_*.yaml"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config", PAPER_TEXT_CONFIGS, ids=lambda p: p.stem)
 def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
     """Each Table 3/4 config runs a training and a validation step at its full model size, on the CPU,
-    on the tiny fixture shards (only vocabulary, device and data location overridden)."""
+    on the tiny fixture shards (vocabulary, device, data location and batch shape overridden)."""
     import json
 
-    data = text_shards / ("wikitext103" if config.name.startswith("lm_") else "iwslt14")
+    lm = config.name.startswith("lm_")
+    data = text_shards / ("wikitext103" if lm else "iwslt14")
     info = json.loads((data / "_info.json").read_text())
+    batch = (["--data.init_args.block_size", "8", "--data.init_args.batch_size", "2",
+              "--data.init_args.eval_block_size", "8", "--data.init_args.eval_context", "4"] if lm
+             else ["--data.init_args.max_tokens", "64"])
     cli = build_cli(
         ["fit", "--config", str(config), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
          "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
          "--trainer.default_root_dir", str(tmp_path), "--data.init_args.root", str(data),
-         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(info["vocab_size"])])
+         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(info["vocab_size"]),
+         *batch])
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])
     if config.name.startswith("nmt_"):
         assert 0.0 <= metrics["val/bleu"] <= 100.0
+
+
+def test_translation_test_and_predict_commands(cache_dir, tmp_path):
+    """The README's `mmlight test` and `mmlight predict --data.init_args.src_file` on a checkpoint of
+    the translation quick start: hypotheses files with one line per sentence, in order."""
+    import sacrebleu
+
+    config = ROOT / "configs" / "quickstart" / "nmt_multimax.yaml"
+    common = ["--config", str(config), "--data.init_args.cache_dir", str(cache_dir / "nmt"),
+              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    main(["fit", *common, "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1"])
+    last = tmp_path / "runs" / "nmt_multimax" / "version_0" / "checkpoints" / "last.ckpt"
+    main(["test", *common, "--ckpt_path", str(last), "--trainer.limit_test_batches", "1"])
+    out = tmp_path / "runs" / "nmt_multimax" / "version_1"
+    hyps, refs = (out / "test.hyp").read_text().splitlines(), (out / "test.ref").read_text().splitlines()
+    assert 0 < len(hyps) == len(refs)
+    written = json.loads((out / "test.bleu.json").read_text())
+    assert written["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    lines = ["der hund sieht die rote katze .", "heute findet mein alter koch einen blauen fisch .", ""]
+    src_file = tmp_path / "input.de"
+    src_file.write_text("\n".join(lines) + "\n")
+    main(["predict", *common, "--ckpt_path", str(last), "--data.init_args.src_file", str(src_file)])
+    assert len((tmp_path / "runs" / "nmt_multimax" / "version_2" / "predict.hyp").read_text().splitlines()) == 3

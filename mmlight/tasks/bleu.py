@@ -35,7 +35,7 @@ def corpus_bleu(hypotheses: list[str], references: list[str], hypotheses_tok: li
     if len(lengths) != 1:
         raise ValueError(f"hypotheses and references differ in length: {sorted(lengths)}")
     detok = BLEU()
-    tok = BLEU(tokenize="none", lowercase=True)
+    tok = BLEU(tokenize="none", lowercase=True, force=True)  # tokenised on purpose: no "forgot to detokenize" warning
     return BleuScores(
         bleu=detok.corpus_score(hypotheses, [references]).score,
         signature=str(detok.get_signature()),

@@ -70,6 +70,8 @@ class Translator(SequenceTask):
         super().__init__(lr, betas, eps, weight_decay, schedule, warmup_steps, min_lr, label_smoothing)
         self.save_hyperparameters()
         self.model = TransformerSeq2Seq(model)
+        # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI
+        self.beam = beam if isinstance(beam, BeamSearchConfig) else BeamSearchConfig(**beam)
         self.translations: dict[str, list[dict]] = {}
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,7 +92,7 @@ class Translator(SequenceTask):
         """Beam-search translations of ``src`` ``(B, S)``: one id tensor per sentence, without ``</s>``.
         The special ids come from the attached DataModule's vocabulary."""
         data = self.trainer.datamodule
-        hypotheses, _ = beam_search(self.model, src, src_mask, self.hparams.beam, start_id=data.decoder_start_id,
+        hypotheses, _ = beam_search(self.model, src, src_mask, self.beam, start_id=data.decoder_start_id,
                                     eos_id=data.eos_id, pad_id=self.config.pad_id, banned_ids=(data.bos_id,))
         return hypotheses
 

@@ -90,7 +90,7 @@ def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
     assert metrics["test/bleu_tok"] == pytest.approx(tok.score)
     # each hypothesis is the beam search of its own sentence, decoded
     batch = next(iter(toy.test_dataloader()))
-    found, _ = beam_search(model.model, batch["src"], batch["src_mask"], model.hparams.beam, start_id=toy.eos_id,
+    found, _ = beam_search(model.model, batch["src"], batch["src_mask"], model.beam, start_id=toy.eos_id,
                            eos_id=toy.eos_id, pad_id=toy.pad_id, banned_ids=(toy.bos_id,))
     for sample_id, ids in zip(batch["ids"].tolist(), found):
         assert hyps[sample_id] == toy.decode(ids)
@@ -118,7 +118,7 @@ def test_predict_translates_a_text_file_in_line_order(toy, tmp_path):
     assert len(written) == 7
     for line, hyp in zip(lines, written):  # each alone gives the same translation as in the batch
         src = torch.tensor([toy.encode(line) + [toy.eos_id]])
-        alone, _ = beam_search(model.model, src, None, model.hparams.beam, start_id=toy.eos_id, eos_id=toy.eos_id,
+        alone, _ = beam_search(model.model, src, None, model.beam, start_id=toy.eos_id, eos_id=toy.eos_id,
                                pad_id=toy.pad_id, banned_ids=(toy.bos_id,))
         assert hyp == toy.decode(alone[0])
 
