@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from mmlight.cli import build_cli, main
+from tests.text_fixtures import FIXTURE_BATCHES, vocab_size, write_text_shard_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -152,17 +153,7 @@ def test_resume_last_and_refuse_a_checkpoint_of_another_model(tmp_path, plain_ar
 
 @pytest.fixture(scope="module")
 def text_shards(tmp_path_factory):
-    """Tiny WikiText-103 and IWSLT14 shard sets written from raw-format fixtures by the real preparers."""
-    from mmlight.data.prepare.iwslt import prepare_iwslt
-    from mmlight.data.prepare.wikitext import prepare
-    from tests.data.test_iwslt import _write_raw as write_iwslt
-    from tests.data.test_wikitext import write_raw as write_wikitext
-
-    root = tmp_path_factory.mktemp("text")
-    prepare(write_wikitext(root / "wikitext_raw"), root / "wikitext103", workers=1)
-    write_iwslt(root / "iwslt_raw")
-    prepare_iwslt(root / "iwslt_raw", root / "iwslt14", workers=1, merges=50, samples_per_shard=4)
-    return root
+    return write_text_shard_sets(tmp_path_factory.mktemp("text"))
 
 
 PAPER_TEXT_CONFIGS = sorted((ROOT / "configs").glob("lm_*.yaml")) + sorted((ROOT / "configs").glob("nmt_*.yaml"))
@@ -172,20 +163,14 @@ PAPER_TEXT_CONFIGS = sorted((ROOT / "configs").glob("lm_*.yaml")) + sorted((ROOT
 def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
     """Each Table 3/4 config runs a training and a validation step at its full model size, on the CPU,
     on the tiny fixture shards (vocabulary, device, data location and batch shape overridden)."""
-    import json
-
-    lm = config.name.startswith("lm_")
-    data = text_shards / ("wikitext103" if lm else "iwslt14")
-    info = json.loads((data / "_info.json").read_text())
-    batch = (["--data.init_args.block_size", "8", "--data.init_args.batch_size", "2",
-              "--data.init_args.eval_block_size", "8", "--data.init_args.eval_context", "4"] if lm
-             else ["--data.init_args.max_tokens", "64"])
+    dataset = "wikitext103" if config.name.startswith("lm_") else "iwslt14"
+    data = text_shards[dataset]
     cli = build_cli(
         ["fit", "--config", str(config), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
          "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
          "--trainer.default_root_dir", str(tmp_path), "--data.init_args.root", str(data),
-         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(info["vocab_size"]),
-         *batch])
+         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(vocab_size(data)),
+         *FIXTURE_BATCHES[dataset]])
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])

@@ -419,7 +419,9 @@ class TokenPositionEmbedding(nn.Module):
         self.scale = math.sqrt(config.d_model) if config.embed_scale is None else config.embed_scale
         self.max_positions = config.max_positions
         if config.sinusoidal_positions:
-            self.register_buffer("sinusoid", sinusoidal_table(config.max_positions, config.d_model), persistent=False)
+            # A plain attribute, not a buffer: DDP broadcasts buffers before every forward, also in
+            # evaluation, which deadlocks when ranks run different numbers of evaluation batches.
+            self.sinusoid = sinusoidal_table(config.max_positions, config.d_model)
             self.positions = None
         else:
             self.positions = nn.Embedding(config.max_positions, config.d_model)
@@ -432,7 +434,11 @@ class TokenPositionEmbedding(nn.Module):
         if start + T > self.max_positions:
             raise ValueError(f"positions up to {start + T} exceed max_positions={self.max_positions}")
         pos = torch.arange(start, start + T, device=tokens.device)  # (T,)
-        table = self.sinusoid if self.positions is None else self.positions.weight
+        if self.positions is None:
+            self.sinusoid = self.sinusoid.to(tokens.device)  # a no-op once it is there
+            table = self.sinusoid
+        else:
+            table = self.positions.weight
         x = self.scale * self.tokens(tokens) + table[pos].to(self.tokens.weight.dtype)  # (B, T, d)
         return self.dropout(x)
 

@@ -27,19 +27,20 @@ class Softmax(Reweighting):
         if temperature <= 0:
             raise ValueError(f"softmax temperature must be positive, got {temperature}")
         self.learnable = learnable
-        log_t = torch.tensor(float(temperature)).log()
         if learnable:
-            self.log_temperature = nn.Parameter(log_t)
+            self.log_temperature = nn.Parameter(torch.tensor(float(temperature)).log())
         else:
-            self.register_buffer("log_temperature", log_t, persistent=False)
+            # A Python float, not a buffer: DDP broadcasts buffers before every forward, also in
+            # evaluation, which deadlocks when ranks run different numbers of evaluation batches.
+            self.fixed_temperature = float(temperature)
             self.sdpa_scale = 1.0 / temperature
 
     @property
     def temperature(self) -> torch.Tensor:
-        return self.log_temperature.exp()
+        return self.log_temperature.exp() if self.learnable else torch.tensor(self.fixed_temperature)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.temperature
+        return x / (self.log_temperature.exp() if self.learnable else self.fixed_temperature)
 
     def fused_sigma(self) -> FusedSigma | None:
         return None if self.learnable else FusedSigma(self.sdpa_scale, None, None)

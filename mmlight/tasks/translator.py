@@ -124,12 +124,13 @@ class Translator(SequenceTask):
             if self.trainer.is_global_zero:
                 log.info("%s BLEU %.2f (%s); tokenised BLEU %.2f (%s)", stage, scores.bleu, scores.signature,
                          scores.bleu_tok, scores.signature_tok)
-        if stage in ("test", "predict") and self.trainer.is_global_zero:
-            self._write(stage, files, scores)
+        if stage in ("test", "predict"):
+            out = Path(self.hparams.output_dir or self.trainer.log_dir or ".")  # log_dir broadcasts: all ranks
+            if self.trainer.is_global_zero:
+                self._write(out, stage, files, scores)
         return rows
 
-    def _write(self, stage: str, files: dict[str, list[str]], scores) -> None:
-        out = Path(self.hparams.output_dir or self.trainer.log_dir or ".")
+    def _write(self, out: Path, stage: str, files: dict[str, list[str]], scores) -> None:
         out.mkdir(parents=True, exist_ok=True)
         for suffix, lines in files.items():
             (out / f"{stage}.{suffix}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")

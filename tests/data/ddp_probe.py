@@ -18,12 +18,12 @@ class Probe(L.Callback):
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if not trainer.sanity_checking:
-            self.val_samples += len(batch[1])
+            self.val_samples += len(batch[1]) if isinstance(batch, (list, tuple)) else len(batch["ids"])
 
     def _write(self, trainer, stage):
         record = {"global_step": trainer.global_step, "train_batches": self.train_batches,
                   "val_samples": self.val_samples, "world_size": trainer.world_size,
-                  "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+                  "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))}}
         path = Path(os.environ["MMLIGHT_PROBE_DIR"]) / f"rank{trainer.global_rank}-{stage}.json"
         path.write_text(json.dumps(record))
 
@@ -33,3 +33,6 @@ class Probe(L.Callback):
     def on_validation_end(self, trainer, pl_module):
         if trainer.state.fn == "validate":
             self._write(trainer, "validate")
+
+    def on_test_end(self, trainer, pl_module):
+        self._write(trainer, "test")

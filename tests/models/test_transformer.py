@@ -351,3 +351,19 @@ def test_triton_incremental_decoding_equals_full():
         cache = model.new_cache()
         steps = [model(x[:, :2], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(2, 5)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", reweighting.available())
+def test_models_hold_no_buffers(name):
+    """DDP broadcasts module buffers before every forward, evaluation included; with ranks that run
+    different numbers of evaluation batches that collective deadlocks. Constants (sinusoids, a fixed
+    temperature) are therefore plain attributes."""
+    from mmlight.models import ReweightedViT, ViTConfig
+
+    spec = ReweightingSpec(name)
+    models = [TransformerSeq2Seq(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_encoder_layers=1,
+                                                   n_layers=1, attention=spec, output_multimax=True)),
+              TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1, attention=spec)),
+              ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                                      attention=spec, output_multimax=True))]
+    assert [list(m.named_buffers()) for m in models] == [[], [], []]

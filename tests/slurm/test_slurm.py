@@ -161,3 +161,40 @@ def test_time_limit_signal_requeues_and_resumes(cluster, tmp_path, monkeypatch):
     assert torch.load(resumed_from[-1], map_location="cpu", weights_only=False)["global_step"] > 0
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == epochs * (1438 // (32 * 2))
+
+
+@pytest.fixture(scope="module")
+def text_shards(tmp_path_factory):
+    from tests.text_fixtures import write_text_shard_sets
+
+    return write_text_shard_sets(tmp_path_factory.mktemp("text"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, run_name", [("wikitext103.sh", "lm_wikitext103_multimax"),
+                                              ("iwslt14.sh", "nmt_iwslt14_multimax")])
+def test_lm_and_nmt_scripts_run_their_paper_config(cluster, text_shards, tmp_path, script, run_name):
+    """slurm/wikitext103.sh and slurm/iwslt14.sh, unchanged, as a 2-task CPU job on fixture shards
+    (DATA=...), with the model narrowed so that the test is quick."""
+    from tests.text_fixtures import FIXTURE_BATCHES, vocab_size
+
+    dataset = script.removesuffix(".sh")
+    data = text_shards[dataset]
+    narrow = ["--model.init_args.model.d_model", "32", "--model.init_args.model.ffn_dim", "64",
+              "--model.init_args.model.n_layers", "1"]
+    if dataset == "iwslt14":
+        narrow += ["--model.init_args.model.n_encoder_layers", "1", "--model.init_args.beam.beam_size", "2"]
+    command = ["sbatch", "--parsable", "--wait", "--chdir", str(tmp_path), "--output", str(tmp_path / "job-%j.out"),
+               *CPU_OVERRIDE, str(ROOT / "slurm" / script), "--trainer.accelerator", "cpu", "--trainer.precision", "32",
+               "--trainer.max_steps", "2", "--data.init_args.num_workers", "0",
+               "--model.init_args.model.vocab_size", str(vocab_size(data)), *narrow, *FIXTURE_BATCHES[dataset],
+               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    # the script finds train.sh in the submission directory; CONFIG is absolute because the job runs in tmp_path
+    env = {**job_env(), "DATA": str(data), "CONFIG": str(ROOT / "configs" / f"{run_name}.yaml")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    job = int(result.stdout.strip().split(";")[0]) if result.stdout.strip() else -1
+    log = (tmp_path / f"job-{job}.out").read_text() if job > 0 else ""
+    assert result.returncode == 0 and job_state(job) == "COMPLETED", result.stderr + log[-3000:]
+    run_dir = tmp_path / "runs" / run_name / f"slurm-{job}"
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+    assert scalar_steps(run_dir, "val/ppl")
