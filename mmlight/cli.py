@@ -55,8 +55,22 @@ class MmlightCLI(LightningCLI):
     * ``--ckpt_path last`` resumes from the newest of ``last.ckpt`` and Lightning's
       ``hpc_ckpt_*.ckpt`` (written on SLURM's warning signal) of any version of the run's name,
       and starts fresh when there is none;
-    * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once.
+    * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once;
+    * with ``--ckpt_path``, Lightning rebuilds the model from the checkpoint's hyperparameters, which
+      would silently override the command line; ``--model.*`` options given on the command line
+      (e.g. ``--model.init_args.beam.beam_size 10`` for ``test``) are applied after them.
     """
+
+    def parse_arguments(self, parser, args) -> None:
+        self._argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        super()._parse_ckpt_path()
+        subcommand = self.config.get("subcommand")
+        overrides = model_options(getattr(self, "_argv", []))
+        if subcommand and overrides and self.config[subcommand].get("ckpt_path"):
+            self.config = self.parser.parse_args([subcommand, *overrides], namespace=self.config)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
@@ -84,6 +98,15 @@ class MmlightCLI(LightningCLI):
             config_init = self.config_init[self.subcommand]
             config_init["ckpt_path"] = newest_checkpoint(self.trainer)
             print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
+
+
+def model_options(argv: list[str]) -> list[str]:
+    """The ``--model.*`` options of a command line (``--model.x=1`` or ``--model.x 1``)."""
+    picked = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model."):
+            picked += [arg] if "=" in arg or i + 1 == len(argv) else [arg, argv[i + 1]]
+    return picked
 
 
 def run_dir(logger_args) -> Path:

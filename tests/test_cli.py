@@ -188,8 +188,10 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     main(["fit", *common, "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1"])
     last = tmp_path / "runs" / "nmt_multimax" / "version_0" / "checkpoints" / "last.ckpt"
-    main(["test", *common, "--ckpt_path", str(last), "--trainer.limit_test_batches", "1"])
-    out = tmp_path / "runs" / "nmt_multimax" / "version_1"
+    # a --model option on the command line wins over the checkpoint's hyperparameters
+    out = tmp_path / "hypotheses"
+    main(["test", *common, "--ckpt_path", str(last), "--trainer.limit_test_batches", "1",
+          "--model.init_args.output_dir", str(out)])
     hyps, refs = (out / "test.hyp").read_text().splitlines(), (out / "test.ref").read_text().splitlines()
     assert 0 < len(hyps) == len(refs)
     written = json.loads((out / "test.bleu.json").read_text())
@@ -199,3 +201,11 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
     src_file.write_text("\n".join(lines) + "\n")
     main(["predict", *common, "--ckpt_path", str(last), "--data.init_args.src_file", str(src_file)])
     assert len((tmp_path / "runs" / "nmt_multimax" / "version_2" / "predict.hyp").read_text().splitlines()) == 3
+
+
+def test_model_options_of_a_command_line():
+    from mmlight.cli import model_options
+
+    argv = ["test", "--config", "c.yaml", "--model.init_args.beam.beam_size", "10", "--ckpt_path", "x.ckpt",
+            "--model.init_args.output_dir=out", "--trainer.devices", "1"]
+    assert model_options(argv) == ["--model.init_args.beam.beam_size", "10", "--model.init_args.output_dir=out"]
