@@ -92,9 +92,9 @@ class RecallDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        num_keys: int = 64,
-        num_values: int = 64,
-        num_pairs: int = 16,
+        num_keys: int = 32,
+        num_values: int = 32,
+        num_pairs: int = 8,
         num_queries: int = 8,
         train_size: int = 20000,
         val_size: int = 1000,
