@@ -94,3 +94,11 @@ class LanguageModel(SequenceTask):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def predict_step(self, batch, batch_idx) -> dict[str, torch.Tensor]:
+        """Scores text: for each sequence of the batch, the summed NLL (nats) of its scored targets and
+        their count, ``{"nll": (B,), "tokens": (B,)}`` (e.g. per-window or per-document perplexity)."""
+        hidden = self.model(batch["input"])  # (B, T, d)
+        rows = [self.model.summed_loss(hidden[b:b + 1], batch["target"][b:b + 1], batch["loss_mask"][b:b + 1])
+                for b in range(hidden.shape[0])]
+        return {"nll": torch.stack([nll for nll, _ in rows]), "tokens": torch.stack([n for _, n in rows])}

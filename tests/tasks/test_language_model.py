@@ -103,3 +103,16 @@ def test_fit_steps_and_inverse_sqrt_schedule(wikitext):
     assert optimizer.defaults["betas"] == (0.9, 0.98)
     decayed = [g for g in optimizer.param_groups if g["weight_decay"] > 0]
     assert decayed and decayed[0]["weight_decay"] == 0.01
+
+
+def test_predict_scores_each_window_and_they_sum_to_the_test_perplexity(wikitext):
+    """`predict` returns per-window NLL sums and counts; over the test split they give test/ppl."""
+    model = tiny_lm(16, "multimax", output_multimax=True).eval()
+    data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=2, eval_block_size=5, eval_context=2)
+    tested = trainer().test(model, data, verbose=False)[0]
+    batches = trainer().predict(model, data)
+    nll = torch.cat([b["nll"] for b in batches]).double()
+    tokens = torch.cat([b["tokens"] for b in batches])
+    assert len(nll) == len(data.eval_dataset("test").windows)
+    assert tokens.sum().item() == tested["test/tokens"]
+    assert math.exp(nll.sum().item() / tokens.sum().item()) == pytest.approx(tested["test/ppl"], rel=1e-5)
