@@ -62,7 +62,7 @@ class MmlightCLI(LightningCLI):
     """
 
     def parse_arguments(self, parser, args) -> None:
-        self._argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        self._argv = list(sys.argv[1:] if args is None else args) if isinstance(args, (list, tuple, type(None))) else []
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:

@@ -173,10 +173,7 @@ class ImageShardDataModule(ShardDataModule):
     def train_dataloader(self):
         info = self._info()
         num_samples = info["splits"][self.train_split]["num_samples"]
-        steps = num_samples // (self.batch_size * self._world_size())
-        if steps < 1:
-            raise ValueError(f"{num_samples} training samples are fewer than one global batch "
-                             f"({self.batch_size} x {self._world_size()} devices)")
+        steps = self.epoch_steps(num_samples, self.batch_size, f"{self.batch_size} samples")
         return self.fixed_epoch_loader(self._pipeline(split_urls(self.root, info, self.train_split), train=True), steps)
 
     def _eval_loader(self, split: str):

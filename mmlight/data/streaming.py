@@ -37,8 +37,29 @@ class ShardDataModule(L.LightningDataModule):
             self.info = read_info(self.root)
         return self.info
 
+    def _rank_and_world(self) -> tuple[int, int]:
+        """This process's global rank and the number of ranks (0, 1 outside a trainer)."""
+        if self.trainer is None:
+            return 0, 1
+        return int(self.trainer.global_rank), self._world_size()
+
     def _world_size(self) -> int:
-        return self.trainer.world_size if self.trainer is not None else 1
+        return int(self.trainer.world_size) if self.trainer is not None else 1
+
+    def epoch_steps(self, total: int, per_rank_step: int, what: str) -> int:
+        """Training steps per epoch, the same on every rank: ``total // (per_rank_step x world size)``.
+
+        Args:
+            total: size of the training split (samples or tokens).
+            per_rank_step: how much of it one rank's batch takes.
+            what: the batch in words for the error, e.g. ``"8 x 512 tokens"``.
+        """
+        world = self._world_size()
+        steps = total // (per_rank_step * world)
+        if steps < 1:
+            raise ValueError(f"the training split ({total}) is smaller than one global batch "
+                             f"({what} x {world} devices)")
+        return steps
 
     def shard_stages(self, urls: list[str], train: bool) -> list:
         """The head of a pipeline: shard URLs -> raw samples (``mmlight.data.shards.TarSamples``).

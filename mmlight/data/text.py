@@ -252,20 +252,10 @@ class WikiTextDataModule(ShardDataModule):
     def num_train_tokens(self) -> int:
         return int(self._info()["splits"][self.train_split]["num_tokens"])
 
-    def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return int(trainer.global_rank), int(trainer.world_size)
-
     def train_steps(self) -> int:
         """Training steps per epoch on every rank."""
-        _, world = self._rank_and_world()
-        steps = self.num_train_tokens // (self.block_size * self.batch_size * world)
-        if steps < 1:
-            raise ValueError(f"{self.num_train_tokens} training tokens are fewer than one global batch "
-                             f"({self.batch_size} x {self.block_size} tokens x {world} devices)")
-        return steps
+        return self.epoch_steps(self.num_train_tokens, self.block_size * self.batch_size,
+                                f"{self.batch_size} x {self.block_size} tokens")
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from mmlight.data.prepare.iwslt import BPE_FILE, prepare_iwslt
+from mmlight.data.prepare.writer import write_text_atomic
 from mmlight.data.shards import INFO_FILE
 from mmlight.data.translation import TranslationDataModule
 
@@ -156,16 +157,9 @@ def write_toy_corpus(src_dir: Path, seed: int = 0, train_size: int = 20000, vali
     for split, n in zip(SPLITS, (train_size, valid_size, test_size)):
         pairs = toy_pairs(n, seed, split)
         for lang, side in (("de", 0), ("en", 1)):
-            _write_atomic(src_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs))
-    _write_atomic(src_dir / BPE_FILE, toy_bpe_codes())
+            write_text_atomic(src_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs))
+    write_text_atomic(src_dir / BPE_FILE, toy_bpe_codes())
     return src_dir
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class ToyTranslationDataModule(TranslationDataModule):
@@ -242,7 +236,7 @@ class ToyTranslationDataModule(TranslationDataModule):
             return
         # no complete shard set (none, or an interrupted write): write everything; _info.json comes last
         root.mkdir(parents=True, exist_ok=True)
-        _write_atomic(args_path, json.dumps(args, indent=2))
+        write_text_atomic(args_path, json.dumps(args, indent=2))
         raw = write_toy_corpus(root / "raw", self.seed, self.train_size, self.valid_size, self.test_size)
         prepare_iwslt(raw, root, workers=1, samples_per_shard=self.samples_per_shard)
         self.info, self._vocab, self._index = None, None, None

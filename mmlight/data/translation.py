@@ -245,9 +245,6 @@ class TranslationDataModule(ShardDataModule):
         return MosesDetokenizer(lang=lang).detokenize(text.split())
 
     # ------------------------------------------------------------------ loaders
-    def _world_size(self) -> int:
-        return self.trainer.world_size if self.trainer is not None else 1
-
     def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
         stages = self.shard_stages(urls, train) + ([wds.shuffle(self.bucket_buffer)] if train else [])
         batches = partial(_batch_stage, max_tokens=self.max_tokens, buffer=self.bucket_buffer, shuffle=train,
@@ -259,12 +256,8 @@ class TranslationDataModule(ShardDataModule):
 
     def train_steps(self) -> int:
         """Batches per rank per epoch: the split's summed sample sizes // (max_tokens x world size)."""
-        split = self._info()["splits"][self.train_split]
-        steps = split["num_tokens"] // (self.max_tokens * self._world_size())
-        if steps < 1:
-            raise ValueError(f"the {split['num_tokens']} training tokens are fewer than one global batch "
-                             f"({self.max_tokens} x {self._world_size()} devices)")
-        return steps
+        num_tokens = self._info()["splits"][self.train_split]["num_tokens"]
+        return self.epoch_steps(num_tokens, self.max_tokens, f"{self.max_tokens} tokens")
 
     def train_dataloader(self):
         steps = self.train_steps()

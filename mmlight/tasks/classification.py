@@ -17,9 +17,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.tasks.checkpoint import check_checkpoint_matches
 from mmlight.tasks.optim import param_groups, warmup_cosine
+from mmlight.tasks.stages import EvalStages
 
 
-class ImageClassifier(L.LightningModule):
+class ImageClassifier(EvalStages, L.LightningModule):
     """Trains a :class:`~mmlight.models.ReweightedViT`.
 
     Args:
@@ -131,18 +132,6 @@ class ImageClassifier(L.LightningModule):
         for name, metric in self.eval_metrics[stage].items():
             self.log(f"{stage}/{name}", metric.compute(), prog_bar=name == "top1")
             metric.reset()
-
-    def validation_step(self, batch, batch_idx):
-        self._eval_step("val", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch, batch_idx):
-        self._eval_step("test", batch)
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
 
     def predict_step(self, batch, batch_idx):
         """Class probabilities ``(B, num_classes)`` and predicted labels ``(B,)`` for a batch."""

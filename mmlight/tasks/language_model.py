@@ -83,18 +83,6 @@ class LanguageModel(SequenceTask):
                 self.log(f"{stage}/acc", correct / count, prog_bar=True, sync_dist=False)
         self.log_perplexity(stage)
 
-    def validation_step(self, batch, batch_idx):
-        self._eval_step("val", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch, batch_idx):
-        self._eval_step("test", batch)
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
     def predict_step(self, batch, batch_idx) -> dict[str, torch.Tensor]:
         """Scores text: for each sequence of the batch, the summed NLL (nats) of its scored targets and
         their count, ``{"nll": (B,), "tokens": (B,)}`` (e.g. per-window or per-document perplexity)."""

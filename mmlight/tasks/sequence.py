@@ -16,13 +16,14 @@ from torchmetrics import SumMetric
 from mmlight.models.transformer import TransformerConfig
 from mmlight.tasks.checkpoint import check_checkpoint_matches
 from mmlight.tasks.optim import param_groups, warmup_cosine, warmup_inverse_sqrt
+from mmlight.tasks.stages import EvalStages
 
 log = logging.getLogger(__name__)
 
 Schedule = Literal["inverse_sqrt", "cosine"]
 
 
-class SequenceTask(L.LightningModule):
+class SequenceTask(EvalStages, L.LightningModule):
     """Base of :class:`~mmlight.tasks.LanguageModel` and :class:`~mmlight.tasks.Translator`.
 
     Subclasses build ``self.model`` (a transformer whose ``config`` is a

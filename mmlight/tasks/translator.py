@@ -139,27 +139,20 @@ class Translator(SequenceTask):
         print(f"mmlight: {len(files['hyp'])} {stage} translations written to {out / (stage + '.hyp')}")
 
     # ------------------------------------------------------------------ stages
-    def _eval_step(self, stage: str, batch, generate: bool) -> None:
+    def _generates(self, stage: str) -> bool:
+        return stage == "test" or self.hparams.bleu_in_validation
+
+    def _eval_step(self, stage: str, batch) -> None:
         hidden = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
         nll_sum, count = self.model.summed_loss(hidden, batch["tgt_out"], batch["tgt_mask"])
         self.update_nll(stage, nll_sum, count)
-        if generate:
+        if self._generates(stage):
             self._generate(stage, batch)
 
-    def validation_step(self, batch, batch_idx):
-        self._eval_step("val", batch, generate=self.hparams.bleu_in_validation)
-
-    def on_validation_epoch_end(self) -> None:
-        self.log_perplexity("val")
-        if self.hparams.bleu_in_validation:
-            self._finish_generation("val")
-
-    def test_step(self, batch, batch_idx):
-        self._eval_step("test", batch, generate=True)
-
-    def on_test_epoch_end(self) -> None:
-        self.log_perplexity("test")
-        self._finish_generation("test")
+    def _eval_epoch_end(self, stage: str) -> None:
+        self.log_perplexity(stage)
+        if self._generates(stage):
+            self._finish_generation(stage)
 
     def predict_step(self, batch, batch_idx):
         """``[{"id", "hyp", "hyp_tok"}, ...]`` for the batch's sentences."""

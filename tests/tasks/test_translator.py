@@ -4,6 +4,7 @@
 import collections
 import json
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -98,9 +99,8 @@ def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
         len(toy.encode(line, lang="en")) + 1 for line in raw)
 
 
-def toy_raw_dir(toy):
-    from pathlib import Path
-
+def toy_raw_dir(toy) -> Path:
+    """Where ToyTranslationDataModule keeps the generated raw corpus."""
     return Path(toy.root) / "raw"
 
 

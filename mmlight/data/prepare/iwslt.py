@@ -54,7 +54,7 @@ from typing import Literal
 
 import numpy as np
 
-from mmlight.data.prepare.writer import Skipped, plan_shards, write_shards
+from mmlight.data.prepare.writer import Skipped, plan_shards, write_shards, write_text_atomic
 from mmlight.data.shards import sha256, write_info
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def _read_raw_cached(src: Path, out: Path, workers: int) -> tuple[dict, dict, di
             log.info("reusing the tokenised text in %s", cache)
             return ({k: tuple(v) for k, v in data["texts"].items()}, data["skipped"], data["stats"])
     texts, skipped, stats = _read_raw(src, workers)
-    _write_atomic(cache, json.dumps({"key": key, "texts": texts, "skipped": skipped, "stats": stats}))
+    write_text_atomic(cache, json.dumps({"key": key, "texts": texts, "skipped": skipped, "stats": stats}))
     return texts, skipped, stats
 
 
@@ -310,12 +310,6 @@ def _read_fairseq(src: Path) -> tuple[dict, dict]:
 
 # ----------------------------------------------------------------------------- BPE and dictionary
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int = BPE_MERGES) -> Path:
     """Learn ``merges`` joint BPE operations on train de + en into ``out/code``; reuse a consistent one.
 
@@ -335,8 +329,8 @@ def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int =
     log.info("learning %d joint BPE merges on %d training lines", merges, corpus.count("\n"))
     buffer = io.StringIO()
     learn_bpe(io.StringIO(corpus), buffer, merges)
-    _write_atomic(codes, buffer.getvalue())
-    _write_atomic(meta_path, json.dumps({**meta, "sha256": sha256(codes)}))
+    write_text_atomic(codes, buffer.getvalue())
+    write_text_atomic(meta_path, json.dumps({**meta, "sha256": sha256(codes)}))
     return codes
 
 
@@ -356,7 +350,7 @@ def write_dictionary(entries: list[tuple[str, int]], path: Path) -> None:
     text = "".join(f"{tok} {count}\n" for tok, count in entries)
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return
-    _write_atomic(path, text)
+    write_text_atomic(path, text)
 
 
 def load_dictionary(path: str | Path) -> list[str]:

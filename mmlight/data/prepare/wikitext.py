@@ -55,13 +55,12 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 from array import array
 from pathlib import Path
 
 import numpy as np
 
-from mmlight.data.prepare.writer import ShardJob, Skipped, require, write_shards
+from mmlight.data.prepare.writer import ShardJob, Skipped, require, write_shards, write_text_atomic
 from mmlight.data.shards import INFO_FILE, write_info
 
 log = logging.getLogger(__name__)
@@ -168,13 +167,6 @@ def plan_split(split: str, ids: np.ndarray, bad: list[tuple[int, Skipped]], chun
     return jobs
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _read_text(path: Path) -> str:
     with open(path, encoding="utf-8", newline="") as f:
         return f.read()
@@ -192,7 +184,7 @@ def save_vocab(out: Path, vocab: list[str]) -> Path:
         raise ValueError(f"{path} differs from the vocabulary built from the raw data "
                          f"({len(existing.splitlines())} vs {len(vocab)} entries): the raw data changed; "
                          "prepare into an empty --out folder")
-    _atomic_write(path, text)
+    write_text_atomic(path, text)
     log.info("vocabulary %s written (%d entries)", path, len(vocab))
     return path
 

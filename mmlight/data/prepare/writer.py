@@ -152,6 +152,15 @@ def write_shards(jobs: list[ShardJob], out_dir: Path, make_sample: SampleMaker, 
             "skipped": skipped, "shards": shards}
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, newlines untranslated) to a temporary file and rename it over ``path``,
+    so a killed run never leaves a half-written file behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def require(path: Path, what: str) -> Path:
     """``path`` if it exists, else a ``FileNotFoundError`` saying which file or folder was expected."""
     if not path.exists():
