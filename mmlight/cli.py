@@ -156,13 +156,20 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     )
 
 
+#: Subcommands outside LightningCLI: name -> ``module:function``, called with the remaining argv.
+TOOLS: dict[str, str] = {
+    "prepare": "mmlight.data.prepare:main",
+}
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``mmlight`` console script; ``args`` lets tests call it in-process."""
     argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, list) and argv[:1] == ["prepare"]:
-        from mmlight.data.prepare import main as prepare_main
+    if isinstance(argv, list) and argv[:1] and argv[0] in TOOLS:
+        import importlib
 
-        prepare_main(argv[1:])
+        module, function = TOOLS[argv[0]].split(":")
+        getattr(importlib.import_module(module), function)(argv[1:])
         return
     build_cli(args)
 
