@@ -22,14 +22,21 @@ def hand_softmax(q, k, keep, sigma=lambda s: s):
     return e / e.sum(-1, keepdim=True).clamp_min(1e-300)
 
 
-def capture_inputs(modules):
-    """Forward pre-hooks keeping each module's positional and keyword inputs, by name."""
+def run_with_and_without_recording(model, modules, *inputs):
+    """Run ``model(*inputs)`` plainly and under :func:`record_attention`; check the outputs agree.
+    Returns the recording and each of ``modules``' inputs (positional, keyword) by name."""
     seen, handles = {}, []
     for name, m in modules.items():
         def hook(module, args, kwargs, name=name):
             seen[name] = (args, kwargs)
         handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    return seen, handles
+    plain = model(*inputs)
+    with record_attention(model) as rec:
+        recorded = model(*inputs)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    return rec, seen
 
 
 def test_vit_records_every_block_as_computed_by_hand():
@@ -43,13 +50,7 @@ def test_vit_records_every_block_as_computed_by_hand():
             m.ts.copy_(torch.tensor([0.3, -0.25, 0.1, 0.05]))
     images = torch.randn(3, 1, 8, 8)
     attns = {f"blocks.{i}": b.attn for i, b in enumerate(model.vit.blocks)}
-    seen, handles = capture_inputs(attns)
-    plain = model(images)
-    with record_attention(model) as rec:
-        recorded = model(images)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(model, attns, images)
     assert rec.sites() == list(attns)
     for name, attn in attns.items():
         (x,), _ = seen[name]
@@ -70,13 +71,7 @@ def test_lm_records_causal_weights_and_one_call_per_decoding_step():
     model = TransformerLM(config).eval()
     tokens = torch.randint(2, 23, (2, 7))
     attns = {f"decoder.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.decoder.layers)}
-    seen, handles = capture_inputs(attns)
-    plain = model(tokens)
-    with record_attention(model) as rec:
-        recorded = model(tokens)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(model, attns, tokens)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     for name, attn in attns.items():
         (x,), _ = seen[name]
@@ -104,14 +99,8 @@ def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
     src, tgt = torch.randint(2, 23, (2, 6)), torch.randint(2, 23, (2, 5))
     src[1, 4:] = PAD  # the second source is 4 tokens long
     site = "decoder.layers.1.cross_attn"
-    seen, handles = capture_inputs({site: model.decoder.layers[1].cross_attn,
-                                    "enc": model.encoder.layers[0].self_attn})
-    plain = model(src, tgt)
-    with record_attention(model) as rec:
-        recorded = model(src, tgt)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(
+        model, {site: model.decoder.layers[1].cross_attn, "enc": model.encoder.layers[0].self_attn}, src, tgt)
     assert set(rec.sites()) == set(model.attention_sites())
     src_keep = (src != PAD)[:, None, None, :]  # (B, 1, 1, S)
 
