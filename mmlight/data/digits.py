@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
-from mmlight.data.prepare.writer import plan_shards, write_shards
+from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import INFO_FILE, read_info, write_info
 
 DIGITS_AUGMENT = ImageAugment(

@@ -6,7 +6,7 @@ import pytest
 from sacremoses import MosesDetokenizer
 
 from mmlight.data import ToyTranslationDataModule
-from mmlight.data.prepare.iwslt import load_dictionary
+from mmlight.data.vocab import load_dictionary
 from mmlight.data.toy_translation import (
     ADJECTIVES,
     ADVERBS,
