@@ -5,7 +5,8 @@ Package map:
     nn/           the attention entry point every model calls
     models/       networks built from typed configs (ViT/DeiT via timm)
     tasks/        LightningModules: loss, metrics, optimiser, schedule, logging
-    data/         webdataset shard writing and the LightningDataModules that stream them
+    data/         webdataset shard writing, text vocabularies and tokenisers, and the
+                  LightningDataModules that stream them (``data/prepare/``: ``mmlight prepare``)
     callbacks/    monitoring: MultiMax parameters and modulation curves, final metrics
     cli.py        the ``mmlight`` LightningCLI entry point
 """

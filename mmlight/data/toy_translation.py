@@ -176,7 +176,8 @@ class ToyTranslationDataModule(TranslationDataModule):
     """The toy translation task (see the module docstring), written to ``cache_dir`` by
     :meth:`prepare_data` on first use and then streamed exactly like IWSLT14 (same batch dicts, ids,
     ``encode``/``decode``). Lightning calls ``prepare_data`` before any loader; used by hand, call it
-    first (loaders and the vocabulary properties raise a FileNotFoundError saying so otherwise).
+    first (loaders and the other vocabulary properties raise a FileNotFoundError saying so otherwise;
+    :attr:`vocab_size` prepares the corpus itself, since the CLI reads it before Lightning runs).
 
     The cache keeps the generation arguments in ``toy_translation.json``; a cache written with other
     arguments is refused with a ValueError.
@@ -254,6 +255,15 @@ class ToyTranslationDataModule(TranslationDataModule):
         write_translation_shards(texts, root, layout="fairseq", bpe_merges=count_bpe_merges(root / BPE_FILE),
                                  samples_per_shard=self.samples_per_shard)
         self.info, self._vocab, self._index = None, None, None
+
+    @property
+    def vocab_size(self) -> int:
+        """The joint dictionary's size. The corpus is generated and prepared first when it is not yet:
+        the CLI links this size into the model when it builds the DataModule, before Lightning calls
+        :meth:`prepare_data`, and the size is a property of the generated corpus."""
+        if self.info is None and not (Path(self.root) / INFO_FILE).is_file():
+            self.prepare_data()
+        return super().vocab_size
 
     def _info(self) -> dict:
         if self.info is None and not (Path(self.root) / INFO_FILE).is_file():
