@@ -86,9 +86,8 @@ class MmlightCLI(LightningCLI):
                              "best_checkpoint.filename": "best-{epoch}-{step}", "best_checkpoint.save_top_k": 1,
                              "best_checkpoint.auto_insert_metric_name": False})
         for data_attribute, model_key in DATA_SIZES.items():
-            # The source is the DataModule itself, not "data.<attribute>": for a missing attribute
-            # jsonargparse would print the DataModule, and Lightning's __str__ builds every loader.
-            parser.link_arguments("data", f"model.init_args.model.{model_key}", compute_fn=data_size(data_attribute),
+            # skipped when the DataModule has no such attribute (missing_data_sizes checks it is not needed)
+            parser.link_arguments(f"data.{data_attribute}", f"model.init_args.model.{model_key}",
                                   apply_on="instantiate")
 
     def instantiate_classes(self) -> None:
@@ -96,11 +95,8 @@ class MmlightCLI(LightningCLI):
         given = config.get("model.init_args.model") or {}  # before the links replace them
         try:
             super().instantiate_classes()
-        except (FileNotFoundError, ValueError) as err:
-            missing = err if isinstance(err, FileNotFoundError) else err.__cause__
-            if not isinstance(missing, FileNotFoundError):
-                raise
-            self.parser.error(str(missing))  # e.g. data not prepared yet: the size links read it
+        except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
+            self.parser.error(str(err))
         for data_attribute, model_key in DATA_SIZES.items():
             value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
             if value is not None and linked is not None and value != linked:
@@ -135,15 +131,6 @@ class MmlightCLI(LightningCLI):
 #: config no such key, so each task takes the sizes it has: the LM and the translator the vocabulary,
 #: the image classifier the class count.
 DATA_SIZES = {"vocab_size": "vocab_size", "num_classes": "num_classes"}
-
-
-def data_size(data_attribute: str):
-    """Link function: the DataModule's ``data_attribute``, or None when it has none (then the model
-    config has no key for it either: :func:`missing_data_sizes` stops other cases first)."""
-    def size(datamodule):
-        return getattr(datamodule, data_attribute, None)
-    size.__name__ = f"data_{data_attribute}"
-    return size
 
 
 def missing_data_sizes(model_class: type, data_class: type) -> list[str]:
