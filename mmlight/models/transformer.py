@@ -542,6 +542,10 @@ class _OutputHead(nn.Module):
         """The reweighting module of every attention layer (encoder first, then decoder)."""
         return [m.reweight for m in self.modules() if isinstance(m, MultiHeadAttention)]
 
+    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
+        """Each attention layer's reweighting by module name (``decoder.layers.{i}.self_attn`` ...)."""
+        return {name: m.reweight for name, m in self.named_modules() if isinstance(m, MultiHeadAttention)}
+
     def new_cache(self) -> DecoderCache:
         """An empty incremental-decoding cache (its batch size is set by the first step)."""
         return self.decoder.new_cache()

@@ -113,6 +113,10 @@ class ReweightedViT(nn.Module):
         """The reweighting module of each attention layer, in depth order."""
         return [block.attn.reweight for block in self.vit.blocks]
 
+    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
+        """Each attention layer's reweighting by site name, ``blocks.{i}``."""
+        return {f"blocks.{i}": block.attn.reweight for i, block in enumerate(self.vit.blocks)}
+
     def no_weight_decay(self) -> set[str]:
         """Names of parameters to exclude from weight decay besides 1-D ones (timm's convention)."""
         return {f"vit.{name}" for name in self.vit.no_weight_decay()}

@@ -4,6 +4,9 @@ between a fused kernel and the explicit path is made here and nowhere else.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
@@ -70,6 +73,9 @@ def attention(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
+    observed = _OBSERVED.get(id(reweight))
+    if observed is not None:
+        return _observed_attention(q, k, v, reweight, mask, is_causal, dropout_p, scale, backend, *observed)
     backend = check_backend(backend or reweight.backend)
     sigma = reweight.fused_sigma()
     if reweight.sdpa_scale is None and sigma is not None and dropout_p == 0.0:
@@ -106,6 +112,78 @@ def attention(
     probs = reweight.compute(scores, mask, backend)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return probs @ v  # (B, nh, Tq, hv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Observation (minimal version on branch `analysis`; the lead's version on main replaces it)
+
+
+class AttentionObserver:
+    """Sees every attention call of a model while active (inside :func:`observe_attention`)."""
+
+    def edit_mask(self, site: str, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None):
+        """Return the (possibly narrowed) mask; ``q`` ``(B, nh, Tq, hs)``, ``k`` ``(B, nh, Tk, hs)``,
+        ``mask`` bool broadcastable to ``(B, nh, Tq, Tk)`` (True = attend, causal folded in) or None."""
+        return mask
+
+    def record(self, site: str, weights: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """``weights`` ``(B, nh, Tq, Tk)`` before dropout (zeros where masked); ``keep`` the mask used."""
+
+
+_OBSERVED: dict[int, tuple[str, AttentionObserver]] = {}
+
+
+def model_of(model_or_task: torch.nn.Module) -> torch.nn.Module:
+    """The model of a task (a LightningModule with ``.model``), or the model itself."""
+    inner = getattr(model_or_task, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else model_or_task
+
+
+@contextmanager
+def observe_attention(model: torch.nn.Module, observer: AttentionObserver):
+    """Route every attention call of ``model`` (or a task's model) through the explicit path and ``observer``."""
+    sites = model_of(model).attention_sites()
+    for site, reweight in sites.items():
+        _OBSERVED[id(reweight)] = (site, observer)
+    try:
+        yield observer
+    finally:
+        for reweight in sites.values():
+            _OBSERVED.pop(id(reweight), None)
+
+
+@dataclass
+class RecordedAttention:
+    weights: torch.Tensor
+    keep: torch.Tensor | None
+
+
+class _Recorder(AttentionObserver):
+    def __init__(self):
+        self.recording: dict[str, list[RecordedAttention]] = {}
+
+    def record(self, site, weights, keep):
+        self.recording.setdefault(site, []).append(RecordedAttention(weights.detach(), keep))
+
+
+@contextmanager
+def record_attention(model: torch.nn.Module):
+    """Yield ``recording[site] -> [RecordedAttention(weights, keep), ...]``, one per attention call."""
+    recorder = _Recorder()
+    with observe_attention(model, recorder):
+        yield recorder.recording
+
+
+def _observed_attention(q, k, v, reweight, mask, is_causal, dropout_p, scale, backend, site, observer):
+    if is_causal:
+        causal = causal_mask(q.shape[-2], k.shape[-2], q.device)
+        mask = causal if mask is None else mask & causal
+    mask = observer.edit_mask(site, q, k, mask)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    probs = reweight.compute(scores, mask, check_backend(backend or reweight.backend))
+    observer.record(site, probs, mask)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return probs @ v
 
 
 class ReweightedAttention(TimmAttention):
