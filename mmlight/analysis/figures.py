@@ -104,6 +104,24 @@ def histogram_figure(results: dict[str, dict], cdf: bool = False):
     return fig
 
 
+def layers_figure(stats: dict, cdf: bool = False):
+    """One run's weight histogram (or CDF) with one line per layer in a single panel: the cheap
+    form the training callback draws."""
+    fig, ax = plt().subplots(figsize=(4.5, 3.2))
+    edges = torch.tensor(stats["histogram_edges"])
+    for site, entry in stats["sites"].items():
+        counts = torch.tensor(entry["histogram"])
+        if cdf:
+            ax.plot(edges, counts.cumsum(0) / counts.sum().clamp_min(1), label=site)
+        else:
+            ax.plot((edges[:-1] * edges[1:]).sqrt(), counts[1:].clamp_min(0.5), label=site)
+            ax.set_yscale("log")
+    ax.set_xscale("log")
+    ax.set(xlabel="attention weight", ylabel="fraction below" if cdf else "count")
+    ax.legend(fontsize=6)
+    return fig
+
+
 def per_layer_figure(results: dict[str, dict], metrics=PER_LAYER):
     """Each per-layer metric against depth: one line per run and attention kind."""
     fig, axes = grid(len(metrics), cols=3)
@@ -186,10 +204,10 @@ def recorded(task, batch) -> dict:
 
     was_training = task.model.training
     task.model.eval()
-    with record_attention(task) as recording:
+    with record_attention(task) as recorder:
         teacher_forced(task, batch)
     task.model.train(was_training)
-    return {site: calls[0].weights[0].float().cpu() for site, calls in recording.items()}
+    return {site: recorder[site][0].weights[0].float().cpu() for site in recorder.sites()}
 
 
 def attention_map(task, image: torch.Tensor, label: str, out: Path, query_patch: int | None) -> str:

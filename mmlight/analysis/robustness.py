@@ -19,7 +19,7 @@ import torch
 from mmlight.analysis import metrics as M
 from mmlight.analysis.stats import kind_of, layer_index
 from mmlight.analysis.tasks import TASK_METRIC, task_kind
-from mmlight.nn.attention import AttentionObserver, observe_attention
+from mmlight.nn.attention import AttentionObserver, explicit_weights, observe_attention
 
 SINK_LEVELS = (1, 5, 10)
 KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)
@@ -53,8 +53,8 @@ class SinkMasking(AttentionObserver):
         if kind_of(site) == "cross":
             return mask
         keys = full_mask(q, k, mask)  # (B, nh, Tq, Tk)
-        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-        weights = self.sites[site](scores, keys)
+        reweight = self.sites[site]
+        weights = explicit_weights(q, k, reweight, keys, q.shape[-1] ** -0.5, reweight.backend)
         _, relative, _ = M.incoming_attention(weights, keys, keys.any(-1))  # (B, Tk)
         top = relative.topk(min(self.k, relative.shape[1]), dim=-1).indices  # (B, k)
         sinks = torch.zeros_like(relative, dtype=torch.bool).scatter_(1, top, True)
