@@ -129,7 +129,15 @@ def eval_trainer(trainer_config) -> L.Trainer:
 
 
 def main(argv: list[str]) -> None:
-    """Entry point of ``mmlight analyze``."""
+    """Entry point of ``mmlight analyze``: bad input ends with one line naming it, before any work."""
+    try:
+        analyze(argv)
+    except AnalyzeError as err:
+        raise SystemExit(f"mmlight analyze: error: {err}") from err
+
+
+def analyze(argv: list[str]) -> None:
+    """Parse ``argv``, check every input, then analyse each checkpoint and write the outputs."""
     args, rest = parse_args(argv)
     from tqdm.auto import tqdm
 
@@ -147,7 +155,10 @@ def main(argv: list[str]) -> None:
     tasks = [load_checkpoint(task_class, p) for p in paths]
     for task, path in zip(tasks, paths):
         check_fits_data(task, datamodule, path)
-    batches = first_samples(eval_loader(datamodule, args.split), args.num_samples, args.split)
+    try:
+        batches = first_samples(eval_loader(datamodule, args.split), args.num_samples, args.split)
+    except ValueError as err:
+        raise AnalyzeError(str(err)) from err
     trainer = eval_trainer(cli.config.trainer)
     device = trainer.strategy.root_device
     out = Path(args.out)

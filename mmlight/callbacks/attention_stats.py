@@ -19,7 +19,7 @@ class AttentionStats(L.Callback):
     Logs per-layer scalars ``attention/<site>/<metric>`` (and ``attention/<block>/token_similarity``)
     to every logger, plus, to TensorBoard, the weight histograms, their CDF and the token similarity
     against depth with one line per recorded epoch (the paper's Figures 5, 8 and 4). Its own wall
-    time goes to ``attention/seconds``. Only global rank 0 does any of this, on the task's inner
+    time goes to ``attention/seconds``, next to the validation loop's own (``attention/validation_seconds``). Only global rank 0 does any of this, on the task's inner
     model (no collective calls, so other ranks just wait at their next synchronisation). Without
     this callback nothing is observed and attention keeps its fused paths.
 
@@ -43,6 +43,9 @@ class AttentionStats(L.Callback):
     def _collecting(self, trainer) -> bool:
         return trainer.is_global_zero and not trainer.sanity_checking
 
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self._validation_start = time.perf_counter()
+
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         have = sum(batch_size(b) for b in self.batches)
         if self._collecting(trainer) and have < self.num_samples:
@@ -57,6 +60,7 @@ class AttentionStats(L.Callback):
         if not (due and trainer.is_global_zero and self.batches):
             return
         start = time.perf_counter()
+        validation_seconds = start - self._validation_start
         stats = collect_statistics(pl_module, self.batches, self.settings)
         step = trainer.global_step
         scalars = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(stats)
@@ -67,7 +71,8 @@ class AttentionStats(L.Callback):
             self._figures(trainer, stats, step)
         seconds = time.perf_counter() - start
         for logger in trainer.loggers:
-            logger.log_metrics({"attention/seconds": seconds}, step=step)
+            logger.log_metrics({"attention/seconds": seconds, "attention/validation_seconds": validation_seconds},
+                               step=step)
 
     def _figures(self, trainer, stats: dict, step: int) -> None:
         from mmlight.analysis import figures
