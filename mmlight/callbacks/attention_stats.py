@@ -19,7 +19,7 @@ class AttentionStats(L.Callback):
     Logs per-layer scalars ``attention/<site>/<metric>`` (and ``attention/<block>/token_similarity``)
     to every logger, plus, to TensorBoard, the weight histograms, their CDF and the token similarity
     against depth with one line per recorded epoch (the paper's Figures 5, 8 and 4). Its own wall
-    time goes to ``attention/seconds``, next to the validation loop's own (``attention/validation_seconds``). Only global rank 0 does any of this, on the task's inner
+    time goes to ``attention/seconds`` (``attention/stats_seconds`` without the figures), next to the validation loop's own (``attention/validation_seconds``). Only global rank 0 does any of this, on the task's inner
     model (no collective calls, so other ranks just wait at their next synchronisation). Without
     this callback nothing is observed and attention keeps its fused paths.
 
@@ -65,6 +65,7 @@ class AttentionStats(L.Callback):
         step = trainer.global_step
         scalars = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(stats)
                    if head is None and value is not None}
+        scalars["attention/stats_seconds"] = time.perf_counter() - start
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
         if self.figures:
