@@ -77,6 +77,7 @@ def similarity_figure(results: dict[str, dict]):
             if points:
                 ax.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=label)
         ax.set(title=f"{stack}: token similarity", xlabel="layer", ylabel="mean pairwise cosine")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=7)
     return fig
 
@@ -132,6 +133,7 @@ def per_layer_figure(results: dict[str, dict], metrics=PER_LAYER):
                 ax.plot([xs[i] + 1 for i in order], [ys[i] for i in order], marker="o",
                         label=label if kind == "self" else f"{label} {kind}")
         ax.set(title=metric, xlabel="layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=6)
     return fig
 

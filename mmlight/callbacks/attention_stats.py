@@ -30,7 +30,7 @@ class AttentionStats(L.Callback):
         settings: the thresholds; :class:`~mmlight.analysis.stats.Settings` by default.
     """
 
-    def __init__(self, every_n_epochs: int = 10, num_samples: int = 64, figures: bool = True,
+    def __init__(self, every_n_epochs: int = 10, num_samples: int = 32, figures: bool = True,
                  settings: Settings | None = None):
         if every_n_epochs < 1 or num_samples < 1:
             raise ValueError(f"every_n_epochs and num_samples must be >= 1, got {every_n_epochs}, {num_samples}")

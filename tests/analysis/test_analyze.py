@@ -48,9 +48,9 @@ def digits(tmp_path_factory):
 def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
     root, data, softmax, sparse = digits
     out = tmp_path / "out"
-    limit = ["--trainer.limit_val_batches", "2"]
+    limit = ["--trainer.limit_val_batches", "1"]
     main(["analyze", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path", str(softmax),
-          str(sparse), "--out", str(out), "--num_samples", "40", "--robustness"])
+          str(sparse), "--out", str(out), "--num_samples", "24", "--robustness"])
     rows = read_csv(out / "stats.csv")
     assert set(rows[0]) == {"checkpoint", "layer", "head", "metric", "value"}
     labels = {r["checkpoint"] for r in rows}
@@ -66,16 +66,16 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
     task = ImageClassifier.load_from_checkpoint(softmax, map_location="cpu").eval()
     cli = build_cli(["--config", str(QUICK / "digits_softmax.yaml"), *data], run=False)
     cli.datamodule.setup("validate")
-    images = torch.cat([b[0] for b in cli.datamodule.val_dataloader()])[:40]
+    images = torch.cat([b[0] for b in cli.datamodule.val_dataloader()])[:24]
     with torch.no_grad(), record_attention(task) as recorder:
         task.model(images)
-    weights = recorder["blocks.2"][0].weights.double()  # (40, nh, N, N)
+    weights = recorder["blocks.2"][0].weights.double()  # (24, nh, N, N)
     entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1).mean((0, 2))
     for h in range(weights.shape[1]):
         assert value[("digits_softmax", "blocks.2", str(h), "entropy")] == pytest.approx(entropy[h].item(), rel=1e-5)
     assert value[("digits_softmax", "blocks.2", "", "max_weight")] == pytest.approx(weights.amax(-1).mean().item(), rel=1e-5)
     settings = json.loads((out / "stats.json").read_text())
-    assert settings["num_samples"] == 40 and settings["split"] == "val" and settings["settings"]["sink_eps"] == 3.0
+    assert settings["num_samples"] == 24 and settings["split"] == "val" and settings["settings"]["sink_eps"] == 3.0
     for name in ("fig4_token_similarity.png", "fig5_weight_histogram.png", "fig8_weight_cdf.png",
                  "fig9_rollout_discrepancy.png", "fig7_attention_map_digits_softmax.png",
                  "fig6_gradcam_digits_sparsemax.png", "robustness.png", "summary.md"):
@@ -111,7 +111,7 @@ def test_errors_before_any_work(digits, tmp_path, capsys):
 @pytest.mark.slow
 def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     config = QUICK / "lm_softmax.yaml"
-    data = ["--data.init_args.train_size", "256", "--data.init_args.val_size", "48"]
+    data = ["--data.init_args.train_size", "128", "--data.init_args.val_size", "16"]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
     main(["analyze", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--out", str(out),
@@ -134,7 +134,7 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
 def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path):
     config = QUICK / "nmt_softmax.yaml"
     data = ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.num_workers", "0",
-            "--data.init_args.train_size", "2000", "--data.init_args.valid_size", "12",
+            "--data.init_args.train_size", "400", "--data.init_args.valid_size", "12",
             "--data.init_args.test_size", "10", "--data.init_args.max_tokens", "256",
             "--data.init_args.samples_per_shard", "10"]
     ckpt = fit(config, tmp_path / "runs", *data)
