@@ -18,10 +18,10 @@ import csv
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
-import torch
 
 from mmlight.analysis import figures
 from mmlight.analysis.robustness import num_robustness_runs, robustness_rows
@@ -91,14 +91,12 @@ def load_checkpoint(task_class, path: Path):
 
 
 def check_fits_data(task, datamodule, path: Path) -> None:
-    """Refuse a checkpoint whose vocabulary or classes are not the data's."""
-    checks = [("vocab_size", getattr(getattr(task, "model", None), "config", None), "vocab_size"),
-              ("num_classes", getattr(getattr(task, "model", None), "config", None), "num_classes")]
-    for data_attr, config, model_attr in checks:
-        data_value = getattr(datamodule, data_attr, None)
-        model_value = getattr(config, model_attr, None)
+    """Refuse a checkpoint whose vocabulary or number of classes is not the data's."""
+    config = task.model.config
+    for attr in ("vocab_size", "num_classes"):
+        data_value, model_value = getattr(datamodule, attr, None), getattr(config, attr, None)
         if data_value is not None and model_value is not None and data_value != model_value:
-            raise AnalyzeError(f"checkpoint {path} has {model_attr}={model_value} but the data has {data_value}")
+            raise AnalyzeError(f"checkpoint {path} has {attr}={model_value} but the data has {data_value}")
 
 
 def eval_loader(datamodule, split: str):
@@ -138,9 +136,41 @@ def main(argv: list[str]) -> None:
 
 def analyze(argv: list[str]) -> None:
     """Parse ``argv``, check every input, then analyse each checkpoint and write the outputs."""
-    args, rest = parse_args(argv)
     from tqdm.auto import tqdm
 
+    args, rest = parse_args(argv)
+    cli, labels, tasks, batches = checked_inputs(args, rest)
+    trainer = eval_trainer(cli.config.trainer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = Settings(sink_eps=args.sink_eps)
+    kind, vocab = task_kind(tasks[0]), vocabulary(cli.datamodule)
+    total = len(tasks) * (args.num_samples + (num_robustness_runs(kind) if args.robustness else 0))
+    results, robustness, example_files = {}, [], []
+    with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
+        for label, task in zip(labels, tasks):
+            bar.set_postfix_str(label)
+            task.to(trainer.strategy.root_device)
+            results[label] = collect_statistics(task, batches, settings, progress=bar.update)
+            example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
+            if args.robustness:
+                rows = robustness_rows(trainer, task, cli.datamodule, args.split, args.kv_skip_layers, bar.update)
+                robustness += [(label, *row) for row in rows]
+            task.cpu()
+
+    meta = {"num_samples": args.num_samples, "split": args.split, "settings": asdict(settings),
+            "kv_skip_layers": args.kv_skip_layers, "checkpoints": dict(zip(labels, args.ckpt_path))}
+    write_stats(out, results, meta)
+    written = figures.comparisons(results, out) + example_files
+    if robustness:
+        write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
+        written.append(figures.robustness(robustness, out))
+    write_summary(out, results, meta, written, robustness)
+    print(f"mmlight analyze: {len(tasks)} checkpoint(s), {args.num_samples} {args.split} samples -> {out}/summary.md")
+
+
+def checked_inputs(args: argparse.Namespace, rest: list[str]):
+    """Config, checkpoints and samples, each checked before any work: ``(cli, labels, tasks, batches)``."""
     from mmlight.cli import build_cli
 
     argv0, sys.argv = sys.argv, sys.argv[:1]  # the CLI parses `rest` only (and would warn about both)
@@ -149,46 +179,19 @@ def analyze(argv: list[str]) -> None:
     finally:
         sys.argv = argv0
     paths = [Path(p) for p in args.ckpt_path]
-    labels = run_labels(paths)
-    datamodule, task_class = cli.datamodule, type(cli.model)
-    # Every check before any work: checkpoints, data, sample count.
-    tasks = [load_checkpoint(task_class, p) for p in paths]
+    tasks = [load_checkpoint(type(cli.model), p) for p in paths]
+    loader = eval_loader(cli.datamodule, args.split)  # prepares the data, which the checks below read
     for task, path in zip(tasks, paths):
-        check_fits_data(task, datamodule, path)
+        check_fits_data(task, cli.datamodule, path)
+    if args.query_patch is not None and task_kind(tasks[0]) == "image":
+        grid = tasks[0].model.vit.patch_embed.grid_size
+        if not 0 <= args.query_patch < grid[0] * grid[1]:
+            raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {args.query_patch}")
     try:
-        batches = first_samples(eval_loader(datamodule, args.split), args.num_samples, args.split)
+        batches = first_samples(loader, args.num_samples, args.split)
     except ValueError as err:
         raise AnalyzeError(str(err)) from err
-    trainer = eval_trainer(cli.config.trainer)
-    device = trainer.strategy.root_device
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = Settings(sink_eps=args.sink_eps)
-
-    kind = task_kind(tasks[0])
-    total = len(tasks) * (args.num_samples + (num_robustness_runs(kind) if args.robustness else 0))
-    vocab = vocabulary(datamodule)
-    results, robustness, example_files = {}, [], []
-    with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
-        for label, task in zip(labels, tasks):
-            bar.set_postfix_str(label)
-            task.to(device)
-            results[label] = collect_statistics(task, batches, settings, progress=bar.update)
-            example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
-            if args.robustness:
-                rows = robustness_rows(trainer, task, datamodule, args.split, args.kv_skip_layers, bar.update)
-                robustness += [(label, *row) for row in rows]
-            task.cpu()
-
-    meta = {"num_samples": args.num_samples, "split": args.split, "checkpoints": dict(zip(labels, map(str, paths))),
-            "settings": settings.__dict__, "kv_skip_layers": args.kv_skip_layers}
-    write_stats(out, results, meta)
-    written = figures.comparisons(results, out) + example_files
-    if robustness:
-        write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
-        written.append(figures.robustness(robustness, out))
-    write_summary(out, results, meta, written, robustness)
-    print(f"mmlight analyze: {len(tasks)} checkpoint(s), {args.num_samples} {args.split} samples -> {out}/summary.md")
+    return cli, run_labels(paths), tasks, batches
 
 
 def write_csv(path: Path, header: tuple, rows: list) -> None:

@@ -218,9 +218,7 @@ def attention_map(task, image: torch.Tensor, label: str, out: Path, query_patch:
     weights = recorded(task, (image, None))
     prefix, grid_hw = vit.num_prefix_tokens, vit.patch_embed.grid_size
     n = grid_hw[0] * grid_hw[1]
-    query = n // 2 + grid_hw[1] // 2 if query_patch is None else query_patch
-    if not 0 <= query < n:
-        raise ValueError(f"--query_patch must be in [0, {n}), got {query}")
+    query = n // 2 + grid_hw[1] // 2 if query_patch is None else query_patch  # checked by analyze
     sites = sorted(weights, key=layer_index)
     heads = weights[sites[0]].shape[0]
     fig, axes = plt().subplots(len(sites), heads + 1, figsize=(2.1 * (heads + 1), 2.1 * len(sites)), squeeze=False)

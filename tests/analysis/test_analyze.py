@@ -102,10 +102,12 @@ def test_errors_before_any_work(digits, tmp_path, capsys):
     lm_config = ["--config", str(QUICK / "lm_softmax.yaml")]
     with pytest.raises(SystemExit, match="does not match the config's model LanguageModel"):
         main(["analyze", *lm_config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match=r"--query_patch must be in \[0, 16\)"):
+        main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "e"), "--query_patch", "16"])
     with pytest.raises(SystemExit):
         main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "d"), "--split", "train"])
     assert "invalid choice: 'train'" in capsys.readouterr().err
-    assert not any((tmp_path / d).exists() for d in "abcd")  # nothing written
+    assert not any((tmp_path / d).exists() for d in "abcde")  # nothing written
 
 
 @pytest.mark.slow
