@@ -157,3 +157,13 @@ def test_uniform_attention_has_relative_incoming_1_everywhere():
     _, relative, seen = M.incoming_attention(w, keys, M.counted_rows(keys))
     assert torch.allclose(relative / seen, torch.ones(1, 6, dtype=torch.float64))
     assert M.sink_ratio((relative / seen)[0], eps=3.0) == 0.0
+
+
+def test_fully_masked_rows_and_padding_queries_never_count():
+    keep = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])  # row 1: no key
+    w = torch.where(keep, torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), 0.0)[None, None]
+    keys = M.attended(w, keep)
+    rows = M.counted_rows(keys, query_keep=torch.tensor([[True, True, False]]))  # query 2 is padding
+    assert rows[0, 0].tolist() == [True, False, False]
+    raw, relative, seen = M.incoming_attention(w, keys, rows)
+    assert seen[0].tolist() == [1.0, 1.0, 0.0] and raw[0].tolist() == [0.5, 0.5, 0.0]
