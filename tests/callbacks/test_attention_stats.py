@@ -51,7 +51,7 @@ def tiny_run(tmp_path, callbacks, epochs=2):
 
 def test_logged_values_equal_statistics_of_the_first_samples(tmp_path):
     probe = ObservationProbe()
-    stats_cb = AttentionStats(every_n_epochs=1, num_samples=10, figures=False)
+    stats_cb = AttentionStats(every_n_epochs=1, num_samples=10, figures="off")
     task, data, metrics = tiny_run(tmp_path, [stats_cb, probe])
 
     rows = list(csv.DictReader(open(metrics)))
@@ -71,9 +71,10 @@ def test_logged_values_equal_statistics_of_the_first_samples(tmp_path):
 
 
 def test_every_k_epochs_and_off_records_nothing(tmp_path):
-    _, _, metrics = tiny_run(tmp_path / "k", [AttentionStats(every_n_epochs=2, num_samples=4, figures=False)], epochs=3)
-    rows = [r for r in csv.DictReader(open(metrics)) if r.get("attention/seconds")]
-    assert len(rows) == 2  # validation epochs 0 and 2
+    _, _, metrics = tiny_run(tmp_path / "k", [AttentionStats(every_n_epochs=2, num_samples=4, figures="off")], epochs=3)
+    rows = list(csv.DictReader(open(metrics)))
+    assert len([r for r in rows if r.get("attention/seconds")]) == 2  # validation epochs 0 and 2
+    assert len([r for r in rows if r.get("attention/validation_seconds")]) == 3  # its cost reference, every epoch
     probe = ObservationProbe()
     _, _, metrics = tiny_run(tmp_path / "off", [probe], epochs=1)
     assert "attention/seconds" not in open(metrics).readline()
@@ -83,6 +84,8 @@ def test_every_k_epochs_and_off_records_nothing(tmp_path):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="every_n_epochs"):
         AttentionStats(every_n_epochs=0)
+    with pytest.raises(ValueError, match="figures must be"):
+        AttentionStats(figures="sometimes")
 
 
 @pytest.mark.slow
