@@ -4,7 +4,7 @@ The callback logs its wall time per recording (``attention/seconds``), the time 
 figures (``attention/figure_seconds``) and the validation loop's own time at every validation epoch
 (``attention/validation_seconds``). This script reads them from the TensorBoard event files of runs
 trained with the callback and writes one JSON record per run: the callback's total time as a
-fraction of the run's total validation time, and per recording::
+fraction of the run's total validation time::
 
     python benchmarks/attention_stats_cost.py runs/bench/digits_softmax/version_0 \\
         --out benchmarks/results/attention_stats_cost.json
