@@ -14,6 +14,12 @@ from mmlight.reweighting.fused import SigmaKernels
 PAD = 1
 
 
+def tiny_transformer(cls, n_layers=2, n_encoder_layers=0):
+    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=n_layers,
+                               n_encoder_layers=n_encoder_layers, max_positions=32, pad_id=PAD, dropout=0.0)
+    return cls(config).eval()
+
+
 def hand_softmax(q, k, keep, sigma=lambda s: s):
     """softmax(sigma(q k^T / sqrt(d))) over kept keys, in float64, written out: exp / sum."""
     scores = sigma((q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5)
@@ -22,14 +28,21 @@ def hand_softmax(q, k, keep, sigma=lambda s: s):
     return e / e.sum(-1, keepdim=True).clamp_min(1e-300)
 
 
-def capture_inputs(modules):
-    """Forward pre-hooks keeping each module's positional and keyword inputs, by name."""
+def run_with_and_without_recording(model, modules, *inputs):
+    """Run ``model(*inputs)`` plainly and under :func:`record_attention`; check the outputs agree.
+    Returns the recording and each of ``modules``' inputs (positional, keyword) by name."""
     seen, handles = {}, []
     for name, m in modules.items():
         def hook(module, args, kwargs, name=name):
             seen[name] = (args, kwargs)
         handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    return seen, handles
+    plain = model(*inputs)
+    with record_attention(model) as rec:
+        recorded = model(*inputs)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    return rec, seen
 
 
 def test_vit_records_every_block_as_computed_by_hand():
@@ -43,13 +56,7 @@ def test_vit_records_every_block_as_computed_by_hand():
             m.ts.copy_(torch.tensor([0.3, -0.25, 0.1, 0.05]))
     images = torch.randn(3, 1, 8, 8)
     attns = {f"blocks.{i}": b.attn for i, b in enumerate(model.vit.blocks)}
-    seen, handles = capture_inputs(attns)
-    plain = model(images)
-    with record_attention(model) as rec:
-        recorded = model(images)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(model, attns, images)
     assert rec.sites() == list(attns)
     for name, attn in attns.items():
         (x,), _ = seen[name]
@@ -65,18 +72,10 @@ def test_vit_records_every_block_as_computed_by_hand():
 
 def test_lm_records_causal_weights_and_one_call_per_decoding_step():
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=2, n_encoder_layers=0,
-                               max_positions=32, pad_id=PAD, dropout=0.0)
-    model = TransformerLM(config).eval()
+    model = tiny_transformer(TransformerLM)
     tokens = torch.randint(2, 23, (2, 7))
     attns = {f"decoder.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.decoder.layers)}
-    seen, handles = capture_inputs(attns)
-    plain = model(tokens)
-    with record_attention(model) as rec:
-        recorded = model(tokens)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(model, attns, tokens)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     for name, attn in attns.items():
         (x,), _ = seen[name]
@@ -98,20 +97,12 @@ def test_lm_records_causal_weights_and_one_call_per_decoding_step():
 
 def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=2, n_encoder_layers=2,
-                               max_positions=32, pad_id=PAD, dropout=0.0)
-    model = TransformerSeq2Seq(config).eval()
+    model = tiny_transformer(TransformerSeq2Seq, n_encoder_layers=2)
     src, tgt = torch.randint(2, 23, (2, 6)), torch.randint(2, 23, (2, 5))
     src[1, 4:] = PAD  # the second source is 4 tokens long
     site = "decoder.layers.1.cross_attn"
-    seen, handles = capture_inputs({site: model.decoder.layers[1].cross_attn,
-                                    "enc": model.encoder.layers[0].self_attn})
-    plain = model(src, tgt)
-    with record_attention(model) as rec:
-        recorded = model(src, tgt)
-    for h in handles:
-        h.remove()
-    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    rec, seen = run_with_and_without_recording(
+        model, {site: model.decoder.layers[1].cross_attn, "enc": model.encoder.layers[0].self_attn}, src, tgt)
     assert set(rec.sites()) == set(model.attention_sites())
     src_keep = (src != PAD)[:, None, None, :]  # (B, 1, 1, S)
 
@@ -148,9 +139,7 @@ class DropFirstKey(AttentionObserver):
 
 def test_an_observer_can_narrow_the_mask():
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=2, n_encoder_layers=0,
-                               max_positions=32, pad_id=PAD, dropout=0.0)
-    model = TransformerLM(config).eval()
+    model = tiny_transformer(TransformerLM)
     tokens = torch.randint(2, 23, (2, 6))
     observer = DropFirstKey("decoder.layers.1.self_attn")
     with observe_attention(model, observer):
@@ -192,8 +181,7 @@ def test_unknown_model_is_refused_and_other_modules_pass_through():
     # A reweighting module that is not a site of the observed model is not recorded.
     from mmlight.reweighting import build
 
-    model = TransformerLM(TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=1,
-                                            n_encoder_layers=0, max_positions=32, pad_id=PAD))
+    model = tiny_transformer(TransformerLM, n_layers=1)
     q = k = v = torch.randn(1, 2, 3, 4)
     with record_attention(model) as rec:
         attention(q, k, v, build("softmax"))
