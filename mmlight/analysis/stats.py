@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mmlight.analysis import metrics as M
-from mmlight.analysis.tasks import query_keep, task_kind, teacher_forced
+from mmlight.analysis.tasks import batch_size, map_batch, query_keep, task_kind, teacher_forced
 from mmlight.nn.attention import AttentionObserver, observe_attention
 
 #: The per-head metrics (one value per head, plus their mean as the per-layer value).
@@ -213,8 +213,6 @@ def collect_statistics(task, batches: list, settings: Settings = Settings(), pro
     Returns:
         ``{"settings", "sites": {site: {...}}, "blocks": {block: {"token_similarity": v}}}``.
     """
-    from mmlight.analysis.tasks import batch_size, map_batch
-
     task_kind(task)  # a clear error for an unsupported task
     model, device = task.model, task.device
     was_training = model.training
