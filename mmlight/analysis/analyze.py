@@ -41,7 +41,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for the LightningCLI parser."""
     parser = argparse.ArgumentParser(
         prog="mmlight analyze", description=__doc__.split("\n\n")[0],
-        epilog="Other options (--config, --data.*, --trainer.*, --model.*) go to the same parser as `mmlight fit`.")
+        epilog="--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
+               "the model comes from each checkpoint's own hyperparameters.")
     parser.add_argument("--ckpt_path", nargs="+", required=True, help="one or more checkpoints to compare")
     parser.add_argument("--out", required=True, help="output folder (created)")
     parser.add_argument("--num_samples", type=int, default=256, help="the first N samples of the split (default 256)")
