@@ -273,6 +273,10 @@ def grad_cam(task, image: torch.Tensor, label: str, out: Path) -> str:
     return save(fig, out, f"fig6_gradcam_{safe(label)}.png")
 
 
+#: Whose positions the queries and the keys of each text attention kind are.
+STACKS = {"decoder_self": ("decoder", "decoder"), "encoder_self": ("encoder", "encoder"), "cross": ("decoder", "encoder")}
+
+
 def text_heatmaps(task, batch, label: str, out: Path, vocab=None) -> list[str]:
     """Head-averaged attention of one sequence per layer; for a translation model one figure per
     attention kind (encoder self, decoder self, and the cross-attention alignment)."""
@@ -286,9 +290,8 @@ def text_heatmaps(task, batch, label: str, out: Path, vocab=None) -> list[str]:
     for kind in dict.fromkeys(kind_of(s) for s in weights):
         sites = sorted((s for s in weights if kind_of(s) == kind), key=layer_index)
         fig, axes = grid(len(sites), cols=3, size=(4.2, 3.8))
+        q_stack, k_stack = STACKS[kind]
         for ax, site in zip(axes, sites):
-            q_stack, k_stack = "decoder" if kind != "encoder_self" else "encoder", \
-                "encoder" if kind in ("cross", "encoder_self") else "decoder"
             q_ok, k_ok = keep.get(q_stack), keep.get(k_stack)
             attn = weights[site].mean(0)
             if q_ok is not None:
