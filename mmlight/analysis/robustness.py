@@ -13,6 +13,7 @@ that evaluate a task under each (the Devoto thesis protocol).
 from __future__ import annotations
 
 import math
+import tempfile
 
 import torch
 
@@ -117,8 +118,10 @@ def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2,
     """
     kind = task_kind(task)
     metric = f"{split}/{TASK_METRIC[kind][0]}"
-    if kind == "nmt":  # BLEU needs beam search in validation too
+    if kind == "nmt":  # BLEU needs beam search in validation too; test's hypothesis files are not kept
         task.hparams.bleu_in_validation = True
+        scratch = tempfile.TemporaryDirectory(prefix="mmlight-robustness-")
+        task.hparams.output_dir = scratch.name
     runs: list[tuple[str, float, AttentionObserver | None]] = [("none", 0, None)]
     sites = task.model.attention_sites()
     runs += [("sink_masking", k, SinkMasking(sites, k)) for k in SINK_LEVELS]

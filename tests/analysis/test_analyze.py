@@ -87,7 +87,7 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
         ("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")}
     # no intervention reproduces `mmlight validate` on the same batches
     cli = build_cli(["validate", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path",
-                     str(softmax), "--trainer.logger", "false"])
+                     str(softmax), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     plain = next(float(r["value"]) for r in robust if r["checkpoint"] == "digits_softmax" and r["intervention"] == "none")
     assert plain == pytest.approx(float(cli.trainer.callback_metrics["val/top1"]))
 
@@ -125,7 +125,8 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     assert ppl[("kv_streaming", 1.0)] == pytest.approx(ppl[("none", 0.0)], rel=1e-5)
     assert ppl[("kv_l2", 0.1)] != pytest.approx(ppl[("none", 0.0)], rel=1e-5)  # eviction does something
     assert {lvl for (i, lvl) in ppl if i == "kv_l2"} == {1.0, 0.9, 0.7, 0.5, 0.3, 0.1}
-    cli = build_cli(["validate", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--trainer.logger", "false"])
+    cli = build_cli(["validate", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--trainer.logger", "false",
+                     "--trainer.default_root_dir", str(tmp_path)])
     assert ppl[("none", 0.0)] == pytest.approx(float(cli.trainer.callback_metrics["val/ppl"]), rel=1e-6)
     layers = {r["layer"] for r in read_csv(out / "stats.csv")}
     assert {"decoder.layers.0.self_attn", "decoder.layers.1.self_attn", "decoder.layers.1"} <= layers
@@ -133,7 +134,8 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
 
 
 @pytest.mark.slow
-def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path):
+def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the test runs' hypothesis files must not land in the working directory
     config = QUICK / "nmt_softmax.yaml"
     data = ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.num_workers", "0",
             "--data.init_args.train_size", "400", "--data.init_args.valid_size", "12",
@@ -152,3 +154,4 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path):
     assert all(0.0 <= float(r["value"]) <= 100.0 and not math.isnan(float(r["value"])) for r in robust)
     assert (out / "cross_attention_alignment_nmt_softmax.png").is_file()
     assert json.loads((out / "stats.json").read_text())["split"] == "test"
+    assert not list(tmp_path.glob("test.*"))
