@@ -207,6 +207,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 #: Subcommands outside LightningCLI: name -> ``module:function``, called with the remaining argv.
 TOOLS: dict[str, str] = {
     "prepare": "mmlight.data.prepare:main",
+    "analyze": "mmlight.analysis.analyze:main",
 }
 
 
