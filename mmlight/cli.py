@@ -19,28 +19,31 @@ from lightning import LightningDataModule, LightningModule
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import TensorBoardLogger
 
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
-from mmlight.callbacks import FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor
+from mmlight.callbacks import (FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
+                               StepProgressBar, StepSeed)
 
 
 def trainer_defaults() -> dict:
-    """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar, the
-    learning rate per step, MultiMax parameters and curves, the count of skipped corrupt samples,
-    and the final metrics printed."""
+    """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
+    ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
+    the count of skipped corrupt samples, the final metrics printed, and the per-step seeding of
+    dropout and mixup (:class:`~mmlight.callbacks.StepSeed`)."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
         "callbacks": [
-            lazy_instance(RichProgressBar),
+            lazy_instance(StepProgressBar),
             lazy_instance(LearningRateMonitor, logging_interval="step"),
             lazy_instance(ReweightingMonitor),
             lazy_instance(SkippedSamplesMonitor),
             lazy_instance(FinalMetrics),
+            lazy_instance(StepSeed),
         ],
     }
 
