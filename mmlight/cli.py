@@ -26,15 +26,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
-from mmlight.callbacks import (FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
+from mmlight.callbacks import (DataPosition, FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
                                StepProgressBar, StepSeed)
 
 
 def trainer_defaults() -> dict:
     """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
     ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
-    the count of skipped corrupt samples, the final metrics printed, and the per-step seeding of
-    dropout and mixup (:class:`~mmlight.callbacks.StepSeed`)."""
+    the count of skipped corrupt samples, the final metrics printed, the per-step seeding of
+    dropout and mixup (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
+    (:class:`~mmlight.callbacks.DataPosition`)."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
         "callbacks": [
@@ -44,6 +45,7 @@ def trainer_defaults() -> dict:
             lazy_instance(SkippedSamplesMonitor),
             lazy_instance(FinalMetrics),
             lazy_instance(StepSeed),
+            lazy_instance(DataPosition),
         ],
     }
 

@@ -1,12 +1,13 @@
 """Callbacks: monitoring of reweighting parameters, skipped samples, final metrics; the last checkpoint;
-per-step seeding; the progress bar."""
+per-step seeding and the data position of a resumed run; the progress bar."""
 
 from mmlight.callbacks.checkpoint import LastCheckpoint
+from mmlight.callbacks.data_position import DataPosition
 from mmlight.callbacks.final_metrics import FinalMetrics
 from mmlight.callbacks.progress import StepProgressBar
 from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, multimax_modules
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 from mmlight.callbacks.step_seed import StepSeed
 
-__all__ = ["FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor", "StepProgressBar",
+__all__ = ["DataPosition", "FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor", "StepProgressBar",
            "StepSeed", "multimax_modules"]

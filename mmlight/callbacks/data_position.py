@@ -1,0 +1,39 @@
+"""Makes sure a resumed run's training loaders get the data position saved in the checkpoint."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import CombinedLoader
+
+
+class DataPosition(Callback):
+    """Hands the training loaders' states, saved by Lightning's fit loop in every checkpoint
+    (``loops.fit_loop.state_dict.combined_loader``), to the loaders when a resumed run starts.
+
+    Lightning restores those states itself, except when ``configure_optimizers`` reads
+    ``trainer.estimated_stepping_batches`` (every mmlight task does, for its schedule): that builds
+    the loaders before the checkpoint is restored, and Lightning then never loads their states
+    (Lightning-AI/pytorch-lightning#20550, open in 2.6). Loading them again in ``on_train_start``,
+    before the first batch is drawn, is harmless where Lightning did.
+    """
+
+    def __init__(self):
+        self._states: list[dict] = []
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        self._states = list(fit_state.get("combined_loader", []))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not self._states:
+            return
+        loaders = trainer.train_dataloader
+        flat = loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
+        stateful = [loader for loader in flat if callable(getattr(loader, "load_state_dict", None))
+                    and callable(getattr(loader, "state_dict", None))]
+        if len(stateful) != len(self._states):
+            raise RuntimeError(f"the checkpoint holds {len(self._states)} training loader state(s), but this run "
+                               f"has {len(stateful)} stateful training loader(s)")
+        for loader, state in zip(stateful, self._states):
+            loader.load_state_dict(state)
+        self._states = []
