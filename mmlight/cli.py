@@ -60,6 +60,8 @@ class MmlightCLI(LightningCLI):
     * ``--ckpt_path last`` resumes from the newest of ``last.ckpt`` and Lightning's
       ``hpc_ckpt_*.ckpt`` (written on SLURM's warning signal) of any version of the run's name,
       and starts fresh when there is none;
+    * a ``--ckpt_path`` file that is missing or not a Lightning checkpoint stops the run at once,
+      naming the file;
     * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once;
     * with ``--ckpt_path``, Lightning rebuilds the model from the checkpoint's hyperparameters, which
       would silently override the command line; ``--model.*`` options given on the command line
@@ -71,6 +73,9 @@ class MmlightCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_checkpoint_file(self.config[subcommand].get("ckpt_path"))
         super()._parse_ckpt_path()
         subcommand = self.config.get("subcommand")
         overrides = model_options(getattr(self, "_argv", []))
@@ -102,7 +107,32 @@ class MmlightCLI(LightningCLI):
         if config.get("ckpt_path") == "last":
             config_init = self.config_init[self.subcommand]
             config_init["ckpt_path"] = newest_checkpoint(self.trainer)
+            check_checkpoint_file(config_init["ckpt_path"])
             print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
+
+
+#: ``--ckpt_path`` values that Lightning resolves itself
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def check_checkpoint_file(path: str | None) -> None:
+    """Stop before any work when ``--ckpt_path`` names a local file that is missing or is not a
+    Lightning checkpoint (torch.load would fail later with e.g. "Unsupported operand 103"). Special
+    values (``last``, ``best``, ...) and remote URLs are left to Lightning."""
+    if not path or path in SPECIAL_CKPT_PATHS or path.startswith("registry:") or "://" in path:
+        return
+    import torch
+
+    if not Path(path).is_file():
+        raise SystemExit(f"mmlight: --ckpt_path {path}: no such file")
+    try:  # memory-mapped: the tensors are not read
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # anything torch.load raises on a file it cannot read
+        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
+                         f"(torch.load cannot read it: {type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
+                         "(a torch file without the 'state_dict' entry Lightning writes)")
 
 
 def model_options(argv: list[str]) -> list[str]:
