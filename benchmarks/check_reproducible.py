@@ -33,13 +33,13 @@ def train_losses(config: Path, seed: int, steps: int, workdir: Path, cache: Path
     save_dir = workdir / f"seed{seed}-{len(list(workdir.glob('seed*')))}"
     command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config), "--seed_everything", str(seed),
                "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
-               "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
-               "--trainer.callbacks", "[]", "--trainer.logger.init_args.save_dir", str(save_dir)]
+               "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", str(save_dir)]
     if not config.stem.startswith("lm"):  # the LM quick start's data is generated in memory
         command += ["--data.init_args.cache_dir", str(cache / config.stem.split("_")[0])]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run(command, check=True, cwd=workdir, env={**env, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = subprocess.run(command, cwd=workdir, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
     losses = {}
     for events in save_dir.rglob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0})

@@ -1,5 +1,6 @@
 """The project's sbatch scripts on a real one-node SLURM cluster (started by .ci/slurm-cluster.sh):
-a 2-task CPU DDP job, and a job preempted mid-run that comes back and resumes from its checkpoint."""
+a 2-task CPU DDP job, and a job preempted mid-run that comes back, resumes from its checkpoint and
+ends with the weights of an uninterrupted job."""
 
 import os
 import re
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.test_resume import assert_same_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -85,9 +88,16 @@ def test_submit_two_task_ddp_job(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
+    """A job requeued mid-run comes back, resumes from its checkpoint and ends with the weights,
+    optimiser and schedule of the same job run without a break (2-task DDP, bitwise)."""
     epochs = 3
-    job, result = submit(tmp_path, "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
-                         "--last_checkpoint.every_n_train_steps", "5")
+    options = ["--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
+               "--last_checkpoint.every_n_train_steps", "5"]
+    straight_dir = tmp_path / "straight"
+    straight_dir.mkdir()
+    straight, result = submit(straight_dir, *options, wait=True)
+    assert result.returncode == 0 and job_state(straight) == "COMPLETED", result.stderr
+    job, result = submit(tmp_path, *options)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -117,6 +127,10 @@ def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
     first_run, *later = scalar_steps(run_dir, "train/loss")
     assert later, "the resumed run logged nothing"
     assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0
+    reference = torch.load(straight_dir / "runs" / "digits_multimax" / f"slurm-{straight}" / "checkpoints" / "last.ckpt",
+                           map_location="cpu", weights_only=False)
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same_tensors(final[key], reference[key], key)
 
 
 @pytest.mark.slow
