@@ -72,6 +72,16 @@ def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:
     return steps
 
 
+def uninterrupted_checkpoint(tmp_path, options: list[str]) -> dict:
+    """The final ``last.ckpt`` of the job run without a break, in ``tmp_path/straight``."""
+    folder = tmp_path / "straight"
+    folder.mkdir()
+    job, result = submit(folder, *options, wait=True)
+    assert result.returncode == 0 and job_state(job) == "COMPLETED", result.stderr
+    path = folder / "runs" / "digits_multimax" / f"slurm-{job}" / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 @pytest.mark.slow
 def test_submit_two_task_ddp_job(cluster, tmp_path):
     job, result = submit(tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "3", wait=True)
@@ -93,10 +103,7 @@ def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
     epochs = 3
     options = ["--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
                "--last_checkpoint.every_n_train_steps", "5"]
-    straight_dir = tmp_path / "straight"
-    straight_dir.mkdir()
-    straight, result = submit(straight_dir, *options, wait=True)
-    assert result.returncode == 0 and job_state(straight) == "COMPLETED", result.stderr
+    reference = uninterrupted_checkpoint(tmp_path, options)
     job, result = submit(tmp_path, *options)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
@@ -127,8 +134,6 @@ def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
     first_run, *later = scalar_steps(run_dir, "train/loss")
     assert later, "the resumed run logged nothing"
     assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0
-    reference = torch.load(straight_dir / "runs" / "digits_multimax" / f"slurm-{straight}" / "checkpoints" / "last.ckpt",
-                           map_location="cpu", weights_only=False)
     for key in ("state_dict", "optimizer_states", "lr_schedulers"):
         assert_same_tensors(final[key], reference[key], key)
 
@@ -154,12 +159,14 @@ def test_cluster_scripts_parse():
 def test_time_limit_signal_requeues_and_resumes(cluster, tmp_path, monkeypatch):
     """The signal SLURM sends before the time limit (sent by hand to the batch shell, as
     --signal=B:USR1 does): the shell forwards it to the tasks, the job is requeued (by Lightning's
-    handler, or by the script's fallback where that handler does not requeue), comes back, and
-    resumes from the newest checkpoint to the exact final step."""
+    handler, or by the script's fallback where that handler does not requeue), comes back,
+    resumes from the newest checkpoint and ends with an uninterrupted job's weights."""
     monkeypatch.setenv("MMLIGHT_REQUEUE_GRACE", "20")  # exported to the batch script by sbatch
     epochs = 3
-    job, result = submit(tmp_path, "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
-                         "--last_checkpoint.every_n_train_steps", "5")
+    options = ["--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
+               "--last_checkpoint.every_n_train_steps", "5"]
+    reference = uninterrupted_checkpoint(tmp_path, options)
+    job, result = submit(tmp_path, *options)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
     wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), 300, "a first checkpoint")
@@ -175,6 +182,8 @@ def test_time_limit_signal_requeues_and_resumes(cluster, tmp_path, monkeypatch):
     assert torch.load(resumed_from[-1], map_location="cpu", weights_only=False)["global_step"] > 0
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == epochs * (1438 // (32 * 2))
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same_tensors(final[key], reference[key], key)
 
 
 @pytest.fixture(scope="module")
