@@ -218,6 +218,7 @@ class ResumableLoader:
         self.dataset, self.num_workers, self.world_size = dataset, num_workers, world_size
         self.epoch, self.position = 0, 0
         self._resume: dict | None = None
+        self._warned_about: dict | None = None  # the saved layout already warned about
 
     def __len__(self) -> int:
         return self.dataset.steps
@@ -256,7 +257,8 @@ class ResumableLoader:
     def load_state_dict(self, state: dict) -> None:
         saved = {k: state.get(k) for k in ("seed", "world_size", "steps")}
         now = {k: v for k, v in self.layout().items() if k in saved}
-        if saved != now:
+        if saved != now and saved != self._warned_about:
+            self._warned_about = saved
             rank_zero_warn(
                 f"resuming a training stream written with {_describe(saved)} under {_describe(now)}: the "
                 f"run continues at epoch {state['epoch']}, batch {state['position']}, but the data order "
@@ -269,7 +271,7 @@ class ResumableLoader:
 
 
 def _describe(layout: dict) -> str:
-    return (f"seed {layout['seed']}, {layout['world_size']} rank(s) and {layout['steps']} batches per epoch")
+    return f"seed {layout['seed']}, {layout['world_size']} rank(s) and {layout['steps']} batches per epoch"
 
 
 class ShardDataModule(L.LightningDataModule):

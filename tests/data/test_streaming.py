@@ -5,6 +5,7 @@ import io
 import json
 import random
 import tarfile
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -251,6 +252,9 @@ def test_changed_layout_warns_naming_both(image_shards, monkeypatch):
     loader = image_loader(image_shards, 0, monkeypatch, world=(0, 2))
     with pytest.warns(UserWarning, match=r"written with seed 0, 1 rank\(s\) and 10 batches per epoch under "
                                          r"seed 0, 2 rank\(s\) and 5 batches per epoch.*order from this point"):
+        loader.load_state_dict({**state, "position": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: loading the same state again (DataPosition) is silent
         loader.load_state_dict({**state, "position": 3})
     loader.set_epoch(0)
     assert len(list(loader)) == 5 - 3
