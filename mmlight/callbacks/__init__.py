@@ -5,9 +5,9 @@ from mmlight.callbacks.checkpoint import LastCheckpoint
 from mmlight.callbacks.data_position import DataPosition
 from mmlight.callbacks.final_metrics import FinalMetrics
 from mmlight.callbacks.progress import StepProgressBar
-from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, multimax_modules
+from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, monitored_scalars, reweighting_sites
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 from mmlight.callbacks.step_seed import StepSeed
 
-__all__ = ["DataPosition", "FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor", "StepProgressBar",
-           "StepSeed", "multimax_modules"]
+__all__ = ["DataPosition", "FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor",
+           "StepProgressBar", "StepSeed", "monitored_scalars", "reweighting_sites"]
