@@ -22,28 +22,33 @@ from lightning import LightningDataModule, LightningModule
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import TensorBoardLogger
 
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
-from mmlight.callbacks import FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor
+from mmlight.callbacks import (DataPosition, FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
+                               StepProgressBar, StepSeed)
 
 
 def trainer_defaults() -> dict:
-    """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar, the
-    learning rate per step, MultiMax parameters and curves, the count of skipped corrupt samples,
-    and the final metrics printed."""
+    """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
+    ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
+    the count of skipped corrupt samples, the final metrics printed, the per-step seeding of
+    dropout and mixup (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
+    (:class:`~mmlight.callbacks.DataPosition`)."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
         "callbacks": [
-            lazy_instance(RichProgressBar),
+            lazy_instance(StepProgressBar),
             lazy_instance(LearningRateMonitor, logging_interval="step"),
             lazy_instance(ReweightingMonitor),
             lazy_instance(SkippedSamplesMonitor),
             lazy_instance(FinalMetrics),
+            lazy_instance(StepSeed),
+            lazy_instance(DataPosition),
         ],
     }
 
@@ -58,6 +63,8 @@ class MmlightCLI(LightningCLI):
     * ``--ckpt_path last`` resumes from the newest of ``last.ckpt`` and Lightning's
       ``hpc_ckpt_*.ckpt`` (written on SLURM's warning signal) of any version of the run's name,
       and starts fresh when there is none;
+    * a ``--ckpt_path`` file that is missing or not a Lightning checkpoint stops the run at once,
+      naming the file;
     * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once;
     * with ``--ckpt_path``, Lightning rebuilds the model from the checkpoint's hyperparameters, which
       would silently override the command line; ``--model.*`` options given on the command line
@@ -71,6 +78,9 @@ class MmlightCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            check_checkpoint_file(self.config[subcommand].get("ckpt_path"))
         super()._parse_ckpt_path()
         subcommand = self.config.get("subcommand")
         overrides = model_options(getattr(self, "_argv", []))
@@ -123,6 +133,7 @@ class MmlightCLI(LightningCLI):
         if config.get("ckpt_path") == "last":
             config_init = self.config_init[self.subcommand]
             config_init["ckpt_path"] = newest_checkpoint(self.trainer)
+            check_checkpoint_file(config_init["ckpt_path"])
             print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
 
 
@@ -146,6 +157,30 @@ def missing_data_sizes(model_class: type, data_class: type) -> list[str]:
 def _import(class_path: str) -> type:
     module, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+#: ``--ckpt_path`` values that Lightning resolves itself
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def check_checkpoint_file(path: str | None) -> None:
+    """Stop before any work when ``--ckpt_path`` names a local file that is missing or is not a
+    Lightning checkpoint (torch.load would fail later with e.g. "Unsupported operand 103"). Special
+    values (``last``, ``best``, ...) and remote URLs are left to Lightning."""
+    if not path or path in SPECIAL_CKPT_PATHS or path.startswith("registry:") or "://" in path:
+        return
+    import torch
+
+    if not Path(path).is_file():
+        raise SystemExit(f"mmlight: --ckpt_path {path}: no such file")
+    try:  # memory-mapped: the tensors are not read
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # anything torch.load raises on a file it cannot read
+        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
+                         f"(torch.load cannot read it: {type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
+                         "(a torch file without the 'state_dict' entry Lightning writes)")
 
 
 def model_options(argv: list[str]) -> list[str]:

@@ -262,3 +262,21 @@ def test_model_options_of_a_command_line():
     argv = ["test", "--config", "c.yaml", "--model.init_args.beam.beam_size", "10", "--ckpt_path", "x.ckpt",
             "--model.init_args.output_dir=out", "--trainer.devices", "1"]
     assert model_options(argv) == ["--model.init_args.beam.beam_size", "10", "--model.init_args.output_dir=out"]
+
+
+def test_ckpt_path_that_is_not_a_checkpoint_is_named(tmp_path):
+    """A missing file, a text file and a torch file without Lightning's entries each stop the run
+    before any work with a message that names the file."""
+    path = tmp_path / "model.ckpt"
+    validate = ["validate", "--config", str(QUICKSTARTS[0]), "--ckpt_path", str(path)]
+    with pytest.raises(SystemExit) as stop:
+        main(validate)
+    assert str(stop.value) == f"mmlight: --ckpt_path {path}: no such file"
+    path.write_text("version https://git-lfs.github.com/spec/v1\n")  # e.g. an LFS pointer
+    with pytest.raises(SystemExit) as stop:
+        main(validate)
+    assert str(stop.value).startswith(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint (torch.load")
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(SystemExit) as stop:
+        main(validate)
+    assert "is not a Lightning checkpoint (a torch file without the 'state_dict'" in str(stop.value)

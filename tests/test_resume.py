@@ -1,66 +1,118 @@
-"""A training process killed with SIGKILL mid-epoch resumes from its last checkpoint with global
-step, optimiser, learning-rate schedule and EMA consistent."""
+"""A training process killed with SIGKILL and resumed with ``--ckpt_path last`` ends exactly where an
+uninterrupted run ends: same weights, optimiser and schedule state, EMA and per-step losses, for the
+digits quick start (augmentation, mixup/cutmix, EMA) and the language-model quick start (dropout).
+Both kills land mid-epoch and the runs cross an epoch boundary after the resume."""
 
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
 
 
-def fit(tmp_path, epochs):
-    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(QUICKSTART),
-               "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "1",
-               "--model.init_args.ema_decay", "0.9", "--last_checkpoint.every_n_train_steps", "5",
-               "--data.init_args.cache_dir", str(tmp_path / "digits"),
-               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--ckpt_path", "last"]
+class KillAtStep(Callback):
+    """SIGKILL this process at the start of the batch after ``step`` optimiser steps (the checkpoint
+    of step ``step`` is then on disk): no handler, no flush, nothing saved on the way out.
+
+    Args:
+        step: the global step to die at.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+RUNS = {
+    # 1438 training digits / 32 = 44 steps per epoch: killed at 25, ends at 50 in epoch 1
+    "digits": (ROOT / "configs" / "quickstart" / "digits_multimax.yaml", "digits_multimax", 25,
+               ["--model.init_args.ema_decay", "0.9", "--model.init_args.mixup_alpha", "0.8",
+                "--model.init_args.cutmix_alpha", "1.0", "--trainer.limit_val_batches", "1"]),
+    # 640 sequences / 64 = 10 steps per epoch: killed at 15, ends at 30 in epoch 2
+    "lm": (ROOT / "configs" / "quickstart" / "lm_multimax.yaml", "lm_multimax", 15,
+           ["--data.init_args.train_size", "640", "--data.init_args.val_size", "64",
+            "--model.init_args.model.dropout", "0.1", "--model.init_args.warmup_steps", "5"]),
+}
+
+
+def fit(workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
+    config, _, kill_at, overrides = RUNS[run]
+    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config), *overrides,
+               "--trainer.max_steps", str(2 * kill_at), "--trainer.log_every_n_steps", "1",
+               "--trainer.enable_model_summary", "false", "--last_checkpoint.every_n_train_steps", "5",
+               "--trainer.logger.init_args.save_dir", str(workdir / "runs"), *extra]
+    if run == "digits":
+        command += ["--data.init_args.cache_dir", str(workdir.parent / "digits")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.Popen(command, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
 
 
-def load(path):
+def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-@pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume(tmp_path):
-    steps_per_epoch = 1438 // 32
-    last = tmp_path / "runs" / "digits_multimax" / "version_0" / "checkpoints" / "last.ckpt"
-    process = fit(tmp_path, epochs=2)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # kill once a mid-epoch checkpoint exists
-        if last.is_file():
-            try:
-                if 10 <= load(last)["global_step"] < steps_per_epoch:
-                    break
-            except (EOFError, RuntimeError):
-                pass  # being written: Lightning writes to a temporary file and renames, but retry
-        time.sleep(0.2)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    saved = load(last)
-    killed_at = saved["global_step"]
-    assert 10 <= killed_at < steps_per_epoch, "the kill should land mid-epoch"
+def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> ``train/loss`` from a run directory's TensorBoard events."""
+    out = {}
+    for events in run_dir.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/loss" in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars("train/loss")})
+    return out
 
-    resumed = fit(tmp_path, epochs=2)
-    output = resumed.communicate(timeout=600)[0]
-    assert resumed.returncode == 0, output[-3000:]
-    assert f"--ckpt_path last -> {last.relative_to(tmp_path)}" in output or str(last) in output
-    final = load(tmp_path / "runs" / "digits_multimax" / "version_1" / "checkpoints" / "last.ckpt")
-    step = final["global_step"]
-    assert step == 2 * steps_per_epoch  # nothing lost, nothing repeated
-    # optimiser, schedule and EMA all counted every step across the kill
-    adam_steps = {int(s["step"]) for s in final["optimizer_states"][0]["state"].values()}
-    assert adam_steps == {step}
-    assert final["lr_schedulers"][0]["last_epoch"] == step
-    assert int(final["state_dict"]["ema.n_averaged"]) == step
-    # the resumed run started from the checkpoint's weights, not from a fresh initialisation
-    assert int(saved["state_dict"]["ema.n_averaged"]) == killed_at
+
+def assert_same_tensors(a, b, where: str) -> None:
+    """Equal nested structures; tensors bitwise equal."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", list(RUNS))
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, run):
+    _, name, kill_at, _ = RUNS[run]
+    straight = fit(tmp_path / "straight", run)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    killer = ["--trainer.callbacks+=tests.test_resume.KillAtStep", f"--trainer.callbacks.step={kill_at}"]
+    killed = fit(tmp_path / "killed", run, *killer)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    runs = tmp_path / "killed" / "runs" / name
+    assert load(runs / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == kill_at
+
+    resumed = fit(tmp_path / "killed", run, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "--ckpt_path last -> " in resumed.stdout and "version_0" in resumed.stdout
+
+    reference = load(tmp_path / "straight" / "runs" / name / "version_0" / "checkpoints" / "last.ckpt")
+    final = load(runs / "version_1" / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == reference["global_step"] == 2 * kill_at
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops"):
+        assert_same_tensors(final[key], reference[key], key)
+    reference_losses = losses(tmp_path / "straight" / "runs" / name / "version_0")
+    resumed_losses = losses(runs / "version_1")
+    assert sorted(resumed_losses) == [s for s in sorted(reference_losses) if s >= kill_at]
+    assert resumed_losses == {s: reference_losses[s] for s in resumed_losses}

@@ -12,9 +12,9 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.shards import split_urls
-from mmlight.data.skips import Skipping, is_kept
-from mmlight.data.streaming import ShardDataModule
+from mmlight.data.shards import MemberReader, split_urls
+from mmlight.data.skips import SkipCounter, Skipping, is_kept
+from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 
@@ -115,9 +115,66 @@ class RepeatEach:
                 yield sample
 
 
+class ReadSample:
+    """Sample reference (member ``(offset, size)`` values, see
+    :func:`mmlight.data.streaming.resampled_samples`) -> the sample with its bytes, then ``fn`` of it.
+
+    Args:
+        fn: what to apply to the read sample.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.reader = MemberReader()
+
+    def __call__(self, ref: dict):
+        sample = {k: v if k.startswith("__") else self.reader.read(ref["__url__"], *v) for k, v in ref.items()}
+        return self.fn(sample)
+
+
+class ImageStream(StreamSource):
+    """Training batches of an image shard set: resampled shards, each image ``repeats`` times, a
+    shuffle buffer, batches of ``batch_size`` references; a batch is read and decoded only when
+    materialised. A sample that fails to read or decode is logged, counted, and its place in the
+    batch taken by a copy of another sample of the batch, so batches keep their size (mixup needs
+    an even one) and later batches are unaffected.
+
+    Args:
+        urls: training shards.
+        batch_size: samples per batch.
+        shuffle_buffer: samples held in the shuffle buffer.
+        repeats: copies of each sample (repeated augmentation).
+        decode: sample dict -> ``(image, label)`` tensors.
+        counter: where skipped samples are counted.
+    """
+
+    def __init__(self, urls: list[str], batch_size: int, shuffle_buffer: int, repeats: int, decode,
+                 counter: SkipCounter):
+        self.urls, self.batch_size, self.shuffle_buffer, self.repeats = urls, batch_size, shuffle_buffer, repeats
+        self.counter = counter
+        self.load = Skipping(ReadSample(decode), counter)
+
+    def units(self, rand: RankRandom, count_skips: bool):
+        refs = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
+        if self.repeats > 1:  # copies share one reference until decoded, each with its own augmentation
+            refs = RepeatEach(self.repeats)(refs)
+        return batched(shuffled(refs, self.shuffle_buffer, rand.python("shuffle")), self.batch_size)
+
+    def materialise(self, unit: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        loaded = [self.load(ref) for ref in unit]
+        kept = [item for item in loaded if is_kept(item)]
+        if not kept:
+            raise RuntimeError(f"no sample of a training batch could be read, e.g. {unit[0]['__key__']} "
+                               f"in {unit[0]['__url__']}")
+        filled = [item if is_kept(item) else kept[i % len(kept)] for i, item in enumerate(loaded)]
+        images, labels = zip(*filled)
+        return torch.stack(images), torch.stack(labels)
+
+
 class ImageShardDataModule(ShardDataModule):
-    """Streams an image shard set: resampled shards with a fixed epoch length for training (every
-    rank runs the same number of steps), and each shard read once for validation.
+    """Streams an image shard set: for training resampled shards with a fixed epoch length (every
+    rank runs the same number of steps) in an order fixed by the seed, resumable at any batch
+    (:class:`ImageStream`); for validation each shard read once.
 
     Args:
         root: folder holding the shards and ``_info.json``.
@@ -160,22 +217,18 @@ class ImageShardDataModule(ShardDataModule):
     def num_classes(self) -> int:
         return len(self._info()["classes"])
 
-    def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
-        stages = self.shard_stages(urls, train)
-        if train:
-            if self.repeated_augmentation > 1:  # copies share the encoded bytes until decoded
-                stages.append(RepeatEach(self.repeated_augmentation))
-            stages.append(wds.shuffle(self.shuffle_buffer))
-        decode = DecodeImage(self.augment.channels, self.augment.build(train))
-        return wds.DataPipeline(*stages, wds.map(Skipping(decode, self.skipped)), wds.select(is_kept),
-                                wds.batched(self.batch_size, partial=not train))
-
     def train_dataloader(self):
         info = self._info()
         num_samples = info["splits"][self.train_split]["num_samples"]
         steps = self.epoch_steps(num_samples, self.batch_size, f"{self.batch_size} samples")
-        return self.fixed_epoch_loader(self._pipeline(split_urls(self.root, info, self.train_split), train=True), steps)
+        decode = DecodeImage(self.augment.channels, self.augment.build(train=True))
+        stream = ImageStream(split_urls(self.root, info, self.train_split), self.batch_size, self.shuffle_buffer,
+                             self.repeated_augmentation, decode, self.skipped)
+        return self.resumable_loader(stream, steps)
 
     def _eval_loader(self, split: str):
-        dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
+        decode = DecodeImage(self.augment.channels, self.augment.build(train=False))
+        dataset = wds.DataPipeline(*self.eval_stages(split_urls(self.root, self._info(), split)),
+                                   wds.map(Skipping(decode, self.skipped)), wds.select(is_kept),
+                                   wds.batched(self.batch_size, partial=True))
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mmlight.data.streaming import RankRandom, ResumableLoader, StreamDataset, StreamSource, run_seed, trainer_layout
 from mmlight.data.vocab import EOS_ID, PAD_ID, SPECIALS
 
 SPLITS = ("train", "val", "test")
@@ -69,6 +70,31 @@ class _Sequences(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input": self.input[i], "target": self.target[i], "loss_mask": self.loss_mask[i]}
+
+
+class RecallStream(StreamSource):
+    """Training batches of in-memory sequences: a permutation of the rows per epoch, drawn from
+    ``(seed, epoch)`` alone and shared by the ranks, cut into global batches of which rank ``r`` of
+    ``R`` takes ``r, r + R, ...`` (as a ``DistributedSampler`` would).
+
+    Args:
+        data: the training rows.
+        batch_size: rows per batch.
+        rank: this rank.
+        world_size: number of ranks.
+    """
+
+    def __init__(self, data: _Sequences, batch_size: int, rank: int, world_size: int):
+        self.data, self.batch_size, self.rank, self.world_size = data, batch_size, rank, world_size
+
+    def units(self, rand: RankRandom, count_skips: bool):
+        order = rand.numpy("order", per_rank=False).permutation(len(self.data))
+        for batch in range(self.rank, len(order) // self.batch_size, self.world_size):
+            yield order[batch * self.batch_size:(batch + 1) * self.batch_size]
+
+    def materialise(self, unit: np.ndarray) -> dict:
+        rows = torch.from_numpy(unit)
+        return {"input": self.data.input[rows], "target": self.data.target[rows], "loss_mask": self.data.loss_mask[rows]}
 
 
 class RecallDataModule(L.LightningDataModule):
@@ -173,8 +199,15 @@ class RecallDataModule(L.LightningDataModule):
         return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=train, drop_last=train,
                           num_workers=self.num_workers, persistent_workers=train and self.num_workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", train=True)
+    def train_dataloader(self) -> ResumableLoader:
+        """Batches in an order fixed by the seed and epoch, resumable at any batch (:class:`RecallStream`)."""
+        rank, world = trainer_layout(self.trainer)
+        steps = self.sizes["train"] // (self.batch_size * world)
+        if steps < 1:
+            raise ValueError(f"train_size={self.sizes['train']} is smaller than one global batch "
+                             f"({self.batch_size} x {world} devices)")
+        stream = RecallStream(self.dataset("train"), self.batch_size, rank, world)
+        return ResumableLoader(StreamDataset(stream, steps, run_seed(), rank), self.num_workers, world)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", train=False)

@@ -13,12 +13,15 @@ Every dataset (the digits quick start, ImageNet, ...) goes through the same writ
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,47 @@ def _pax_records(data: bytes) -> dict[str, str]:
     return records
 
 
+def _walk_tar(f, path, read_data: bool) -> Iterator[tuple[str, int, int, bytes | None]]:
+    """``(member name, data offset, size, bytes or None)`` of the regular files of the open tar ``f``.
+
+    With ``read_data`` False the member data is seeked over, not read: only the 512-byte headers (and
+    the small GNU long-name and pax records) are. A truncated shard raises ``EOFError`` either way.
+    """
+    end = os.fstat(f.fileno()).st_size
+    long_name = None
+    while True:
+        header = f.read(512)
+        if len(header) < 512 or header == b"\0" * 512:
+            if header.strip(b"\0"):
+                raise EOFError(f"{path}: truncated tar header")
+            return
+        size = int(header[124:136].rstrip(b"\0 ") or b"0", 8)
+        kind = header[156:157]
+        offset = f.tell()
+        if offset + size > end:
+            raise EOFError(f"{path}: truncated member ({end - offset} of {size} bytes)")
+        data = None
+        if read_data or kind in (b"L", b"x"):
+            data = f.read(size)
+            f.seek(-size % 512, os.SEEK_CUR)
+        else:
+            f.seek(size + (-size % 512), os.SEEK_CUR)
+        if kind == b"L":  # GNU long name: the next member's name
+            long_name = data.rstrip(b"\0").decode()
+            continue
+        if kind == b"x":  # pax extended header ("<len> key=value\n" records): may carry the path
+            long_name = _pax_records(data).get("path", long_name)
+            continue
+        if kind not in (b"0", b"\0"):  # directories, pax headers, links: not samples
+            continue
+        name = long_name or header[:100].rstrip(b"\0").decode()
+        if long_name is None and header[257:262] == b"ustar":
+            prefix = header[345:500].rstrip(b"\0").decode()
+            name = f"{prefix}/{name}" if prefix else name
+        long_name = None
+        yield name, offset, size, data
+
+
 def iter_tar(path: str | Path) -> Iterator[tuple[str, bytes]]:
     """``(member name, bytes)`` of the regular files in an uncompressed tar, in order.
 
@@ -102,33 +146,75 @@ def iter_tar(path: str | Path) -> Iterator[tuple[str, bytes]]:
     local disk. A truncated shard raises ``EOFError``.
     """
     with open(path, "rb", buffering=1 << 20) as f:
-        long_name = None
-        while True:
-            header = f.read(512)
-            if len(header) < 512 or header == b"\0" * 512:
-                if header.strip(b"\0"):
-                    raise EOFError(f"{path}: truncated tar header")
-                return
-            size = int(header[124:136].rstrip(b"\0 ") or b"0", 8)
-            data = f.read(size)
-            if len(data) < size:
-                raise EOFError(f"{path}: truncated member ({len(data)} of {size} bytes)")
-            f.seek(-size % 512, os.SEEK_CUR)
-            kind = header[156:157]
-            if kind == b"L":  # GNU long name: the next member's name
-                long_name = data.rstrip(b"\0").decode()
-                continue
-            if kind == b"x":  # pax extended header ("<len> key=value\n" records): may carry the path
-                long_name = _pax_records(data).get("path", long_name)
-                continue
-            if kind not in (b"0", b"\0"):  # directories, pax headers, links: not samples
-                continue
-            name = long_name or header[:100].rstrip(b"\0").decode()
-            if long_name is None and header[257:262] == b"ustar":
-                prefix = header[345:500].rstrip(b"\0").decode()
-                name = f"{prefix}/{name}" if prefix else name
-            long_name = None
+        for name, _, _, data in _walk_tar(f, path, read_data=True):
             yield name, data
+
+
+def tar_index(path: str | Path) -> Iterator[tuple[str, int, int]]:
+    """``(member name, data offset, size)`` of the regular files of a tar, from its headers alone
+    (the data is seeked over): what a resumed stream reads to skip samples without decoding them."""
+    with open(path, "rb", buffering=4096) as f:
+        for name, offset, size, _ in _walk_tar(f, path, read_data=False):
+            yield name, offset, size
+
+
+def group_samples(members: Iterable[tuple[str, object]], url: str) -> Iterator[dict]:
+    """``(member name, value)`` pairs -> webdataset samples ``{"__key__", "__url__", "<ext>": value}``:
+    consecutive files ``key.ext`` with the same key form one sample."""
+    sample: dict = {}
+    for name, value in members:
+        base = name.rsplit("/", 1)[-1]
+        key, _, ext = base.partition(".")
+        key = name[: len(name) - len(base)] + key
+        if sample and key != sample["__key__"]:
+            yield sample
+            sample = {}
+        sample.setdefault("__key__", key)
+        sample["__url__"] = url
+        sample[ext] = value
+    if sample:
+        yield sample
+
+
+def npy_header(reader: "MemberReader", url: str, offset: int, size: int) -> tuple[np.dtype, tuple, int]:
+    """``(dtype, shape, data offset in the shard)`` of a ``.npy`` member, from its header alone."""
+    head = io.BytesIO(reader.read(url, offset, min(size, 4096)))
+    version = np.lib.format.read_magic(head)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(head)
+    if fortran_order or dtype.hasobject:
+        raise ValueError(f"{url}: .npy member at {offset} is not a plain C-ordered array")
+    data_offset = offset + head.tell()
+    if data_offset + dtype.itemsize * int(np.prod(shape)) > offset + size:
+        raise ValueError(f"{url}: .npy member at {offset} is shorter than its header says")
+    return dtype, shape, data_offset
+
+
+class MemberReader:
+    """Reads byte ranges of shard members by position, keeping the last few shards open (a stream
+    reads from the handful of shards that its shuffle buffer spans).
+
+    Args:
+        max_open: files kept open at once.
+    """
+
+    def __init__(self, max_open: int = 8):
+        self.max_open = max_open
+        self._files: dict[str, object] = {}
+
+    def read(self, url: str, offset: int, size: int) -> bytes:
+        f = self._files.pop(url, None) or open(url, "rb")
+        self._files[url] = f  # most recently used last
+        if len(self._files) > self.max_open:
+            self._files.pop(next(iter(self._files))).close()
+        f.seek(offset)
+        data = f.read(size)
+        if len(data) < size:
+            raise EOFError(f"{url}: {len(data)} of {size} bytes at offset {offset}")
+        return data
+
+    def __getstate__(self) -> dict:  # open files stay in the process that opened them
+        return {"max_open": self.max_open, "_files": {}}
 
 
 class TarSamples:
@@ -157,16 +243,4 @@ class TarSamples:
 
     @staticmethod
     def _samples(url: str) -> Iterator[dict]:
-        sample: dict = {}
-        for name, data in iter_tar(url):
-            base = name.rsplit("/", 1)[-1]
-            key, _, ext = base.partition(".")
-            key = name[: len(name) - len(base)] + key
-            if sample and key != sample["__key__"]:
-                yield sample
-                sample = {}
-            sample.setdefault("__key__", key)
-            sample["__url__"] = url
-            sample[ext] = data
-        if sample:
-            yield sample
+        yield from group_samples(iter_tar(url), url)

@@ -1,20 +1,282 @@
-"""What every shard-streaming DataModule shares: the shard set's ``_info.json``, the rank count,
-the corrupt-sample counter, the fixed-length training loader, and val/test/predict on named splits."""
+"""Training streams whose order is a function of the seed, and that resume at the next batch.
+
+Every training stream here draws its order from ``(seed, epoch, rank)`` and nothing else: the
+seed is ``seed_everything``'s (Lightning's ``PL_GLOBAL_SEED``), the epoch comes from Lightning
+(``sampler.set_epoch``), the rank from the trainer. A stream is made of two parts
+(:class:`StreamSource`):
+
+* **units**: a cheap, deterministic sequence of batch descriptions (shard draws, tar and ``.npy``
+  headers, the shuffle buffer, token-budget batching), computed without decoding anything;
+* **materialise**: reads a unit's bytes and decodes and augments them, with Python's, NumPy's and
+  torch's CPU random generators seeded from ``(seed, epoch, rank, unit index)``, so crops, flips,
+  RandAugment and random erasing are functions of the position too.
+
+Loader worker ``w`` of ``W`` materialises units ``start + w, start + w + W, ...`` of the rank's single
+unit sequence, and the DataLoader returns them in index order, so the batches do not depend on the
+number of workers. :class:`ResumableLoader` counts the batches it hands to Lightning and exposes
+``state_dict``/``load_state_dict``; Lightning saves that state with the fit loop in every checkpoint
+(``last.ckpt``, epoch-end and ``hpc_ckpt``) and restores it before the first batch of a resumed run,
+which then replays the units up to its position (headers only) and continues with the next batch.
+"""
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import logging
+import os
+import random
+from itertools import islice
+from typing import Any, Iterable, Iterator
 
 import lightning as L
+import numpy as np
+import torch
 import webdataset as wds
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mmlight.data.shards import TarSamples, read_info
+from mmlight.data.shards import TarSamples, group_samples, read_info, tar_index
 from mmlight.data.skips import SkipCounter
+
+log = logging.getLogger(__name__)
+
+#: the independent random streams of one (seed, epoch, rank); the numbers are part of the order
+PURPOSES = {"shards": 0, "shuffle": 1, "offsets": 2, "batches": 3, "unit": 4, "order": 5}
+
+
+def run_seed() -> int:
+    """The run's seed: ``seed_everything``'s (``PL_GLOBAL_SEED``), 0 when none was set."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def trainer_layout(trainer) -> tuple[int, int]:
+    """``(global rank, world size)`` of a trainer; ``(0, 1)`` without one."""
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)
+
+
+class RankRandom:
+    """The random streams of one rank in one epoch, each a function of ``(seed, epoch, rank, purpose)``.
+
+    Args:
+        seed: the run's seed.
+        epoch: the training epoch.
+        rank: the global rank.
+    """
+
+    def __init__(self, seed: int, epoch: int, rank: int):
+        self.seed, self.epoch, self.rank = seed, epoch, rank
+
+    def entropy(self, purpose: str, *position: int, per_rank: bool = True) -> list[int]:
+        rank = [self.rank] if per_rank else []
+        return [self.seed, self.epoch, *rank, PURPOSES[purpose], *position]
+
+    def python(self, purpose: str, per_rank: bool = True) -> random.Random:
+        """A ``random.Random`` for ``purpose`` (fast scalar draws)."""
+        word = np.random.SeedSequence(self.entropy(purpose, per_rank=per_rank)).generate_state(2, np.uint64)
+        return random.Random(int(word[0]) << 64 | int(word[1]))
+
+    def numpy(self, purpose: str, per_rank: bool = True) -> np.random.Generator:
+        """A NumPy generator for ``purpose`` (array draws)."""
+        return np.random.default_rng(self.entropy(purpose, per_rank=per_rank))
+
+
+@contextlib.contextmanager
+def seeded_rngs(entropy: list[int]):
+    """Seed Python's, NumPy's and torch's CPU global generators from ``entropy`` for the block, then
+    put back the states they had: the transforms inside draw from those globals (timm's crops and
+    RandAugment from ``random`` and ``np.random``, flips and erasing from torch)."""
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    words = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
+    random.seed(int(words[0]) << 32 | int(words[1]))
+    np.random.seed(int(words[0]))
+    torch.random.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.random.set_rng_state(saved[2])
+
+
+def resampled_samples(urls: list[str], rng: random.Random, counter: SkipCounter | None) -> Iterator[dict]:
+    """Endless sample references of shards drawn uniformly with replacement: webdataset samples whose
+    values are ``(offset, size)`` of the member in ``__url__``, read from the tar headers alone.
+
+    An unreadable shard (or the unreadable rest of one) is logged and counted in ``counter`` (None:
+    neither, for a worker that replays what another reports); when every shard has failed since the
+    last good one, the stream stops with an error naming them, rather than spinning forever.
+    """
+    failed: set[str] = set()
+    while True:
+        url = urls[rng.randrange(len(urls))]
+        members = []
+        try:
+            for name, offset, size in tar_index(url):
+                members.append((name, (offset, size)))
+        except (OSError, EOFError, ValueError) as err:
+            if counter is not None:
+                counter.add()
+                log.warning("skipped the rest of shard %s: %s: %s", url, type(err).__name__, err)
+        if not members:
+            failed.add(url)
+            if len(failed) == len(set(urls)):
+                raise RuntimeError(f"no readable sample in any of the {len(failed)} training shards, "
+                                   f"e.g. {sorted(failed)[:3]}")
+            continue
+        failed.clear()
+        yield from group_samples(members, url)
+
+
+def shuffled(items: Iterable, buffer: int, rng: random.Random) -> Iterator:
+    """Shuffle a stream through a buffer of ``buffer`` items (webdataset's ``shuffle``), drawing only
+    from ``rng``; ``buffer <= 1`` keeps the order."""
+    if buffer <= 1:
+        yield from items
+        return
+    pool: list = []
+    for item in items:
+        pool.append(item)
+        if len(pool) >= buffer:
+            k = rng.randrange(len(pool))
+            pool[k], pool[-1] = pool[-1], pool[k]
+            yield pool.pop()
+    while pool:
+        k = rng.randrange(len(pool))
+        pool[k], pool[-1] = pool[-1], pool[k]
+        yield pool.pop()
+
+
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of ``size`` items; a short last list is dropped."""
+    it = iter(items)
+    while len(batch := list(islice(it, size))) == size:
+        yield batch
+
+
+class StreamSource:
+    """One rank's training stream in two parts (see the module docstring). Subclasses pickle into
+    loader workers."""
+
+    def units(self, rand: RankRandom, count_skips: bool) -> Iterator[Any]:
+        """The rank's unit sequence of one epoch (endless or at least ``steps`` long), from headers
+        only. ``count_skips``: whether this process reports unreadable shards (one worker does)."""
+        raise NotImplementedError
+
+    def materialise(self, unit) -> Any:
+        """Read, decode and augment one unit into a batch (the random generators are already seeded)."""
+        raise NotImplementedError
+
+
+class StreamDataset(IterableDataset):
+    """Batches ``start .. steps - 1`` of one rank's epoch; worker ``w`` of ``W`` makes batches
+    ``start + w, start + w + W, ...``.
+
+    Args:
+        source: the stream.
+        steps: batches per epoch on this rank.
+        seed: the run's seed.
+        rank: this process's global rank.
+    """
+
+    def __init__(self, source: StreamSource, steps: int, seed: int, rank: int):
+        super().__init__()
+        self.source, self.steps, self.seed, self.rank = source, steps, seed, rank
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rand = RankRandom(self.seed, self.epoch, self.rank)
+        units = self.source.units(rand, count_skips=worker == 0)
+        for index, unit in enumerate(islice(units, self.steps)):
+            if index < self.start or (index - self.start) % workers != worker:
+                continue
+            with seeded_rngs(rand.entropy("unit", index)):
+                yield self.source.materialise(unit)
+
+
+class ResumableLoader:
+    """The training loader of a :class:`StreamDataset`: ``len()`` is the epoch's batch count, and
+    ``state_dict``/``load_state_dict`` hold the position that Lightning saves with the fit loop.
+
+    The position (epoch, batches handed out) is the same on every rank, since every rank runs the
+    same number of steps, so rank 0's copy in the checkpoint is every rank's. Resuming with a
+    different number of loader workers continues exactly (the order does not depend on it); with a
+    different number of ranks, batches per epoch or seed it warns once, naming both layouts, and
+    continues at the same epoch and step in the new layout's order.
+
+    Args:
+        dataset: the rank's stream.
+        num_workers: DataLoader worker processes.
+        world_size: number of ranks (recorded in the state).
+    """
+
+    def __init__(self, dataset: StreamDataset, num_workers: int, world_size: int):
+        self.dataset, self.num_workers, self.world_size = dataset, num_workers, world_size
+        self.epoch, self.position = 0, 0
+        self._resume: dict | None = None
+        self._warned_about: dict | None = None  # the saved layout already warned about
+
+    def __len__(self) -> int:
+        return self.dataset.steps
+
+    @property
+    def sampler(self):
+        """Lightning calls ``loader.sampler.set_epoch(epoch)`` on every training loader before each
+        epoch: this is how the stream learns the epoch."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.epoch = epoch
+
+    def __iter__(self) -> Iterator:
+        return self._batches()  # a generator: it starts at the first next(), after set_epoch
+
+    def _batches(self) -> Iterator:
+        dataset = self.dataset
+        dataset.start = 0
+        if self._resume is not None and self._resume["epoch"] == dataset.epoch:
+            dataset.start = min(self._resume["position"], dataset.steps)
+        self._resume = None
+        self.epoch, self.position = dataset.epoch, dataset.start
+        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+        for batch in loader:
+            self.position += 1
+            yield batch
+
+    def layout(self) -> dict:
+        return {"seed": self.dataset.seed, "world_size": self.world_size, "steps": self.dataset.steps,
+                "num_workers": self.num_workers}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, **self.layout()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = {k: state.get(k) for k in ("seed", "world_size", "steps")}
+        now = {k: v for k, v in self.layout().items() if k in saved}
+        if saved != now and saved != self._warned_about:
+            self._warned_about = saved
+            rank_zero_warn(
+                f"resuming a training stream written with {_describe(saved)} under {_describe(now)}: the "
+                f"run continues at epoch {state['epoch']}, batch {state['position']}, but the data order "
+                "from this point on differs from an uninterrupted run's")
+        elif state.get("num_workers") != self.num_workers:
+            log.info("resuming with %s loader workers (checkpoint: %s): the order does not depend on them",
+                     self.num_workers, state.get("num_workers"))
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._resume = dict(state)
+
+
+def _describe(layout: dict) -> str:
+    return f"seed {layout['seed']}, {layout['world_size']} rank(s) and {layout['steps']} batches per epoch"
 
 
 class ShardDataModule(L.LightningDataModule):
-    """Base of the streaming DataModules. Subclasses implement :meth:`train_dataloader` (usually
-    through :meth:`fixed_epoch_loader`) and :meth:`_eval_loader`.
+    """Base of the streaming DataModules. Subclasses implement :meth:`train_dataloader` (through
+    :meth:`resumable_loader`) and :meth:`_eval_loader`.
 
     Args:
         root: folder holding the shards and ``_info.json``.
@@ -43,9 +305,7 @@ class ShardDataModule(L.LightningDataModule):
 
     def _rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and the number of ranks (0, 1 outside a trainer)."""
-        if self.trainer is None:
-            return 0, 1
-        return int(self.trainer.global_rank), self._world_size()
+        return trainer_layout(self.trainer)
 
     def _world_size(self) -> int:
         return int(self.trainer.world_size) if self.trainer is not None else 1
@@ -65,27 +325,16 @@ class ShardDataModule(L.LightningDataModule):
                              f"({what} x {world} devices)")
         return steps
 
-    def shard_stages(self, urls: list[str], train: bool) -> list:
-        """The head of a pipeline: shard URLs -> raw samples (``mmlight.data.shards.TarSamples``).
-
-        Training resamples shards at random, split by node: an endless stream that
-        :meth:`fixed_epoch_loader` cuts into equal epochs. Evaluation reads each shard once, split over
-        ranks and loader workers. An unreadable shard is counted in :attr:`skipped` and skipped.
-        """
-        if train:
-            return [wds.ResampledShards(urls), wds.split_by_node, TarSamples(self.skipped)]
+    def eval_stages(self, urls: list[str]) -> list:
+        """The head of an evaluation pipeline: each shard read once, split over ranks and loader
+        workers (``mmlight.data.shards.TarSamples``; an unreadable shard is counted and skipped)."""
         return [wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker, TarSamples(self.skipped)]
 
-    def fixed_epoch_loader(self, dataset, steps: int) -> wds.WebLoader:
-        """A loader of ``dataset`` (already batched) cut into epochs of exactly ``steps`` batches, so
-        every DDP rank runs the same number of steps whatever its shards."""
-        loader = wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                               persistent_workers=self.num_workers > 0)
-        # with_epoch on the loader counts batches across all workers of this rank (webdataset#250);
-        # with_length only reports that count to Lightning (webdataset warns that it does no more).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*with_length\(\) only sets")
-            return loader.with_epoch(steps).with_length(steps)
+    def resumable_loader(self, source: StreamSource, steps: int) -> ResumableLoader:
+        """The training loader of ``source``: ``steps`` batches per epoch on every rank, in the order
+        of ``(seed, epoch, rank)``, resumable at any batch (see :class:`ResumableLoader`)."""
+        rank, world = self._rank_and_world()
+        return ResumableLoader(StreamDataset(source, steps, run_seed(), rank), self.num_workers, world)
 
     def _eval_loader(self, split: str):
         raise NotImplementedError

@@ -27,45 +27,81 @@ from ``</s>`` (the end of the "previous line"), so the number of scored targets 
 from __future__ import annotations
 
 import io
-import os
+import logging
 import random
 import tarfile
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmlight.data.shards import split_urls
-from mmlight.data.skips import Skipping, is_kept
-from mmlight.data.streaming import ShardDataModule
+from mmlight.data.shards import MemberReader, npy_header, split_urls
+from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
 from mmlight.data.vocab import load_vocab
 
-
-def decode_chunk(sample: dict) -> np.ndarray:
-    """A shard sample -> its uint32 token ids."""
-    return np.load(io.BytesIO(sample["ids.npy"]), allow_pickle=False)
+log = logging.getLogger(__name__)
 
 
-def cut_blocks(chunks: Iterator[np.ndarray], block_size: int, random_offset: bool = True
-               ) -> Iterator[dict]:
-    """Cut each chunk into contiguous blocks of ``block_size + 1`` tokens (consecutive blocks share
-    one token, so every target of the chunk after the offset is trained on); ``input = block[:-1]``,
-    ``target = block[1:]``.
+def block_starts(length: int, block_size: int, rng: random.Random, random_offset: bool = True) -> range:
+    """Starts of the contiguous blocks of ``block_size + 1`` tokens cut from a chunk of ``length``
+    tokens (consecutive blocks share one token, so every target of the chunk after the offset is
+    trained on); ``input = block[:-1]``, ``target = block[1:]``.
 
-    With ``random_offset`` each chunk starts at a random offset in ``[0, block_size)`` so block
-    boundaries differ from epoch to epoch; tokens before the offset and after the last full block
-    are not used in that pass.
+    With ``random_offset`` the chunk starts at an offset in ``[0, block_size)`` drawn from ``rng``, so
+    block boundaries differ from epoch to epoch; tokens before the offset and after the last full
+    block are not used in that pass.
     """
-    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
-    for ids in chunks:
-        start = rng.randrange(block_size) if random_offset else 0
-        for s in range(start, len(ids) - block_size, block_size):
-            block = ids[s:s + block_size + 1].astype(np.int64)
-            yield {"input": block[:-1], "target": block[1:]}
+    start = rng.randrange(block_size) if random_offset else 0
+    return range(start, length - block_size, block_size)
+
+
+class BlockStream(StreamSource):
+    """Training batches of a token shard set: resampled shards, every chunk cut into blocks at a
+    random offset (:func:`block_starts`; a chunk's length comes from its ``.npy`` header), a shuffle
+    buffer of block references, batches of ``batch_size``; only the blocks' own bytes are read when
+    a batch is materialised.
+
+    Args:
+        urls: training shards.
+        block_size: tokens per sample.
+        batch_size: blocks per batch.
+        shuffle_buffer: blocks held in the shuffle buffer (0: none).
+        counter: where unreadable chunks are counted.
+    """
+
+    def __init__(self, urls: list[str], block_size: int, batch_size: int, shuffle_buffer: int, counter):
+        self.urls, self.block_size, self.batch_size, self.shuffle_buffer = urls, block_size, batch_size, shuffle_buffer
+        self.counter = counter
+        self.reader = MemberReader()
+
+    def _blocks(self, chunk: dict, rng: random.Random, count_skips: bool) -> Iterator[tuple]:
+        try:
+            dtype, shape, data = npy_header(self.reader, chunk["__url__"], *chunk["ids.npy"])
+        except Exception as err:  # a corrupt header may raise anything from numpy's parser
+            if count_skips:
+                self.counter.add()
+                log.warning("skipped corrupt chunk %s in %s: %s: %s", chunk["__key__"], chunk["__url__"],
+                            type(err).__name__, err)
+            return
+        for s in block_starts(int(np.prod(shape)), self.block_size, rng):
+            yield chunk["__url__"], data + s * dtype.itemsize, dtype
+
+    def units(self, rand: RankRandom, count_skips: bool):
+        chunks = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
+        offsets = rand.python("offsets")
+        blocks = (block for chunk in chunks if "ids.npy" in chunk
+                  for block in self._blocks(chunk, offsets, count_skips))
+        return batched(shuffled(blocks, self.shuffle_buffer, rand.python("shuffle")), self.batch_size)
+
+    def materialise(self, unit: list[tuple]) -> dict:
+        samples = []
+        for url, offset, dtype in unit:
+            block = np.frombuffer(self.reader.read(url, offset, (self.block_size + 1) * dtype.itemsize), dtype)
+            block = block.astype(np.int64)
+            samples.append({"input": block[:-1], "target": block[1:]})
+        return collate_blocks(samples)
 
 
 def collate_blocks(samples: list[dict]) -> dict:
@@ -168,9 +204,10 @@ class WikiTextDataModule(ShardDataModule):
     """Word-level language modelling on a WikiText-103 shard set (see the module docstring for the
     batch format and how to compute perplexity).
 
-    Training reads resampled shards (each rank and worker draws shards at random), cuts every chunk
-    into contiguous blocks, shuffles them in a buffer and batches them without partial batches; an
-    epoch is fixed to ``num_train_tokens // (block_size * batch_size * world_size)`` steps on every
+    Training reads resampled shards (in an order fixed by the seed, epoch and rank, resumable at any
+    batch: :class:`BlockStream`), cuts every chunk into contiguous blocks, shuffles them in a buffer
+    and batches them without partial batches; an epoch is fixed to
+    ``num_train_tokens // (block_size * batch_size * world_size)`` steps on every
     rank, so DDP ranks never wait for each other. Validation and test slide a window with a stated
     context over the whole split, split across ranks by window index, every token scored once.
 
@@ -259,15 +296,9 @@ class WikiTextDataModule(ShardDataModule):
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
-        info = self._info()
-        steps = self.train_steps()
-        urls = split_urls(self.root, info, self.train_split)
-        stages = [*self.shard_stages(urls, train=True), wds.map(Skipping(decode_chunk, self.skipped)),
-                  wds.select(is_kept), partial(cut_blocks, block_size=self.block_size)]
-        if self.shuffle_buffer > 0:
-            stages.append(wds.shuffle(self.shuffle_buffer))
-        stages.append(wds.batched(self.batch_size, collation_fn=collate_blocks, partial=False))
-        return self.fixed_epoch_loader(wds.DataPipeline(*stages), steps)
+        stream = BlockStream(split_urls(self.root, self._info(), self.train_split), self.block_size,
+                             self.batch_size, self.shuffle_buffer, self.skipped)
+        return self.resumable_loader(stream, self.train_steps())
 
     def stream(self, split: str) -> np.ndarray:
         """A split's whole token stream (int64), read once and kept in memory."""

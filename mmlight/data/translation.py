@@ -26,7 +26,7 @@ import io
 import logging
 import random
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -35,9 +35,9 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
 
-from mmlight.data.shards import split_urls
+from mmlight.data.shards import MemberReader, npy_header, split_urls
 from mmlight.data.skips import Skipping, is_kept
-from mmlight.data.streaming import ShardDataModule
+from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, resampled_samples, shuffled
 from mmlight.data.tokenizers import apply_bpe, moses_detokenize, moses_tokenize, remove_bpe
 from mmlight.data.translation_shards import SRC_LANG, TGT_LANG
 from mmlight.data.vocab import UNK_ID, load_dictionary
@@ -45,9 +45,14 @@ from mmlight.data.vocab import UNK_ID, load_dictionary
 log = logging.getLogger(__name__)
 
 
-def sample_size(sample: dict) -> int:
+def array_lengths(sample: dict) -> tuple[int, int]:
+    """``(source, target)`` token counts of a sample, without ``</s>``."""
+    return len(sample["src"]), len(sample["tgt"])
+
+
+def sample_size(sample: dict, lengths: Callable[[dict], tuple[int, int]] = array_lengths) -> int:
     """fairseq's ``num_tokens``: the longer side, counting its ``</s>``."""
-    return max(len(sample["src"]), len(sample["tgt"])) + 1
+    return max(lengths(sample)) + 1
 
 
 def _from_shard(sample: dict) -> dict:
@@ -59,22 +64,26 @@ def _from_shard(sample: dict) -> dict:
 
 def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffle: bool,
                    max_source_positions: int = 1024, max_target_positions: int = 1024,
-                   sort: bool = True, rng: random.Random | None = None) -> Iterator[list[dict]]:
+                   sort: bool = True, rng: random.Random | None = None,
+                   lengths: Callable[[dict], tuple[int, int]] = array_lengths, warn: bool = True
+                   ) -> Iterator[list[dict]]:
     """Cut a sample stream into batches with ``len(batch) * max(sample_size) <= max_tokens``.
 
     ``buffer`` samples are gathered, sorted by size (when ``sort``), cut greedily into budget-bounded
-    batches, and those are yielded in shuffled order (when ``shuffle``); the last batches may be small.
-    Samples over the position limits or the budget are skipped with a warning.
+    batches, and those are yielded in shuffled order (when ``shuffle``, drawing from ``rng``); the
+    last batches may be small. Samples over the position limits or the budget are skipped, with a
+    warning when ``warn``. ``lengths`` gives a sample's ``(source, target)`` token counts (a training
+    stream batches references whose lengths come from ``.npy`` headers).
     """
     rng = rng or random.Random()
     skipped = 0
 
     def cut(pool: list[dict]) -> list[list[dict]]:
         if sort:
-            pool.sort(key=sample_size)
+            pool.sort(key=lambda s: sample_size(s, lengths))
         batches, batch, longest = [], [], 0
         for s in pool:
-            size = sample_size(s)
+            size = sample_size(s, lengths)
             if batch and (len(batch) + 1) * max(longest, size) > max_tokens:
                 batches.append(batch)
                 batch, longest = [], 0
@@ -88,12 +97,13 @@ def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffl
 
     pool: list[dict] = []
     for s in samples:
-        if (len(s["src"]) + 1 > max_source_positions or len(s["tgt"]) + 1 > max_target_positions
-                or sample_size(s) > max_tokens):
+        src_len, tgt_len = lengths(s)
+        if src_len + 1 > max_source_positions or tgt_len + 1 > max_target_positions or max(src_len, tgt_len) + 1 > max_tokens:
             skipped += 1
-            warnings.warn(f"skipping sample {s.get('key')} ({len(s['src'])} source, {len(s['tgt'])} target "
-                          f"tokens): over max_tokens={max_tokens} or the position limits; "
-                          f"{skipped} skipped so far in this worker")
+            if warn:
+                warnings.warn(f"skipping sample {s.get('key')} ({src_len} source, {tgt_len} target "
+                              f"tokens): over max_tokens={max_tokens} or the position limits; "
+                              f"{skipped} skipped so far in this worker")
             continue
         pool.append(s)
         if len(pool) >= buffer:
@@ -133,11 +143,60 @@ def _batch_stage(src: Iterable[dict], **kwargs) -> Iterator[list[dict]]:
     yield from budget_batches(src, **kwargs)
 
 
+def ref_lengths(ref: dict) -> tuple[int, int]:
+    """``(source, target)`` token counts of a sample reference of :class:`BudgetStream`."""
+    return ref["src_len"], ref["tgt_len"]
+
+
+class BudgetStream(StreamSource):
+    """Training batches of a translation shard set: resampled shards, a shuffle buffer of sample
+    references (with lengths from the ``.npy`` headers), token-budget batches of them
+    (:func:`budget_batches`); a batch's samples are read and collated only when materialised.
+
+    Args:
+        urls: training shards.
+        shuffle_buffer: samples held in the shuffle buffer (also the bucketing buffer).
+        batching: keyword arguments of :func:`budget_batches` (``max_tokens``, ``buffer``, the limits).
+        collate_fn: list of samples -> batch dict.
+        counter: where unreadable samples are counted.
+    """
+
+    def __init__(self, urls: list[str], shuffle_buffer: int, batching: dict, collate_fn, counter):
+        self.urls, self.shuffle_buffer, self.batching, self.collate_fn = urls, shuffle_buffer, batching, collate_fn
+        self.counter = counter
+        self.reader = MemberReader()
+
+    def _with_lengths(self, refs: Iterable[dict], count_skips: bool) -> Iterator[dict]:
+        for ref in refs:
+            try:
+                lengths = [int(np.prod(npy_header(self.reader, ref["__url__"], *ref[name])[1]))
+                           for name in ("src.npy", "tgt.npy")]
+            except Exception as err:  # a missing member or a corrupt header
+                if count_skips:
+                    self.counter.add()
+                    log.warning("skipped corrupt sample %s in %s: %s: %s", ref.get("__key__"), ref.get("__url__"),
+                                type(err).__name__, err)
+                continue
+            yield {**ref, "key": ref["__key__"], "src_len": lengths[0], "tgt_len": lengths[1]}
+
+    def units(self, rand: RankRandom, count_skips: bool):
+        refs = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
+        refs = shuffled(self._with_lengths(refs, count_skips), self.shuffle_buffer, rand.python("shuffle"))
+        return budget_batches(refs, shuffle=True, rng=rand.python("batches"), lengths=ref_lengths,
+                              warn=count_skips, **self.batching)
+
+    def materialise(self, unit: list[dict]) -> dict:
+        samples = [_from_shard({"__key__": ref["__key__"],
+                                **{name: self.reader.read(ref["__url__"], *ref[name]) for name in ("src.npy", "tgt.npy")}})
+                   for ref in unit]
+        return self.collate_fn(samples)
+
+
 class TranslationDataModule(ShardDataModule):
     """Streams a translation shard set (``mmlight prepare iwslt14``) in token-budget batches.
 
-    Training reads resampled shards (split by node, shuffled) for a fixed number of batches per
-    epoch, ``num_tokens(train) // (max_tokens * world_size)`` where ``num_tokens`` sums the sample sizes
+    Training reads resampled shards in an order fixed by the seed, epoch and rank, resumable at any
+    batch (:class:`BudgetStream`), for a fixed number of batches per epoch, ``num_tokens(train) // (max_tokens * world_size)`` where ``num_tokens`` sums the sample sizes
     of the split (``_info.json``), so every DDP rank runs the same number of steps. Padding makes real
     batches hold fewer than ``max_tokens`` sizes, so an "epoch" sees somewhat fewer samples than the
     split holds; it is an approximate epoch. Validation and test read each shard once, split by node and
@@ -236,14 +295,17 @@ class TranslationDataModule(ShardDataModule):
         return moses_detokenize(text, lang) if detokenize else text
 
     # ------------------------------------------------------------------ loaders
-    def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:
-        stages = self.shard_stages(urls, train) + ([wds.shuffle(self.bucket_buffer)] if train else [])
-        batches = partial(_batch_stage, max_tokens=self.max_tokens, buffer=self.bucket_buffer, shuffle=train,
-                          max_source_positions=self.max_source_positions,
-                          max_target_positions=self.max_target_positions)
-        return wds.DataPipeline(
-            *stages, wds.map(Skipping(_from_shard, self.skipped)), wds.select(is_kept), batches,
-            wds.map(partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)))
+    def _batching(self) -> dict:
+        return {"max_tokens": self.max_tokens, "buffer": self.bucket_buffer,
+                "max_source_positions": self.max_source_positions, "max_target_positions": self.max_target_positions}
+
+    def _collate(self):
+        return partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)
+
+    def _eval_pipeline(self, urls: list[str]) -> wds.DataPipeline:
+        batches = partial(_batch_stage, shuffle=False, **self._batching())
+        return wds.DataPipeline(*self.eval_stages(urls), wds.map(Skipping(_from_shard, self.skipped)),
+                                wds.select(is_kept), batches, wds.map(self._collate()))
 
     def train_steps(self) -> int:
         """Batches per rank per epoch: the split's summed sample sizes // (max_tokens x world size)."""
@@ -251,12 +313,12 @@ class TranslationDataModule(ShardDataModule):
         return self.epoch_steps(num_tokens, self.max_tokens, f"{self.max_tokens} tokens")
 
     def train_dataloader(self):
-        steps = self.train_steps()
-        return self.fixed_epoch_loader(self._pipeline(split_urls(self.root, self._info(), self.train_split),
-                                                      train=True), steps)
+        stream = BudgetStream(split_urls(self.root, self._info(), self.train_split), self.bucket_buffer,
+                              self._batching(), self._collate(), self.skipped)
+        return self.resumable_loader(stream, self.train_steps())
 
     def _eval_loader(self, split: str):
-        dataset = self._pipeline(split_urls(self.root, self._info(), split), train=False)
+        dataset = self._eval_pipeline(split_urls(self.root, self._info(), split))
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
 
     def predict_dataloader(self):

@@ -1,10 +1,23 @@
-"""ShardDataModule: the fixed epoch length shared by the streaming DataModules."""
+"""Training streams: order fixed by (seed, epoch, rank), independent of loader workers, resumable
+at any batch from the state Lightning saves; header-only skipping; the shared epoch length."""
 
+import io
+import json
+import random
+import tarfile
+import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
+import webdataset as wds
+from PIL import Image
 
-from mmlight.data.streaming import ShardDataModule
+from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
+from mmlight.data.images import DecodeImage
+from mmlight.data.shards import MemberReader, npy_header, tar_index
+from mmlight.data.streaming import ResumableLoader, ShardDataModule, shuffled
 
 
 def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
@@ -15,3 +28,240 @@ def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
     assert data.epoch_steps(100, 8, "8 samples") == 3  # 100 // (8 x 4)
     with pytest.raises(ValueError, match=r"\(100\) is smaller than one global batch \(32 samples x 4 devices\)"):
         data.epoch_steps(100, 32, "32 samples")
+
+
+# ---------------------------------------------------------------- header-only reading
+
+
+def test_tar_index_matches_tarfile_and_npy_header_matches_numpy(tmp_path):
+    """Offsets and sizes from the headers alone agree with Python's tarfile (long names and pax
+    headers included), and an .npy member's header gives numpy's dtype, shape and data bytes."""
+    arrays = {f"{'long' * 40}/k{i}.ids.npy": np.arange(i * 7, dtype=np.uint32 if i % 2 else np.int64)
+              for i in range(1, 4)}
+    path = tmp_path / "a.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, array in arrays.items():
+            buf = io.BytesIO()
+            np.save(buf, array)
+            info = tarfile.TarInfo(name)
+            info.size = len(buf.getvalue())
+            info.pax_headers = {"comment": "x"}
+            tar.addfile(info, io.BytesIO(buf.getvalue()))
+    with tarfile.open(path) as tar:
+        expected = [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+    assert list(tar_index(path)) == expected
+    reader = MemberReader()
+    for name, offset, size in expected:
+        dtype, shape, data = npy_header(reader, str(path), offset, size)
+        array = arrays[name]
+        assert (dtype, shape) == (array.dtype, array.shape)
+        raw = reader.read(str(path), data, array.nbytes)
+        np.testing.assert_array_equal(np.frombuffer(raw, dtype), array)
+
+
+def test_truncated_shard_is_an_error_from_headers_alone(tmp_path):
+    path = tmp_path / "t.tar"
+    with wds.TarWriter(str(path)) as writer:
+        writer.write({"__key__": "a", "bin": b"x" * 3000})
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(EOFError, match="truncated member"):
+        list(tar_index(path))
+
+
+def test_shuffle_buffer_permutes_and_depends_only_on_its_generator():
+    items = list(range(50))
+    out = list(shuffled(items, 8, random.Random(3)))
+    assert sorted(out) == items and out != items
+    assert out == list(shuffled(items, 8, random.Random(3)))
+    assert out != list(shuffled(items, 8, random.Random(4)))
+    assert list(shuffled(items, 1, random.Random(3))) == items
+
+
+# ---------------------------------------------------------------- whole streams
+
+
+def write_image_shards(root, n=40, per_shard=7, corrupt=(5,)):
+    """``n`` random JPEGs (3 classes) in shards of ``per_shard``; samples in ``corrupt`` are not images."""
+    root.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(0, n, per_shard):
+        name = f"train-{s // per_shard:06d}.tar"
+        with wds.TarWriter(str(root / name)) as writer:
+            for i in range(s, min(n, s + per_shard)):
+                pixels = np.random.default_rng(i).integers(0, 255, (20, 24, 3), dtype=np.uint8)
+                buf = io.BytesIO()
+                Image.fromarray(pixels).save(buf, format="JPEG")
+                image = b"not a jpeg" if i in corrupt else buf.getvalue()
+                writer.write({"__key__": f"img{i:04d}", "jpg": image, "cls": str(i % 3).encode()})
+        shards.append({"name": name, "num_samples": min(n, s + per_shard) - s})
+    info = {"classes": ["a", "b", "c"], "splits": {"train": {"num_samples": n, "shards": shards}}}
+    (root / "_info.json").write_text(json.dumps(info))
+    return root
+
+
+DEIT_LIKE = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.5, scale=(0.3, 1.0))
+
+
+@pytest.fixture(scope="module")
+def image_shards(tmp_path_factory):
+    return write_image_shards(tmp_path_factory.mktemp("images"))
+
+
+def image_loader(root, seed, monkeypatch, num_workers=0, world=(0, 1)):
+    monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+    data = ImageShardDataModule(str(root), batch_size=4, num_workers=num_workers, augment=DEIT_LIKE,
+                                shuffle_buffer=10, repeated_augmentation=2)
+    data.trainer = SimpleNamespace(global_rank=world[0], world_size=world[1])
+    return data.train_dataloader()
+
+
+def recall_loader(seed, monkeypatch, num_workers=0):
+    monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+    data = RecallDataModule(train_size=200, val_size=8, test_size=8, batch_size=16, num_workers=num_workers)
+    return data.train_dataloader()
+
+
+@pytest.fixture(scope="module")
+def wikitext_shards(tmp_path_factory):
+    from tests.text_fixtures import write_text_shard_sets
+
+    return write_text_shard_sets(tmp_path_factory.mktemp("text"))
+
+
+def wikitext_loader(shards, seed, monkeypatch, num_workers=0):
+    monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+    return WikiTextDataModule(str(shards["wikitext103"]), block_size=4, batch_size=2, num_workers=num_workers,
+                              shuffle_buffer=16).train_dataloader()
+
+
+def translation_loader(shards, seed, monkeypatch, num_workers=0):
+    from mmlight.data import TranslationDataModule
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+    return TranslationDataModule(str(shards["iwslt14"]), max_tokens=64, num_workers=num_workers,
+                                 bucket_buffer=6).train_dataloader()
+
+
+def flat(batch) -> list[torch.Tensor]:
+    """The tensors of a batch (tuple or dict), in a fixed order."""
+    items = batch.values() if isinstance(batch, dict) else batch
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(len(flat(x)) == len(flat(y)) and all(
+        torch.equal(s, t) for s, t in zip(flat(x), flat(y))) for x, y in zip(a, b))
+
+
+def epochs(loader, n_epochs=2) -> list:
+    out = []
+    for epoch in range(n_epochs):
+        loader.set_epoch(epoch)
+        out += list(loader)
+    return out
+
+
+@pytest.fixture(params=["images", "recall", "wikitext", "translation"])
+def make_loader(request, image_shards, wikitext_shards, monkeypatch):
+    def make(seed, num_workers=0):
+        if request.param == "images":
+            return image_loader(image_shards, seed, monkeypatch, num_workers)
+        if request.param == "recall":
+            return recall_loader(seed, monkeypatch, num_workers)
+        if request.param == "wikitext":
+            return wikitext_loader(wikitext_shards, seed, monkeypatch, num_workers)
+        return translation_loader(wikitext_shards, seed, monkeypatch, num_workers)
+    return make
+
+
+def test_same_seed_same_batches_other_seed_other_order(make_loader):
+    """Two loaders with one seed give identical batches (augmentations included) over two epochs;
+    another seed gives others; the second epoch differs from the first."""
+    first = epochs(make_loader(0))
+    assert len(first) == 2 * len(make_loader(0))
+    assert same(first, epochs(make_loader(0)))
+    assert not same(first, epochs(make_loader(1)))
+    half = len(first) // 2
+    assert not same(first[:half], first[half:])
+
+
+def test_resume_from_state_continues_with_the_next_batch(make_loader):
+    """A loader rebuilt from the state saved after k batches (mid-epoch, and at the epoch's end)
+    yields exactly what the uninterrupted loader yields after batch k."""
+    reference = epochs(make_loader(0))
+    steps = len(reference) // 2
+    for k in (1, steps - 1, steps):
+        loader = make_loader(0)
+        loader.set_epoch(0)
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        state = loader.state_dict()
+        assert (state["epoch"], state["position"]) == (0, k)
+        resumed = make_loader(0)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(0 if k < steps else 1)  # what Lightning's fit loop does on restart
+        rest = list(resumed)
+        if k < steps:
+            resumed.set_epoch(1)
+            rest += list(resumed)
+        assert same(rest, reference[k:])
+
+
+def test_loader_workers_do_not_change_the_batches(image_shards, wikitext_shards, monkeypatch):
+    """Two worker processes give the batches of one process, in the same order, also after a resume
+    written with another worker count."""
+    reference = epochs(image_loader(image_shards, 0, monkeypatch))
+    assert same(epochs(image_loader(image_shards, 0, monkeypatch, num_workers=2)), reference)
+    resumed = image_loader(image_shards, 0, monkeypatch, num_workers=2)
+    resumed.load_state_dict({**image_loader(image_shards, 0, monkeypatch).state_dict(), "epoch": 1, "position": 3})
+    resumed.set_epoch(1)
+    assert same(list(resumed), reference[len(reference) // 2 + 3:])
+    tokens = wikitext_loader(wikitext_shards, 0, monkeypatch)
+    assert same(epochs(wikitext_loader(wikitext_shards, 0, monkeypatch, num_workers=2)), epochs(tokens))
+
+
+def test_ranks_get_different_streams(image_shards, monkeypatch):
+    rank0 = epochs(image_loader(image_shards, 0, monkeypatch, world=(0, 2)), 1)
+    rank1 = epochs(image_loader(image_shards, 0, monkeypatch, world=(1, 2)), 1)
+    assert len(rank0) == len(rank1) == 40 // (4 * 2)
+    assert not same(rank0, rank1)
+
+
+def test_resuming_skips_without_decoding(image_shards, monkeypatch):
+    """Reaching batch k decodes none of the k skipped batches: only the batch that is returned."""
+    decoded = []
+    original = DecodeImage.__call__
+    monkeypatch.setattr(DecodeImage, "__call__", lambda self, sample: decoded.append(1) or original(self, sample))
+    loader = image_loader(image_shards, 0, monkeypatch)
+    loader.load_state_dict({**loader.state_dict(), "position": 4})
+    next(iter(loader))
+    assert len(decoded) == 4  # one batch of 4 samples
+
+
+def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeypatch, caplog):
+    loader = image_loader(image_shards, 0, monkeypatch)
+    with caplog.at_level("WARNING"):
+        batches = epochs(loader, 3)
+    assert all(images.shape == (4, 3, 16, 16) and labels.shape == (4,) for images, labels in batches)
+    assert loader.dataset.source.counter.value >= 1 and "img0005" in caplog.text
+
+
+def test_changed_layout_warns_naming_both(image_shards, monkeypatch):
+    state = image_loader(image_shards, 0, monkeypatch, world=(0, 1)).state_dict()
+    loader = image_loader(image_shards, 0, monkeypatch, world=(0, 2))
+    with pytest.warns(UserWarning, match=r"written with seed 0, 1 rank\(s\) and 10 batches per epoch under "
+                                         r"seed 0, 2 rank\(s\) and 5 batches per epoch.*order from this point"):
+        loader.load_state_dict({**state, "position": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: loading the same state again (DataPosition) is silent
+        loader.load_state_dict({**state, "position": 3})
+    loader.set_epoch(0)
+    assert len(list(loader)) == 5 - 3
+
+
+def test_lightning_sees_a_stateful_loader():
+    """Lightning's CombinedLoader saves the state of loaders that have state_dict/load_state_dict."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    assert isinstance(ResumableLoader.__new__(ResumableLoader), _Stateful)

@@ -1,5 +1,6 @@
 """The project's sbatch scripts on a real one-node SLURM cluster (started by .ci/slurm-cluster.sh):
-a 2-task CPU DDP job, and a job preempted mid-run that comes back and resumes from its checkpoint."""
+a 2-task CPU DDP job, and a job preempted mid-run that comes back, resumes from its checkpoint and
+ends with the weights of an uninterrupted job."""
 
 import os
 import re
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.test_resume import assert_same_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -69,6 +72,25 @@ def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:
     return steps
 
 
+#: the preemption tests' options; their reference is one job run with them without a break
+RESUMED_RUN = ["--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--last_checkpoint.every_n_train_steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory) -> dict:
+    """The final ``last.ckpt`` of a job run with :data:`RESUMED_RUN` without a break."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    job, result = submit(folder, *RESUMED_RUN, wait=True)
+    assert result.returncode == 0 and job_state(job) == "COMPLETED", result.stderr
+    path = folder / "runs" / "digits_multimax" / f"slurm-{job}" / "checkpoints" / "last.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_same_training_state(final: dict, reference: dict) -> None:
+    for key in ("state_dict", "optimizer_states", "lr_schedulers"):
+        assert_same_tensors(final[key], reference[key], key)
+
+
 @pytest.mark.slow
 def test_submit_two_task_ddp_job(cluster, tmp_path):
     job, result = submit(tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "3", wait=True)
@@ -84,10 +106,11 @@ def test_submit_two_task_ddp_job(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
+def test_preempted_job_comes_back_and_resumes(cluster, uninterrupted, tmp_path):
+    """A job requeued mid-run comes back, resumes from its checkpoint and ends with the weights,
+    optimiser and schedule of the same job run without a break (2-task DDP, bitwise)."""
     epochs = 3
-    job, result = submit(tmp_path, "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
-                         "--last_checkpoint.every_n_train_steps", "5")
+    job, result = submit(tmp_path, *RESUMED_RUN)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -117,6 +140,7 @@ def test_preempted_job_comes_back_and_resumes(cluster, tmp_path):
     first_run, *later = scalar_steps(run_dir, "train/loss")
     assert later, "the resumed run logged nothing"
     assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0
+    assert_same_training_state(final, uninterrupted)
 
 
 @pytest.mark.slow
@@ -137,15 +161,14 @@ def test_cluster_scripts_parse():
 
 
 @pytest.mark.slow
-def test_time_limit_signal_requeues_and_resumes(cluster, tmp_path, monkeypatch):
+def test_time_limit_signal_requeues_and_resumes(cluster, uninterrupted, tmp_path, monkeypatch):
     """The signal SLURM sends before the time limit (sent by hand to the batch shell, as
     --signal=B:USR1 does): the shell forwards it to the tasks, the job is requeued (by Lightning's
-    handler, or by the script's fallback where that handler does not requeue), comes back, and
-    resumes from the newest checkpoint to the exact final step."""
+    handler, or by the script's fallback where that handler does not requeue), comes back,
+    resumes from the newest checkpoint and ends with an uninterrupted job's weights."""
     monkeypatch.setenv("MMLIGHT_REQUEUE_GRACE", "20")  # exported to the batch script by sbatch
     epochs = 3
-    job, result = submit(tmp_path, "--trainer.max_epochs", str(epochs), "--trainer.limit_val_batches", "2",
-                         "--last_checkpoint.every_n_train_steps", "5")
+    job, result = submit(tmp_path, *RESUMED_RUN)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
     wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), 300, "a first checkpoint")
@@ -161,6 +184,7 @@ def test_time_limit_signal_requeues_and_resumes(cluster, tmp_path, monkeypatch):
     assert torch.load(resumed_from[-1], map_location="cpu", weights_only=False)["global_step"] > 0
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == epochs * (1438 // (32 * 2))
+    assert_same_training_state(final, uninterrupted)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,45 @@
+"""DataPosition: the loader states Lightning saved reach the loaders of a resumed run, at the batch
+Lightning will run next."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mmlight.callbacks import DataPosition
+from mmlight.callbacks.data_position import batches_done
+
+
+def progress(ready, started, processed, completed):
+    return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+
+
+def test_batches_done_follows_lightnings_restart_rule():
+    assert batches_done(progress(5, 5, 5, 4)) == 5  # written at the end of batch 5 (on_train_batch_end)
+    assert batches_done(progress(5, 5, 4, 4)) == 4  # written inside batch 5 (hpc_ckpt): batch 5 runs again
+    assert batches_done(progress(5, 4, 4, 4)) == 4
+    assert batches_done(progress(44, 44, 44, 44)) == 44  # the epoch's end
+    assert batches_done(None) is None
+
+
+class Loader:
+    def __init__(self):
+        self.loaded = None
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_states_reach_the_loaders_with_lightnings_position():
+    saved = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"epoch": 2, "position": 5}]},
+                                    "epoch_loop.batch_progress": {"current": progress(5, 5, 4, 4)}}}}
+    loader = Loader()
+    callback = DataPosition()
+    callback.on_load_checkpoint(None, None, saved)
+    callback.on_train_start(SimpleNamespace(train_dataloader=loader), None)
+    assert loader.loaded == {"epoch": 2, "position": 4}
+    callback.on_load_checkpoint(None, None, saved)
+    with pytest.raises(RuntimeError, match="1 training loader state\\(s\\), but this run has 2"):
+        callback.on_train_start(SimpleNamespace(train_dataloader=[Loader(), Loader()]), None)
