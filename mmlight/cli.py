@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 
 from lightning import LightningDataModule, LightningModule
-from jsonargparse import lazy_instance
+from jsonargparse import Namespace, lazy_instance
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 # Imported so that their classes are known to the parser by their short names too.
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
+from mmlight.reweighting import available as available_reweightings
 from mmlight.callbacks import (DataPosition, FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
                                StepProgressBar, StepSeed)
 
@@ -115,6 +116,9 @@ class MmlightCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
+        for key, name in reweighting_names(config.model):
+            if name not in available_reweightings():
+                self.parser.error(f"model.{key}: unknown reweighting {name!r}; choose one of {available_reweightings()}")
         missing = missing_data_sizes(_import(config.model.class_path), _import(config.data.class_path))
         if missing:
             self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
@@ -181,6 +185,24 @@ def check_checkpoint_file(path: str | None) -> None:
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
                          "(a torch file without the 'state_dict' entry Lightning writes)")
+
+
+def reweighting_names(config, prefix: str = "") -> list[tuple[str, str]]:
+    """``(key, name)`` of every reweighting spec (a ``{name, options}`` entry) in a parsed config,
+    so that a misspelt function stops the run at parse time, naming its key."""
+    found = []
+    for key, value in _entries(config).items():
+        fields = _entries(value)
+        if set(fields) == {"name", "options"}:
+            found.append((f"{prefix}{key}.name", fields["name"]))
+        elif fields:
+            found += reweighting_names(value, f"{prefix}{key}.")
+    return found
+
+
+def _entries(value) -> dict:
+    """The keys of a config node (a jsonargparse Namespace or a dict); {} for a leaf."""
+    return vars(value) if isinstance(value, Namespace) else value if isinstance(value, dict) else {}
 
 
 def model_options(argv: list[str]) -> list[str]:
