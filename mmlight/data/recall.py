@@ -151,6 +151,10 @@ class RecallDataModule(L.LightningDataModule):
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self._data: dict[str, _Sequences] = {}
 
+    def __str__(self) -> str:
+        # Lightning's would build (and may iterate) every loader; jsonargparse prints DataModules in messages
+        return f"{type(self).__name__}(num_keys={self.num_keys}, num_values={self.num_values}, num_pairs={self.num_pairs})"
+
     # ------------------------------------------------------------------ vocabulary
     @property
     def vocab(self) -> list[str]:
