@@ -13,7 +13,10 @@ sigma is applied to the finite raw scores and the mask afterwards: sigma(-inf) w
 forward's own operations. (A single log-sum-exp ``m_i + log l_i`` would save one value, but its fp32
 rounding grows with ``|m_i|``, which MultiMax's sigma makes large, and every ``p`` of the row then
 errs by the same factor: the parameter gradients, sums over all rows, lost two orders of magnitude
-of accuracy against eager fp32.) A row that sees no key at all gets output 0 and ``1 / l = 0``
+of accuracy against eager fp32.) For the same reason the exponent is ``(s - m) * log2(e)``, not
+``s * log2(e) - m'``: the product of a large ``s`` with log2(e) would round each exponent by
+``|s| * 2**-24`` before the subtraction, where ``s - m`` is exact for the scores near the maximum,
+the ones that carry the weight. A row that sees no key at all gets output 0 and ``1 / l = 0``
 (then every recomputed ``p`` is 0 in backward, so
 its gradients are 0 too, without any ``-inf - -inf``).
 
@@ -56,7 +59,8 @@ __all__ = ["multimax_attention"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
-# exp(x) = exp2(x * LOG2E): exp2 is the cheaper instruction on GPUs
+# exp(x) = exp2(x * LOG2E): exp2 is the cheaper instruction on GPUs; x is always a difference s - m
+# (see the module docstring)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # The jit decorators (here and in sigma.py) read TRITON_INTERPRET when the module is imported.
@@ -222,15 +226,15 @@ def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale,
                r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
     """Recompute one tile of the backward pass from the raw scores ``x`` and ``dP = dO V^T``.
 
-    Works in either orientation: ``row_max`` (of sigma * log2(e)), ``row_inv_sum`` and ``delta``
+    Works in either orientation: ``row_max`` (of sigma), ``row_inv_sum`` and ``delta``
     (per query) come already broadcastable
     against the tile. Returns ``(p, g, ds)``, fp32 tiles: probabilities, the gradient with
     respect to sigma(x) (0 where masked) and the gradient with respect to the raw ``q . k``.
     """
     # the forward's operations, so p is the forward's (see the module docstring)
-    s = tl.where(keep, sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * LOG2E, float("-inf"))
+    s = tl.where(keep, sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER), float("-inf"))
     # 1 / l is 0 for rows without keys and s is -inf where masked: both give p = 0, never NaN
-    p = tl.exp2(s - row_max) * row_inv_sum
+    p = tl.exp2((s - row_max) * LOG2E) * row_inv_sum
     g = p * (dp - delta)
     ds = g * sigma_derivative(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
     return p, g, ds
@@ -263,8 +267,8 @@ def _forward_kernel(
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(PARAMS)
 
     q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd, Tq)  # (BLOCK_M, D)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of s * LOG2E
-    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(s * LOG2E - m_i)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of s
+    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(s - m_i)
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
 
     for start_n in range(0, _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL), BLOCK_N):
@@ -273,14 +277,14 @@ def _forward_kernel(
         v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
         x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * LOG2E
+        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
         # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])  # (BLOCK_M, BLOCK_N)
-        alpha = tl.exp2(m_i - m_shift)  # (BLOCK_M,) rescales the old sums to the new max
+        p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
+        alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
@@ -450,7 +454,7 @@ def _padding_arg(key_padding: torch.Tensor | None, device: torch.device) -> tupl
 
 def _forward(q, k, v, params, order, scale, causal, key_padding):
     """Launch the forward kernel; returns ``(out, row_max, row_inv_sum)``: ``(B, H, Tq, D)`` in q's
-    dtype, and per query the max of ``sigma * log2(e)`` and ``1 / sum exp2(...)``, fp32 ``(B, H, Tq)``."""
+    dtype, and per query the max ``m`` of sigma and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
