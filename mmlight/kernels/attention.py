@@ -36,6 +36,7 @@ Causal programs skip key blocks that lie entirely in the future of their query b
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -95,46 +96,69 @@ class BlockConfig:
     num_stages: int
 
 
-def forward_config(head_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """Tiles of the forward kernel, for an H100 (the interpreter ignores warps and stages).
+def device_capability(device: torch.device) -> int:
+    """Compute capability as ``10 * major + minor`` (80: A100, 90: H100) of a CUDA device; for CPU
+    tensors (the interpreter, offline compile checks) the value of :data:`OFFLINE_CAPABILITY`."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return OFFLINE_CAPABILITY.get()
+
+
+#: The capability whose tile sizes CPU tensors get: :mod:`mmlight.kernels.compile_check` sets it to
+#: the target it compiles for.
+OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> BlockConfig:
+    """Tiles of the forward kernel (the interpreter ignores warps and stages).
 
     128 queries per program amortise each K/V tile over many rows; 64 keys per tile keep the
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
-    inputs have twice the bytes per tile, hence smaller tiles at D = 128.
+    inputs have twice the bytes per tile, hence smaller tiles at D = 128. Hopper (sm_90) keeps the
+    accumulators of its wgmma instructions in fewer registers than the mma of other GPUs, which
+    get narrower key tiles at D = 128.
 
     Args:
         head_dim: D.
         dtype: dtype of q, k and v.
+        capability: compute capability, ``10 * major + minor``.
     """
     if dtype == torch.float32:
         return BlockConfig(128, 64, 8, 2) if head_dim <= 64 else BlockConfig(64, 32, 4, 2)
-    return BlockConfig(128, 64, 8, 3) if head_dim <= 64 else BlockConfig(128, 64, 8, 2)
+    if head_dim <= 64:
+        return BlockConfig(128, 64, 8, 3)
+    return BlockConfig(128, 64, 8, 2) if capability == 90 else BlockConfig(128, 32, 8, 2)
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype) -> tuple[BlockConfig, BlockConfig]:
+def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) -> tuple[BlockConfig, BlockConfig]:
     """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares).
 
     Each program keeps a wide block resident (keys for dK/dV, queries for dQ) and steps through
     narrow blocks of the other side. The dK/dV program is the tight one: it holds K, V and two
-    fp32 accumulators and recomputes P, dP, sigma'(x) and the 8 parameter sums per tile.
+    fp32 accumulators and recomputes P, dP, sigma'(x) and the 8 parameter sums per tile; off
+    Hopper it gets half the queries per step (or half the keys at D = 128) to stay in registers.
 
     Args:
         head_dim: D.
         dtype: dtype of q, k and v.
+        capability: compute capability, ``10 * major + minor``.
     """
     if dtype == torch.float32:
         if head_dim <= 64:
             return BlockConfig(16, 64, 4, 2), BlockConfig(64, 32, 4, 2)
         return BlockConfig(16, 32, 4, 2), BlockConfig(32, 32, 4, 2)
+    hopper = capability == 90
     if head_dim <= 64:
-        return BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2), BlockConfig(128, 32, 8, 2)
-    return BlockConfig(16, 64, 8, 2), BlockConfig(128, 32, 8, 2)
+        dkdv = BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2) if hopper else BlockConfig(16, 64, 8, 2)
+        return dkdv, BlockConfig(128, 32, 8, 2)
+    return (BlockConfig(16, 64, 8, 2) if hopper else BlockConfig(16, 32, 8, 2)), BlockConfig(128, 32, 8, 2)
 
 
 # How the tile sizes above were chosen, without a GPU at hand: every kernel was compiled for sm_90
-# with the specialisations a real launch gets (unit head-dim stride, 16-divisible pointers and
-# strides), and the largest tiles were kept that fit in 255 registers per thread without spills
-# and with pipelined (cp.async) K/V loads. They are not timed: tune them on the GPU.
+# and sm_80 with the specialisations a real launch gets (mmlight.kernels.compile_check), and the
+# largest tiles were kept that fit in 255 registers per thread without spills and with pipelined
+# (cp.async) K/V loads. They are not timed: tune them on the GPU.
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -461,7 +485,7 @@ def _forward(q, k, v, params, order, scale, causal, key_padding):
     row_max = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     row_inv_sum = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
-    cfg = forward_config(D, q.dtype)
+    cfg = forward_config(D, q.dtype, device_capability(q.device))
     _forward_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
         q, k, v, out, row_max, row_inv_sum, pad, params,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -494,7 +518,7 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     q, k, v, out, row_max, row_inv_sum, params, key_padding = ctx.saved_tensors
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    cfg_kv, cfg_q = backward_configs(D, q.dtype)
+    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device))
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
         HEAD_D=D, ORDER=ctx.order, CAUSAL=ctx.causal, HAS_PAD=key_padding is not None,
