@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mmlight.models import ReweightedViT, ViTConfig
-from mmlight.models.vit import ReweightingSpec
+from mmlight.reweighting import ReweightingSpec
 from mmlight.nn import attention
 from mmlight.reweighting import MultiMax, Softmax
 

@@ -1,12 +1,13 @@
 """mmlight: attention reweighting (softmax, MultiMax, sparsemax, entmax-1.5, ev-softmax, top-k) at scale.
 
 Package map:
-    reweighting/  the reweighting functions, their registry (``build``) and the paper's metrics
-    nn/           the attention entry point every model calls
+    reweighting/  the reweighting functions (one file each, registered on import), their registry
+                  (``build``), the config entry ``ReweightingSpec`` and the paper's metrics
+    nn/           the attention entry point every model calls, and its observation point
     models/       networks built from typed configs (ViT/DeiT via timm)
     tasks/        LightningModules: loss, metrics, optimiser, schedule, logging
     data/         webdataset shard writing and the LightningDataModules that stream them
-    callbacks/    monitoring: MultiMax parameters and modulation curves, final metrics
+    callbacks/    monitoring: learned reweighting parameters by site, MultiMax curves, final metrics
     cli.py        the ``mmlight`` LightningCLI entry point
 """
 

@@ -2,7 +2,8 @@
 
 from mmlight.callbacks.checkpoint import LastCheckpoint
 from mmlight.callbacks.final_metrics import FinalMetrics
-from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, multimax_modules
+from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, monitored_scalars, reweighting_sites
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 
-__all__ = ["FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor", "multimax_modules"]
+__all__ = ["FinalMetrics", "LastCheckpoint", "ReweightingMonitor", "SkippedSamplesMonitor",
+           "monitored_scalars", "reweighting_sites"]

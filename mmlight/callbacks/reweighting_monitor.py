@@ -1,4 +1,4 @@
-"""Monitoring of the learned MultiMax modulations: parameters as scalars, curves as a figure."""
+"""Monitoring of learned reweighting functions: their parameters as scalars, MultiMax's sigma as curves."""
 
 from __future__ import annotations
 
@@ -7,23 +7,37 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from mmlight.reweighting import MultiMax
+from mmlight.nn.attention import network_of
+from mmlight.reweighting import MultiMax, Reweighting
 
 
-def multimax_modules(module: torch.nn.Module) -> dict[str, MultiMax]:
-    """Every MultiMax in ``module``, keyed by a short name (``blocks.3`` for attention, ``output``)."""
-    found = {}
-    for name, m in module.named_modules():
-        if isinstance(m, MultiMax):
-            short = name.replace("model.vit.", "").replace(".attn.reweight", "").replace("model.", "")
-            found[short] = m
-    return found
+def reweighting_sites(module: torch.nn.Module) -> dict[str, Reweighting]:
+    """Every reweighting module of a task or model by the model's site names (``blocks.3``,
+    ``decoder.layers.1.cross_attn``, ``output``); empty for a module that names none."""
+    try:
+        return network_of(module).reweighting_sites()
+    except TypeError:
+        return {}
+
+
+def monitored_scalars(sites: dict[str, Reweighting]) -> dict[str, float]:
+    """``reweighting/<site>/<name>`` (``_<i>`` per element of a vector) for every learned quantity."""
+    scalars = {}
+    for site, module in sites.items():
+        for name, value in module.monitored().items():
+            values = value.detach().float().cpu().reshape(-1).tolist()
+            if len(values) == 1:
+                scalars[f"reweighting/{site}/{name}"] = values[0]
+            else:
+                scalars.update({f"reweighting/{site}/{name}_{i}": v for i, v in enumerate(values)})
+    return scalars
 
 
 class ReweightingMonitor(L.Callback):
-    """Logs every MultiMax parameter per layer (``multimax/<layer>/ranges_<i>`` and ``.../ts_<i>``)
-    each ``log_every_n_steps``, and after each validation epoch a figure of the learned sigma(x)
-    per layer against the identity (the paper's Figure 3) to TensorBoard.
+    """Logs the learned quantities of every reweighting function (MultiMax's ``ranges``/``ts``, a
+    learnable softmax temperature, ...) as ``reweighting/<site>/<name>[_<i>]`` each
+    ``log_every_n_steps``, and after each validation epoch a figure of the learned sigma(x) of every
+    MultiMax against the identity (the paper's Figure 3) to TensorBoard.
 
     Args:
         curve_range: the x range of the figure, in score units.
@@ -35,17 +49,13 @@ class ReweightingMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % trainer.log_every_n_steps:
             return
-        scalars = {}
-        for name, m in multimax_modules(pl_module).items():
-            for param in ("ranges", "ts"):
-                for i, value in enumerate(getattr(m, param).detach().cpu().tolist()):
-                    scalars[f"multimax/{name}/{param}_{i}"] = value
+        scalars = monitored_scalars(reweighting_sites(pl_module))
         if scalars:
             pl_module.log_dict(scalars, on_step=True, on_epoch=False)
 
     @rank_zero_only
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        modules = multimax_modules(pl_module)
+        modules = {site: m for site, m in reweighting_sites(pl_module).items() if isinstance(m, MultiMax)}
         if not modules or trainer.sanity_checking:
             return
         loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]

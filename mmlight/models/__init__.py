@@ -1,7 +1,8 @@
 """Networks built from typed configs. Models own the forward pass only."""
 
 from mmlight.models.transformer import TransformerConfig, TransformerLM, TransformerSeq2Seq
-from mmlight.models.vit import VARIANTS, ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.models.vit import VARIANTS, ReweightedViT, ViTConfig
+from mmlight.reweighting import ReweightingSpec
 
 __all__ = ["VARIANTS", "ReweightedViT", "ReweightingSpec", "ViTConfig",
            "TransformerConfig", "TransformerLM", "TransformerSeq2Seq"]

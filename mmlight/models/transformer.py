@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmlight import reweighting
-from mmlight.models.vit import ReweightingSpec
 from mmlight.nn.attention import attention
+from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
 
 # ----------------------------------------------------------------------------------------------
@@ -538,9 +538,15 @@ class _OutputHead(nn.Module):
         if config.output_multimax:
             self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
 
-    def attention_reweightings(self) -> list[reweighting.Reweighting]:
-        """The reweighting module of every attention layer (encoder first, then decoder)."""
-        return [m.reweight for m in self.modules() if isinstance(m, MultiHeadAttention)]
+    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
+        """The reweighting module of every attention layer by its module path, the stable name
+        that monitoring and analysis report (``encoder.layers.0.self_attn``,
+        ``decoder.layers.1.cross_attn``, ...); encoder first, then decoder."""
+        return {name: m.reweight for name, m in self.named_modules() if isinstance(m, MultiHeadAttention)}
+
+    def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
+        """:meth:`attention_sites`, plus ``output`` when the output layer is MultiMax."""
+        return {**self.attention_sites(), **({"output": self.output} if self.output is not None else {})}
 
     def new_cache(self) -> DecoderCache:
         """An empty incremental-decoding cache (its batch size is set by the first step)."""

@@ -5,7 +5,7 @@ optional MultiMax modulation of the output logits (the paper's Table 2).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,8 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn import ReweightedAttention
+from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
-
-ReweightingName = Literal["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk"]
 
 #: Named architectures: (embed_dim, depth, num_heads). DeiT sizes from Touvron et al. (2021).
 VARIANTS: dict[str, tuple[int, int, int]] = {
@@ -25,26 +24,6 @@ VARIANTS: dict[str, tuple[int, int, int]] = {
     "deit_base": (768, 12, 12),
     "vit_micro": (64, 4, 4),  # the CPU quick start
 }
-
-
-@dataclass
-class ReweightingSpec:
-    """Which reweighting function to build, and its options.
-
-    Args:
-        name: a name from :func:`mmlight.reweighting.available`.
-        options: keyword arguments of that function (e.g. ``{order: 2}`` for MultiMax); an unknown
-            key stops model construction with a message naming it.
-    """
-
-    name: ReweightingName = "softmax"
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def build(self, backend: Backend = "auto") -> reweighting.Reweighting:
-        """The module, computed on ``backend`` (the model config's key; not an entry of ``options``)."""
-        if "backend" in self.options:
-            raise ValueError("set the backend with the model's `backend` key, not in the reweighting options")
-        return reweighting.build(self.name, backend=backend, **self.options)
 
 
 @dataclass
@@ -109,9 +88,14 @@ class ReweightedViT(nn.Module):
         if config.output_multimax:
             self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
 
-    def attention_reweightings(self) -> list[reweighting.Reweighting]:
-        """The reweighting module of each attention layer, in depth order."""
-        return [block.attn.reweight for block in self.vit.blocks]
+    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
+        """The reweighting module of each attention layer by its stable name (``blocks.<i>``), in
+        depth order: the names that monitoring and attention analysis report."""
+        return {f"blocks.{i}": block.attn.reweight for i, block in enumerate(self.vit.blocks)}
+
+    def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
+        """:meth:`attention_sites`, plus ``output`` when the logits are modulated."""
+        return {**self.attention_sites(), **({"output": self.output} if self.output is not None else {})}
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters to exclude from weight decay besides 1-D ones (timm's convention)."""

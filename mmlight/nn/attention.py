@@ -1,8 +1,17 @@
 """The attention entry point. Models call :func:`attention` with a reweighting module; the choice
 between a fused kernel and the explicit path is made here and nowhere else.
+
+It is also the one observation point: inside :func:`observe_attention` (or
+:func:`record_attention`), every attention call of the observed model takes the explicit path and
+shows its weights, and its mask, to an :class:`AttentionObserver`, keyed by the model's stable site
+names. The models do not know about it, and outside the context the fused paths are unchanged.
 """
 
 from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,105 @@ def key_padding_of(mask: torch.Tensor | None, batch: int, k_len: int) -> torch.T
     return mask.reshape(shape[0], k_len).expand(batch, k_len)
 
 
+class AttentionObserver:
+    """Sees every attention call of a model while :func:`observe_attention` is active.
+
+    Override :meth:`edit_mask` to intervene (e.g. mask attention sinks, evict keys) and
+    :meth:`record` to collect weights.
+    """
+
+    def edit_mask(self, site: str, q: torch.Tensor, k: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask this call uses (default: ``mask`` unchanged).
+
+        Args:
+            site: the layer's stable name (``blocks.3``, ``decoder.layers.1.cross_attn``).
+            q: queries ``(B, nh, Tq, hs)``.
+            k: keys ``(B, nh, Tk, hs)``.
+            mask: bool, broadcastable to ``(B, nh, Tq, Tk)``, True = attend, with the causal mask
+                already folded in; None = every key.
+        """
+        return mask
+
+    def record(self, site: str, weights: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Called with each call's weights.
+
+        Args:
+            site: the layer's stable name.
+            weights: ``(B, nh, Tq, Tk)`` reweighted probabilities before dropout, 0 where masked.
+            keep: the bool mask used (broadcastable to ``weights``), or None = every key.
+        """
+
+
+class RecordedAttention(NamedTuple):
+    """One attention call seen by :func:`record_attention`: ``weights`` ``(B, nh, Tq, Tk)`` and the
+    ``keep`` mask used (broadcastable to it; None = every key)."""
+
+    weights: torch.Tensor
+    keep: torch.Tensor | None
+
+
+class AttentionRecorder(AttentionObserver):
+    """Keeps every call's weights, detached: ``recorder[site]`` is a list with one
+    :class:`RecordedAttention` per call (incremental decoding calls a layer once per step)."""
+
+    def __init__(self):
+        self.calls: dict[str, list[RecordedAttention]] = {}
+
+    def record(self, site, weights, keep):
+        self.calls.setdefault(site, []).append(
+            RecordedAttention(weights.detach(), None if keep is None else keep.detach()))
+
+    def __getitem__(self, site: str) -> list[RecordedAttention]:
+        return self.calls[site]
+
+    def sites(self) -> list[str]:
+        """The sites seen, in the order of their first call."""
+        return list(self.calls)
+
+
+# (id of a reweighting module -> site name, observer) while observe_attention is active.
+_OBSERVED: contextvars.ContextVar[tuple[dict[int, str], AttentionObserver] | None] = \
+    contextvars.ContextVar("mmlight_observed_attention", default=None)
+
+
+def network_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The network that names its reweighting sites (``attention_sites()``/``reweighting_sites()``):
+    ``module`` itself, or the ``.model`` of a task."""
+    for candidate in (module, getattr(module, "model", None)):
+        if candidate is not None and hasattr(candidate, "attention_sites"):
+            return candidate
+    raise TypeError(f"{type(module).__name__} names no attention sites (no attention_sites() on it or its .model)")
+
+
+@contextmanager
+def observe_attention(model: torch.nn.Module, observer: AttentionObserver) -> Iterator[AttentionObserver]:
+    """Route every attention call of ``model`` through the explicit path and ``observer``.
+
+    Args:
+        model: a model with ``attention_sites()``, or a task holding one as ``.model``.
+        observer: sees each call's mask (and may narrow it) and weights.
+    """
+    sites = {id(m): name for name, m in network_of(model).attention_sites().items()}
+    token = _OBSERVED.set((sites, observer))
+    try:
+        yield observer
+    finally:
+        _OBSERVED.reset(token)
+
+
+@contextmanager
+def record_attention(model: torch.nn.Module) -> Iterator[AttentionRecorder]:
+    """Record the weights of every attention layer of ``model`` by site name::
+
+        with record_attention(model) as rec:
+            model(x)
+        weights, keep = rec["blocks.3"][0]   # (B, nh, N, N)
+    """
+    with observe_attention(model, AttentionRecorder()) as recorder:
+        yield recorder
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,9 +156,9 @@ def attention(
     Three paths, chosen here and nowhere else:
 
     * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels);
-    * a function with a Triton kernel (MultiMax) on the ``triton`` backend, no dropout and at most
-      a key-padding mask: the fused kernel of :func:`mmlight.kernels.multimax_attention`, which
-      never materialises the ``(Tq, Tk)`` scores;
+    * a function whose :meth:`~mmlight.reweighting.Reweighting.fused` operations include attention
+      for these inputs (MultiMax), on the ``triton`` backend, no dropout and at most a key-padding
+      mask: a fused kernel that never materialises the ``(Tq, Tk)`` scores;
     * otherwise explicit scores, reweighted by the function on the resolved backend (with a
       general mask the ``triton`` backend still uses the row-wise kernel).
 
@@ -71,21 +179,23 @@ def attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
     backend = check_backend(backend or reweight.backend)
-    sigma = reweight.fused_sigma()
-    if reweight.sdpa_scale is None and sigma is not None and dropout_p == 0.0:
+    observed = _OBSERVED.get()
+    if observed is not None and id(reweight) in observed[0]:
+        site, observer = observed[0][id(reweight)], observed[1]
+        return _observed_attention(site, observer, q, k, v, reweight, mask, is_causal, dropout_p, scale, backend)
+
+    fused = reweight.fused()
+    if reweight.sdpa_scale is None and fused is not None and dropout_p == 0.0:
         key_padding = key_padding_of(mask, q.shape[0], k_len)
-        # The fused kernel takes no empty tensors; the explicit path handles an empty batch.
+        # Fused kernels take no empty tensors; the explicit path handles an empty batch.
         fusable = (mask is None or key_padding is not None) and q.numel() > 0 and k_len > 0
         if fusable and resolve_backend(backend, q, True, type(reweight).__name__) == "triton":
-            from mmlight.kernels.attention import SUPPORTED_HEAD_DIMS, multimax_attention  # Triton, lazily
-
-            if q.shape[-1] in SUPPORTED_HEAD_DIMS:
-                return multimax_attention(q, k, v, sigma.ranges, sigma.ts, scale * sigma.scale,
-                                          causal=is_causal, key_padding=key_padding)
+            y = fused.attention(q, k, v, scale, is_causal, key_padding)
+            if y is not None:
+                return y
 
     if is_causal and (mask is not None or q_len != k_len or reweight.sdpa_scale is None):
-        causal = causal_mask(q_len, k_len, q.device)
-        mask = causal if mask is None else mask & causal
+        mask = with_causal(mask, q_len, k_len, q.device)
         is_causal = False
 
     if reweight.sdpa_scale is not None:
@@ -101,9 +211,30 @@ def attention(
         )
         return y * has_key
 
-    # Explicit path: materialise the scores and reweight them.
+    probs = explicit_weights(q, k, reweight, mask, scale, backend)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return probs @ v  # (B, nh, Tq, hv)
+
+
+def with_causal(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    """``mask`` (or every key) narrowed to the causal mask of :func:`causal_mask`."""
+    causal = causal_mask(q_len, k_len, device)
+    return causal if mask is None else mask & causal
+
+
+def explicit_weights(q, k, reweight, mask, scale, backend) -> torch.Tensor:
+    """The attention weights ``(B, nh, Tq, Tk)``, materialised: scores, then the reweighting."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
-    probs = reweight.compute(scores, mask, backend)
+    return reweight.compute(scores, mask, backend)
+
+
+def _observed_attention(site, observer, q, k, v, reweight, mask, is_causal, dropout_p, scale, backend):
+    """The explicit path, with the observer's mask and a record of the weights."""
+    if is_causal:
+        mask = with_causal(mask, q.shape[-2], k.shape[-2], q.device)
+    mask = observer.edit_mask(site, q, k, mask)
+    probs = explicit_weights(q, k, reweight, mask, scale, backend)  # (B, nh, Tq, Tk)
+    observer.record(site, probs, mask)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return probs @ v  # (B, nh, Tq, hv)
 

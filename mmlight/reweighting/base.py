@@ -8,12 +8,11 @@ the result cast back), float64 inputs stay float64.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from mmlight.reweighting.backend import Backend, check_backend, resolve_backend
+from mmlight.reweighting.fused import FusedOps
 
 # Masked positions are set this far below the row maximum before normalising. exp(-1e4) is 0 in
 # fp32, and every sparse map used here (sparsemax, entmax-1.5, top-k) zeroes anything more than a
@@ -47,21 +46,14 @@ def shift_and_fill(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x - row_max, -MASKED_GAP)
 
 
-class FusedSigma(NamedTuple):
-    """The scores transform in the form the Triton kernels take: ``sigma(scale * x)`` with MultiMax
-    parameters ``ranges``/``ts`` (None for plain softmax)."""
-
-    scale: float
-    ranges: torch.Tensor | None
-    ts: torch.Tensor | None
-
-
 class Reweighting(nn.Module):
     """Base class: ``forward(scores, mask=None)`` returns weights over the last dimension.
 
     Subclasses override :meth:`transform` (an elementwise map of the raw scores before masking:
     temperature, MultiMax's sigma) and/or :meth:`normalize` (softmax unless overridden), and
-    :meth:`fused_sigma` when the Triton kernels can compute them.
+    :meth:`fused` when Triton kernels can compute them. A subclass registered with
+    :func:`mmlight.reweighting.register` must be constructible with default arguments (the generic
+    tests build it so).
 
     Args:
         backend: ``auto``, ``reference``, ``compile`` or ``triton``; see
@@ -75,9 +67,15 @@ class Reweighting(nn.Module):
         super().__init__()
         self.backend = check_backend(backend)
 
-    def fused_sigma(self) -> FusedSigma | None:
-        """The transform for the Triton kernels, or None when this function has no kernel."""
+    def fused(self) -> FusedOps | None:
+        """The fused computations this function offers on the ``triton`` backend, or None."""
         return None
+
+    def monitored(self) -> dict[str, torch.Tensor]:
+        """Learned quantities to log during training, by name: every trainable parameter of this
+        module, unless a subclass reports them in a more readable form (e.g. a temperature
+        instead of its logarithm)."""
+        return {name: p for name, p in self.named_parameters(recurse=False) if p.requires_grad}
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise map applied to the (finite, fp32) scores before masking. Identity here."""
@@ -96,12 +94,10 @@ class Reweighting(nn.Module):
 
     def compute(self, scores: torch.Tensor, mask: torch.Tensor | None, backend: Backend) -> torch.Tensor:
         """:meth:`forward` with the backend given per call (attention passes its own)."""
-        backend = resolve_backend(backend, scores, self.fused_sigma() is not None, type(self).__name__)
+        fused = self.fused()
+        backend = resolve_backend(backend, scores, fused is not None, type(self).__name__)
         if backend == "triton":
-            from mmlight.kernels import multimax_softmax  # imports Triton only when it is used
-
-            scale, ranges, ts = self.fused_sigma()
-            return multimax_softmax(scores, mask, ranges, ts, scale)
+            return fused.rowwise(scores, mask)
         if backend == "compile":
             if getattr(self, "_compiled_reference", None) is None:
                 # Instances of one class share the compiled graph (their parameters are graph inputs).

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmlight.reweighting.backend import Backend, resolve_backend
-from mmlight.reweighting.base import FusedSigma, Reweighting
+from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.fused import SigmaKernels
 from mmlight.reweighting.registry import register
 
 
@@ -124,8 +125,8 @@ class MultiMax(Reweighting):
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return self.modulate(x)
 
-    def fused_sigma(self) -> FusedSigma:
-        return FusedSigma(1.0, self.ranges, self.ts)
+    def fused(self) -> SigmaKernels:
+        return SigmaKernels(1.0, self.ranges, self.ts)
 
     def extra_repr(self) -> str:
         return f"order={self.order}, backend={self.backend}"

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from mmlight.reweighting.backend import Backend
-from mmlight.reweighting.base import FusedSigma, Reweighting
+from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.fused import SigmaKernels
 from mmlight.reweighting.registry import register
 
 
@@ -42,8 +43,11 @@ class Softmax(Reweighting):
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         return x / (self.log_temperature.exp() if self.learnable else self.fixed_temperature)
 
-    def fused_sigma(self) -> FusedSigma | None:
-        return None if self.learnable else FusedSigma(self.sdpa_scale, None, None)
+    def fused(self) -> SigmaKernels | None:
+        return None if self.learnable else SigmaKernels(self.sdpa_scale, None, None)
+
+    def monitored(self) -> dict[str, torch.Tensor]:
+        return {"temperature": self.temperature} if self.learnable else {}
 
     def extra_repr(self) -> str:
         return f"temperature={float(self.temperature):.4g}, learnable={self.learnable}"

@@ -1,6 +1,7 @@
 """Monitoring callbacks: MultiMax parameters as scalars, the sigma figure, the final metrics."""
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -29,8 +30,8 @@ def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
     scalars = set(events.Tags()["scalars"])
     for layer in ["blocks.0", "blocks.3", "output"]:
         for i in range(4):
-            assert f"multimax/{layer}/ranges_{i}" in scalars and f"multimax/{layer}/ts_{i}" in scalars
-    logged = events.Scalars("multimax/output/ts_0")[-1].value
+            assert f"reweighting/{layer}/ranges_{i}" in scalars and f"reweighting/{layer}/ts_{i}" in scalars
+    logged = events.Scalars("reweighting/output/ts_0")[-1].value
     assert abs(logged - model.model.output.ts[0].item()) < 1e-3  # the last logged step's value
     assert "multimax/sigma_curves" in events.Tags()["images"]
     out = capsys.readouterr().out
@@ -73,3 +74,24 @@ def test_skipped_samples_are_logged_as_a_running_count(tmp_path):
     events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
     events.Reload()
     assert events.Scalars("data/skipped_samples")[-1].value == 1
+
+
+def test_monitor_reports_any_learnable_reweighting_by_site_name():
+    """A learnable softmax temperature is logged as a temperature (not its logarithm), MultiMax's
+    vectors element by element, and a fixed softmax not at all."""
+    from mmlight.callbacks import monitored_scalars, reweighting_sites
+    from mmlight.models import ReweightedViT
+
+    model = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                  attention=ReweightingSpec("softmax", {"temperature": 0.5, "learnable": True}), output_multimax=True),
+        lr_reference_batch=None, warmup_epochs=0)
+    with torch.no_grad():
+        model.model.vit.blocks[2].attn.reweight.log_temperature.fill_(0.7)
+    scalars = monitored_scalars(reweighting_sites(model))
+    assert scalars["reweighting/blocks.0/temperature"] == pytest.approx(0.5)
+    assert scalars["reweighting/blocks.2/temperature"] == pytest.approx(2.0137527, rel=1e-6)  # e^0.7
+    assert [scalars[f"reweighting/output/ts_{i}"] for i in range(4)] == pytest.approx(model.model.output.ts.tolist())
+    assert len(scalars) == 4 + 2 * 4
+    fixed = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10))
+    assert monitored_scalars(reweighting_sites(fixed)) == {}

@@ -9,7 +9,7 @@ import torch
 
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
-from mmlight.models.vit import ReweightingSpec
+from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting import MultiMax
 
 BOS, PAD, EOS = 0, 1, 2

@@ -11,7 +11,7 @@ from mmlight.models.transformer import (
     TransformerLM,
     TransformerSeq2Seq,
 )
-from mmlight.models.vit import ReweightingSpec
+from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting import MultiMax, multimax_sigma
 
 PAD = 1
@@ -260,7 +260,13 @@ def test_seq2seq_loss_matches_cross_entropy():
 def test_each_attention_layer_gets_its_own_reweighting_and_backend():
     c = tiny(2, name="multimax", options={"order": 1}, output_multimax=True, backend="compile", share_embeddings=True)
     model = TransformerSeq2Seq(c)
-    layers = model.attention_reweightings()
+    sites = model.attention_sites()
+    assert list(sites) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
+                           "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
+                           "decoder.layers.1.self_attn", "decoder.layers.1.cross_attn"]
+    assert sites["decoder.layers.1.cross_attn"] is model.decoder.layers[1].cross_attn.reweight
+    assert model.reweighting_sites()["output"] is model.output
+    layers = list(sites.values())
     assert len(layers) == 2 + 2 * 2 and len({id(m) for m in layers}) == 6
     assert all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
     modules = [m for m in model.modules() if isinstance(m, reweighting.Reweighting)]

@@ -22,7 +22,10 @@ def micro(**kwargs):
 
 def test_each_layer_gets_its_own_reweighting():
     model = ReweightedViT(micro(attention=ReweightingSpec("multimax", {"order": 1})))
-    layers = model.attention_reweightings()
+    sites = model.attention_sites()
+    assert list(sites) == [f"blocks.{i}" for i in range(4)]
+    layers = list(sites.values())
+    assert all(sites[f"blocks.{i}"] is model.vit.blocks[i].attn.reweight for i in range(4))
     assert len(layers) == 4 and all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
     assert len({id(m.ts) for m in layers}) == 4
     assert model.output is None
@@ -73,11 +76,11 @@ def test_triton_backend_equals_reference():
     ref = ReweightedViT(micro(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="reference"))
     fused = ReweightedViT(micro(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="triton"))
     with torch.no_grad():  # bend sigma so the kernels' derivative terms matter
-        for m in ref.attention_reweightings() + [ref.output]:
+        for m in ref.reweighting_sites().values():
             m.ranges.copy_(torch.tensor([-0.5, 0.6, -1.0, 1.2]))
             m.ts.copy_(torch.tensor([0.3, 0.25, 0.1, 0.05]))
     fused.load_state_dict(ref.state_dict())
-    assert {m.backend for m in fused.attention_reweightings() + [fused.output]} == {"triton"}
+    assert {m.backend for m in fused.reweighting_sites().values()} == {"triton"}
     images, labels = torch.randn(3, 1, 8, 8), torch.tensor([1, 4, 7])
     torch.testing.assert_close(fused(images), ref(images), atol=1e-5, rtol=1e-4)
     ref.loss(images, labels, label_smoothing=0.1).backward()

@@ -1,4 +1,13 @@
-"""Every reweighting function against an independent reference, plus the properties they share."""
+"""Every reweighting function: the properties they all share (generic, over the whole registry),
+and each built-in against an independent reference.
+
+The generic tests are parametrised by :func:`mmlight.reweighting.available`, so a function added as
+one new file in ``mmlight/reweighting/`` is covered without editing this file: it only needs a
+reference test of its own (like ``test_matches_reference_with_masks`` below).
+"""
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,9 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmlight import reweighting
+from mmlight.reweighting.registry import _REGISTRY
 from tests.reweighting import references as ref
 
-NAMES = ["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk"]
+#: Every registered function, built-ins and any added file alike.
+NAMES = reweighting.available()
+#: The built-ins with an independent reference in this file.
+REFERENCED = ["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference_fn(name, module):
@@ -32,6 +46,7 @@ def reference_fn(name, module):
 
 
 def make(name):
+    """A built-in with options and parameters away from the defaults, for the reference tests."""
     kwargs = {"topk": {"k": 3}, "softmax": {"temperature": 0.7}}.get(name, {})
     module = reweighting.build(name, **kwargs)
     if name == "multimax":  # move away from the near-identity init so sigma matters
@@ -41,21 +56,32 @@ def make(name):
     return module.eval()
 
 
-def test_registry_names():
-    assert reweighting.available() == sorted(NAMES)
-    from mmlight.models.vit import ReweightingName
+def generic(name):
+    """Any registered function with its default options, its parameters (if any) moved away from
+    their initial values by fixed noise, so that parameter-dependent terms take part."""
+    module = reweighting.build(name)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    return module.eval()
 
-    assert sorted(ReweightingName.__args__) == sorted(NAMES)
+
+def test_registry_names():
+    assert set(REFERENCED) <= set(NAMES)
+    assert NAMES == sorted(_REGISTRY)
 
 
 def test_build_rejects_unknown_name_and_option():
     with pytest.raises(ValueError, match="unknown reweighting 'softmx'"):
         reweighting.build("softmx")
+    with pytest.raises(ValueError, match="unknown reweighting 'softmx'"):
+        reweighting.ReweightingSpec("softmx")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['tempreature'\]"):
         reweighting.build("softmax", tempreature=2.0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", REFERENCED)
 def test_matches_reference_with_masks(name):
     module = make(name)
     scores = torch.randn(3, 4, 7, dtype=torch.float64) * 2
@@ -69,6 +95,23 @@ def test_matches_reference_with_masks(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_masks_inf_and_fully_masked_rows(name):
+    """Generic: masked and -inf positions get exactly 0, other rows sum to 1, an empty row is 0."""
+    module = generic(name).double()
+    scores = torch.randn(3, 4, 7, dtype=torch.float64) * 2
+    mask = torch.rand(3, 1, 7) > 0.3
+    mask[0] = False  # fully masked rows
+    mask[1, 0, :2] = True
+    scores[1, 2, 3] = float("-inf")
+    scores[2, 1] = float("-inf")  # every score -inf
+    p = module(scores, mask)
+    keep = mask.expand_as(scores) & (scores != float("-inf"))
+    assert (p[~keep] == 0).all() and (p >= 0).all()
+    sums = p.sum(-1)
+    torch.testing.assert_close(sums, keep.any(-1).double(), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_simplex_monotone_and_equivariant(name, data):
@@ -77,7 +120,7 @@ def test_simplex_monotone_and_equivariant(name, data):
     keep = data.draw(st.lists(st.booleans(), min_size=k, max_size=k))
     scores = torch.tensor(values, dtype=torch.float64)
     mask = torch.tensor(keep)
-    module = reweighting.build(name).double().eval()  # the default init, as a new layer
+    module = generic(name).double()
     p = module(scores, mask)
 
     assert (p >= 0).all() and (p[~mask] == 0).all()
@@ -93,8 +136,8 @@ def test_simplex_monotone_and_equivariant(name, data):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_gradcheck_float64(name):
-    """Input gradients, and for MultiMax the gradients of ranges and ts, against finite differences."""
-    module = make(name).double()
+    """Input gradients, and those of every learnable parameter, against finite differences."""
+    module = generic(name).double()
     scores = (torch.randn(2, 6, dtype=torch.float64) * 2).requires_grad_()
     mask = torch.tensor([[True, True, False, True, True, True], [True] * 6])
     names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -111,7 +154,7 @@ def test_gradcheck_float64(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(name, dtype):
-    module = make(name)
+    module = generic(name)
     scores = torch.randn(4, 9) * 3
     mask = torch.ones(4, 9, dtype=torch.bool)
     mask[1] = False
@@ -125,7 +168,7 @@ def test_half_precision_inputs(name, dtype):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_no_nan_in_grad_for_masked_and_inf_rows(name):
-    module = make(name)
+    module = generic(name)
     scores = torch.randn(3, 5)
     scores[0] = float("-inf")  # every score -inf
     scores[2, :2] = float("-inf")
@@ -136,11 +179,72 @@ def test_no_nan_in_grad_for_masked_and_inf_rows(name):
     (p * torch.randn_like(p)).sum().backward()
     assert torch.isfinite(p).all() and (p[:2] == 0).all()
     assert torch.isfinite(scores.grad).all()
-    if name == "multimax":
-        assert all(torch.isfinite(q.grad).all() for q in module.parameters())
+    assert all(torch.isfinite(q.grad).all() for q in module.parameters() if q.requires_grad)
 
 
-def test_empty_batch():
-    for name in NAMES:
-        p = make(name)(torch.randn(0, 4, 7), torch.ones(0, 4, 7, dtype=torch.bool))
-        assert p.shape == (0, 4, 7)
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_batch(name):
+    p = generic(name)(torch.randn(0, 4, 7), torch.ones(0, 4, 7, dtype=torch.bool))
+    assert p.shape == (0, 4, 7)
+
+
+def lm_fast_dev_run(tmp_path, name: str, options: str = "{}"):
+    """One training and one validation step of the recall LM quick start with ``name`` in every
+    attention layer, set from the command line as a user would."""
+    from mmlight.cli import build_cli
+
+    config = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
+    return build_cli(["fit", "--config", str(config), "--trainer.fast_dev_run", "1",
+                      "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                      "--trainer.default_root_dir", str(tmp_path), "--model.init_args.model.attention.name", name,
+                      "--model.init_args.model.attention.options", options])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fast_dev_run_of_a_model_using_it(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+    cli = lm_fast_dev_run(tmp_path, name)
+    assert cli.trainer.global_step == 1 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+    layers = cli.model.model.attention_sites().values()
+    assert all(type(m) is _REGISTRY[name] for m in layers)
+
+
+@pytest.fixture
+def cube_power():
+    """A function defined and registered here, as a researcher would in a new file:
+    weights proportional to ``relu(x - max + width)^3``, a sparse map with a learnable width."""
+
+    class CubePower(reweighting.Reweighting):
+        """Sparse weights ``relu(x - max + width)**3``, normalised.
+
+        Args:
+            width: how far below the maximum a score still gets weight.
+            backend: see :mod:`mmlight.reweighting.backend`.
+        """
+
+        def __init__(self, width: float = 2.0, backend="auto"):
+            super().__init__(backend)
+            self.width = torch.nn.Parameter(torch.tensor(float(width)))
+
+        def normalize(self, x, keep):
+            w = torch.relu(x + self.width) ** 3  # x is already shifted so that the row max is 0
+            return w / w.sum(-1, keepdim=True)
+
+    reweighting.register("cube_power_test")(CubePower)
+    yield CubePower
+    del _REGISTRY["cube_power_test"]
+
+
+def test_a_function_registered_in_one_place_runs_through_a_config(cube_power, tmp_path, monkeypatch):
+    """Registering is all it takes: the config accepts the name, its option reaches the module, the
+    model trains, and its output equals the formula computed here."""
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+    cli = lm_fast_dev_run(tmp_path, "cube_power_test", "{width: 3.0}")
+    layers = list(cli.model.model.attention_sites().values())
+    assert len(layers) == 2 and all(isinstance(m, cube_power) for m in layers)
+    assert cli.trainer.global_step == 1
+    module = layers[0]
+    scores = torch.tensor([[0.0, -1.0, -2.5, -4.0]])
+    w = torch.relu(scores + module.width.detach()) ** 3
+    torch.testing.assert_close(module(scores).detach(), w / w.sum(-1, keepdim=True))
+    assert module(scores)[0, 3] == 0  # 4 below the maximum with width ~3: outside the support

@@ -1,0 +1,188 @@
+"""The attention observation point: recorded weights equal a hand computation for the three model
+kinds, recording does not change the output, masks can be edited, and the fused path is untouched
+outside the context."""
+
+import pytest
+import torch
+
+from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.models.transformer import TransformerConfig, TransformerLM, TransformerSeq2Seq
+from mmlight.nn import AttentionObserver, attention, observe_attention, record_attention
+from mmlight.reweighting import ReweightingSpec, multimax_sigma
+from mmlight.reweighting.fused import SigmaKernels
+
+PAD = 1
+
+
+def tiny_transformer(cls, n_layers=2, n_encoder_layers=0):
+    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=n_layers,
+                               n_encoder_layers=n_encoder_layers, max_positions=32, pad_id=PAD, dropout=0.0)
+    return cls(config).eval()
+
+
+def hand_softmax(q, k, keep, sigma=lambda s: s):
+    """softmax(sigma(q k^T / sqrt(d))) over kept keys, in float64, written out: exp / sum."""
+    scores = sigma((q.double() @ k.double().transpose(-2, -1)) / q.shape[-1] ** 0.5)
+    scores = scores - scores.masked_fill(~keep, -1e300).amax(-1, keepdim=True)
+    e = scores.exp() * keep
+    return e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
+def run_with_and_without_recording(model, modules, *inputs):
+    """Run ``model(*inputs)`` plainly and under :func:`record_attention`; check the outputs agree.
+    Returns the recording and each of ``modules``' inputs (positional, keyword) by name."""
+    seen, handles = {}, []
+    for name, m in modules.items():
+        def hook(module, args, kwargs, name=name):
+            seen[name] = (args, kwargs)
+        handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    plain = model(*inputs)
+    with record_attention(model) as rec:
+        recorded = model(*inputs)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(recorded, plain, atol=1e-5, rtol=1e-5)
+    return rec, seen
+
+
+def test_vit_records_every_block_as_computed_by_hand():
+    torch.manual_seed(0)
+    config = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                       attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="reference")
+    model = ReweightedViT(config).eval()
+    with torch.no_grad():
+        for m in model.attention_sites().values():
+            m.ranges.copy_(torch.tensor([-0.5, 0.6, -1.0, 1.2]))
+            m.ts.copy_(torch.tensor([0.3, -0.25, 0.1, 0.05]))
+    images = torch.randn(3, 1, 8, 8)
+    attns = {f"blocks.{i}": b.attn for i, b in enumerate(model.vit.blocks)}
+    rec, seen = run_with_and_without_recording(model, attns, images)
+    assert rec.sites() == list(attns)
+    for name, attn in attns.items():
+        (x,), _ = seen[name]
+        B, N, C = x.shape
+        q, k, _ = attn.qkv(x).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        m = attn.reweight
+        want = hand_softmax(q, k, torch.ones(N, N, dtype=torch.bool),
+                            lambda s: multimax_sigma(s, m.ranges.double(), m.ts.double()))
+        [(weights, keep)] = rec[name]
+        assert weights.shape == (3, 4, 16, 16) and keep is None
+        torch.testing.assert_close(weights.double(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_lm_records_causal_weights_and_one_call_per_decoding_step():
+    torch.manual_seed(0)
+    model = tiny_transformer(TransformerLM)
+    tokens = torch.randint(2, 23, (2, 7))
+    attns = {f"decoder.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.decoder.layers)}
+    rec, seen = run_with_and_without_recording(model, attns, tokens)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    for name, attn in attns.items():
+        (x,), _ = seen[name]
+        want = hand_softmax(attn._heads(attn.q_proj(x)), attn._heads(attn.k_proj(x)), causal)
+        [(weights, keep)] = rec[name]
+        torch.testing.assert_close(weights.double(), want, atol=1e-5, rtol=1e-4)
+        assert (weights[..., ~causal] == 0).all()
+
+    # Incremental decoding: one record per step; the last step's row is the full pass's last row.
+    cache = model.new_cache()
+    with record_attention(model) as steps:
+        for t in range(7):
+            model(tokens[:, t:t + 1], cache=cache)
+    calls = steps["decoder.layers.1.self_attn"]
+    assert len(calls) == 7 and calls[-1].weights.shape == (2, 2, 1, 7)
+    torch.testing.assert_close(calls[-1].weights[:, :, 0], rec["decoder.layers.1.self_attn"][0].weights[:, :, -1],
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
+    torch.manual_seed(0)
+    model = tiny_transformer(TransformerSeq2Seq, n_encoder_layers=2)
+    src, tgt = torch.randint(2, 23, (2, 6)), torch.randint(2, 23, (2, 5))
+    src[1, 4:] = PAD  # the second source is 4 tokens long
+    site = "decoder.layers.1.cross_attn"
+    rec, seen = run_with_and_without_recording(
+        model, {site: model.decoder.layers[1].cross_attn, "enc": model.encoder.layers[0].self_attn}, src, tgt)
+    assert set(rec.sites()) == set(model.attention_sites())
+    src_keep = (src != PAD)[:, None, None, :]  # (B, 1, 1, S)
+
+    attn = model.decoder.layers[1].cross_attn
+    (x, memory), kwargs = seen[site]
+    want = hand_softmax(attn._heads(attn.q_proj(x)), attn._heads(attn.k_proj(memory)), src_keep)
+    torch.testing.assert_close(rec[site][0].weights.double(), want, atol=1e-5, rtol=1e-4)
+    assert (rec[site][0].weights[1, ..., 4:] == 0).all()
+
+    enc = model.encoder.layers[0].self_attn
+    (x,), _ = seen["enc"]
+    want = hand_softmax(enc._heads(enc.q_proj(x)), enc._heads(enc.k_proj(x)), src_keep)
+    torch.testing.assert_close(rec["encoder.layers.0.self_attn"][0].weights.double(), want, atol=1e-5, rtol=1e-4)
+
+
+class DropFirstKey(AttentionObserver):
+    """Masks key 0 for every query of one site; counts the calls it saw."""
+
+    def __init__(self, site):
+        self.site, self.sites_seen = site, []
+
+    def edit_mask(self, site, q, k, mask):
+        self.sites_seen.append(site)
+        if site != self.site:
+            return mask
+        keep = torch.ones(k.shape[-2], dtype=torch.bool, device=k.device)
+        keep[0] = False
+        return keep if mask is None else mask & keep
+
+    def record(self, site, weights, keep):
+        if site == self.site:
+            self.weights = weights
+
+
+def test_an_observer_can_narrow_the_mask():
+    torch.manual_seed(0)
+    model = tiny_transformer(TransformerLM)
+    tokens = torch.randint(2, 23, (2, 6))
+    observer = DropFirstKey("decoder.layers.1.self_attn")
+    with observe_attention(model, observer):
+        edited = model(tokens)
+    assert observer.sites_seen == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+    assert (observer.weights[..., 0] == 0).all()
+    assert observer.weights[:, :, 0].sum() == 0  # query 0 saw only key 0: now an empty row
+    torch.testing.assert_close(observer.weights[:, :, 1:].sum(-1), torch.ones(2, 2, 5))
+    assert not torch.allclose(edited, model(tokens))
+
+
+def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
+    """On the triton backend the fused attention kernel runs outside the context; inside, the
+    explicit path runs, and the two outputs agree within kernel tolerance (interpreter on the CPU)."""
+    calls = []
+    original = SigmaKernels.attention
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SigmaKernels, "attention", counting)
+    config = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
+                       attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="triton")
+    model = ReweightedViT(config).eval()
+    images = torch.randn(2, 1, 8, 8)
+    fused = model(images)
+    assert len(calls) == 4
+    with record_attention(model) as rec:
+        observed = model(images)
+    assert len(calls) == 4 and len(rec.sites()) == 4
+    torch.testing.assert_close(observed, fused, atol=1e-5, rtol=1e-4)
+
+
+def test_unknown_model_is_refused_and_other_modules_pass_through():
+    with pytest.raises(TypeError, match="names no attention sites"):
+        with record_attention(torch.nn.Linear(2, 2)):
+            pass
+    # A reweighting module that is not a site of the observed model is not recorded.
+    from mmlight.reweighting import build
+
+    model = tiny_transformer(TransformerLM, n_layers=1)
+    q = k = v = torch.randn(1, 2, 3, 4)
+    with record_attention(model) as rec:
+        attention(q, k, v, build("softmax"))
+    assert rec.sites() == []
