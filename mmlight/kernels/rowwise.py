@@ -42,7 +42,10 @@ from mmlight.kernels.sigma import (
 )
 
 #: Longest row kept in registers by one program; longer rows take the online multi-block loop.
-MAX_SINGLE_BLOCK = 16384
+#: 4096 fp32 values over 8 warps are 16 per thread, which the order-2 backward (scores, sigma,
+#: weights, gradient and the parameter terms per value) holds without spilling on sm_80 and sm_90
+#: (``python -m mmlight.kernels.compile_check``); wider single blocks spill.
+MAX_SINGLE_BLOCK = 4096
 #: Column block of the multi-block loop.
 LONG_ROW_BLOCK = 4096
 #: Elements per program a short-row tile aims for (several rows per program when rows are short).
@@ -187,7 +190,7 @@ def _launch_config(n: int) -> dict:
         return {"long": True, "BLOCK_N": LONG_ROW_BLOCK, "ROWS": 1, "num_warps": 8}
     block = triton.next_power_of_2(n)
     rows = max(1, min(32, SHORT_TILE_ELEMENTS // block))
-    num_warps = 4 if rows * block <= 4096 else (8 if rows * block <= 8192 else 16)
+    num_warps = 8 if rows * block >= SHORT_TILE_ELEMENTS else 4  # at most 16 values per thread
     return {"long": False, "BLOCK_N": block, "ROWS": rows, "num_warps": num_warps}
 
 
