@@ -3,6 +3,7 @@ and record registers, spills and shared memory (see :mod:`mmlight.kernels.compil
 
     python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
     python benchmarks/compile_report.py --matrix shipped
+    python benchmarks/compile_report.py --family attention   # after changing one kernel family
 
 Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
 and target, then one row per compiled kernel); the summary goes into BENCHMARKS.md. Rerun it
@@ -28,6 +29,7 @@ import triton  # noqa: E402
 from mmlight.kernels import compile_check  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+FAMILIES = ("rowwise", "attention", "cross_entropy")
 
 
 def render(results: list[compile_check.Compiled], matrix: str) -> str:
@@ -46,12 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", choices=("shipped", "full"), default="full")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES),
+                        help="recompile only these kernel families; the report keeps the others' rows")
     args = parser.parse_args(argv)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
+    cases = [case for case in cases if case.family in args.family]
     results = compile_check.check_cases(cases, compile_check.CAPABILITIES, args.jobs,
                                         log=lambda line: print(line, file=sys.stderr, flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"compile_report-{args.matrix}"
+    if set(args.family) != set(FAMILIES) and stem.with_suffix(".json").exists():
+        kept = [compile_check.Compiled(**row) for row in json.loads(stem.with_suffix(".json").read_text())
+                if compile_check.KERNEL_FAMILIES[row["kernel"]] not in args.family]
+        results = kept + results
     stem.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
     stem.with_suffix(".md").write_text(render(results, args.matrix))
     print(f"wrote {stem}.json and {stem}.md")

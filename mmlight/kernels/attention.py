@@ -117,18 +117,21 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
     inputs have twice the bytes per tile, hence smaller tiles at D = 128. Hopper (sm_90) keeps the
     accumulators of its wgmma instructions in fewer registers than the mma of other GPUs, which
-    get narrower key tiles at D = 128.
+    get narrower key tiles (fp32: more warps at D = 128).
 
     Args:
         head_dim: D.
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
     """
+    hopper = capability == 90
     if dtype == torch.float32:
-        return BlockConfig(128, 64, 8, 2) if head_dim <= 64 else BlockConfig(64, 32, 4, 2)
+        if head_dim <= 64:
+            return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
+        return BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(64, 32, 8, 2)
     if head_dim <= 64:
         return BlockConfig(128, 64, 8, 3)
-    return BlockConfig(128, 64, 8, 2) if capability == 90 else BlockConfig(128, 32, 8, 2)
+    return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
 
 
 def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) -> tuple[BlockConfig, BlockConfig]:
@@ -144,11 +147,11 @@ def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) ->
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
     """
+    hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
-            return BlockConfig(16, 64, 4, 2), BlockConfig(64, 32, 4, 2)
+            return BlockConfig(16, 64, 4, 2), BlockConfig(64, 32, 4 if hopper else 8, 2)
         return BlockConfig(16, 32, 4, 2), BlockConfig(32, 32, 4, 2)
-    hopper = capability == 90
     if head_dim <= 64:
         dkdv = BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2) if hopper else BlockConfig(16, 64, 8, 2)
         return dkdv, BlockConfig(128, 32, 8, 2)
