@@ -11,31 +11,27 @@ divisibility by 16 and ``== 1``) for the chosen target.
 For every compiled kernel it reports, and checks:
 
 * that it compiles;
-* registers per thread and spills, from ``ptxas -v`` run on the kernel's PTX (the same flags as
-  Triton's own ``ptxas`` call): no spill stores or loads are allowed;
+* registers per thread and spills, from the log of Triton's own ``ptxas -v`` call: no spill
+  stores or loads are allowed;
 * shared memory per block (Triton's metadata): at most :data:`SHARED_MEMORY_LIMITS` (A100: 163 KB,
   H100: 227 KB);
 * that ``registers x threads`` fits the 64K-register file, or the launch would fail.
 
-``python -m mmlight.kernels.compile_check --matrix shipped|full`` prints a table and writes JSON
-(``benchmarks/compile_report.py`` is the script that regenerates the committed report). It must
-run with ``TRITON_INTERPRET`` unset: the interpreter replaces the compiled kernels.
+``benchmarks/compile_report.py`` runs it (``--matrix shipped``: what the shipped configs launch,
+the CI test; ``--matrix full``: the committed report). It must run with ``TRITON_INTERPRET`` unset:
+the interpreter replaces the compiled kernels.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import io
 import itertools
-import json
 import multiprocessing
 import re
-import subprocess
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -192,17 +188,17 @@ def launches_of(case: Case, capability: int) -> list[Launch]:
     return launches
 
 
-def ptxas_report(ptx: str, capability: int) -> dict[str, int]:
-    """``registers``, ``spill_stores``, ``spill_loads`` and ``stack_frame`` from ``ptxas -v``."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+@contextlib.contextmanager
+def ptxas_log() -> Iterator[io.StringIO]:
+    """Inside the block, every ``triton.compile`` really compiles (no cache hit) and the log of
+    its own ``ptxas -v`` call lands in the yielded buffer (Triton prints it to stdout)."""
+    from triton import knobs
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(ptx)
-        cmd = [get_ptxas(capability).path, "-v", "-lineinfo", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o", str(Path(tmp) / "kernel.o")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    return parse_ptxas_log(log)
+    log = io.StringIO()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        yield log
 
 
 def parse_ptxas_log(log: str) -> dict[str, int]:
@@ -246,8 +242,9 @@ def compile_launch(launch: Launch, case: Case, capability: int, extra_options: d
     try:
         source, options = specialise(launch, capability)
         options = {**options.__dict__, **(extra_options or {})}
-        kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-        usage = ptxas_report(kernel.asm["ptx"], capability)
+        with ptxas_log() as log:
+            kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+        usage = parse_ptxas_log(log.getvalue())
     except Exception as error:  # a compile failure is a finding, reported with the rest
         result.problems.append(f"does not compile: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
         return result
@@ -380,26 +377,3 @@ def summary_table(results: list[Compiled]) -> str:
                      f"{max(r.shared for r in rs) / 1024:.1f} | {sum(bool(r.spill_stores or r.spill_loads) for r in rs)} | "
                      f"{sum(bool(r.problems) for r in rs)} |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--matrix", choices=("shipped", "full"), default="shipped",
-                        help="what the shipped configs launch, or the full matrix")
-    parser.add_argument("--capabilities", type=int, nargs="+", default=list(CAPABILITIES), choices=CAPABILITIES)
-    parser.add_argument("--jobs", type=int, default=1, help="compile processes")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
-    cases = shipped_cases() if args.matrix == "shipped" else full_matrix()
-    print(TABLE_HEADER, flush=True)
-    results = check_cases(cases, tuple(args.capabilities), args.jobs, log=lambda line: print(line, flush=True))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
-    failing = [r for r in results if r.problems]
-    print(f"\n{len(results)} kernels compiled, {len(failing)} with problems")
-    return 1 if failing else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -25,10 +25,10 @@ def compiled_env() -> dict:
 
 @pytest.mark.slow
 def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
-    out = tmp_path / "shipped.json"
-    run = subprocess.run([sys.executable, "-m", "mmlight.kernels.compile_check", "--matrix", "shipped",
-                          "--jobs", "2", "--json", str(out)], env=compiled_env(), cwd=ROOT,
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--matrix", "shipped",
+                          "--jobs", "2", "--out", str(tmp_path)], env=compiled_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
+    out = tmp_path / "compile_report-shipped.json"
     assert out.exists(), run.stderr[-3000:]
     results = json.loads(out.read_text())
     for r in results:
@@ -36,7 +36,8 @@ def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
         assert r["spill_stores"] == r["spill_loads"] == 0 and 0 < r["registers"] <= 255
         assert r["shared"] <= SHARED_MEMORY_LIMITS[r["capability"]]
         assert r["registers"] * 32 * r["num_warps"] <= 65536
-    assert run.returncode == 0, run.stdout[-2000:]
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "compile_report-shipped.md").read_text().count("| ok |") == len(results)
     for origin in {c.origin for c in shipped_cases()}:
         for capability in (80, 90):
             kernels = {r["kernel"] for r in results if r["origin"] == origin and r["capability"] == capability}
