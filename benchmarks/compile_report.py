@@ -3,7 +3,7 @@ and record registers, spills and shared memory (see :mod:`mmlight.kernels.compil
 
     python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
     python benchmarks/compile_report.py --matrix shipped
-    python benchmarks/compile_report.py --family attention   # after changing one kernel family
+    python benchmarks/compile_report.py --family attention --dtype bf16   # recompile a part
 
 Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
 and target, then one row per compiled kernel); the summary goes into BENCHMARKS.md. Rerun it
@@ -49,17 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES),
-                        help="recompile only these kernel families; the report keeps the others' rows")
+                        help="recompile only these kernel families; the report keeps the other rows")
+    parser.add_argument("--dtype", nargs="+", choices=list(compile_check.DTYPES), default=list(compile_check.DTYPES),
+                        help="recompile only these dtypes; the report keeps the other rows")
     args = parser.parse_args(argv)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
-    cases = [case for case in cases if case.family in args.family]
+    cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]
     results = compile_check.check_cases(cases, compile_check.CAPABILITIES, args.jobs,
                                         log=lambda line: print(line, file=sys.stderr, flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"compile_report-{args.matrix}"
-    if set(args.family) != set(FAMILIES) and stem.with_suffix(".json").exists():
+    if stem.with_suffix(".json").exists():  # keep the rows of the families and dtypes not recompiled
         kept = [compile_check.Compiled(**row) for row in json.loads(stem.with_suffix(".json").read_text())
-                if compile_check.KERNEL_FAMILIES[row["kernel"]] not in args.family]
+                if not (row["family"] in args.family and row["dtype"] in args.dtype)]
         results = kept + results
     stem.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
     stem.with_suffix(".md").write_text(render(results, args.matrix))

@@ -43,13 +43,6 @@ SHARED_MEMORY_LIMITS = {80: 163 * 1024, 90: 227 * 1024}
 #: 32-bit registers per SM (and per block) on both.
 REGISTER_FILE = 65536
 CAPABILITIES = tuple(SHARED_MEMORY_LIMITS)
-#: The family of each Triton kernel (JIT function name -> ``Case.family``).
-KERNEL_FAMILIES = {
-    **dict.fromkeys(("_forward_short_rows", "_forward_long_rows", "_backward_short_rows", "_backward_long_rows"),
-                    "rowwise"),
-    **dict.fromkeys(("_forward_kernel", "_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"), "attention"),
-    "_cross_entropy_kernel": "cross_entropy",
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -110,6 +103,8 @@ class Compiled:
     case: str
     origin: str
     capability: int
+    family: str = ""
+    dtype: str = ""
     num_warps: int = 0
     num_stages: int = 0
     registers: int = 0
@@ -237,7 +232,7 @@ def compile_launch(launch: Launch, case: Case, capability: int, extra_options: d
     import triton
     from triton.backends.compiler import GPUTarget
 
-    result = Compiled(launch.kernel.__name__, case.label(), case.origin, capability)
+    result = Compiled(launch.kernel.__name__, case.label(), case.origin, capability, case.family, case.dtype)
     start = time.perf_counter()
     try:
         source, options = specialise(launch, capability)

@@ -24,7 +24,7 @@ def multimax(order):
     return module
 
 
-@pytest.mark.parametrize("order, causal, q_len", [(1, False, 20), (2, False, 20), (2, True, 20), (2, True, 12)])
+@pytest.mark.parametrize("order, causal, q_len", [(1, False, 20), (2, True, 20), (2, True, 12)])
 def test_forward_matches_reference(order, causal, q_len):
     gen = torch.Generator().manual_seed(order)
     q = 2 * torch.randn(2, 3, q_len, 16, generator=gen)

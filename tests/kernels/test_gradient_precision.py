@@ -8,9 +8,10 @@ The kernels rebuild the weights from the row max and sum instead; these tests ho
 gradient error (relative, in the 2-norm, against float64) to at most twice eager fp32's.
 
 One draw's error is a random variable for both, so the comparison is of the root mean square of
-the errors over ``SEEDS`` independent draws. Measured with these tests (RMS ratio kernel / eager):
-row-wise 6-190 before the fix (worst: ``ranges`` of the issue's first case), 0.4-1.7 after;
-cross-entropy 3-12 before, 0.4-1.1 after; attention see ``CAUSAL_PARAM_RATIO``.
+the errors over ``SEEDS`` independent draws. Measured with these tests (RMS ratio kernel / eager
+fp32, per gradient), before the fix -> after: row-wise 2.9-186 -> 0.8-1.7; cross-entropy 2.9-12 ->
+0.4-1.1; attention with key padding up to 3.1 -> 0.8-1.2; causal attention see
+``CAUSAL_PARAM_RATIO``.
 """
 
 import pytest
@@ -81,7 +82,7 @@ def assert_as_accurate_as_eager(errors: dict[str, tuple[float, float]], max_rati
 @pytest.mark.parametrize("rows, n, std, masked", [
     ((3, 4), 197, 3.0, 0.0),  # the issue's first case
     ((3, 4), 260, 4.0, 0.2),  # the issue's second case: 20% of positions masked
-    ((2, 2), 1500, 4.0, 0.2),  # longer rows (one block)
+    ((4, 8), 512, 3.0, 0.2),  # more and longer rows
 ])
 def test_rowwise_gradients(rows, n, std, masked):
     def make_case(seed):
@@ -96,8 +97,8 @@ def test_rowwise_gradients(rows, n, std, masked):
     assert_as_accurate_as_eager(compare(make_case, ("x", "ranges", "ts")))
 
 
-#: Causal attention: the parameter gradients stay 2-4x eager fp32's (RMS 3.3x over these seeds,
-#: against 4-6x before the fix). The rest comes from FlashAttention's identity
+#: Causal attention: the parameter gradients stay 2-4x eager fp32's (RMS 3.3-3.5x over these seeds,
+#: against 4.4-6.3x before the fix; q, k, v are within 1x). The rest comes from FlashAttention's identity
 #: delta_i = sum_j p_ij dP_ij = dO_i . O_i, which the backward uses with O rounded to its storage
 #: dtype, where eager sums its own weights. Early causal rows see one or two keys, their true
 #: gradient wrt sigma is ~0 and that rounding is all that is left of it; summing delta in float64
