@@ -117,7 +117,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
     inputs have twice the bytes per tile, hence smaller tiles at D = 128. Hopper (sm_90) keeps the
     accumulators of its wgmma instructions in fewer registers than the mma of other GPUs, which
-    get narrower key tiles (fp32: more warps at D = 128).
+    get narrower key tiles (fp32 at D = 128: more warps).
 
     Args:
         head_dim: D.
@@ -130,7 +130,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
             return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
         return BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(64, 32, 8, 2)
     if head_dim <= 64:
-        return BlockConfig(128, 64, 8, 3)
+        return BlockConfig(128, 64, 8, 3) if hopper else BlockConfig(128, 32, 8, 3)
     return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
 
 
