@@ -150,7 +150,7 @@ def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) ->
     hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
-            return BlockConfig(16, 64, 4, 2), BlockConfig(64, 32, 4 if hopper else 8, 2)
+            return BlockConfig(16, 64, 4, 2), (BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(32, 32, 4, 2))
         return BlockConfig(16, 32, 4, 2), BlockConfig(32, 32, 4, 2)
     if head_dim <= 64:
         dkdv = BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2) if hopper else BlockConfig(16, 64, 8, 2)
