@@ -38,10 +38,13 @@ def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
         assert r["registers"] * 32 * r["num_warps"] <= 65536
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "compile_report-shipped.md").read_text().count("| ok |") == len(results)
-    for origin in {c.origin for c in shipped_cases()}:
-        for capability in (80, 90):
-            kernels = {r["kernel"] for r in results if r["origin"] == origin and r["capability"] == capability}
-            assert ATTENTION_KERNELS | {"_cross_entropy_kernel"} <= kernels, (origin, capability, kernels)
+    for capability in (80, 90):
+        compiled = [r for r in results if r["capability"] == capability]
+        assert {r["kernel"] for r in compiled} == ATTENTION_KERNELS | {"_cross_entropy_kernel"}
+        # a specialisation two configs share (e.g. the 10,000- and 267,744-word cross-entropy) is
+        # compiled once, for the first; every config has attention kernels of its own head dim or mask
+        for origin in {c.origin for c in shipped_cases()}:
+            assert ATTENTION_KERNELS <= {r["kernel"] for r in compiled if r["origin"] == origin}, origin
 
 
 FORCED_SPILL = """
