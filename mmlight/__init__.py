@@ -6,7 +6,8 @@ Package map:
     nn/           the attention entry point every model calls, and its observation point
     models/       networks built from typed configs (ViT/DeiT via timm)
     tasks/        LightningModules: loss, metrics, optimiser, schedule, logging
-    data/         webdataset shard writing and the LightningDataModules that stream them
+    data/         webdataset shard writing, text vocabularies and tokenisers, and the
+                  LightningDataModules that stream them (``data/prepare/``: ``mmlight prepare``)
     callbacks/    monitoring: learned reweighting parameters by site, MultiMax curves, final metrics
     cli.py        the ``mmlight`` LightningCLI entry point
 """

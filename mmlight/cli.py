@@ -11,8 +11,11 @@ Model and data are given in subclass mode, so a config names them by ``class_pat
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import sys
+import typing
 from pathlib import Path
 
 from lightning import LightningDataModule, LightningModule
@@ -58,7 +61,9 @@ class MmlightCLI(LightningCLI):
     * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once;
     * with ``--ckpt_path``, Lightning rebuilds the model from the checkpoint's hyperparameters, which
       would silently override the command line; ``--model.*`` options given on the command line
-      (e.g. ``--model.init_args.beam.beam_size 10`` for ``test``) are applied after them.
+      (e.g. ``--model.init_args.beam.beam_size 10`` for ``test``) are applied after them;
+    * sizes the data defines are linked into the model when the data is instantiated (see
+      :data:`DATA_SIZES`), so a config works on any prepared data without editing.
     """
 
     def parse_arguments(self, parser, args) -> None:
@@ -80,9 +85,30 @@ class MmlightCLI(LightningCLI):
         parser.set_defaults({"best_checkpoint.monitor": "val/top1", "best_checkpoint.mode": "max",
                              "best_checkpoint.filename": "best-{epoch}-{step}", "best_checkpoint.save_top_k": 1,
                              "best_checkpoint.auto_insert_metric_name": False})
+        for data_attribute, model_key in DATA_SIZES.items():
+            # skipped when the DataModule has no such attribute (missing_data_sizes checks it is not needed)
+            parser.link_arguments(f"data.{data_attribute}", f"model.init_args.model.{model_key}",
+                                  apply_on="instantiate")
+
+    def instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand, self.config)
+        given = config.get("model.init_args.model") or {}  # before the links replace them
+        try:
+            super().instantiate_classes()
+        except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
+            self.parser.error(str(err))
+        for data_attribute, model_key in DATA_SIZES.items():
+            value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
+            if value is not None and linked is not None and value != linked:
+                print(f"mmlight: model.{model_key}={value} was given, but the size is linked from the "
+                      f"data: {model_key}={linked} is used")
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
+        missing = missing_data_sizes(_import(config.model.class_path), _import(config.data.class_path))
+        if missing:
+            self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
+                              f"{config.data.class_path} has no such attribute")
         job_id = os.environ.get("SLURM_JOB_ID")
         logger = config.trainer.get("logger")
         if job_id and self.subcommand == "fit" and getattr(logger, "init_args", None) is not None:
@@ -98,6 +124,28 @@ class MmlightCLI(LightningCLI):
             config_init = self.config_init[self.subcommand]
             config_init["ckpt_path"] = newest_checkpoint(self.trainer)
             print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
+
+
+#: DataModule attribute -> the model config key it sets (``model.init_args.model.<key>``), read once the
+#: DataModule exists. A link is skipped when the DataModule has no such attribute or the task's model
+#: config no such key, so each task takes the sizes it has: the LM and the translator the vocabulary,
+#: the image classifier the class count.
+DATA_SIZES = {"vocab_size": "vocab_size", "num_classes": "num_classes"}
+
+
+def missing_data_sizes(model_class: type, data_class: type) -> list[str]:
+    """The :data:`DATA_SIZES` attributes that ``model_class``'s ``model`` config needs and
+    ``data_class`` does not define."""
+    config_class = typing.get_type_hints(model_class.__init__).get("model")
+    if not dataclasses.is_dataclass(config_class):
+        return []
+    keys = {f.name for f in dataclasses.fields(config_class)}
+    return [attr for attr, key in DATA_SIZES.items() if key in keys and not hasattr(data_class, attr)]
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def model_options(argv: list[str]) -> list[str]:
@@ -159,6 +207,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 #: Subcommands outside LightningCLI: name -> ``module:function``, called with the remaining argv.
 TOOLS: dict[str, str] = {
     "prepare": "mmlight.data.prepare:main",
+    "analyze": "mmlight.analysis.analyze:main",
     "doctor": "mmlight.doctor:main",
 }
 
@@ -167,8 +216,6 @@ def main(args: ArgsType = None) -> None:
     """Entry point of the ``mmlight`` console script; ``args`` lets tests call it in-process."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] and argv[0] in TOOLS:
-        import importlib
-
         module, function = TOOLS[argv[0]].split(":")
         getattr(importlib.import_module(module), function)(argv[1:])
         return

@@ -169,8 +169,8 @@ def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
         ["fit", "--config", str(config), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
          "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
          "--trainer.default_root_dir", str(tmp_path), "--data.init_args.root", str(data),
-         "--data.init_args.num_workers", "0", "--model.init_args.model.vocab_size", str(vocab_size(data)),
-         *FIXTURE_BATCHES[dataset]])
+         "--data.init_args.num_workers", "0", *FIXTURE_BATCHES[dataset]])
+    assert cli.model.config.vocab_size == vocab_size(data) == len(cli.datamodule.vocab)  # linked, not configured
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])
@@ -201,6 +201,59 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
     src_file.write_text("\n".join(lines) + "\n")
     main(["predict", *common, "--ckpt_path", str(last), "--data.init_args.src_file", str(src_file)])
     assert len((tmp_path / "runs" / "nmt_multimax" / "version_2" / "predict.hyp").read_text().splitlines()) == 3
+    # the same checkpoint on a corpus with another dictionary: the vocabulary comes from the data, so
+    # the model built for it does not fit the checkpoint, and the run stops naming what differs
+    other = ["--config", str(config), "--data.init_args.cache_dir", str(tmp_path / "other"),
+             "--data.init_args.train_size", "30", "--data.init_args.valid_size", "5", "--data.init_args.test_size", "5",
+             "--trainer.logger", "false", "--ckpt_path", str(last)]
+    with pytest.raises(ValueError, match=r"another model or config.*shapes differ: .*embed.*\(114, 64\) vs \(\d+, 64\)"):
+        main(["test", *other])
+
+
+@pytest.mark.parametrize("config", ["nmt_iwslt14_softmax.yaml", "lm_wikitext103_softmax.yaml",
+                                    "deit_small_softmax.yaml", "quickstart/nmt_softmax.yaml"])
+def test_sizes_the_data_knows_are_not_configured(config, capsys):
+    """The vocabulary size and class count are linked from the DataModule: no config sets them, and
+    ``--print_config`` (which builds nothing) leaves them out."""
+    assert not {"vocab_size", "num_classes"} & set(yaml.safe_load((ROOT / "configs" / config).read_text())
+                                                   ["model"]["init_args"]["model"])
+    printed = resolved_config(ROOT / "configs" / config, capsys)["model"]["init_args"]["model"]
+    assert "vocab_size" not in printed and "num_classes" not in printed
+
+
+def test_linked_sizes_replace_a_given_one_and_say_so(tmp_path, capsys):
+    cli = build_cli(["--config", str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"), "--trainer.logger",
+                     "false", "--data.init_args.num_keys", "10", "--model.init_args.model.vocab_size", "5"], run=False)
+    assert cli.model.config.vocab_size == cli.datamodule.vocab_size == 4 + 10 + 32
+    assert "model.vocab_size=5 was given" in capsys.readouterr().out
+    cli = build_cli(["--config", str(QUICKSTARTS[0]), "--trainer.logger", "false",
+                     "--data.init_args.cache_dir", str(tmp_path / "digits")], run=False)
+    assert cli.model.model.config.num_classes == 10 and not (tmp_path / "digits").exists()  # known before writing
+
+
+def test_a_task_whose_data_lacks_a_size_stops_before_building(capsys):
+    from mmlight.cli import missing_data_sizes
+    from mmlight.data import DigitsDataModule, RecallDataModule, ToyTranslationDataModule, WikiTextDataModule
+    from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+
+    assert missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
+    assert missing_data_sizes(ImageClassifier, RecallDataModule) == ["num_classes"]
+    for task, data in ((LanguageModel, WikiTextDataModule), (LanguageModel, RecallDataModule),
+                       (Translator, ToyTranslationDataModule), (ImageClassifier, DigitsDataModule)):
+        assert missing_data_sizes(task, data) == []
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"),
+              "--data", "mmlight.data.DigitsDataModule"])
+    assert exit_info.value.code == 2
+    assert "takes vocab_size from its DataModule" in capsys.readouterr().err
+
+
+def test_unprepared_data_stops_with_the_file_it_expected(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "nmt_iwslt14_softmax.yaml"),
+              "--data.init_args.root", str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'nowhere' / '_info.json'}" in capsys.readouterr().err
 
 
 def test_model_options_of_a_command_line():

@@ -12,8 +12,11 @@ import numpy as np
 from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
-from mmlight.data.prepare.writer import plan_shards, write_shards
+from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import INFO_FILE, read_info, write_info
+
+#: the ten digit classes, in label order.
+DIGIT_CLASSES = [str(c) for c in range(10)]
 
 DIGITS_AUGMENT = ImageAugment(
     image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
@@ -46,7 +49,7 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
         "dataset": "sklearn-digits",
         "val_fraction": val_fraction,
         "seed": seed,
-        "classes": [str(c) for c in range(10)],
+        "classes": DIGIT_CLASSES,
         "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
                                       desc=f"digits {name}")
                    for name, idx in splits.items()},
@@ -79,6 +82,12 @@ class DigitsDataModule(ImageShardDataModule):
         super().__init__(os.path.expanduser(cache_dir), batch_size, num_workers, augment, shuffle_buffer=2000)
         self.val_fraction = val_fraction
         self.seed = seed
+
+    @property
+    def num_classes(self) -> int:
+        """The ten digits, known before the shards are written (the model's class count is linked
+        from it when the CLI builds the DataModule, before ``prepare_data``)."""
+        return len(DIGIT_CLASSES)
 
     def prepare_data(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS_ID, PAD_ID, EOS_ID, UNK_ID = range(4)
+from mmlight.data.vocab import EOS_ID, PAD_ID, SPECIALS
+
 SPLITS = ("train", "val", "test")
 
 

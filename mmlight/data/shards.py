@@ -6,7 +6,8 @@ A shard set is a folder of ``{split}-{index:06d}.tar`` files plus ``_info.json``
      "classes": [...], ...}
 
 Every dataset (the digits quick start, ImageNet, ...) goes through the same writer
-(:mod:`mmlight.data.prepare.writer`) and reader.
+(:mod:`mmlight.data.shard_writer`) and reader. Every file of a shard set is written through
+:func:`atomic_write`, so a killed run never leaves a half-written file under its final name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -32,11 +34,31 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextmanager
+def atomic_write(path: Path) -> Iterator[Path]:
+    """Yield ``<path>.tmp`` to write; when the block ends without error, rename it over ``path``.
+
+    The rename is atomic, so readers see the old file or the complete new one, never a partial
+    one; on an error the temporary file is removed and ``path`` is left as it was.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, newlines untranslated) to ``path`` through :func:`atomic_write`."""
+    with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+
+
 def write_info(out_dir: Path, info: dict) -> None:
     """Write ``_info.json`` atomically, so a reader never sees a half-written file."""
-    tmp = out_dir / (INFO_FILE + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, out_dir / INFO_FILE)
+    write_text_atomic(out_dir / INFO_FILE, json.dumps(info, indent=2))
 
 
 def read_info(root: str | Path) -> dict:

@@ -37,6 +37,10 @@ class ShardDataModule(L.LightningDataModule):
             self.info = read_info(self.root)
         return self.info
 
+    def __str__(self) -> str:
+        # Lightning's builds (and may iterate) every loader; jsonargparse prints DataModules in messages
+        return f"{type(self).__name__}(root={self.root!r})"
+
     def _rank_and_world(self) -> tuple[int, int]:
         """This process's global rank and the number of ranks (0, 1 outside a trainer)."""
         if self.trainer is None:

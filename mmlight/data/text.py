@@ -39,10 +39,10 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmlight.data.prepare.wikitext import load_vocab
 from mmlight.data.shards import split_urls
 from mmlight.data.skips import Skipping, is_kept
 from mmlight.data.streaming import ShardDataModule
+from mmlight.data.vocab import load_vocab
 
 
 def decode_chunk(sample: dict) -> np.ndarray:

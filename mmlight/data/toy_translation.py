@@ -1,6 +1,7 @@
 """The translation quick start: a generated German->English-like language pair with word reordering,
-written once into a cache folder in IWSLT14's ``fairseq`` layout and then prepared and streamed by the
-real IWSLT14 pipeline (:func:`mmlight.data.prepare.iwslt.prepare_iwslt`, :class:`TranslationDataModule`).
+written once into a cache folder (the corpus in IWSLT14's ``fairseq`` layout under ``raw/``, and the
+shard set by the IWSLT14 writer :func:`~mmlight.data.translation_shards.write_translation_shards`)
+and then streamed exactly like IWSLT14 (:class:`TranslationDataModule`).
 
 The grammar (lowercase, already "Moses-tokenised": punctuation is a separate word)::
 
@@ -40,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mmlight.data.prepare.iwslt import BPE_FILE, prepare_iwslt
-from mmlight.data.prepare.writer import write_text_atomic
-from mmlight.data.shards import INFO_FILE
+from mmlight.data.shards import INFO_FILE, write_text_atomic
+from mmlight.data.tokenizers import count_bpe_merges
 from mmlight.data.translation import TranslationDataModule
+from mmlight.data.translation_shards import BPE_FILE, ParallelText, write_translation_shards
 
 #: bump when the grammar or lexicon changes, so an old cache is refused.
 GENERATOR_VERSION = 1
@@ -148,25 +149,35 @@ def toy_bpe_codes() -> str:
     return out.getvalue()
 
 
+def toy_corpus(seed: int, train_size: int, valid_size: int, test_size: int) -> ParallelText:
+    """``{split: (German lines, English lines)}`` of :func:`toy_pairs` (every size >= 1)."""
+    sizes = dict(zip(SPLITS, (train_size, valid_size, test_size)))
+    return {split: tuple(list(side) for side in zip(*toy_pairs(n, seed, split))) for split, n in sizes.items()}
+
+
+def _write_fairseq_layout(src_dir: Path, texts: ParallelText, codes: str) -> Path:
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for split, sides in texts.items():
+        for lang, lines in zip(("de", "en"), sides):
+            write_text_atomic(src_dir / f"{split}.{lang}", "".join(line + "\n" for line in lines))
+    write_text_atomic(src_dir / BPE_FILE, codes)
+    return src_dir
+
+
 def write_toy_corpus(src_dir: Path, seed: int = 0, train_size: int = 20000, valid_size: int = 500,
                      test_size: int = 500) -> Path:
     """Write ``{train,valid,test}.{de,en}`` and the BPE ``code`` (IWSLT14's fairseq layout) into
     ``src_dir``; the same arguments give byte-identical files. Returns ``src_dir``."""
-    src_dir = Path(src_dir)
-    src_dir.mkdir(parents=True, exist_ok=True)
-    for split, n in zip(SPLITS, (train_size, valid_size, test_size)):
-        pairs = toy_pairs(n, seed, split)
-        for lang, side in (("de", 0), ("en", 1)):
-            write_text_atomic(src_dir / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs))
-    write_text_atomic(src_dir / BPE_FILE, toy_bpe_codes())
-    return src_dir
+    return _write_fairseq_layout(Path(src_dir), toy_corpus(seed, train_size, valid_size, test_size),
+                                 toy_bpe_codes())
 
 
 class ToyTranslationDataModule(TranslationDataModule):
     """The toy translation task (see the module docstring), written to ``cache_dir`` by
     :meth:`prepare_data` on first use and then streamed exactly like IWSLT14 (same batch dicts, ids,
     ``encode``/``decode``). Lightning calls ``prepare_data`` before any loader; used by hand, call it
-    first (loaders and the vocabulary properties raise a FileNotFoundError saying so otherwise).
+    first (loaders and the other vocabulary properties raise a FileNotFoundError saying so otherwise;
+    :attr:`vocab_size` prepares the corpus itself, since the CLI reads it before Lightning runs).
 
     The cache keeps the generation arguments in ``toy_translation.json``; a cache written with other
     arguments is refused with a ValueError.
@@ -237,9 +248,22 @@ class ToyTranslationDataModule(TranslationDataModule):
         # no complete shard set (none, or an interrupted write): write everything; _info.json comes last
         root.mkdir(parents=True, exist_ok=True)
         write_text_atomic(args_path, json.dumps(args, indent=2))
-        raw = write_toy_corpus(root / "raw", self.seed, self.train_size, self.valid_size, self.test_size)
-        prepare_iwslt(raw, root, workers=1, samples_per_shard=self.samples_per_shard)
+        texts = toy_corpus(self.seed, self.train_size, self.valid_size, self.test_size)
+        codes = toy_bpe_codes()
+        _write_fairseq_layout(root / "raw", texts, codes)  # the corpus as text, for reading and reference
+        write_text_atomic(root / BPE_FILE, codes)  # BPE leaves every word whole: the text is already BPE'd
+        write_translation_shards(texts, root, layout="fairseq", bpe_merges=count_bpe_merges(root / BPE_FILE),
+                                 samples_per_shard=self.samples_per_shard)
         self.info, self._vocab, self._index = None, None, None
+
+    @property
+    def vocab_size(self) -> int:
+        """The joint dictionary's size. The corpus is generated and prepared first when it is not yet:
+        the CLI links this size into the model when it builds the DataModule, before Lightning calls
+        :meth:`prepare_data`, and the size is a property of the generated corpus."""
+        if self.info is None and not (Path(self.root) / INFO_FILE).is_file():
+            self.prepare_data()
+        return super().vocab_size
 
     def _info(self) -> dict:
         if self.info is None and not (Path(self.root) / INFO_FILE).is_file():

@@ -35,17 +35,12 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
 
-from mmlight.data.prepare.iwslt import (
-    SRC_LANG,
-    TGT_LANG,
-    UNK_ID,
-    apply_bpe,
-    load_dictionary,
-    moses_tokenize,
-)
 from mmlight.data.shards import split_urls
 from mmlight.data.skips import Skipping, is_kept
 from mmlight.data.streaming import ShardDataModule
+from mmlight.data.tokenizers import apply_bpe, moses_detokenize, moses_tokenize, remove_bpe
+from mmlight.data.translation_shards import SRC_LANG, TGT_LANG
+from mmlight.data.vocab import UNK_ID, load_dictionary
 
 log = logging.getLogger(__name__)
 
@@ -237,12 +232,8 @@ class TranslationDataModule(ShardDataModule):
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         special = {self.bos_id, self.pad_id, self.eos_id}
-        text = " ".join(self.vocab[i] for i in ids if i not in special)
-        text = (text + " ").replace("@@ ", "").rstrip()
-        if not detokenize:
-            return text
-        from sacremoses import MosesDetokenizer
-        return MosesDetokenizer(lang=lang).detokenize(text.split())
+        text = remove_bpe(" ".join(self.vocab[i] for i in ids if i not in special))
+        return moses_detokenize(text, lang) if detokenize else text
 
     # ------------------------------------------------------------------ loaders
     def _pipeline(self, urls: list[str], train: bool) -> wds.DataPipeline:

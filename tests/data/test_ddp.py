@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmlight.data.prepare.writer import plan_shards, write_shards
+from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import write_info
 
 ROOT = Path(__file__).resolve().parents[2]

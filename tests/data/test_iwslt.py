@@ -11,8 +11,9 @@ import webdataset as wds
 from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
-from mmlight.data.prepare.iwslt import RAW_TEST_SETS, load_dictionary, prepare_iwslt
+from mmlight.data.prepare.iwslt import RAW_TEST_SETS, prepare_iwslt
 from mmlight.data.shards import read_info
+from mmlight.data.vocab import load_dictionary
 from mmlight.data.translation import TranslationDataModule
 
 SUBJECTS = [("der Hund", "the dog"), ("die Katze", "the cat"), ("mein Vater", "my father"),

@@ -6,7 +6,7 @@ import pytest
 from sacremoses import MosesDetokenizer
 
 from mmlight.data import ToyTranslationDataModule
-from mmlight.data.prepare.iwslt import load_dictionary
+from mmlight.data.vocab import load_dictionary
 from mmlight.data.toy_translation import (
     ADJECTIVES,
     ADVERBS,
@@ -174,7 +174,15 @@ def test_loaders_before_prepare_data_say_so(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"call prepare_data\(\) first"):
         dm.train_dataloader()
     with pytest.raises(FileNotFoundError, match=r"prepare_data"):
-        _ = dm.vocab_size
+        _ = dm.vocab
+
+
+def test_vocab_size_prepares_the_corpus_it_describes(prepared, tmp_path):
+    """The CLI links ``vocab_size`` into the model before Lightning calls ``prepare_data``."""
+    _, cache = prepared
+    dm = ToyTranslationDataModule(cache_dir=str(tmp_path / "fresh"), **SMALL)
+    assert dm.vocab_size == len(load_dictionary(cache / "dict.txt")) == len(dm.vocab)
+    assert (tmp_path / "fresh" / "dict.txt").read_bytes() == (cache / "dict.txt").read_bytes()
 
 
 def test_same_seed_gives_the_same_shard_set(prepared, tmp_path):

@@ -14,9 +14,10 @@ import torch
 import yaml
 
 from mmlight.data.prepare import main as prepare_main
-from mmlight.data.prepare.wikitext import load_vocab, prepare
+from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.shards import sha256
 from mmlight.data.text import EvalWindows, WikiTextDataModule, eval_windows
+from mmlight.data.vocab import load_vocab
 
 # The real raw format: every line starts with a space, "empty" lines hold one space, headings are
 # " = Title = ", and the text is pre-tokenised (`@-@`, `<unk>`, punctuation as words).

@@ -7,8 +7,9 @@ import lightning as L
 import pytest
 import torch
 
-from mmlight.data.prepare.wikitext import load_vocab, prepare
+from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.text import WikiTextDataModule
+from mmlight.data.vocab import load_vocab
 from mmlight.models import ReweightingSpec, TransformerConfig
 from mmlight.tasks import LanguageModel
 from tests.data.test_wikitext import VALID, tokens, write_raw

@@ -1,8 +1,11 @@
 """``mmlight prepare <dataset> --src RAW_DIR --out SHARD_DIR``: raw datasets to webdataset shards.
 
 Each dataset module registers a function ``(src, out, workers) -> info`` that reads the standard raw
-layout, writes shards through :func:`mmlight.data.prepare.writer.write_shards` (parallel,
+layout, writes shards through :func:`mmlight.data.shard_writer.write_shards` (parallel,
 idempotent, resumable, bad items counted and logged) and finally ``_info.json``.
+
+Preparers import the runtime data modules (shard writer, vocabularies, tokenisers); runtime modules
+never import a preparer (``tests/data/test_layering.py`` checks it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ DATASETS = {
     "iwslt14": "mmlight.data.prepare.iwslt",
     "digits": "mmlight.data.prepare.digits",
 }
+
+
+def require(path: Path, what: str) -> Path:
+    """``path`` if it exists, else a ``FileNotFoundError`` saying which file or folder was expected."""
+    if not path.exists():
+        raise FileNotFoundError(f"expected {what} at {path}")
+    return path
 
 
 def prepare(dataset: str, src: str | Path | None, out: str | Path, workers: int = 1) -> dict:

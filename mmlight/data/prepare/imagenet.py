@@ -23,7 +23,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmlight.data.prepare.writer import Skipped, plan_shards, require, write_shards
+from mmlight.data.prepare import require
+from mmlight.data.shard_writer import Skipped, plan_shards, write_shards
 from mmlight.data.shards import write_info
 
 NEEDS_SRC = True

@@ -14,7 +14,8 @@ Two raw layouts are accepted (see :func:`detect_layout`):
        ``<title>``/``</title>``/``<description>``/``</description>`` tags but keep their text (this is
        exactly the recipe's ``grep -v``/``sed`` rule: other lines, even ones starting with ``<``, stay);
     2. Moses tokenisation per language (``sacremoses``, with tokenizer.perl's default escaping of
-       ``& | < > ' " [ ]``), lowercasing;
+       ``& | < > ' " [ ]`` and its splitting of a line's final period, see
+       :mod:`mmlight.data.tokenizers`), lowercasing;
     3. cleaning of training pairs as ``clean-corpus-n.perl -ratio 1.5 ... 1 175``: 1..175 tokens per
        side, length ratio at most 1.5 either way, no token over 1000 characters;
     4. valid = every 23rd cleaned training pair (lines 23, 46, ...), train = the rest;
@@ -26,14 +27,17 @@ Two raw layouts are accepted (see :func:`detect_layout`):
     The tokenised splits are kept in ``tokenised.json`` (keyed by the raw files' checksums) and the
     codes with ``code.json``, so a rerun neither tokenises nor learns BPE again.
 
-Both layouts then get a joint dictionary ``dict.txt`` (fairseq's format ``token count``, one per line,
-by descending count, ties alphabetical; the specials ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3
-come first and are implicit, so line ``i`` is id ``i + 4``), and shards of samples::
+Both layouts then go through :func:`mmlight.data.translation_shards.write_translation_shards`: a
+joint dictionary ``dict.txt`` (fairseq's format ``token count``, one per line, by descending count,
+ties alphabetical; the specials ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3 come first and are
+implicit, so line ``i`` is id ``i + 4``), and shards of samples::
 
     {"__key__": "train-0000042", "src.npy": int32 ids (de), "tgt.npy": int32 ids (en),
      "src.txt": BPE'd German text, "tgt.txt": BPE'd English text}
 
-with no BOS/EOS stored. A pair with an empty side or invalid UTF-8 is skipped, logged with
+with no BOS/EOS stored. The tokeniser, BPE and dictionary code lives in the runtime modules
+:mod:`mmlight.data.tokenizers` and :mod:`mmlight.data.vocab`, which also encode and decode text at
+predict time. A pair with an empty side or invalid UTF-8 is skipped, logged with
 ``path:line`` and listed in ``_info.json`` (with the split its file feeds; raw training-file skips
 are listed under ``train``); line counts that differ between the German and English files are fatal.
 """
@@ -44,31 +48,31 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
-from mmlight.data.prepare.writer import Skipped, plan_shards, write_shards, write_text_atomic
-from mmlight.data.shards import sha256, write_info
+from mmlight.data.shard_writer import Skipped
+from mmlight.data.shards import atomic_write, sha256, write_text_atomic
+from mmlight.data.tokenizers import TOKENIZER, apply_bpe, count_bpe_merges, moses_tokenize
+from mmlight.data.translation_shards import (
+    BPE_FILE,
+    SAMPLES_PER_SHARD,
+    SRC_LANG,
+    TGT_LANG,
+    ParallelText,
+    write_translation_shards,
+)
 
 log = logging.getLogger(__name__)
 
 NEEDS_SRC = True
-SRC_LANG, TGT_LANG = "de", "en"
 LANGS = (SRC_LANG, TGT_LANG)
 BPE_MERGES = 10_000
 MIN_LEN, MAX_LEN, MAX_RATIO, MAX_WORD_LEN = 1, 175, 1.5, 1000
 VALID_EVERY = 23
-SAMPLES_PER_SHARD = 10_000
-BPE_FILE, DICT_FILE = "code", "dict.txt"
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS_ID, PAD_ID, EOS_ID, UNK_ID = range(4)
 
 FAIRSEQ_FILES = [f"{split}.{lang}" for split in ("train", "valid", "test") for lang in LANGS] + [BPE_FILE]
 RAW_TRAIN = {lang: f"train.tags.de-en.{lang}" for lang in LANGS}
@@ -87,31 +91,9 @@ Layout = Literal["fairseq", "raw"]
 
 # ----------------------------------------------------------------------------- text processing
 
-_TOKENIZERS: dict = {}
-_BPES: dict = {}
-
-
-def moses_tokenize(line: str, lang: str) -> str:
-    """Moses-tokenise one line like ``tokenizer.perl -l lang`` (escaping on), then lowercase."""
-    if lang not in _TOKENIZERS:
-        from sacremoses import MosesTokenizer
-        _TOKENIZERS[lang] = MosesTokenizer(lang=lang)
-    return _TOKENIZERS[lang].tokenize(line, escape=True, return_str=True).lower()
-
-
 def _tokenize_chunk(job: tuple[str, list[str]]) -> list[str]:
     lang, lines = job
     return [moses_tokenize(line, lang) for line in lines]
-
-
-def apply_bpe(line: str, codes: str | Path) -> str:
-    """Segment a tokenised line with the subword-nmt codes file ``codes`` (``@@ `` separators)."""
-    key = str(codes)
-    if key not in _BPES:
-        from subword_nmt.apply_bpe import BPE
-        with open(codes, encoding="utf-8") as f:
-            _BPES[key] = BPE(f)
-    return _BPES[key].process_line(line)
 
 
 def _bpe_chunk(job: tuple[str, list[str]]) -> list[str]:
@@ -271,9 +253,9 @@ TOKENISED_CACHE = "tokenised.json"
 
 
 def _read_raw_cached(src: Path, out: Path, workers: int) -> tuple[dict, dict, dict]:
-    """:func:`_read_raw`, kept in ``out/tokenised.json`` (keyed by the raw files' checksums) so that a
-    rerun does not tokenise again."""
-    key = {name: sha256(src / name) for name in RAW_FILES}
+    """:func:`_read_raw`, kept in ``out/tokenised.json`` (keyed by the raw files' checksums and the
+    tokeniser's version) so that a rerun does not tokenise again."""
+    key = {**{name: sha256(src / name) for name in RAW_FILES}, "tokenizer": TOKENIZER}
     cache = out / TOKENISED_CACHE
     if cache.is_file():
         try:
@@ -288,7 +270,7 @@ def _read_raw_cached(src: Path, out: Path, workers: int) -> tuple[dict, dict, di
     return texts, skipped, stats
 
 
-def _read_fairseq(src: Path) -> tuple[dict, dict]:
+def _read_fairseq(src: Path) -> tuple[ParallelText, dict]:
     """fairseq layout -> ({split: (de_lines, en_lines)} BPE'd, {split: skipped})."""
     texts, skipped = {}, {}
     for split in ("train", "valid", "test"):
@@ -308,7 +290,7 @@ def _read_fairseq(src: Path) -> tuple[dict, dict]:
     return texts, skipped
 
 
-# ----------------------------------------------------------------------------- BPE and dictionary
+# ----------------------------------------------------------------------------- BPE
 
 def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int = BPE_MERGES) -> Path:
     """Learn ``merges`` joint BPE operations on train de + en into ``out/code``; reuse a consistent one.
@@ -334,40 +316,6 @@ def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int =
     return codes
 
 
-def build_dictionary(train: tuple[list[str], list[str]]) -> list[tuple[str, int]]:
-    """Joint vocabulary of the BPE'd training text: ``(token, count)`` by descending count, ties alphabetical."""
-    counts: Counter = Counter()
-    for side in train:
-        for line in side:
-            counts.update(line.split())
-    for special in SPECIALS:
-        counts.pop(special, None)
-    return sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))
-
-
-def write_dictionary(entries: list[tuple[str, int]], path: Path) -> None:
-    """Write ``dict.txt`` atomically, leaving an identical one untouched."""
-    text = "".join(f"{tok} {count}\n" for tok, count in entries)
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return
-    write_text_atomic(path, text)
-
-
-def load_dictionary(path: str | Path) -> list[str]:
-    """Id -> token list: the four specials, then the tokens of ``dict.txt`` in order."""
-    with open(path, encoding="utf-8") as f:
-        return list(SPECIALS) + [line.rsplit(" ", 1)[0] for line in f if line.strip()]
-
-
-# ----------------------------------------------------------------------------- shards
-
-def make_sample(item: tuple) -> dict:
-    """``(key, de_bpe, en_bpe, de_ids, en_ids)`` -> webdataset sample (module level: picklable)."""
-    key, de, en, de_ids, en_ids = item
-    return {"__key__": key, "src.npy": np.asarray(de_ids, dtype=np.int32),
-            "tgt.npy": np.asarray(en_ids, dtype=np.int32), "src.txt": de, "tgt.txt": en}
-
-
 def prepare_iwslt(src: Path, out: Path, workers: int = 1, merges: int = BPE_MERGES,
                   samples_per_shard: int = SAMPLES_PER_SHARD) -> dict:
     """:func:`prepare` with the BPE merge count and shard size as knobs (tests use small ones)."""
@@ -378,47 +326,17 @@ def prepare_iwslt(src: Path, out: Path, workers: int = 1, merges: int = BPE_MERG
         texts, skipped = _read_fairseq(src)
         codes = out / BPE_FILE
         if not (codes.is_file() and sha256(codes) == sha256(src / BPE_FILE)):
-            tmp = out / (BPE_FILE + ".tmp")
-            shutil.copyfile(src / BPE_FILE, tmp)
-            os.replace(tmp, codes)
-        merges_used = sum(1 for line in codes.read_text(encoding="utf-8").splitlines()
-                          if line.strip() and not line.startswith("#"))
+            with atomic_write(codes) as tmp:
+                shutil.copyfile(src / BPE_FILE, tmp)
+        merges_used = count_bpe_merges(codes)
     else:
         tokenised, skipped, stats = _read_raw_cached(src, out, workers)
         codes = learn_joint_bpe(tokenised["train"], out, merges)
         merges_used = merges
         texts = {split: tuple(_parallel(_bpe_chunk, str(codes), side, workers) for side in sides)
                  for split, sides in tokenised.items()}
-    entries = build_dictionary(texts["train"])
-    write_dictionary(entries, out / DICT_FILE)
-    index = {tok: i for i, tok in enumerate(load_dictionary(out / DICT_FILE))}
-
-    splits = {}
-    for split, (de_lines, en_lines) in texts.items():
-        items, num_tokens = [], 0
-        for i, (de, en) in enumerate(zip(de_lines, en_lines)):
-            de_ids = [index.get(t, UNK_ID) for t in de.split()]
-            en_ids = [index.get(t, UNK_ID) for t in en.split()]
-            num_tokens += max(len(de_ids), len(en_ids)) + 1  # + </s>, as the DataModule counts
-            items.append((f"{split}-{i:07d}", de, en, de_ids, en_ids))
-        entry = write_shards(plan_shards(split, items, samples_per_shard), out, make_sample, workers,
-                             desc=f"iwslt14 {split}")
-        for s in skipped[split]:
-            log.warning("skipped %s: %s", s["path"], s["reason"])
-        entry["skipped"] = skipped[split] + entry["skipped"]
-        entry["num_skipped"] = len(entry["skipped"])
-        entry["num_tokens"] = num_tokens
-        splits[split] = entry
-
-    info = {
-        "dataset": "iwslt14", "layout": layout, "src_lang": SRC_LANG, "tgt_lang": TGT_LANG,
-        "bpe_file": BPE_FILE, "bpe_merges": merges_used, "dict_file": DICT_FILE,
-        "vocab_size": len(index), "specials": list(SPECIALS),
-        "bos_id": BOS_ID, "pad_id": PAD_ID, "eos_id": EOS_ID, "unk_id": UNK_ID,
-        "cleaning": stats, "splits": splits,
-    }
-    write_info(out, info)
-    return info
+    return write_translation_shards(texts, out, layout=layout, bpe_merges=merges_used, skipped=skipped,
+                                    cleaning=stats, samples_per_shard=samples_per_shard, workers=workers)
 
 
 def prepare(src: Path, out: Path, workers: int) -> dict:

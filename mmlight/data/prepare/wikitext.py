@@ -47,7 +47,8 @@ form a shard ``{split}-{i:06d}.tar``, so the stream is the concatenation of the 
 
 A rerun re-reads the raw text (only reads), checks that the vocabulary it builds equals ``vocab.txt``
 (an error if not: the raw data changed, so prepare into a fresh folder), and verifies and keeps the
-finished shards through :func:`~mmlight.data.prepare.writer.write_shards`.
+finished shards through :func:`~mmlight.data.shard_writer.write_shards`. The specials and the
+``vocab.txt`` reader and writer live in the runtime module :mod:`mmlight.data.vocab`.
 """
 
 from __future__ import annotations
@@ -60,17 +61,16 @@ from pathlib import Path
 
 import numpy as np
 
-from mmlight.data.prepare.writer import ShardJob, Skipped, require, write_shards, write_text_atomic
+from mmlight.data.prepare import require
+from mmlight.data.shard_writer import ShardJob, Skipped, write_shards
 from mmlight.data.shards import INFO_FILE, write_info
+from mmlight.data.vocab import EOS_ID, SPECIAL_IDS, SPECIALS, UNK_ID, save_vocab
 
 log = logging.getLogger(__name__)
 
 NEEDS_SRC = True
 DATASET = "wikitext103"
 SPLITS = {"train": "wiki.train.tokens", "valid": "wiki.valid.tokens", "test": "wiki.test.tokens"}
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS, PAD, EOS, UNK = 0, 1, 2, 3
-SPECIAL_IDS = {"bos": BOS, "pad": PAD, "eos": EOS, "unk": UNK}
 VOCAB_FILE = "vocab.txt"
 #: tokens per sample (the last sample of a split is shorter).
 CHUNK_TOKENS = 65_536
@@ -110,7 +110,7 @@ def _encode_lines(path: Path, word_id) -> tuple[np.ndarray, int, list[tuple[int,
             continue
         num_lines += 1
         ids.extend(word_id(word) for word in text.split())
-        ids.append(EOS)
+        ids.append(EOS_ID)
     return np.frombuffer(ids, dtype=np.uint32).copy() if len(ids) else np.zeros(0, np.uint32), num_lines, bad
 
 
@@ -138,7 +138,7 @@ def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int,
 
 def encode_file(path: Path, index: dict[str, int]) -> tuple[np.ndarray, int, list[tuple[int, Skipped]]]:
     """Encode ``path`` with the vocabulary ``index`` (word -> id); unknown words become ``<unk>``."""
-    return _encode_lines(path, lambda word: index.get(word, UNK))
+    return _encode_lines(path, lambda word: index.get(word, UNK_ID))
 
 
 def make_sample(item) -> dict | Skipped:
@@ -167,33 +167,6 @@ def plan_split(split: str, ids: np.ndarray, bad: list[tuple[int, Skipped]], chun
     return jobs
 
 
-def _read_text(path: Path) -> str:
-    with open(path, encoding="utf-8", newline="") as f:
-        return f.read()
-
-
-def save_vocab(out: Path, vocab: list[str]) -> Path:
-    """Write ``vocab.txt`` atomically, or check that the one already there is identical."""
-    path = out / VOCAB_FILE
-    text = "".join(w + "\n" for w in vocab)
-    if path.is_file():
-        existing = _read_text(path)
-        if existing == text:
-            log.info("vocabulary %s verified (%d entries)", path, len(vocab))
-            return path
-        raise ValueError(f"{path} differs from the vocabulary built from the raw data "
-                         f"({len(existing.splitlines())} vs {len(vocab)} entries): the raw data changed; "
-                         "prepare into an empty --out folder")
-    write_text_atomic(path, text)
-    log.info("vocabulary %s written (%d entries)", path, len(vocab))
-    return path
-
-
-def load_vocab(path: str | Path) -> list[str]:
-    """The vocabulary of a shard set: one entry per line, the line index being the id."""
-    return _read_text(Path(path)).split("\n")[:-1]
-
-
 def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TOKENS,
             chunks_per_shard: int = CHUNKS_PER_SHARD) -> dict:
     """Prepare WikiText-103 from ``src`` into the shard set ``out``; return ``_info.json``'s content.
@@ -210,7 +183,7 @@ def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TO
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab, train_ids, train_lines, train_bad = count_train(paths["train"])
-    save_vocab(out, vocab)
+    save_vocab(out / VOCAB_FILE, vocab)
     index = {w: i for i, w in enumerate(vocab)}
     index.update({s: i for i, s in enumerate(SPECIALS)})
     splits: dict[str, dict] = {}

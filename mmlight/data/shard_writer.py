@@ -1,10 +1,12 @@
-"""Resumable, parallel shard writing shared by every ``mmlight prepare`` dataset.
+"""Resumable, parallel shard writing shared by every ``mmlight prepare`` dataset and the generated
+quick-start sets.
 
 A dataset's preparation cuts its raw data into :class:`ShardJob` s (a shard name plus a picklable
 list of *items*, e.g. file paths) and gives a module-level function that turns one item into a
 webdataset sample, or into a :class:`Skipped` record when the item is bad. :func:`write_shards` then
 
-* writes each shard to ``<name>.tmp`` and renames it into place, followed by a ``<name>.done.json``
+* writes each shard to ``<name>.tmp`` and renames it into place (:func:`~mmlight.data.shards.atomic_write`),
+  followed by a ``<name>.done.json``
   record (sample count, checksum, skipped items), so a killed run never leaves a shard that looks
   finished;
 * on a rerun verifies every shard that has a record (size and SHA-256) and skips it, so rerunning a
@@ -17,16 +19,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import webdataset as wds
 from tqdm import tqdm
 
-from mmlight.data.shards import sha256
+from mmlight.data.shards import atomic_write, sha256, write_text_atomic
 
 log = logging.getLogger(__name__)
 DONE_SUFFIX = ".done.json"
@@ -83,12 +84,11 @@ def _finished(out_dir: Path, job: ShardJob) -> dict | None:
 def _write_one(job: ShardJob, out_dir: Path, make_sample: SampleMaker) -> dict:
     """Write one shard atomically and its record; return the record."""
     shard = out_dir / job.name
-    tmp = out_dir / (job.name + ".tmp")
     skipped: list[dict] = []
     count = 0
     # A fixed member mtime makes a shard a function of its samples alone: a rewritten shard is
     # byte-identical, so checksums in _info.json do not change when a run resumes.
-    with wds.TarWriter(str(tmp), mtime=0.0) as writer:
+    with atomic_write(shard) as tmp, wds.TarWriter(str(tmp), mtime=0.0) as writer:
         for item in job.items:
             sample = make_sample(item)
             if isinstance(sample, Skipped):
@@ -96,12 +96,9 @@ def _write_one(job: ShardJob, out_dir: Path, make_sample: SampleMaker) -> dict:
                 continue
             writer.write(sample)
             count += 1
-    os.replace(tmp, shard)
     record = {"name": job.name, "num_samples": count, "num_items": len(job.items), "skipped": skipped,
               "bytes": shard.stat().st_size, "sha256": sha256(shard)}
-    record_tmp = out_dir / (job.name + DONE_SUFFIX + ".tmp")
-    record_tmp.write_text(json.dumps(record))
-    os.replace(record_tmp, out_dir / (job.name + DONE_SUFFIX))
+    write_text_atomic(out_dir / (job.name + DONE_SUFFIX), json.dumps(record))
     return record
 
 
@@ -150,26 +147,3 @@ def write_shards(jobs: list[ShardJob], out_dir: Path, make_sample: SampleMaker, 
     shards = [{k: records[job.name][k] for k in ("name", "num_samples", "sha256")} for job in jobs]
     return {"num_samples": sum(s["num_samples"] for s in shards), "num_skipped": len(skipped),
             "skipped": skipped, "shards": shards}
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8, newlines untranslated) to a temporary file and rename it over ``path``,
-    so a killed run never leaves a half-written file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def require(path: Path, what: str) -> Path:
-    """``path`` if it exists, else a ``FileNotFoundError`` saying which file or folder was expected."""
-    if not path.exists():
-        raise FileNotFoundError(f"expected {what} at {path}")
-    return path
-
-
-def iter_lines(path: Path) -> Iterable[str]:
-    """Lines of a UTF-8 text file without their newline."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            yield line.rstrip("\n")

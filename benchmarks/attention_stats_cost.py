@@ -1,0 +1,73 @@
+"""The cost of the AttentionStats callback against validation, read from real training runs.
+
+The callback logs its wall time per recording (``attention/seconds``), the time it spent drawing
+figures (``attention/figure_seconds``) and the validation loop's own time at every validation epoch
+(``attention/validation_seconds``). This script reads them from the TensorBoard event files of runs
+trained with the callback and writes one JSON record per run: the callback's total time as a
+fraction of the run's total validation time::
+
+    python benchmarks/attention_stats_cost.py runs/bench/digits_softmax/version_0 \\
+        --out benchmarks/results/attention_stats_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+
+TAGS = ("attention/seconds", "attention/figure_seconds", "attention/validation_seconds")
+
+
+def read_run(run_dir: Path) -> dict[str, list[float]]:
+    """The values of :data:`TAGS` in a run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(run_dir.rglob("events.out.tfevents*"))
+    if not events:
+        raise SystemExit(f"no TensorBoard events under {run_dir}")
+    values: dict[str, list[float]] = {tag: [] for tag in TAGS}
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in TAGS:
+            if tag in acc.Tags()["scalars"]:
+                values[tag] += [e.value for e in acc.Scalars(tag)]
+    if not values["attention/seconds"]:
+        raise SystemExit(f"{run_dir} was not trained with AttentionStats (no attention/seconds)")
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (runs/<name>/version_<v>)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    args = parser.parse_args()
+    import os
+
+    import lightning
+    import torch
+
+    records = []
+    for run in args.runs:
+        v = read_run(run)
+        callback = sum(v["attention/seconds"]) + sum(v["attention/figure_seconds"])
+        validation = sum(v["attention/validation_seconds"])
+        records.append({"run": str(run), "validation_epochs": len(v["attention/validation_seconds"]),
+                        "recordings": len(v["attention/seconds"]), "validation_seconds": validation,
+                        "callback_seconds": callback, "figure_seconds": sum(v["attention/figure_seconds"]),
+                        "ratio": callback / validation})
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "lightning": lightning.__version__}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "runs": records}, indent=1) + "\n")
+    for r in records:
+        print(f"{r['run']}: {r['recordings']} recording(s) in {r['validation_epochs']} validation epochs: "
+              f"callback {r['callback_seconds']:.2f} s (figures {r['figure_seconds']:.2f} s) against validation "
+              f"{r['validation_seconds']:.2f} s = {100 * r['ratio']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""``mmlight analyze``: attention statistics, figures and robustness of trained checkpoints.
+
+::
+
+    mmlight analyze --config CONFIG --ckpt_path A.ckpt [B.ckpt ...] --out DIR [--num_samples N]
+                    [--split val|test] [--robustness] [--data.* ...] [--trainer.* ...]
+
+The config and its ``--data.*``/``--trainer.*`` overrides are parsed by the same LightningCLI as
+``fit``; each checkpoint is rebuilt from its own hyperparameters with the config's task class, so
+twins with different reweighting functions compare directly. Writes ``DIR/stats.csv``,
+``DIR/stats.json``, ``DIR/*.png``, ``DIR/summary.md`` and, with ``--robustness``, ``DIR/robustness.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+
+from mmlight.analysis import figures
+from mmlight.analysis.robustness import num_robustness_runs, robustness_rows
+from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
+from mmlight.analysis.tasks import first_samples, task_kind
+
+#: Trainer settings of the config that the evaluation runs keep (the rest is analysis-specific).
+TRAINER_KEYS = ("accelerator", "precision", "limit_val_batches", "limit_test_batches", "deterministic")
+
+
+class AnalyzeError(ValueError):
+    """Bad input to ``mmlight analyze``, reported before any work."""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The analysis options; everything else (``--config``, ``--data.*``, ``--trainer.*``) is returned
+    for the LightningCLI parser."""
+    parser = argparse.ArgumentParser(
+        prog="mmlight analyze", description=__doc__.split("\n\n")[0],
+        epilog="--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
+               "the model comes from each checkpoint's own hyperparameters.")
+    parser.add_argument("--ckpt_path", nargs="+", required=True, help="one or more checkpoints to compare")
+    parser.add_argument("--out", required=True, help="output folder (created)")
+    parser.add_argument("--num_samples", type=int, default=256, help="the first N samples of the split (default 256)")
+    parser.add_argument("--split", choices=("val", "test"), default="val", help="which split (default val)")
+    parser.add_argument("--robustness", action="store_true", help="also evaluate under sink masking and KV eviction")
+    parser.add_argument("--kv_skip_layers", type=int, default=2,
+                        help="KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)")
+    parser.add_argument("--query_patch", type=int, default=None,
+                        help="ViT: the query patch of the attention-map figure (default: the centre patch)")
+    parser.add_argument("--sink_eps", type=float, default=Settings.sink_eps,
+                        help="a key is a sink above this multiple of the uniform share (default 3)")
+    args, rest = parser.parse_known_args(argv)
+    if "--config" not in rest and not any(a.startswith("--config=") for a in rest):
+        parser.error("--config CONFIG is required (the config the checkpoints were trained with)")
+    if args.num_samples < 1:
+        parser.error(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.kv_skip_layers < 0:
+        parser.error(f"--kv_skip_layers must be >= 0, got {args.kv_skip_layers}")
+    return args, rest
+
+
+def run_labels(paths: list[Path]) -> list[str]:
+    """A readable unique label per checkpoint: the run name (``runs/NAME/version_0/checkpoints/x.ckpt``
+    -> ``NAME``), extended by the version and the file name where names repeat."""
+    def parts(p: Path) -> list[str]:
+        p = p.resolve()
+        if p.parent.name == "checkpoints":
+            return [p.parent.parent.parent.name, p.parent.parent.name, p.stem]
+        return [p.parent.name, p.stem]
+
+    labels = [parts(p) for p in paths]
+    for depth in range(1, 4):
+        names = ["/".join(x[:depth]) for x in labels]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]
+
+
+def load_checkpoint(task_class, path: Path):
+    """``task_class`` rebuilt from the checkpoint's own hyperparameters, or an :class:`AnalyzeError`."""
+    if not path.is_file():
+        raise AnalyzeError(f"checkpoint {path} does not exist")
+    try:
+        return task_class.load_from_checkpoint(path, map_location="cpu")
+    except Exception as err:  # a checkpoint of another task or architecture: say which and why
+        raise AnalyzeError(f"checkpoint {path} does not match the config's model {task_class.__name__}: {err}") from err
+
+
+def check_fits_data(task, datamodule, path: Path) -> None:
+    """Refuse a checkpoint whose vocabulary or number of classes is not the data's."""
+    config = task.model.config
+    for attr in ("vocab_size", "num_classes"):
+        data_value, model_value = getattr(datamodule, attr, None), getattr(config, attr, None)
+        if data_value is not None and model_value is not None and data_value != model_value:
+            raise AnalyzeError(f"checkpoint {path} has {attr}={model_value} but the data has {data_value}")
+
+
+def eval_loader(datamodule, split: str):
+    """The split's loader after ``prepare_data``/``setup``; an :class:`AnalyzeError` if it has none."""
+    datamodule.prepare_data()
+    datamodule.setup("validate" if split == "val" else "test")
+    try:
+        return datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
+    except Exception as err:
+        raise AnalyzeError(f"the data has no usable {split} split: {err}") from err
+
+
+def vocabulary(datamodule) -> list[str] | None:
+    """The data's token strings for the text figures' labels, when it has them."""
+    try:
+        vocab = getattr(datamodule, "vocab", None)
+    except (OSError, KeyError, ValueError):  # a text DataModule whose dictionary is not prepared
+        return None
+    return list(vocab) if isinstance(vocab, (list, tuple)) else None
+
+
+def eval_trainer(trainer_config) -> L.Trainer:
+    """A single-process trainer for the robustness runs with the config's accelerator and precision
+    (and batch limits), no logger, checkpoints or progress bar."""
+    kwargs = {k: trainer_config[k] for k in TRAINER_KEYS if trainer_config.get(k) is not None}
+    return L.Trainer(devices=1, num_nodes=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=[], **kwargs)
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of ``mmlight analyze``: bad input ends with one line naming it, before any work."""
+    try:
+        analyze(argv)
+    except AnalyzeError as err:
+        raise SystemExit(f"mmlight analyze: error: {err}") from err
+
+
+def analyze(argv: list[str]) -> None:
+    """Parse ``argv``, check every input, then analyse each checkpoint and write the outputs."""
+    from tqdm.auto import tqdm
+
+    args, rest = parse_args(argv)
+    cli, labels, tasks, batches = checked_inputs(args, rest)
+    trainer = eval_trainer(cli.config.trainer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = Settings(sink_eps=args.sink_eps)
+    kind, vocab = task_kind(tasks[0]), vocabulary(cli.datamodule)
+    total = len(tasks) * (args.num_samples + (num_robustness_runs(kind) if args.robustness else 0))
+    results, robustness, example_files = {}, [], []
+    with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
+        for label, task in zip(labels, tasks):
+            bar.set_postfix_str(label)
+            task.to(trainer.strategy.root_device)
+            results[label] = collect_statistics(task, batches, settings, progress=bar.update)
+            example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
+            if args.robustness:
+                rows = robustness_rows(trainer, task, cli.datamodule, args.split, args.kv_skip_layers, bar.update)
+                robustness += [(label, *row) for row in rows]
+            task.cpu()
+
+    meta = {"num_samples": args.num_samples, "split": args.split, "settings": asdict(settings),
+            "kv_skip_layers": args.kv_skip_layers, "checkpoints": dict(zip(labels, args.ckpt_path))}
+    write_stats(out, results, meta)
+    written = figures.comparisons(results, out) + example_files
+    if robustness:
+        write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
+        written.append(figures.robustness(robustness, out))
+    write_summary(out, results, meta, written, robustness)
+    print(f"mmlight analyze: {len(tasks)} checkpoint(s), {args.num_samples} {args.split} samples -> {out}/summary.md")
+
+
+def checked_inputs(args: argparse.Namespace, rest: list[str]):
+    """Config, checkpoints and samples, each checked before any work: ``(cli, labels, tasks, batches)``."""
+    from mmlight.cli import build_cli
+
+    argv0, sys.argv = sys.argv, sys.argv[:1]  # the CLI parses `rest` only (and would warn about both)
+    try:
+        cli = build_cli(rest, run=False)
+    finally:
+        sys.argv = argv0
+    paths = [Path(p) for p in args.ckpt_path]
+    tasks = [load_checkpoint(type(cli.model), p) for p in paths]
+    loader = eval_loader(cli.datamodule, args.split)  # prepares the data, which the checks below read
+    for task, path in zip(tasks, paths):
+        check_fits_data(task, cli.datamodule, path)
+    if args.query_patch is not None and task_kind(tasks[0]) == "image":
+        grid = tasks[0].model.vit.patch_embed.grid_size
+        if not 0 <= args.query_patch < grid[0] * grid[1]:
+            raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {args.query_patch}")
+    try:
+        batches = first_samples(loader, args.num_samples, args.split)
+    except ValueError as err:
+        raise AnalyzeError(str(err)) from err
+    return cli, run_labels(paths), tasks, batches
+
+
+def write_csv(path: Path, header: tuple, rows: list) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(["" if v is None else v for v in row] for row in rows)
+
+
+def write_stats(out: Path, results: dict, meta: dict) -> None:
+    """``stats.csv`` (``checkpoint,layer,head,metric,value``) and ``stats.json`` (the same rows, the
+    settings, and the per-layer histograms, incoming attention and top sinks)."""
+    rows = [(label, *row) for label, stats in results.items() for row in metric_rows(stats)]
+    write_csv(out / "stats.csv", ("checkpoint", "layer", "head", "metric", "value"), rows)
+    payload = {**meta, "thresholds": {
+        "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
+        "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
+        "frac_below_1e-3": meta["settings"]["near_zero"],
+        "sink_ratio": f"fraction of key positions whose mean incoming attention exceeds "
+                      f"{meta['settings']['sink_eps']} x the uniform share (ratio form)"},
+        "rows": [dict(zip(("checkpoint", "layer", "head", "metric", "value"), r)) for r in rows],
+        "details": results}
+    (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False, default=str) + "\n")
+
+
+def layer_means(stats: dict) -> dict[str, float]:
+    """Each metric averaged over layers (sites, or blocks for the token similarity)."""
+    means = {}
+    for metric in HEAD_METRICS + LAYER_METRICS:
+        values = [v for _, head, m, v in metric_rows(stats) if m == metric and head is None and v is not None]
+        means[metric] = sum(values) / len(values) if values else math.nan
+    return means
+
+
+def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list) -> None:
+    """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the figures."""
+    columns = HEAD_METRICS + LAYER_METRICS
+    lines = [f"# Attention analysis: {meta['num_samples']} {meta['split']} samples", "",
+             f"Thresholds: M above the row mean score + {meta['settings']['eps_multimodality']}, S below the row "
+             f"mean + {meta['settings']['eps_sparsity']}; near zero < {meta['settings']['near_zero']}; sinks above "
+             f"{meta['settings']['sink_eps']} x the uniform share. Values are means over layers (all attention "
+             "kinds together; stats.csv has each layer).", "",
+             "| checkpoint | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, stats in results.items():
+        means = layer_means(stats)
+        lines.append(f"| {label} | " + " | ".join(f"{means[c]:.4g}" for c in columns) + " |")
+    if robustness:
+        lines += ["", "## Robustness (whole split)", "", "| checkpoint | intervention | level | metric | value |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c} | {i} | {lv} | {m} | {v:.4g} |" for c, i, lv, m, v in robustness]
+    lines += ["", "## Figures", ""] + [f"- [{name}]({name})" for name in figure_files]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")

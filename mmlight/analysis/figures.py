@@ -1,0 +1,311 @@
+"""Figures of the attention analysis (matplotlib, Agg): comparisons of several checkpoints in the
+style of the paper's Figures 4, 5, 8 and 9, per-example attention maps (Figure 7), Grad-CAM
+(Figure 6), text heat maps and the robustness curves.
+
+Every ``*_figure`` function returns a matplotlib figure (the callback sends them to TensorBoard);
+:func:`comparisons`, :func:`examples` and :func:`robustness` write PNGs and return their names.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from mmlight.analysis.stats import kind_of, layer_index, stack_of
+
+PER_LAYER = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
+             "max_weight", "sink_ratio", "rollout_discrepancy")
+
+
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def safe(label: str) -> str:
+    """A label usable in a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+
+
+def grid(n: int, cols: int = 4, size: tuple[float, float] = (3.2, 2.6)):
+    """``n`` axes in a grid (extra axes hidden)."""
+    cols = max(1, min(cols, n))
+    rows = -(-n // cols)
+    fig, axes = plt().subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:n]
+
+
+def save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt().close(fig)
+    return name
+
+
+# ------------------------------------------------------------------ comparisons of checkpoints
+
+
+def by_kind(stats: dict, metric: str) -> dict[str, tuple[list[int], list[float]]]:
+    """``{kind: (layers, values)}`` of a per-layer site metric, None values left out."""
+    found: dict[str, tuple[list[int], list[float]]] = {}
+    for site, entry in stats["sites"].items():
+        value = entry["metrics"].get(metric)
+        if value is not None:
+            xs, ys = found.setdefault(entry["kind"], ([], []))
+            xs.append(entry["layer"])
+            ys.append(value)
+    return found
+
+
+def similarity_figure(results: dict[str, dict]):
+    """Figure 4: token similarity at each block's output against depth, one line per run (or epoch)."""
+    stacks = sorted({stack_of(b) for stats in results.values() for b in stats["blocks"]})
+    fig, axes = grid(len(stacks), cols=3)
+    for ax, stack in zip(axes, stacks):
+        for label, stats in results.items():
+            points = sorted((layer_index(b), e["token_similarity"]) for b, e in stats["blocks"].items()
+                            if stack_of(b) == stack and e["token_similarity"] is not None)
+            if points:
+                ax.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set(title=f"{stack}: token similarity", xlabel="layer", ylabel="mean pairwise cosine")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def histogram_figure(results: dict[str, dict], cdf: bool = False):
+    """Figure 5 (log-log histogram of the weights per layer) or Figure 8 (their CDF)."""
+    sites = list(next(iter(results.values()))["sites"])
+    fig, axes = grid(len(sites))
+    for ax, site in zip(axes, sites):
+        for label, stats in results.items():
+            entry = stats["sites"].get(site)
+            if entry is None:
+                continue
+            edges = torch.tensor(stats["histogram_edges"])
+            counts = torch.tensor(entry["histogram"])
+            if cdf:
+                ax.plot(edges, counts.cumsum(0) / counts.sum().clamp_min(1), label=label)
+            else:
+                centres = (edges[:-1] * edges[1:]).sqrt()
+                ax.plot(centres, counts[1:].clamp_min(0.5), label=label)  # bin 0 (below 1e-8) is not drawn
+                ax.set_yscale("log")
+        ax.set_xscale("log")
+        ax.set(title=site, xlabel="attention weight", ylabel="fraction below" if cdf else "count")
+        ax.legend(fontsize=6)
+    return fig
+
+
+def layers_figure(stats: dict, cdf: bool = False):
+    """One run's weight histogram (or CDF) with one line per layer in a single panel: the cheap
+    form the training callback draws."""
+    fig, ax = plt().subplots(figsize=(4.5, 3.2))
+    edges = torch.tensor(stats["histogram_edges"])
+    for site, entry in stats["sites"].items():
+        counts = torch.tensor(entry["histogram"])
+        if cdf:
+            ax.plot(edges, counts.cumsum(0) / counts.sum().clamp_min(1), label=site)
+        else:
+            ax.plot((edges[:-1] * edges[1:]).sqrt(), counts[1:].clamp_min(0.5), label=site)
+            ax.set_yscale("log")
+    ax.set_xscale("log")
+    ax.set(xlabel="attention weight", ylabel="fraction below" if cdf else "count")
+    ax.legend(fontsize=6)
+    return fig
+
+
+def per_layer_figure(results: dict[str, dict], metrics=PER_LAYER):
+    """Each per-layer metric against depth: one line per run and attention kind."""
+    fig, axes = grid(len(metrics), cols=3)
+    for ax, metric in zip(axes, metrics):
+        for label, stats in results.items():
+            for kind, (xs, ys) in by_kind(stats, metric).items():
+                order = sorted(range(len(xs)), key=xs.__getitem__)
+                ax.plot([xs[i] + 1 for i in order], [ys[i] for i in order], marker="o",
+                        label=label if kind == "self" else f"{label} {kind}")
+        ax.set(title=metric, xlabel="layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=6)
+    return fig
+
+
+def sinks_figure(results: dict[str, dict], positions: int = 32):
+    """Mean incoming attention per key position (as a multiple of the uniform share), per layer."""
+    sites = list(next(iter(results.values()))["sites"])
+    fig, axes = grid(len(sites))
+    for ax, site in zip(axes, sites):
+        for label, stats in results.items():
+            entry = stats["sites"].get(site)
+            if entry is not None:
+                values = [math.nan if v is None else v for v in entry["incoming_relative"][:positions]]
+                ax.plot(range(len(values)), values, marker=".", label=label)
+        ax.axhline(next(iter(results.values()))["settings"]["sink_eps"], color="k", lw=0.8, ls="--")
+        ax.set(title=site, xlabel="key position", ylabel="incoming / uniform")
+        ax.legend(fontsize=6)
+    return fig
+
+
+def comparisons(results: dict[str, dict], out: Path) -> list[str]:
+    """Write the comparison figures of several runs; returns their file names."""
+    written = [save(similarity_figure(results), out, "fig4_token_similarity.png"),
+               save(histogram_figure(results), out, "fig5_weight_histogram.png"),
+               save(histogram_figure(results, cdf=True), out, "fig8_weight_cdf.png"),
+               save(per_layer_figure(results, ("rollout_discrepancy",)), out, "fig9_rollout_discrepancy.png"),
+               save(per_layer_figure(results), out, "per_layer_metrics.png"),
+               save(sinks_figure(results), out, "sinks.png")]
+    return written
+
+
+def robustness(rows: list[tuple], out: Path) -> str:
+    """The task metric against the intervention level, one panel per intervention family."""
+    families = {"sink_masking": "sink masking: top-k keys masked", "kv": "KV eviction: keep ratio"}
+    fig, axes = grid(len(families) if any(r[1].startswith("kv_") for r in rows) else 1, cols=2, size=(4.5, 3.2))
+    baselines = {r[0]: r[4] for r in rows if r[1] == "none"}
+    for ax, (family, title) in zip(axes, families.items()):
+        for label in dict.fromkeys(r[0] for r in rows):
+            methods = sorted({r[1] for r in rows if r[0] == label and r[1].startswith(family)})
+            for method in methods:
+                pts = sorted((r[2], r[4]) for r in rows if r[0] == label and r[1] == method)
+                if family == "sink_masking":
+                    pts = [(0, baselines[label])] + pts
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=label if family == "sink_masking" else f"{label} {method[3:]}")
+        ax.set(title=title, xlabel="k" if family == "sink_masking" else "r", ylabel=rows[0][3])
+        ax.legend(fontsize=6)
+    return save(fig, out, "robustness.png")
+
+
+# ------------------------------------------------------------------ single examples
+
+
+def examples(task, batch, label: str, out: Path, query_patch: int | None = None, vocab=None) -> list[str]:
+    """The per-example figures of one checkpoint on the first sample of ``batch``."""
+    from mmlight.analysis.tasks import map_batch, task_kind
+
+    one = map_batch(batch, lambda t: t[:1].to(task.device))
+    kind = task_kind(task)
+    if kind == "image":
+        return [attention_map(task, one[0], label, out, query_patch), grad_cam(task, one[0], label, out)]
+    return text_heatmaps(task, one, label, out, vocab)
+
+
+@torch.no_grad()
+def recorded(task, batch) -> dict:
+    """``{site: (nh, Tq, Tk)}`` head weights of one teacher-forced pass on a one-sample batch."""
+    from mmlight.analysis.tasks import teacher_forced
+    from mmlight.nn.attention import record_attention
+
+    was_training = task.model.training
+    task.model.eval()
+    with record_attention(task) as recorder:
+        teacher_forced(task, batch)
+    task.model.train(was_training)
+    return {site: recorder[site][0].weights[0].float().cpu() for site in recorder.sites()}
+
+
+def attention_map(task, image: torch.Tensor, label: str, out: Path, query_patch: int | None) -> str:
+    """Figure 7: per layer and head, the attention of one query patch over the patch grid."""
+    vit = task.model.vit
+    weights = recorded(task, (image, None))
+    prefix, grid_hw = vit.num_prefix_tokens, vit.patch_embed.grid_size
+    n = grid_hw[0] * grid_hw[1]
+    query = n // 2 + grid_hw[1] // 2 if query_patch is None else query_patch  # checked by analyze
+    sites = sorted(weights, key=layer_index)
+    heads = weights[sites[0]].shape[0]
+    fig, axes = plt().subplots(len(sites), heads + 1, figsize=(2.1 * (heads + 1), 2.1 * len(sites)), squeeze=False)
+    for row, site in zip(axes, sites):
+        row[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
+        qy, qx = divmod(query, grid_hw[1])
+        row[0].set_title(f"{site}", fontsize=8)
+        for h in range(heads):
+            attn = weights[site][h, prefix + query, prefix:].reshape(grid_hw)
+            row[h + 1].imshow(attn, cmap="viridis")
+            row[h + 1].plot(qx, qy, "r+")
+            row[h + 1].set_title(f"head {h}", fontsize=8)
+        for ax in row:
+            ax.axis("off")
+    fig.suptitle(f"{label}: attention of patch {query} (red +)", fontsize=9)
+    return save(fig, out, f"fig7_attention_map_{safe(label)}.png")
+
+
+def vit_reshape(prefix: int, grid_hw: tuple[int, int]):
+    """grad-cam's ``reshape_transform`` for timm ViT tokens ``(B, prefix + N, C)`` -> ``(B, C, h, w)``.
+    grad-cam's own recipe drops exactly one CLS token; a GAP-head model has none (``prefix`` = 0)."""
+    def reshape(tokens: torch.Tensor) -> torch.Tensor:
+        patches = tokens[:, prefix:, :]
+        return patches.reshape(patches.shape[0], grid_hw[0], grid_hw[1], patches.shape[2]).permute(0, 3, 1, 2)
+
+    return reshape
+
+
+def grad_cam_map(model, image: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM ``(H, W)`` in [0, 1] of the predicted class, at the last block's first norm."""
+    from pytorch_grad_cam import GradCAM
+
+    vit = model.vit
+    with torch.enable_grad(), GradCAM(model=model, target_layers=[vit.blocks[-1].norm1],
+                                      reshape_transform=vit_reshape(vit.num_prefix_tokens, vit.patch_embed.grid_size)) as cam:
+        return torch.from_numpy(cam(input_tensor=image.float(), targets=None)[0])
+
+
+def grad_cam(task, image: torch.Tensor, label: str, out: Path) -> str:
+    """Figure 6: Grad-CAM over the input image."""
+    was_training = task.model.training
+    task.model.eval()
+    heat = grad_cam_map(task.model, image)
+    task.model.train(was_training)
+    fig, ax = plt().subplots(1, 2, figsize=(5, 2.6))
+    ax[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
+    ax[1].imshow(image[0].float().mean(0).cpu(), cmap="gray")
+    ax[1].imshow(heat, cmap="jet", alpha=0.5)
+    for a in ax:
+        a.axis("off")
+    fig.suptitle(f"{label}: Grad-CAM of the predicted class", fontsize=9)
+    return save(fig, out, f"fig6_gradcam_{safe(label)}.png")
+
+
+#: Whose positions the queries and the keys of each text attention kind are.
+STACKS = {"decoder_self": ("decoder", "decoder"), "encoder_self": ("encoder", "encoder"), "cross": ("decoder", "encoder")}
+
+
+def text_heatmaps(task, batch, label: str, out: Path, vocab=None) -> list[str]:
+    """Head-averaged attention of one sequence per layer; for a translation model one figure per
+    attention kind (encoder self, decoder self, and the cross-attention alignment)."""
+    from mmlight.analysis.tasks import query_keep
+
+    weights = recorded(task, batch)
+    keep = {stack: None if m is None else m[0].cpu() for stack, m in query_keep(task, batch).items()}
+    tokens = {"decoder": batch["input"][0] if "input" in batch else batch["tgt_in"][0],
+              "encoder": batch.get("src", [None])[0]}
+    written = []
+    for kind in dict.fromkeys(kind_of(s) for s in weights):
+        sites = sorted((s for s in weights if kind_of(s) == kind), key=layer_index)
+        fig, axes = grid(len(sites), cols=3, size=(4.2, 3.8))
+        q_stack, k_stack = STACKS[kind]
+        for ax, site in zip(axes, sites):
+            q_ok, k_ok = keep.get(q_stack), keep.get(k_stack)
+            attn = weights[site].mean(0)
+            if q_ok is not None:
+                attn = attn[q_ok]
+            if k_ok is not None:
+                attn = attn[:, k_ok]
+            ax.imshow(attn, cmap="viridis", aspect="auto")
+            ax.set(title=site, xlabel=f"key ({k_stack})", ylabel=f"query ({q_stack})")
+            for axis, stack, ok in ((ax.set_xticks, k_stack, k_ok), (ax.set_yticks, q_stack, q_ok)):
+                ids = tokens[stack] if ok is None else tokens[stack][ok.to(tokens[stack].device)]
+                if len(ids) <= 40:
+                    names = [vocab[i] if vocab is not None and i < len(vocab) else str(i) for i in ids.tolist()]
+                    axis(range(len(names)), names, fontsize=5, rotation=90 if axis == ax.set_xticks else 0)
+        name = "cross_attention_alignment" if kind == "cross" else f"attention_heatmap_{kind}"
+        fig.suptitle(f"{label}: {name.replace('_', ' ')} (mean over heads)", fontsize=9)
+        written.append(save(fig, out, f"{name}_{safe(label)}.png"))
+    return written

@@ -1,0 +1,288 @@
+"""Per-layer and per-head attention statistics of a task's model on a fixed set of samples.
+
+:func:`collect_statistics` runs teacher-forced forward passes under an :class:`AttentionObserver`
+that reduces every attention call to running sums at once (nothing of size ``T x T`` is kept past a
+batch), plus forward hooks on the blocks for the token similarity. The result is a JSON-ready dict;
+:func:`metric_rows` flattens it into ``(layer, head, metric, value)`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from mmlight.analysis import metrics as M
+from mmlight.analysis.tasks import batch_size, map_batch, query_keep, task_kind, teacher_forced
+from mmlight.nn.attention import AttentionObserver, observe_attention
+
+#: The per-head metrics (one value per head, plus their mean as the per-layer value).
+HEAD_METRICS = ("entropy", "normalized_entropy", "multimodality", "sparsity",
+                "frac_below_1e-3", "frac_zero", "max_weight")
+#: Per-layer-only metrics.
+LAYER_METRICS = ("token_similarity", "rollout_discrepancy", "sink_ratio")
+
+
+@dataclass
+class Settings:
+    """The thresholds of the statistics, written next to every result.
+
+    Args:
+        eps_multimodality: M counts keys whose score exceeds the row's mean score by more than this.
+        eps_sparsity: S counts keys whose score is below the row's mean score plus this.
+        near_zero: the threshold of ``frac_below_1e-3``.
+        sink_eps: a key position is a sink when its mean incoming attention exceeds ``sink_eps``
+            times the uniform share (ratio form; the mean share over a row's keys is 1).
+        top_sinks: how many top sink positions are listed per layer.
+    """
+
+    eps_multimodality: float = 0.0
+    eps_sparsity: float = 0.0
+    near_zero: float = 1e-3
+    sink_eps: float = 3.0
+    top_sinks: int = 5
+
+
+def stack_of(site: str) -> str:
+    """``blocks`` (ViT), ``encoder`` or ``decoder``: whose positions a site's queries are."""
+    return site.split(".", 1)[0]
+
+
+def kind_of(site: str) -> str:
+    """``self`` (ViT), ``encoder_self``, ``decoder_self`` or ``cross``: reported separately."""
+    if site.endswith("cross_attn"):
+        return "cross"
+    return "self" if site.startswith("blocks") else f"{stack_of(site)}_self"
+
+
+def layer_index(name: str) -> int:
+    """The layer number in a site or block name (``decoder.layers.3.self_attn`` -> 3)."""
+    found = re.search(r"(?:blocks|layers)\.(\d+)", name)
+    if found is None:
+        raise ValueError(f"no layer index in {name!r}")
+    return int(found.group(1))
+
+
+@dataclass
+class _SiteSums:
+    """Running sums of one attention site."""
+
+    heads: int
+    sums: dict = field(default_factory=dict)  # metric -> (nh,) float64 sums
+    counts: dict = field(default_factory=dict)  # metric -> (nh,) float64 counts
+    histogram: torch.Tensor = field(default_factory=lambda: torch.zeros(len(M.HIST_EDGES), dtype=torch.float64))
+    incoming_raw: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    incoming_relative: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    incoming_seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    discrepancy: list = field(default_factory=lambda: [0.0, 0])
+
+    def add(self, metric: str, values: torch.Tensor, counted: torch.Tensor) -> None:
+        """Add per-row ``values`` ``(B, nh, Tq)`` where ``counted`` and not NaN."""
+        ok = counted & ~torch.isnan(values)
+        self.sums[metric] = self.sums.get(metric, 0) + torch.where(ok, values, 0.0).sum((0, 2)).cpu()
+        self.counts[metric] = self.counts.get(metric, 0) + ok.sum((0, 2)).double().cpu()
+
+    def add_fraction(self, metric: str, hits: torch.Tensor, counted: torch.Tensor) -> None:
+        """Add pooled counts: ``hits`` and ``counted`` ``(B, nh, Tq, Tk)`` bool."""
+        self.sums[metric] = self.sums.get(metric, 0) + (hits & counted).sum((0, 2, 3)).double().cpu()
+        self.counts[metric] = self.counts.get(metric, 0) + counted.sum((0, 2, 3)).double().cpu()
+
+    def add_incoming(self, raw, relative, seen) -> None:
+        """Add ``(B, Tk)`` incoming sums, growing the per-position arrays to the longest ``Tk``."""
+        n = max(raw.shape[1], len(self.incoming_seen))
+        for name, new in (("incoming_raw", raw), ("incoming_relative", relative), ("incoming_seen", seen)):
+            old = getattr(self, name)
+            grown = torch.zeros(n, dtype=torch.float64)
+            grown[: len(old)] += old
+            grown[: new.shape[1]] += new.sum(0).cpu()
+            setattr(self, name, grown)
+
+
+class StatsObserver(AttentionObserver):
+    """Reduces each attention call to running sums (see the module docstring).
+
+    Args:
+        settings: the thresholds.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.sites: dict[str, _SiteSums] = {}
+        self.query_keep: dict[str, torch.Tensor | None] = {}
+        self._scores: dict[str, torch.Tensor] = {}
+        self._head_mean: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def edit_mask(self, site, q, k, mask):
+        # The scores the reweighting sees (the models use the default scale hs ** -0.5); M and S need them.
+        self._scores[site] = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, Tq, Tk)
+        return mask
+
+    def record(self, site, weights, keep) -> None:
+        s = self.settings
+        weights = weights.detach()
+        scores = self._scores.pop(site)
+        keys = M.attended(weights, keep)  # (B, nh, Tq, Tk)
+        rows = M.counted_rows(keys, self.query_keep.get(stack_of(site)))  # (B, nh, Tq)
+        sums = self.sites.setdefault(site, _SiteSums(heads=weights.shape[1]))
+        sums.add("entropy", M.entropy(weights), rows)
+        sums.add("normalized_entropy", M.normalized_entropy(weights, keys), rows)
+        sums.add("multimodality", M.multimodality(scores, weights, keys, s.eps_multimodality), rows)
+        sums.add("sparsity", M.sparsity(scores, weights, keys, s.eps_sparsity), rows)
+        sums.add("max_weight", M.row_max(weights).double(), rows)
+        counted = keys & rows[..., None]
+        sums.add_fraction("frac_below_1e-3", weights < s.near_zero, counted)
+        sums.add_fraction("frac_zero", weights == 0, counted)
+        sums.histogram += M.weight_histogram(weights[counted])
+        sums.add_incoming(*M.incoming_attention(weights, keys, rows))
+        if kind_of(site) != "cross":  # rollout runs through the self-attention stacks only
+            self._head_mean[site] = (weights.double().mean(1), rows.any(1))  # (B, T, T), (B, T)
+
+    def end_batch(self) -> None:
+        """Roll out each self-attention stack through its layers and add the discrepancies."""
+        stacks: dict[str, list[str]] = {}
+        for site in sorted(self._head_mean, key=layer_index):
+            stacks.setdefault(stack_of(site), []).append(site)
+        for sites in stacks.values():
+            rolled = M.rollout([self._head_mean[site][0] for site in sites])
+            for site, r in zip(sites, rolled):
+                single, rows = self._head_mean[site]
+                total, n = M.rollout_discrepancy(r, single, rows)
+                self.sites[site].discrepancy[0] += total
+                self.sites[site].discrepancy[1] += n
+        self._head_mean.clear()
+        self._scores.clear()
+
+
+class BlockSimilarity:
+    """Forward hooks on a model's blocks: token similarity at each block's output.
+
+    Args:
+        model: the task's model.
+        query_keep: a callable returning the current ``{stack: (B, T) mask}``.
+    """
+
+    def __init__(self, model, query_keep):
+        self.sums: dict[str, list] = {}
+        self._handles = []
+        for name, block, prefix in blocks_of(model):
+            self._handles.append(block.register_forward_hook(self._hook(name, prefix, query_keep)))
+
+    def _hook(self, name, prefix, query_keep):
+        stack = stack_of(name)
+
+        def hook(module, args, output):
+            tokens = output[:, prefix:]  # ViT: patch tokens only
+            valid = query_keep().get(stack)
+            sim = M.token_similarity(tokens, valid)
+            ok = ~torch.isnan(sim)
+            total = self.sums.setdefault(name, [0.0, 0])
+            total[0] += float(sim[ok].sum())
+            total[1] += int(ok.sum())
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def blocks_of(model) -> list[tuple[str, torch.nn.Module, int]]:
+    """``(name, block, prefix tokens to drop)`` for every transformer block: ``blocks.{i}`` of a ViT
+    (dropping its CLS token, if any), ``encoder.layers.{i}`` and ``decoder.layers.{i}``."""
+    if hasattr(model, "vit"):
+        return [(f"blocks.{i}", b, model.vit.num_prefix_tokens) for i, b in enumerate(model.vit.blocks)]
+    found = []
+    for stack in ("encoder", "decoder"):
+        if hasattr(model, stack):
+            found += [(f"{stack}.layers.{i}", layer, 0) for i, layer in enumerate(getattr(model, stack).layers)]
+    return found
+
+
+@torch.no_grad()
+def collect_statistics(task, batches: list, settings: Settings = Settings(), progress=None) -> dict:
+    """Statistics of ``task``'s attention on ``batches`` (e.g. from :func:`first_samples`).
+
+    Args:
+        task: an mmlight task (its ``.model`` is run in eval mode; the mode is restored after).
+        batches: CPU batches; moved to the task's device one at a time.
+        settings: the thresholds.
+        progress: optional callable ``progress(num_samples_done)`` after each batch.
+
+    Returns:
+        ``{"settings", "sites": {site: {...}}, "blocks": {block: {"token_similarity": v}}}``.
+    """
+    task_kind(task)  # a clear error for an unsupported task
+    model, device = task.model, task.device
+    was_training = model.training
+    model.eval()
+    observer = StatsObserver(settings)
+    similarity = BlockSimilarity(model, lambda: observer.query_keep)
+    try:
+        with observe_attention(task, observer):
+            for batch in batches:
+                batch = map_batch(batch, lambda t: t.to(device))
+                observer.query_keep = query_keep(task, batch)
+                teacher_forced(task, batch)
+                observer.end_batch()
+                if progress is not None:
+                    progress(batch_size(batch))
+    finally:
+        similarity.remove()
+        model.train(was_training)
+    return summarize(observer, similarity, settings)
+
+
+def summarize(observer: StatsObserver, similarity: BlockSimilarity, settings: Settings) -> dict:
+    """The JSON-ready result of :func:`collect_statistics`."""
+    sites = {}
+    for site in sorted(observer.sites, key=lambda s: (s.split(".")[0], kind_of(s), layer_index(s))):
+        sums = observer.sites[site]
+        heads = {m: (sums.sums[m] / sums.counts[m]).tolist() for m in HEAD_METRICS}
+        heads = {m: [None if math.isnan(v) else v for v in vals] for m, vals in heads.items()}
+        layer = {m: pooled(sums.sums[m], sums.counts[m]) for m in HEAD_METRICS}
+        seen = sums.incoming_seen
+        raw = torch.where(seen > 0, sums.incoming_raw / seen.clamp_min(1), math.nan)
+        relative = torch.where(seen > 0, sums.incoming_relative / seen.clamp_min(1), math.nan)
+        ratio = M.sink_ratio(relative, settings.sink_eps)
+        layer["sink_ratio"] = None if math.isnan(ratio) else ratio
+        total, n = sums.discrepancy
+        layer["rollout_discrepancy"] = total / n if n else None
+        order = torch.argsort(torch.nan_to_num(relative, nan=-1.0), descending=True)[: settings.top_sinks]
+        sites[site] = {
+            "kind": kind_of(site),
+            "layer": layer_index(site),
+            "heads": heads,
+            "metrics": layer,
+            "histogram": sums.histogram.tolist(),
+            "incoming_mean": nan_to_none(raw.tolist()),
+            "incoming_relative": nan_to_none(relative.tolist()),
+            "top_sinks": [{"position": int(i), "relative": float(relative[i])} for i in order if not math.isnan(relative[i])],
+        }
+    blocks = {name: {"token_similarity": total / n if n else None} for name, (total, n) in similarity.sums.items()}
+    return {"settings": asdict(settings), "histogram_edges": M.HIST_EDGES.tolist(), "sites": sites, "blocks": blocks}
+
+
+def pooled(sums: torch.Tensor, counts: torch.Tensor) -> float | None:
+    """The mean over all heads' counted rows, None when there were none."""
+    n = float(counts.sum())
+    return float(sums.sum()) / n if n else None
+
+
+def nan_to_none(values: list[float]) -> list[float | None]:
+    return [None if math.isnan(v) else v for v in values]
+
+
+def metric_rows(stats: dict) -> list[tuple[str, int | None, str, float | None]]:
+    """``(layer, head, metric, value)`` rows: per head and per layer (head None) for the head metrics,
+    per layer for ``rollout_discrepancy`` and ``sink_ratio`` (sites) and ``token_similarity`` (blocks)."""
+    rows = []
+    for site, entry in stats["sites"].items():
+        for metric in HEAD_METRICS:
+            rows += [(site, h, metric, v) for h, v in enumerate(entry["heads"][metric])]
+            rows.append((site, None, metric, entry["metrics"][metric]))
+        rows += [(site, None, m, entry["metrics"][m]) for m in ("rollout_discrepancy", "sink_ratio")
+                 if entry["metrics"][m] is not None]
+    rows += [(block, None, "token_similarity", entry["token_similarity"]) for block, entry in stats["blocks"].items()]
+    return rows

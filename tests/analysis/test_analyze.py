@@ -1,0 +1,157 @@
+"""`mmlight analyze` end to end on tiny checkpoints of each task, including --robustness; its CSV
+against weights recorded here; the errors it gives before any work."""
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmlight.cli import build_cli, main
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ROOT / "configs" / "quickstart"
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+
+
+def fit(config: Path, runs: Path, *extra: str) -> Path:
+    """A 2-step checkpoint of ``config``; returns its last.ckpt."""
+    main(["fit", "--config", str(config), "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+          "--trainer.logger.init_args.save_dir", str(runs), "--trainer.enable_model_summary", "false", *extra])
+    return max(runs.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """Softmax and sparsemax checkpoints of the digits quick start (sharing one data cache)."""
+    root = tmp_path_factory.mktemp("digits")
+    data = ["--data.init_args.cache_dir", str(root / "cache")]
+    softmax = fit(QUICK / "digits_softmax.yaml", root / "runs", *data)
+    sparse = fit(QUICK / "digits_softmax.yaml", root / "runs", *data, "--model.init_args.model.attention.name",
+                 "sparsemax", "--trainer.logger.init_args.name", "digits_sparsemax")
+    return root, data, softmax, sparse
+
+
+@pytest.mark.slow
+def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
+    root, data, softmax, sparse = digits
+    out = tmp_path / "out"
+    limit = ["--trainer.limit_val_batches", "1"]
+    main(["analyze", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path", str(softmax),
+          str(sparse), "--out", str(out), "--num_samples", "24", "--robustness"])
+    rows = read_csv(out / "stats.csv")
+    assert set(rows[0]) == {"checkpoint", "layer", "head", "metric", "value"}
+    labels = {r["checkpoint"] for r in rows}
+    assert labels == {"digits_softmax", "digits_sparsemax"}
+    value = {(r["checkpoint"], r["layer"], r["head"], r["metric"]): float(r["value"]) for r in rows}
+    # each checkpoint was rebuilt from its own hyperparameters: only sparsemax has exact zeros
+    assert value[("digits_softmax", "blocks.0", "", "frac_zero")] == 0.0
+    assert value[("digits_sparsemax", "blocks.0", "", "frac_zero")] > 0.0
+    # entropy per head against weights recorded here, outside the analysis code
+    from mmlight.nn.attention import record_attention
+    from mmlight.tasks import ImageClassifier
+
+    task = ImageClassifier.load_from_checkpoint(softmax, map_location="cpu").eval()
+    cli = build_cli(["--config", str(QUICK / "digits_softmax.yaml"), *data], run=False)
+    cli.datamodule.setup("validate")
+    images = torch.cat([b[0] for b in cli.datamodule.val_dataloader()])[:24]
+    with torch.no_grad(), record_attention(task) as recorder:
+        task.model(images)
+    weights = recorder["blocks.2"][0].weights.double()  # (24, nh, N, N)
+    entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1).mean((0, 2))
+    for h in range(weights.shape[1]):
+        assert value[("digits_softmax", "blocks.2", str(h), "entropy")] == pytest.approx(entropy[h].item(), rel=1e-5)
+    assert value[("digits_softmax", "blocks.2", "", "max_weight")] == pytest.approx(weights.amax(-1).mean().item(), rel=1e-5)
+    settings = json.loads((out / "stats.json").read_text())
+    assert settings["num_samples"] == 24 and settings["split"] == "val" and settings["settings"]["sink_eps"] == 3.0
+    for name in ("fig4_token_similarity.png", "fig5_weight_histogram.png", "fig8_weight_cdf.png",
+                 "fig9_rollout_discrepancy.png", "fig7_attention_map_digits_softmax.png",
+                 "fig6_gradcam_digits_sparsemax.png", "robustness.png", "summary.md"):
+        assert (out / name).stat().st_size > 0, name
+    summary = (out / "summary.md").read_text()
+    assert "| digits_sparsemax |" in summary and "fig4_token_similarity.png" in summary
+    robust = read_csv(out / "robustness.csv")
+    assert {(r["intervention"], r["level"]) for r in robust if r["checkpoint"] == "digits_softmax"} == {
+        ("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")}
+    # no intervention reproduces `mmlight validate` on the same batches
+    cli = build_cli(["validate", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path",
+                     str(softmax), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+    plain = next(float(r["value"]) for r in robust if r["checkpoint"] == "digits_softmax" and r["intervention"] == "none")
+    assert plain == pytest.approx(float(cli.trainer.callback_metrics["val/top1"]))
+
+
+def test_errors_before_any_work(digits, tmp_path, capsys):
+    root, data, softmax, _ = digits
+    config = ["--config", str(QUICK / "digits_softmax.yaml"), *data]
+    with pytest.raises(SystemExit, match="larger than the val split, which has 359"):
+        main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "a"), "--num_samples", "5000"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["analyze", *config, "--ckpt_path", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "b")])
+    lm_config = ["--config", str(QUICK / "lm_softmax.yaml")]
+    with pytest.raises(SystemExit, match="does not match the config's model LanguageModel"):
+        main(["analyze", *lm_config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match=r"--query_patch must be in \[0, 16\)"):
+        main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "e"), "--query_patch", "16"])
+    with pytest.raises(SystemExit):
+        main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "d"), "--split", "train"])
+    assert "invalid choice: 'train'" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "abcde")  # nothing written
+
+
+@pytest.mark.slow
+def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
+    config = QUICK / "lm_softmax.yaml"
+    data = ["--data.init_args.train_size", "128", "--data.init_args.val_size", "16"]
+    ckpt = fit(config, tmp_path / "runs", *data)
+    out = tmp_path / "out"
+    main(["analyze", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--out", str(out),
+          "--num_samples", "16", "--robustness", "--kv_skip_layers", "1"])
+    robust = read_csv(out / "robustness.csv")
+    ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
+    assert all(r["metric"] == "ppl" for r in robust)
+    assert ppl[("kv_l2", 1.0)] == pytest.approx(ppl[("none", 0.0)], rel=1e-5)
+    assert ppl[("kv_streaming", 1.0)] == pytest.approx(ppl[("none", 0.0)], rel=1e-5)
+    assert ppl[("kv_l2", 0.1)] != pytest.approx(ppl[("none", 0.0)], rel=1e-5)  # eviction does something
+    assert {lvl for (i, lvl) in ppl if i == "kv_l2"} == {1.0, 0.9, 0.7, 0.5, 0.3, 0.1}
+    cli = build_cli(["validate", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--trainer.logger", "false",
+                     "--trainer.default_root_dir", str(tmp_path)])
+    assert ppl[("none", 0.0)] == pytest.approx(float(cli.trainer.callback_metrics["val/ppl"]), rel=1e-6)
+    layers = {r["layer"] for r in read_csv(out / "stats.csv")}
+    assert {"decoder.layers.0.self_attn", "decoder.layers.1.self_attn", "decoder.layers.1"} <= layers
+    assert (out / "attention_heatmap_decoder_self_lm_softmax.png").is_file()
+
+
+@pytest.mark.slow
+def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the test runs' hypothesis files must not land in the working directory
+    config = QUICK / "nmt_softmax.yaml"
+    data = ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.num_workers", "0",
+            "--data.init_args.train_size", "400", "--data.init_args.valid_size", "12",
+            "--data.init_args.test_size", "10", "--data.init_args.max_tokens", "256",
+            "--data.init_args.samples_per_shard", "10"]
+    ckpt = fit(config, tmp_path / "runs", *data)
+    out = tmp_path / "out"
+    main(["analyze", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--out", str(out),
+          "--num_samples", "6", "--split", "test", "--robustness"])
+    rows = read_csv(out / "stats.csv")
+    kinds = {r["layer"] for r in rows}
+    assert {"encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
+            "encoder.layers.1", "decoder.layers.1"} <= kinds
+    robust = read_csv(out / "robustness.csv")
+    assert {r["metric"] for r in robust} == {"bleu"} and len(robust) == 4
+    assert all(0.0 <= float(r["value"]) <= 100.0 and not math.isnan(float(r["value"])) for r in robust)
+    assert (out / "cross_attention_alignment_nmt_softmax.png").is_file()
+    assert json.loads((out / "stats.json").read_text())["split"] == "test"
+    assert not list(tmp_path.glob("test.*"))

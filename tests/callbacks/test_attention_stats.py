@@ -1,0 +1,111 @@
+"""AttentionStats: what it logs equals collect_statistics on the first validation samples; off, nothing
+is observed; under 2-process DDP it runs on rank 0 only and nothing hangs."""
+
+import csv
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from mmlight.analysis.stats import collect_statistics
+from mmlight.callbacks import AttentionStats
+from mmlight.data import RecallDataModule
+from mmlight.models.transformer import TransformerConfig
+from mmlight.tasks import LanguageModel
+
+ROOT = Path(__file__).resolve().parents[2]
+LM = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
+attention_module = importlib.import_module("mmlight.nn.attention")
+
+
+class ObservationProbe(L.Callback):
+    """Notes whether any observer was active during a validation step (it must not be)."""
+
+    def __init__(self):
+        self.observed = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.observed.append(attention_module._OBSERVED.get() is not None)
+
+
+def tiny_run(tmp_path, callbacks, epochs=2):
+    torch.manual_seed(0)
+    data = RecallDataModule(num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24,
+                            batch_size=8)
+    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
+                                           n_encoder_layers=0, max_positions=32), warmup_steps=2)
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=1)
+    trainer.fit(task, datamodule=data)
+    logger.save()
+    return task, data, Path(logger.log_dir) / "metrics.csv"
+
+
+def test_logged_values_equal_statistics_of_the_first_samples(tmp_path):
+    probe = ObservationProbe()
+    stats_cb = AttentionStats(every_n_epochs=1, num_samples=10, figures="off")
+    task, data, metrics = tiny_run(tmp_path, [stats_cb, probe])
+
+    rows = list(csv.DictReader(open(metrics)))
+    logged = [r for r in rows if r.get("attention/decoder.layers.1.self_attn/entropy")]
+    assert len(logged) == 2  # epochs 0 and 1, not the sanity check
+    # the same 10 samples every time: the first of the validation split
+    data.setup("validate")
+    expected = torch.cat([b["input"] for b in data.val_dataloader()])[:10]
+    assert torch.equal(torch.cat([b["input"] for b in stats_cb.batches]), expected)
+    want = collect_statistics(task, [{"input": expected}])  # after training = the last recording
+    last = logged[-1]
+    value = float(last["attention/decoder.layers.1.self_attn/entropy"])
+    assert value == pytest.approx(want["sites"]["decoder.layers.1.self_attn"]["metrics"]["entropy"], rel=1e-6)
+    assert float(last["attention/decoder.layers.0/token_similarity"]) == pytest.approx(
+        want["blocks"]["decoder.layers.0"]["token_similarity"], rel=1e-6)
+    assert not any(probe.observed)  # validation itself never runs observed (fused paths stay fused)
+
+
+def test_every_k_epochs_and_off_records_nothing(tmp_path):
+    _, _, metrics = tiny_run(tmp_path / "k", [AttentionStats(every_n_epochs=2, num_samples=4, figures="off")], epochs=3)
+    rows = list(csv.DictReader(open(metrics)))
+    assert len([r for r in rows if r.get("attention/seconds")]) == 2  # validation epochs 0 and 2
+    assert len([r for r in rows if r.get("attention/validation_seconds")]) == 3  # its cost reference, every epoch
+    probe = ObservationProbe()
+    _, _, metrics = tiny_run(tmp_path / "off", [probe], epochs=1)
+    assert "attention/seconds" not in open(metrics).readline()
+    assert probe.observed and not any(probe.observed)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="every_n_epochs"):
+        AttentionStats(every_n_epochs=0)
+    with pytest.raises(ValueError, match="figures must be"):
+        AttentionStats(figures="sometimes")
+
+
+@pytest.mark.slow
+def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    args = ["fit", "--config", str(LM), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+            "--trainer.strategy", "ddp", "--trainer.max_epochs", "2", "--data.init_args.train_size", "256",
+            "--data.init_args.val_size", "64", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+            "--trainer.callbacks+=mmlight.callbacks.AttentionStats", "--trainer.callbacks.every_n_epochs", "1",
+            "--trainer.callbacks.num_samples", "8"]
+    result = subprocess.run([sys.executable, "-m", "mmlight.cli", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "runs").rglob("events.out.tfevents*"))
+    assert len(events) == 1  # rank 0's logger only
+    acc = EventAccumulator(str(events[0]), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("attention/decoder.layers.1.self_attn/entropy")]
+    assert len(steps) == 2 and steps[0] < steps[1]
+    assert {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"} <= set(acc.Tags()["images"])
