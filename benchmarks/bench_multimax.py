@@ -106,13 +106,17 @@ def fwd_bwd(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], rep
     return {"fwd_ms": fwd, "bwd_ms": max(time_ms(both, reps) - fwd, 0.0), "peak_mem_mb": peak_memory_mb(both)}
 
 
-def guarded(measure: Callable[[], dict]) -> dict:
-    """Run a measurement; an out-of-memory error becomes a record with ``error`` instead of a crash."""
+def guarded(measure: Callable[[], dict], also: type[Exception] | None = None) -> dict:
+    """Run a measurement; an out-of-memory error (or one of type ``also``) becomes a record with
+    ``error`` instead of a crash."""
     try:
         return measure()
     except torch.OutOfMemoryError as err:
         torch.cuda.empty_cache()
         return {"fwd_ms": None, "bwd_ms": None, "peak_mem_mb": None, "error": f"out of memory: {str(err)[:120]}"}
+    except also or () as err:
+        return {"fwd_ms": None, "bwd_ms": None, "peak_mem_mb": None,
+                "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"}
 
 
 def bent_multimax(backend: str, device: torch.device, order: int = 2) -> MultiMax:
@@ -155,7 +159,8 @@ def bench_cross_entropy(shape, dtype, device, reps) -> list[dict]:
 
 
 def bench_attention(shape, causal, dtype, device, reps) -> list[dict]:
-    """PyTorch SDPA (flash backend on a GPU) as the baseline, then MultiMax attention per backend."""
+    """PyTorch SDPA (flash backend on a GPU) as the baseline, then MultiMax attention: compiled
+    FlexAttention with MultiMax as its ``score_mod`` (on a GPU; the peer to beat), and per backend."""
     batch, heads, n, head_dim = shape
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
@@ -168,12 +173,28 @@ def bench_attention(shape, causal, dtype, device, reps) -> list[dict]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     candidates = {"sdpa": sdpa}
+    if device.type == "cuda":  # compiled FlexAttention needs a GPU for training
+        candidates["multimax/flex"] = flex_candidate(q, k, v, causal, bent_multimax("reference", device))
     for backend in BACKENDS:
         candidates[f"multimax/{backend}"] = (
             lambda m: lambda: attention(q, k, v, m, is_causal=causal))(bent_multimax(backend, device))
     flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1.0)  # two matmuls, fw
+    # FlexAttention is a peer we do not maintain: any failure of it is recorded, not raised
     return [dict(op="attention_causal" if causal else "attention", backend=name, flops_fwd=flops,
-                 **guarded(lambda: fwd_bwd(fn, [q, k, v], reps))) for name, fn in candidates.items()]
+                 **guarded(lambda: fwd_bwd(fn, [q, k, v], reps), Exception if name == "multimax/flex" else None))
+            for name, fn in candidates.items()]
+
+
+def flex_candidate(q, k, v, causal: bool, module: MultiMax) -> Callable[[], torch.Tensor]:
+    """Compiled FlexAttention with MultiMax as its ``score_mod`` (learnable captured parameters)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from mmlight.kernels.flex import causal_block_mask, flex_multimax_attention
+
+    flex = torch.compile(flex_attention)
+    n = q.shape[2]
+    block_mask = causal_block_mask(n, n, q.device, compile_mask=True) if causal else None
+    return lambda: flex_multimax_attention(q, k, v, module.ranges, module.ts, block_mask=block_mask, flex=flex)
 
 
 def bench_deit_step(batch, dtype, device, reps, variant="deit_small", img_size=224) -> list[dict]:

@@ -265,6 +265,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 TOOLS: dict[str, str] = {
     "prepare": "mmlight.data.prepare:main",
     "analyze": "mmlight.analysis.analyze:main",
+    "doctor": "mmlight.doctor:main",
 }
 
 

@@ -8,9 +8,16 @@ For every (batch, head, query i) the kernel computes, without ever holding the `
     out_i = sum_j softmax(s)_j v_j           online softmax: running max m_i, running sum l_i
 
 sigma is applied to the finite raw scores and the mask afterwards: sigma(-inf) would be
-``-inf + t * inf = NaN``. The forward pass saves the per-row log-sum-exp ``lse_i = m_i + log l_i``
-(fp32), so the backward pass can rebuild ``p_ij = exp(s_ij - lse_i)`` tile by tile. A row that sees
-no key at all gets output 0 and ``lse = +inf`` (then every ``exp(s - lse)`` is 0 in backward, so
+``-inf + t * inf = NaN``. The forward pass saves two fp32 values per row, the final ``m_i`` and
+``1 / l_i``, so the backward pass can rebuild ``p_ij = exp(s_ij - m_i) / l_i`` tile by tile with the
+forward's own operations. (A single log-sum-exp ``m_i + log l_i`` would save one value, but its fp32
+rounding grows with ``|m_i|``, which MultiMax's sigma makes large, and every ``p`` of the row then
+errs by the same factor: the parameter gradients, sums over all rows, lost two orders of magnitude
+of accuracy against eager fp32.) For the same reason the exponent is ``(s - m) * log2(e)``, not
+``s * log2(e) - m'``: the product of a large ``s`` with log2(e) would round each exponent by
+``|s| * 2**-24`` before the subtraction, where ``s - m`` is exact for the scores near the maximum,
+the ones that carry the weight. A row that sees no key at all gets output 0 and ``1 / l = 0``
+(then every recomputed ``p`` is 0 in backward, so
 its gradients are 0 too, without any ``-inf - -inf``).
 
 Backward, as in FlashAttention-2, without atomics:
@@ -29,6 +36,7 @@ Causal programs skip key blocks that lie entirely in the future of their query b
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +60,8 @@ __all__ = ["multimax_attention"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
-# exp(x) = exp2(x * LOG2E): exp2 is the cheaper instruction on GPUs
+# exp(x) = exp2(x * LOG2E): exp2 is the cheaper instruction on GPUs; x is always a difference s - m
+# (see the module docstring)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # The jit decorators (here and in sigma.py) read TRITON_INTERPRET when the module is imported.
@@ -87,46 +96,72 @@ class BlockConfig:
     num_stages: int
 
 
-def forward_config(head_dim: int, dtype: torch.dtype) -> BlockConfig:
-    """Tiles of the forward kernel, for an H100 (the interpreter ignores warps and stages).
+def device_capability(device: torch.device) -> int:
+    """Compute capability as ``10 * major + minor`` (80: A100, 90: H100) of a CUDA device; for CPU
+    tensors (the interpreter, offline compile checks) the value of :data:`OFFLINE_CAPABILITY`."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return OFFLINE_CAPABILITY.get()
+
+
+#: The capability whose tile sizes CPU tensors get: :mod:`mmlight.kernels.compile_check` sets it to
+#: the target it compiles for.
+OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> BlockConfig:
+    """Tiles of the forward kernel (the interpreter ignores warps and stages).
 
     128 queries per program amortise each K/V tile over many rows; 64 keys per tile keep the
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
-    inputs have twice the bytes per tile, hence smaller tiles at D = 128.
+    inputs have twice the bytes per tile, hence smaller tiles at D = 128. Hopper (sm_90) keeps the
+    accumulators of its wgmma instructions in fewer registers than the mma of other GPUs, which
+    get narrower key tiles (fp32 at D = 128: more warps).
 
     Args:
         head_dim: D.
         dtype: dtype of q, k and v.
+        capability: compute capability, ``10 * major + minor``.
     """
+    hopper = capability == 90
     if dtype == torch.float32:
-        return BlockConfig(128, 64, 8, 2) if head_dim <= 64 else BlockConfig(64, 32, 4, 2)
-    return BlockConfig(128, 64, 8, 3) if head_dim <= 64 else BlockConfig(128, 64, 8, 2)
+        if head_dim <= 64:
+            return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
+        return BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(64, 32, 8, 2)
+    if head_dim <= 64:
+        return BlockConfig(128, 64, 8, 3) if hopper else BlockConfig(128, 32, 8, 3)
+    return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype) -> tuple[BlockConfig, BlockConfig]:
+def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) -> tuple[BlockConfig, BlockConfig]:
     """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares).
 
     Each program keeps a wide block resident (keys for dK/dV, queries for dQ) and steps through
     narrow blocks of the other side. The dK/dV program is the tight one: it holds K, V and two
-    fp32 accumulators and recomputes P, dP, sigma'(x) and the 8 parameter sums per tile.
+    fp32 accumulators and recomputes P, dP, sigma'(x) and the 8 parameter sums per tile; off
+    Hopper it gets half the queries per step (or half the keys at D = 128) to stay in registers.
 
     Args:
         head_dim: D.
         dtype: dtype of q, k and v.
+        capability: compute capability, ``10 * major + minor``.
     """
+    hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
-            return BlockConfig(16, 64, 4, 2), BlockConfig(64, 32, 4, 2)
+            return BlockConfig(16, 64, 4, 2), (BlockConfig(64, 32, 4, 2) if hopper else BlockConfig(32, 32, 4, 2))
         return BlockConfig(16, 32, 4, 2), BlockConfig(32, 32, 4, 2)
     if head_dim <= 64:
-        return BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2), BlockConfig(128, 32, 8, 2)
-    return BlockConfig(16, 64, 8, 2), BlockConfig(128, 32, 8, 2)
+        dkdv = BlockConfig(32, 64, 4 if head_dim <= 32 else 8, 2) if hopper else BlockConfig(16, 64, 8, 2)
+        return dkdv, BlockConfig(128, 32, 8, 2)
+    return (BlockConfig(16, 64, 8, 2) if hopper else BlockConfig(16, 32, 8, 2)), BlockConfig(128, 32, 8, 2)
 
 
 # How the tile sizes above were chosen, without a GPU at hand: every kernel was compiled for sm_90
-# with the specialisations a real launch gets (unit head-dim stride, 16-divisible pointers and
-# strides), and the largest tiles were kept that fit in 255 registers per thread without spills
-# and with pipelined (cp.async) K/V loads. They are not timed: tune them on the GPU.
+# and sm_80 with the specialisations a real launch gets (mmlight.kernels.compile_check), and the
+# largest tiles were kept that fit in 255 registers per thread without spills and with pipelined
+# (cp.async) K/V loads. They are not timed: tune them on the GPU.
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -214,17 +249,19 @@ def _scores(a, b, scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile(x, dp, keep, lse, delta, scale,
+def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale,
                r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
     """Recompute one tile of the backward pass from the raw scores ``x`` and ``dP = dO V^T``.
 
-    Works in either orientation: ``lse`` and ``delta`` (per query) come already broadcastable
+    Works in either orientation: ``row_max`` (of sigma), ``row_inv_sum`` and ``delta``
+    (per query) come already broadcastable
     against the tile. Returns ``(p, g, ds)``, fp32 tiles: probabilities, the gradient with
     respect to sigma(x) (0 where masked) and the gradient with respect to the raw ``q . k``.
     """
+    # the forward's operations, so p is the forward's (see the module docstring)
     s = tl.where(keep, sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER), float("-inf"))
-    # lse is +inf for rows without keys and s is -inf where masked: both give p = 0, never NaN
-    p = tl.exp2((s - lse) * LOG2E)
+    # 1 / l is 0 for rows without keys and s is -inf where masked: both give p = 0, never NaN
+    p = tl.exp2((s - row_max) * LOG2E) * row_inv_sum
     g = p * (dp - delta)
     ds = g * sigma_derivative(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
     return p, g, ds
@@ -235,7 +272,7 @@ def _grad_tile(x, dp, keep, lse, delta, scale,
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, O, LSE, PAD, PARAMS,
+    Q, K, V, O, ROW_MAX, ROW_INV_SUM, PAD, PARAMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -257,8 +294,8 @@ def _forward_kernel(
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(PARAMS)
 
     q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd, Tq)  # (BLOCK_M, D)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of s * LOG2E
-    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(s * LOG2E - m_i)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of s
+    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(s - m_i)
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
 
     for start_n in range(0, _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL), BLOCK_N):
@@ -267,14 +304,14 @@ def _forward_kernel(
         v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
         x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * LOG2E
+        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
         # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])  # (BLOCK_M, BLOCK_N)
-        alpha = tl.exp2(m_i - m_shift)  # (BLOCK_M,) rescales the old sums to the new max
+        p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
+        alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
@@ -282,8 +319,10 @@ def _forward_kernel(
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without keys: acc = 0, so out = 0
     _store_rows(O + b * stride_ob + h * stride_oh, out, offs_m, offs_d, stride_ot, stride_od, Tq)
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) / LOG2E, float("inf"))
-    tl.store(LSE + bh * Tq + offs_m, lse, mask=offs_m < Tq)
+    # the shift the last p used (0 for rows without keys) and 1 / l (0 there): backward's p
+    tl.store(ROW_MAX + bh * Tq + offs_m, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Tq)
+    tl.store(ROW_INV_SUM + bh * Tq + offs_m, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0),
+             mask=offs_m < Tq)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -311,7 +350,7 @@ def _delta_kernel(
 
 @triton.jit
 def _backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, PAD, PARAMS, DK, DV, PARTIALS,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -353,14 +392,15 @@ def _backward_dkdv_kernel(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(q_head, offs_m, offs_d, stride_qt, stride_qd, Tq)  # (BLOCK_M, D)
         do = _load_rows(do_head, offs_m, offs_d, stride_dot, stride_dod, Tq)  # (BLOCK_M, D)
-        lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))  # (BLOCK_M,)
+        row_max = tl.load(ROW_MAX + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
+        row_inv_sum = tl.load(ROW_INV_SUM + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
         delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
         # work on the transposed tile (keys x queries): then P^T and dS^T come straight out of
         # the dots in the accumulator layout and feed the dK, dV dots without a transpose
         xt = _scores(k, q, scale, DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         dpt = _dot(v, tl.trans(do), DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         keep = _keep_mask(offs_m[None, :], offs_n[:, None], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        pt, gt, dst = _grad_tile(xt, dpt, keep, lse[None, :], delta[None, :], scale,
+        pt, gt, dst = _grad_tile(xt, dpt, keep, row_max[None, :], row_inv_sum[None, :], delta[None, :], scale,
                                  r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dv += _dot(pt.to(do.dtype), do, DOT_PRECISION)  # (BLOCK_N, D)
         dk += _dot(dst.to(q.dtype), q, DOT_PRECISION)  # (BLOCK_N, D)
@@ -385,7 +425,7 @@ def _backward_dkdv_kernel(
 
 @triton.jit
 def _backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, PAD, PARAMS, DQ,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DQ,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -409,7 +449,8 @@ def _backward_dq_kernel(
 
     q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd, Tq)  # (BLOCK_M, D)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dot, stride_dod, Tq)  # (BLOCK_M, D)
-    lse = tl.load(LSE + bh * Tq + offs_m, mask=offs_m < Tq, other=float("inf"))  # (BLOCK_M,)
+    row_max = tl.load(ROW_MAX + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
+    row_inv_sum = tl.load(ROW_INV_SUM + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
     delta = tl.load(DELTA + bh * Tq + offs_m, mask=offs_m < Tq, other=0.0)  # (BLOCK_M,)
     dq = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
 
@@ -420,7 +461,7 @@ def _backward_dq_kernel(
         x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        _, _, ds = _grad_tile(x, dp, keep, lse[:, None], delta[:, None], scale,
+        _, _, ds = _grad_tile(x, dp, keep, row_max[:, None], row_inv_sum[:, None], delta[:, None], scale,
                               r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)  # (BLOCK_M, D)
 
@@ -439,22 +480,24 @@ def _padding_arg(key_padding: torch.Tensor | None, device: torch.device) -> tupl
 
 
 def _forward(q, k, v, params, order, scale, causal, key_padding):
-    """Launch the forward kernel; returns ``(out (B, H, Tq, D) in q's dtype, lse (B, H, Tq) fp32)``."""
+    """Launch the forward kernel; returns ``(out, row_max, row_inv_sum)``: ``(B, H, Tq, D)`` in q's
+    dtype, and per query the max ``m`` of sigma and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    row_max = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    row_inv_sum = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
-    cfg = forward_config(D, q.dtype)
+    cfg = forward_config(D, q.dtype, device_capability(q.device))
     _forward_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
-        q, k, v, out, lse, pad, params,
+        q, k, v, out, row_max, row_inv_sum, pad, params,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         stride_pb, stride_pn,
         H, Tq, Tk, scale,
         HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
         DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
     )
-    return out, lse
+    return out, row_max, row_inv_sum
 
 
 def _tile_args(cfg: BlockConfig) -> dict:
@@ -475,10 +518,10 @@ def _delta(out: torch.Tensor, dout: torch.Tensor, cfg: BlockConfig) -> torch.Ten
 
 def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     """Launch the backward kernels; returns ``(dq, dk, dv, partials)`` (None where not wanted)."""
-    q, k, v, out, lse, params, key_padding = ctx.saved_tensors
+    q, k, v, out, row_max, row_inv_sum, params, key_padding = ctx.saved_tensors
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    cfg_kv, cfg_q = backward_configs(D, q.dtype)
+    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device))
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
         HEAD_D=D, ORDER=ctx.order, CAUSAL=ctx.causal, HAS_PAD=key_padding is not None,
@@ -496,7 +539,7 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
         partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS),
                                dtype=torch.float32, device=q.device)
         _backward_dkdv_kernel[(programs,)](
-            q, k, v, dout, lse, delta, pad, params, dk, dv, partials,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params, **common,
             **_tile_args(cfg_kv),
@@ -504,7 +547,7 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     if want_dq:
         dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
-            q, k, v, dout, lse, delta, pad, params, dq,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
             stride_pb, stride_pn, H, Tq, Tk, ctx.scale, **common,
             **_tile_args(cfg_q),
@@ -518,8 +561,8 @@ class _MultiMaxAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ranges, ts, scale, causal, key_padding):
         params, order = pack_sigma_params(ranges, ts, q.device)
-        out, lse = _forward(q, k, v, params, order, scale, causal, key_padding)
-        ctx.save_for_backward(q, k, v, out, lse, params, key_padding)
+        out, row_max, row_inv_sum = _forward(q, k, v, params, order, scale, causal, key_padding)
+        ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum, params, key_padding)
         ctx.order, ctx.scale, ctx.causal = order, scale, causal
         ctx.param_shape = None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device,
                                                        ts.dtype, ts.device)

@@ -16,12 +16,17 @@ Design. One program per row (token). The row is streamed in column blocks of ``B
   row sum of ``s`` (for label smoothing); the target's ``s_y`` is one scalar load;
 * pass 2 (only when a gradient is needed) re-reads the row and writes the gradient right away::
 
+      p_j      = exp(s_j - max_s) / sum_exp                      # pass 1's own max and sum
       dsigma_j = (p_j - (1 - eps) [j == y] - eps / V) * w_t     # w_t = 1/n_valid, 1 or 0 if ignored
       dz_j     = dsigma_j * sigma'(z_j)
 
   and reduces ``dsigma_j * d sigma(z_j) / d theta`` over the row into 8 fp32 partials for the
   MultiMax parameters (one ``(8,)`` row per program in a ``(T, 8)`` buffer, summed on the host in a
   fixed order: deterministic, no atomics).
+
+  ``p`` is rebuilt from the row's max and sum, not as ``exp(s - lse)``: the fp32 rounding of
+  ``lse = max_s + log(sum_exp)`` grows with ``|lse|``, which sigma makes large, and would scale
+  every ``p`` of the row by the same wrong factor.
 
 Nothing of size ``T x V`` is ever held in fp32: only the logits (any dtype) and a gradient buffer
 in the logits' dtype exist. With ``b`` bytes per logit (2 for bf16/fp16, 4 for fp32), the forward
@@ -94,7 +99,7 @@ def _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3,
 
 
 @triton.jit
-def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, lse, w, confidence, smooth,
+def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
               r0, r1, r2, r3, t0, t1, t2, t3,
               ORDER: tl.constexpr, BLOCK_V: tl.constexpr, STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
     """Pass 2: write ``dz`` for the row (if ``STORE_DZ``) and return the 8 parameter partials.
@@ -119,7 +124,7 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, lse, w, confidence, smooth,
         active = cols < n_active
         x = tl.load(row_ptr + cols, mask=active, other=0.0).to(tl.float32)
         s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
-        p = tl.exp(s - lse)
+        p = tl.exp(s - row_max) * row_inv_sum
         g = (p - smooth - tl.where(cols == y, confidence, 0.0)) * w
         # where (a select), not a product with the mask, so that nothing from inactive lanes leaks in.
         g = tl.where(active, g, 0.0)
@@ -159,7 +164,7 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
     n_active = tl.where(valid, V, 0)
 
     max_s, sum_exp, sum_s = _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V)
-    # An ignored row read nothing (max -inf, sum 0): give it lse = 0 so pass 2 stays finite.
+    # An ignored row read nothing (max -inf, sum 0): give it lse = 0, so its (unstored) loss is finite.
     lse = tl.where(valid, max_s + tl.log(tl.where(valid, sum_exp, 1.0)), 0.0)
     x_y = tl.load(row_ptr + y, mask=valid, other=0.0).to(tl.float32)
     s_y = sigma_forward(x_y, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
@@ -168,8 +173,11 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
     tl.store(loss_ptr + row, tl.where(valid, loss * w, 0.0))
 
     if STORE_DZ or PARAM_GRADS:
+        # an ignored row (max -inf, sum 0) gets 0 and 0: every p is 0, never NaN
+        row_max = tl.where(valid, max_s, 0.0)
+        row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
-            row_ptr, grad_ptr + row * stride_grad, y, V, n_active, lse, w, confidence, smooth,
+            row_ptr, grad_ptr + row * stride_grad, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
         if PARAM_GRADS:
             store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)

@@ -1,7 +1,12 @@
 """Row-wise fused MultiMax: ``softmax(sigma(scale * x))`` over the last dimension, masked, in Triton.
 
-Forward reads the scores once and writes the weights once, and saves only the scores and one fp32
-log-sum-exp per row. Backward recomputes the weights from them, so it reads the scores and the
+Forward reads the scores once and writes the weights once, and saves only the scores and two fp32
+values per row: the maximum ``m`` of sigma and the sum ``l`` of ``exp(sigma - m)``. Backward
+recomputes the weights from them as ``exp(sigma - m) / l``, the very operations of the forward pass.
+(A single log-sum-exp ``m + log l`` would be one value fewer, but its fp32 rounding grows with
+``|m|``, which MultiMax's sigma makes large: ``exp(s - lse)`` then errs by a whole row's factor, and
+the parameter gradients, sums of many such terms, lose two orders of magnitude of accuracy.)
+Backward so it reads the scores and the
 upstream gradient and writes the input gradient: three tensors, the minimum. The gradients of the
 8 MultiMax parameters are reduced in fp32 inside each program and written as one partial row per
 program; the host sums the partials in a fixed order, so they are deterministic (no atomics).
@@ -37,7 +42,10 @@ from mmlight.kernels.sigma import (
 )
 
 #: Longest row kept in registers by one program; longer rows take the online multi-block loop.
-MAX_SINGLE_BLOCK = 16384
+#: 4096 fp32 values over 8 warps are 16 per thread, which the order-2 backward (scores, sigma,
+#: weights, gradient and the parameter terms per value) holds without spilling on sm_80 and sm_90
+#: (``python -m mmlight.kernels.compile_check``); wider single blocks spill.
+MAX_SINGLE_BLOCK = 4096
 #: Column block of the multi-block loop.
 LONG_ROW_BLOCK = 4096
 #: Elements per program a short-row tile aims for (several rows per program when rows are short).
@@ -62,7 +70,14 @@ def _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
 
 
 @triton.jit
-def _forward_short_rows(x_ptr, mask_ptr, y_ptr, lse_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
+def _probabilities(s, row_max, row_sum):
+    """``softmax(s)`` of a (R, C) tile from its rows' max and sum of ``exp(s - max)``: the forward
+    and the backward pass share these operations, so the backward sees the forward's weights."""
+    return tl.exp(s - row_max[:, None]) / row_sum[:, None]
+
+
+@triton.jit
+def _forward_short_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
                         scale, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
@@ -72,16 +87,16 @@ def _forward_short_rows(x_ptr, mask_ptr, y_ptr, lse_ptr, params_ptr, M, N, strid
                          r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
     row_max = tl.max(s, axis=1)  # (ROWS,)
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row: avoid -inf - -inf
-    e = tl.exp(s - row_max[:, None])  # masked entries: exp(-inf) = 0
-    total = tl.sum(e, axis=1)
-    y = e / tl.where(total == 0.0, 1.0, total)[:, None]
-    lse = tl.where(total == 0.0, float("inf"), row_max + tl.log(tl.where(total == 0.0, 1.0, total)))  # +inf: p = 0
+    total = tl.sum(tl.exp(s - row_max[:, None]), axis=1)  # masked entries: exp(-inf) = 0
+    total = tl.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0
+    y = _probabilities(s, row_max, total)
     tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
-    tl.store(lse_ptr + rows, lse[:, None], mask=rows < M)
+    tl.store(max_ptr + rows, row_max[:, None], mask=rows < M)
+    tl.store(sum_ptr + rows, total[:, None], mask=rows < M)
 
 
 @triton.jit
-def _forward_long_rows(x_ptr, mask_ptr, y_ptr, lse_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
+def _forward_long_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
                        scale, ORDER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     row = tl.program_id(0).to(tl.int64)
@@ -96,21 +111,22 @@ def _forward_long_rows(x_ptr, mask_ptr, y_ptr, lse_ptr, params_ptr, M, N, stride
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(tl.exp(s - safe_max[:, None]), axis=1)
         running_max = new_max
-    safe_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-    lse = tl.where(running_sum == 0.0, float("inf"), safe_max + tl.log(tl.where(running_sum == 0.0, 1.0, running_sum)))
+    row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    total = tl.where(running_sum == 0.0, 1.0, running_sum)  # fully masked row: 0 / 1 = 0
     for start in range(0, N, BLOCK_N):  # pass 2: write the weights
         cols = start + tl.arange(0, BLOCK_N)[None, :]
         _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
                              r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
-        y = tl.exp(s - lse[:, None])
+        y = _probabilities(s, row_max, total)
         tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
-    tl.store(lse_ptr + rows, lse[:, None])
+    tl.store(max_ptr + rows, row_max[:, None])
+    tl.store(sum_ptr + rows, total[:, None])
 
 
 @triton.jit
-def _backward_tile(u, s, dy, lse, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
+def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
     """Input gradient of a tile and its 8 parameter partials, given the row sums ``dot = sum(dy * p)``."""
-    p = tl.exp(s - lse[:, None])
+    p = _probabilities(s, row_max, row_sum)
     g = p * (dy - dot[:, None])  # gradient wrt sigma(u); 0 where masked since p = 0 there
     dx = g * sigma_derivative(u, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
     partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
@@ -118,7 +134,7 @@ def _backward_tile(u, s, dy, lse, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, OR
 
 
 @triton.jit
-def _backward_short_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, lse_ptr, params_ptr, partials_ptr, M, N,
+def _backward_short_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, params_ptr, partials_ptr, M, N,
                          stride_x, stride_mask, stride_dy, stride_dx, scale,
                          ORDER: tl.constexpr, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
@@ -128,38 +144,40 @@ def _backward_short_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, lse_ptr, params_ptr, p
     inside = (rows < M) & (cols < N)
     u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
                          r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
-    lse = tl.load(lse_ptr + tl.arange(0, ROWS) + pid * ROWS, mask=pid * ROWS + tl.arange(0, ROWS) < M,
-                  other=float("inf"))
+    row_ids = pid * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    row_max = tl.load(max_ptr + row_ids, mask=row_ids < M, other=0.0)
+    row_sum = tl.load(sum_ptr + row_ids, mask=row_ids < M, other=1.0)
     dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=inside, other=0.0).to(tl.float32)
-    dot = tl.sum(dy * tl.exp(s - lse[:, None]), axis=1)
-    dx, partials = _backward_tile(u, s, dy, lse, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    dot = tl.sum(dy * _probabilities(s, row_max, row_sum), axis=1)
+    dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
     tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
     dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = partials
     store_param_partials(partials_ptr + pid * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 @triton.jit
-def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, lse_ptr, params_ptr, partials_ptr, M, N,
+def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, params_ptr, partials_ptr, M, N,
                         stride_x, stride_mask, stride_dy, stride_dx, scale,
                         ORDER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     row = tl.program_id(0).to(tl.int64)
     rows = tl.full((1, 1), 0, tl.int64) + row  # (1, 1)
-    lse = tl.load(lse_ptr + row + tl.zeros((1,), tl.int64))  # (1,)
+    row_max = tl.load(max_ptr + row + tl.zeros((1,), tl.int64))  # (1,)
+    row_sum = tl.load(sum_ptr + row + tl.zeros((1,), tl.int64))  # (1,)
     dot = tl.zeros((1,), tl.float32)
     for start in range(0, N, BLOCK_N):  # pass 1: sum(dy * p) over the row
         cols = start + tl.arange(0, BLOCK_N)[None, :]
         _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
                              r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        dot += tl.sum(dy * tl.exp(s - lse[:, None]), axis=1)
+        dot += tl.sum(dy * _probabilities(s, row_max, row_sum), axis=1)
     acc = tl.zeros((8,), tl.float32)
     for start in range(0, N, BLOCK_N):  # pass 2: input gradient and parameter partials
         cols = start + tl.arange(0, BLOCK_N)[None, :]
         u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
                              r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        dx, partials = _backward_tile(u, s, dy, lse, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+        dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = partials
         acc += pack_param_partials(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
@@ -172,7 +190,7 @@ def _launch_config(n: int) -> dict:
         return {"long": True, "BLOCK_N": LONG_ROW_BLOCK, "ROWS": 1, "num_warps": 8}
     block = triton.next_power_of_2(n)
     rows = max(1, min(32, SHORT_TILE_ELEMENTS // block))
-    num_warps = 4 if rows * block <= 4096 else (8 if rows * block <= 8192 else 16)
+    num_warps = 8 if rows * block >= SHORT_TILE_ELEMENTS else 4  # at most 16 values per thread
     return {"long": False, "BLOCK_N": block, "ROWS": rows, "num_warps": num_warps}
 
 
@@ -182,25 +200,26 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         params, order = pack_sigma_params(ranges, ts, x2d.device)
         m, n = x2d.shape
         y = torch.empty_like(x2d)
-        lse = torch.empty(m, dtype=torch.float32, device=x2d.device)
+        row_max = torch.empty(m, dtype=torch.float32, device=x2d.device)
+        row_sum = torch.empty(m, dtype=torch.float32, device=x2d.device)
         cfg = _launch_config(n)
         mask_arg = mask2d if mask2d is not None else x2d  # never read when HAS_MASK is False
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
         common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         if cfg["long"]:
-            _forward_long_rows[(m,)](x2d, mask_arg, y, lse, params, m, n, x2d.stride(0), mask_stride, y.stride(0),
+            _forward_long_rows[(m,)](x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0),
                                      scale, **common)
         else:
             _forward_short_rows[(triton.cdiv(m, cfg["ROWS"]),)](
-                x2d, mask_arg, y, lse, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
+                x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
                 ROWS=cfg["ROWS"], **common)
-        ctx.save_for_backward(x2d, mask2d, lse, params)
+        ctx.save_for_backward(x2d, mask2d, row_max, row_sum, params)
         ctx.order, ctx.scale, ctx.n_params = order, scale, 0 if ranges is None else ranges.shape[0]
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, mask2d, lse, params = ctx.saved_tensors
+        x2d, mask2d, row_max, row_sum, params = ctx.saved_tensors
         m, n = x2d.shape
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dx = torch.empty_like(x2d)
@@ -209,7 +228,7 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
         mask_arg = mask2d if mask2d is not None else x2d
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
-        args = (x2d, mask_arg, dy, dx, lse, params, partials, m, n,
+        args = (x2d, mask_arg, dy, dx, row_max, row_sum, params, partials, m, n,
                 x2d.stride(0), mask_stride, dy.stride(0), dx.stride(0), ctx.scale)
         common = dict(ORDER=ctx.order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         if cfg["long"]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 
 from mmlight.reweighting import Reweighting, Softmax
-from mmlight.reweighting.backend import Backend, check_backend, resolve_backend
+from mmlight.reweighting.backend import Backend, check_backend, resolve_backend, run_fused
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -190,7 +190,10 @@ def attention(
         # Fused kernels take no empty tensors; the explicit path handles an empty batch.
         fusable = (mask is None or key_padding is not None) and q.numel() > 0 and k_len > 0
         if fusable and resolve_backend(backend, q, True, type(reweight).__name__) == "triton":
-            y = fused.attention(q, k, v, scale, is_causal, key_padding)
+            y = run_fused(backend, f"{type(reweight).__name__} attention", fused.attention,
+                          # the explicit path on the compile backend, if the kernel cannot run here
+                          lambda *_: attention(q, k, v, reweight, mask, is_causal, dropout_p, scale, "compile"),
+                          q, k, v, scale, is_causal, key_padding)
             if y is not None:
                 return y
 

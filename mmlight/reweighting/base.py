@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmlight.reweighting.backend import Backend, check_backend, resolve_backend
+from mmlight.reweighting.backend import Backend, check_backend, resolve_backend, run_fused
 from mmlight.reweighting.fused import FusedOps
 
 # Masked positions are set this far below the row maximum before normalising. exp(-1e4) is 0 in
@@ -95,9 +95,11 @@ class Reweighting(nn.Module):
     def compute(self, scores: torch.Tensor, mask: torch.Tensor | None, backend: Backend) -> torch.Tensor:
         """:meth:`forward` with the backend given per call (attention passes its own)."""
         fused = self.fused()
-        backend = resolve_backend(backend, scores, fused is not None, type(self).__name__)
-        if backend == "triton":
-            return fused.rowwise(scores, mask)
+        resolved = resolve_backend(backend, scores, fused is not None, type(self).__name__)
+        if resolved == "triton":
+            return run_fused(backend, f"{type(self).__name__} row-wise", fused.rowwise,
+                             lambda s, m: self.compute(s, m, "compile"), scores, mask)
+        backend = resolved
         if backend == "compile":
             if getattr(self, "_compiled_reference", None) is None:
                 # Instances of one class share the compiled graph (their parameters are graph inputs).

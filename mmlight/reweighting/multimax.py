@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmlight.reweighting.backend import Backend, resolve_backend
+from mmlight.reweighting.backend import Backend, resolve_backend, run_fused
 from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.fused import SigmaKernels
 from mmlight.reweighting.registry import register
@@ -117,7 +117,8 @@ class MultiMax(Reweighting):
         if backend == "triton":
             from mmlight.kernels import multimax_cross_entropy  # imports Triton only when it is used
 
-            return multimax_cross_entropy(*args)
+            return run_fused(self.backend, "MultiMax cross-entropy", multimax_cross_entropy,
+                             lambda *a: _compiled_cross_entropy()(*a), *args)
         if backend == "compile":
             return _compiled_cross_entropy()(*args)
         return multimax_cross_entropy_reference(*args)

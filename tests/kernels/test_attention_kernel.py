@@ -21,8 +21,8 @@ TS = {1: [0.3, 0.2], 2: [0.3, 0.2, 0.1, 0.05]}
 def use_blocks(monkeypatch, block_m, block_n):
     """Force ``block_m`` x ``block_n`` tiles in every kernel."""
     cfg = kernel.BlockConfig(block_m, block_n, num_warps=4, num_stages=1)
-    monkeypatch.setattr(kernel, "forward_config", lambda head_dim, dtype: cfg)
-    monkeypatch.setattr(kernel, "backward_configs", lambda head_dim, dtype: (cfg, cfg))
+    monkeypatch.setattr(kernel, "forward_config", lambda head_dim, dtype, capability: cfg)
+    monkeypatch.setattr(kernel, "backward_configs", lambda head_dim, dtype, capability: (cfg, cfg))
 
 
 @pytest.fixture
@@ -141,18 +141,22 @@ def test_fully_padded_batch_row_gives_zeros(small_blocks):
     check_against_reference(make_inputs(Tq=37, Tk=19, order=1), 1e-5, 2e-5, causal=True, key_padding=pad[:, :19])
 
 
-def test_saved_log_sum_exp(small_blocks):
-    """lse (fp32, per row) is log sum_j exp(s_j) over kept keys, +inf for a row without keys."""
+def test_saved_row_statistics(small_blocks):
+    """Per row (fp32): the max m of sigma over kept keys and 1 / sum_j exp(s_j - m), together the
+    log-sum-exp; 0 and 0 for a row without keys."""
     q, k, v, ranges, ts = make_inputs(Tq=37, Tk=19, order=2)
     params, order = kernel.pack_sigma_params(ranges, ts, q.device)
-    _, lse = kernel._forward(q.detach(), k.detach(), v.detach(), params, order, 32 ** -0.5, True, None)
+    _, row_max, row_inv_sum = kernel._forward(q.detach(), k.detach(), v.detach(), params, order, 32 ** -0.5, True, None)
     x = q.detach().double() @ k.detach().double().transpose(-2, -1) * 32 ** -0.5
     s = multimax_sigma(x, ranges.detach().double(), ts.detach().double())
     keep = torch.ones(37, 19, dtype=torch.bool).tril(19 - 37)
-    want = torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1)  # -inf where no key
-    assert lse.dtype == torch.float32 and lse.shape == (2, 2, 37)
-    assert torch.isposinf(lse[:, :, :18]).all() and torch.isneginf(want[:, :, :18]).all()
-    assert_close(lse[:, :, 18:], want[:, :, 18:], 1e-5, "lse")
+    masked = s.masked_fill(~keep, float("-inf"))
+    want_lse = torch.logsumexp(masked, dim=-1)  # -inf where no key
+    assert row_max.dtype == row_inv_sum.dtype == torch.float32 and row_max.shape == row_inv_sum.shape == (2, 2, 37)
+    assert (row_max[:, :, :18] == 0).all() and (row_inv_sum[:, :, :18] == 0).all()
+    assert_close(row_max[:, :, 18:], masked.amax(-1)[:, :, 18:], 1e-6, "row max")
+    lse = row_max.double() - row_inv_sum.double().log()
+    assert_close(lse[:, :, 18:], want_lse[:, :, 18:], 1e-6, "log-sum-exp")
 
 
 @pytest.mark.parametrize("D", [16, 32, 64, 128])

@@ -1,0 +1,73 @@
+"""Compile every Triton kernel specialisation for sm_80 (A100) and sm_90 (H100), without a GPU,
+and record registers, spills and shared memory (see :mod:`mmlight.kernels.compile_check`).
+
+    python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
+    python benchmarks/compile_report.py --matrix shipped
+    python benchmarks/compile_report.py --family attention --dtype bf16   # recompile a part
+
+Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
+and target, then one row per compiled kernel); the summary goes into BENCHMARKS.md. Rerun it
+whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before mmlight.kernels is imported: the compiled kernels
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from mmlight.kernels import compile_check  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+FAMILIES = ("rowwise", "attention", "cross_entropy")
+
+
+def render(results: list[compile_check.Compiled], matrix: str) -> str:
+    """The Markdown report: versions, the summary table, the per-kernel table."""
+    failing = sum(bool(r.problems) for r in results)
+    head = (f"Kernels compiled offline for sm_80 and sm_90 (matrix `{matrix}`) with triton {triton.__version__} "
+            f"and its bundled ptxas, torch {torch.__version__}, on {platform.machine()} without a GPU. "
+            f"{len(results)} specialisations, {failing} failing a check (spills, shared memory above "
+            f"163 KB / 227 KB, registers x threads above 64K).\n")
+    return "\n".join([head, compile_check.summary_table(results), "", compile_check.TABLE_HEADER,
+                      *map(compile_check.format_row, results), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--matrix", choices=("shipped", "full"), default="full")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES),
+                        help="recompile only these kernel families; the report keeps the other rows")
+    parser.add_argument("--dtype", nargs="+", choices=list(compile_check.DTYPES), default=list(compile_check.DTYPES),
+                        help="recompile only these dtypes; the report keeps the other rows")
+    args = parser.parse_args(argv)
+    cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
+    cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]
+    results = compile_check.check_cases(cases, compile_check.CAPABILITIES, args.jobs,
+                                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"compile_report-{args.matrix}"
+    if stem.with_suffix(".json").exists():  # keep the rows of the families and dtypes not recompiled
+        kept = [compile_check.Compiled(**row) for row in json.loads(stem.with_suffix(".json").read_text())
+                if not (row["family"] in args.family and row["dtype"] in args.dtype)]
+        results = kept + results
+    stem.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    stem.with_suffix(".md").write_text(render(results, args.matrix))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 1 if any(r.problems for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

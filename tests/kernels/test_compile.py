@@ -1,0 +1,77 @@
+"""Every kernel specialisation the shipped configs launch compiles for sm_80 (A100) and sm_90
+(H100), without spills and within shared memory, on a machine without a GPU (issue 15).
+
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this process has the interpreter
+on, which replaces the compiled kernels). The full matrix is ``benchmarks/compile_report.py``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmlight.kernels.compile_check import SHARED_MEMORY_LIMITS, parse_ptxas_log, shipped_cases
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTENTION_KERNELS = {"_forward_kernel", "_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"}
+
+
+def compiled_env() -> dict:
+    return {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--matrix", "shipped",
+                          "--jobs", "2", "--out", str(tmp_path)], env=compiled_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    out = tmp_path / "compile_report-shipped.json"
+    assert out.exists(), run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for r in results:
+        assert not r["problems"], f"{r['kernel']} {r['case']} sm_{r['capability']}: {r['problems']}"
+        assert r["spill_stores"] == r["spill_loads"] == 0 and 0 < r["registers"] <= 255
+        assert r["shared"] <= SHARED_MEMORY_LIMITS[r["capability"]]
+        assert r["registers"] * 32 * r["num_warps"] <= 65536
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "compile_report-shipped.md").read_text().count("| ok |") == len(results)
+    for capability in (80, 90):
+        compiled = [r for r in results if r["capability"] == capability]
+        assert {r["kernel"] for r in compiled} == ATTENTION_KERNELS | {"_cross_entropy_kernel"}
+        # a specialisation two configs share (e.g. the 10,000- and 267,744-word cross-entropy) is
+        # compiled once, for the first; every config has attention kernels of its own head dim or mask
+        for origin in {c.origin for c in shipped_cases()}:
+            assert ATTENTION_KERNELS <= {r["kernel"] for r in compiled if r["origin"] == origin}, origin
+
+
+FORCED_SPILL = """
+import json
+from mmlight.kernels import compile_check as C
+case = C.Case("attention", "bf16", n=197, head_dim=64)
+launch = next(l for l in C.launches_of(case, 90) if l.kernel.__name__ == "_forward_kernel")
+print(json.dumps(C.compile_launch(launch, case, 90, extra_options={"maxnreg": 64}).__dict__))
+"""
+
+
+@pytest.mark.slow
+def test_a_spilling_kernel_is_reported():
+    """The check sees spills: the forward kernel capped at 64 registers per thread must spill."""
+    run = subprocess.run([sys.executable, "-c", FORCED_SPILL], env=compiled_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["registers"] <= 64 and result["spill_stores"] > 0
+    assert any("spills" in p for p in result["problems"])
+
+
+def test_ptxas_log_parsing():
+    log = """ptxas info    : Compiling entry function '_fwd' for 'sm_90a'
+ptxas info    : Function properties for _fwd
+    48 bytes stack frame, 44 bytes spill stores, 40 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 8 bytes cmem[0]
+"""
+    assert parse_ptxas_log(log) == {"registers": 255, "stack_frame": 48, "spill_stores": 44, "spill_loads": 40}
+    with pytest.raises(ValueError, match="no resource usage"):
+        parse_ptxas_log("ptxas fatal : Unresolved extern function")

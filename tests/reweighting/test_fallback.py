@@ -1,0 +1,145 @@
+"""``auto`` never breaks a run: a Triton kernel that fails is replaced by ``compile`` (issue 15).
+
+Without a GPU ``auto`` never picks the kernels, so these tests make it pick them (``resolve_backend``
+patched where it is called) and make the kernels fail; ``torch.compile`` is replaced by the identity
+so that the fallback path runs at once on the CPU (what is checked is that it is taken).
+"""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmlight.reweighting import MultiMax, backend, base, fused, multimax
+from mmlight.reweighting.backend import run_fused
+
+attention_module = importlib.import_module("mmlight.nn.attention")  # the package re-exports the function
+
+
+@pytest.fixture(autouse=True)
+def fresh_failures(monkeypatch):
+    monkeypatch.setattr(backend, "FAILED_KERNELS", {})
+    monkeypatch.setattr(backend, "_PROBED", set())
+
+
+def broken(*args):
+    raise RuntimeError("PTXASError: ptxas ran out of registers")
+
+
+def test_auto_falls_back_once_with_one_warning():
+    calls = []
+
+    def kernel(x):
+        calls.append(x)
+        return broken()
+
+    x = torch.ones(3)
+    with pytest.warns(RuntimeWarning, match=r"MultiMax row-wise \(torch.float32, <=4\).*PTXASError"):
+        assert torch.equal(run_fused("auto", "MultiMax row-wise", kernel, lambda x: x * 2, x), x * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        assert torch.equal(run_fused("auto", "MultiMax row-wise", kernel, lambda x: x * 3, x), x * 3)
+    assert len(calls) == 1  # not tried again
+    assert list(backend.FAILED_KERNELS) == ["MultiMax row-wise (torch.float32, <=4)"]
+
+
+def test_explicit_triton_raises():
+    with pytest.raises(RuntimeError, match="out of registers"):
+        run_fused("triton", "MultiMax row-wise", broken, lambda x: x, torch.ones(3))
+
+
+def test_out_of_memory_is_not_swallowed():
+    def oom(x):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        run_fused("auto", "MultiMax row-wise", oom, lambda x: x, torch.ones(3))
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity forward; a backward that fails as a kernel compiled at its first launch would."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("triton.runtime.errors.OutOfResources: shared memory")
+
+
+def test_a_backward_that_cannot_run_is_caught_before_the_forward_commits():
+    weight = torch.tensor(2.0, requires_grad=True)
+    x = torch.ones(4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="OutOfResources"):
+        y = run_fused("auto", "kernel", lambda x: _FailingBackward.apply(x, weight), lambda x: x * weight, x)
+    y.sum().backward()  # the fallback's graph: works
+    assert torch.equal(x.grad, torch.full((4,), 2.0)) and weight.grad == 4.0  # the trial left no gradient
+
+
+def test_a_working_kernel_runs_its_backward_once_and_is_used():
+    x = torch.ones(4, requires_grad=True)
+    calls = []
+
+    def kernel(x):
+        calls.append(1)
+        return x * 5
+
+    for _ in range(3):
+        y = run_fused("auto", "kernel", kernel, broken, x)
+    assert torch.equal(y, x * 5) and len(calls) == 4  # one trial with backward, then one per call
+    assert x.grad is None
+
+
+@pytest.fixture
+def triton_chosen_and_broken(monkeypatch):
+    """``auto`` resolves to ``triton`` at every call site, and every kernel raises."""
+    choose_triton = lambda requested, tensor, has_kernel, owner: (  # noqa: E731
+        "triton" if has_kernel and requested in ("auto", "triton") else requested)
+    for module in (attention_module, base, multimax):
+        monkeypatch.setattr(module, "resolve_backend", choose_triton)
+    monkeypatch.setattr(fused.SigmaKernels, "rowwise", lambda self, *a: broken())
+    monkeypatch.setattr(fused.SigmaKernels, "attention", lambda self, *a: broken())
+    monkeypatch.setattr("mmlight.kernels.multimax_cross_entropy", broken)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    multimax._compiled_cross_entropy.cache_clear()
+    yield
+    multimax._compiled_cross_entropy.cache_clear()
+
+
+def make_multimax(backend_name):
+    module = MultiMax(order=2, backend=backend_name)
+    with torch.no_grad():
+        module.ranges.copy_(torch.tensor([-0.5, 0.5, -1.0, 1.0]))
+        module.ts.copy_(torch.tensor([0.3, 0.2, 0.1, 0.05]))
+    return module
+
+
+def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
+    module = make_multimax("auto")
+    scores = torch.randn(2, 3, 5, 7)
+    q, k, v = torch.randn(3, 2, 2, 5, 16).unbind(0)
+    logits, target = torch.randn(4, 9), torch.tensor([0, 3, 8, 1])
+    with pytest.warns(RuntimeWarning) as record:
+        weights = module(scores)
+        out = attention_module.attention(q, k, v, module, is_causal=True)
+        loss = module.cross_entropy(logits, target)
+    named = " ".join(str(w.message) for w in record)
+    assert "MultiMax row-wise" in named and "MultiMax attention" in named and "MultiMax cross-entropy" in named
+    torch.testing.assert_close(weights, module.reference(scores))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    torch.testing.assert_close(out, module.reference(q @ k.transpose(-2, -1) * 16 ** -0.5, causal) @ v)
+    torch.testing.assert_close(loss, F.cross_entropy(module.modulate(logits), target))
+
+
+def test_every_call_site_raises_with_explicit_triton(triton_chosen_and_broken):
+    module = make_multimax("triton")
+    q, k, v = torch.randn(3, 2, 2, 5, 16).unbind(0)
+    with pytest.raises(RuntimeError, match="out of registers"):
+        module(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="out of registers"):
+        attention_module.attention(q, k, v, module)
+    with pytest.raises(RuntimeError, match="out of registers"):
+        module.cross_entropy(torch.randn(4, 9), torch.tensor([0, 3, 8, 1]))
