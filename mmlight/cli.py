@@ -159,6 +159,8 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 #: Subcommands outside LightningCLI: name -> ``module:function``, called with the remaining argv.
 TOOLS: dict[str, str] = {
     "prepare": "mmlight.data.prepare:main",
+    "sweep": "mmlight.experiments.sweep:main",
+    "collect": "mmlight.experiments.collect:main",
 }
 
 
