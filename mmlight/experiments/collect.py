@@ -99,8 +99,10 @@ def markdown(table: Table, results: list[CellResult], command: str) -> str:
     means = [r.mean for r in results if r.mean is not None]
     best = (max if table.higher_is_better else min)(means) if means else None
     grid = {(r.cell.row, r.cell.column): r for r in results}
+    metrics = ", ".join(dict.fromkeys(f"{r.cell.metric}{f' x {r.cell.scale:g}' if r.cell.scale != 1 else ''}"
+                                      for r in results))
     lines = [f"# {table.title}", "",
-             f"{table.metric}{f' x {table.scale:g}' if table.scale != 1 else ''} from the {table.checkpoint} "
+             f"{metrics} from the {table.checkpoint} "
              f"checkpoint; mean ± std (population, ddof=0) over seeds {table.seeds}; the paper's numbers after "
              f"'paper'. Written by `{command}`.", "",
              "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]

@@ -76,10 +76,12 @@ def command_line(args: list[str]) -> str:
 
 
 def dry_run(table: Table, runs: list[Run], extra: list[str]) -> None:
-    eval_note = f"then `mmlight {table.eval_stage} ... --ckpt_path <{table.checkpoint} checkpoint>`"
-    if table.checkpoint == "last" and table.eval_stage == "validate":
+    stages = sorted({cell.eval_stage for cell in table.cells})
+    eval_note = f"then `mmlight {'/'.join(stages)} ... --ckpt_path <{table.checkpoint} checkpoint>`"
+    if table.checkpoint == "last" and stages == ["validate"]:
         eval_note += " unless fit validated the final step"
-    print(f"{table.name}: {len(table.cells)} cells x {len(table.seeds)} seeds; metric {table.metric} "
+    metrics = sorted({cell.metric for cell in table.cells})
+    print(f"{table.name}: {len(table.cells)} cells x {len(table.seeds)} seeds; metric {', '.join(metrics)} "
           f"from the {table.checkpoint} checkpoint")
     for run in runs:
         print(f"[{run.index}] {run.label}  {run.directory}  ({run.status()})")
@@ -132,10 +134,10 @@ def run_one(run: Run, extra: list[str], threads: int | None) -> str:
                           "(keep mmlight.callbacks.FinalMetrics in trainer.callbacks)")
     value = run.result()
     if value is None:
-        return failed(run, "collect", 0, log, f"no {run.table.metric} from the {run.table.checkpoint} checkpoint "
+        return failed(run, "collect", 0, log, f"no {run.cell.metric} from the {run.table.checkpoint} checkpoint "
                       "in the metrics files; is the metric logged?")
     write_status(run.directory, status="done", log=str(log), seconds=round(time.time() - start, 1))
-    print(f"[{run.index}] {run.label}: {run.table.metric} = {value:.4g} ({time.time() - start:.0f} s)", flush=True)
+    print(f"[{run.index}] {run.label}: {run.cell.metric} = {value:.4g} ({time.time() - start:.0f} s)", flush=True)
     return "done"
 
 

@@ -41,7 +41,9 @@ import yaml
 METRICS_FILE = "final_metrics.json"
 STATUS_FILE = "sweep_status.json"
 TABLE_KEYS = {"title", "config", "seeds", "metric", "checkpoint", "scale", "digits", "overrides", "cells", "higher_is_better"}
-CELL_KEYS = {"row", "column", "config", "overrides", "paper", "paper_std"}
+#: keys starting with this are ignored (a place for YAML anchors that cells share)
+EXTENSION_PREFIX = "x-"
+CELL_KEYS = {"row", "column", "config", "overrides", "paper", "paper_std", "metric", "scale"}
 
 
 class TableError(ValueError):
@@ -60,15 +62,24 @@ class Cell:
         overrides: dotted config keys and values, given to ``mmlight`` as ``--key value``.
         paper: the paper's number (or one per run).
         paper_std: the paper's standard deviation, when it gives one.
+        metric: the metric of this cell (default: the table's), e.g. when columns are different tasks.
+        scale: its factor (default: the table's).
     """
 
     name: str
     row: str
     column: str
     config: Path
+    metric: str
+    scale: float
     overrides: dict[str, Any] = field(default_factory=dict)
     paper: float | list[float] | None = None
     paper_std: float | None = None
+
+    @property
+    def eval_stage(self) -> Literal["validate", "test"]:
+        """The subcommand that evaluates the reported checkpoint."""
+        return "validate" if self.metric.startswith("val/") else "test"
 
 
 @dataclass
@@ -81,7 +92,7 @@ class Table:
         title: a heading for the written table.
         cells: the cells, in file order.
         seeds: every cell runs once per seed (``--seed_everything``).
-        metric: the logged metric to report, ``val/*`` or ``test/*``.
+        metric: the logged metric to report, ``val/*`` or ``test/*`` (a cell may name its own).
         checkpoint: ``best`` (the config's ``best_checkpoint``) or ``last`` (the final weights).
         scale: factor applied to the metric (e.g. 100 for a fraction shown in %).
         digits: decimals shown.
@@ -100,11 +111,6 @@ class Table:
     digits: int = 2
     higher_is_better: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def eval_stage(self) -> Literal["validate", "test"]:
-        """The subcommand that evaluates the reported checkpoint."""
-        return "validate" if self.metric.startswith("val/") else "test"
 
     def runs(self, out: Path | str = "runs/tables") -> list["Run"]:
         """Every (cell, seed) run, cells in file order, seeds inner; the list index is the run's
@@ -191,7 +197,7 @@ class Run:
         if not checkpoint:
             raise FileNotFoundError(f"{self.label}: fit recorded no {self.table.checkpoint!r} checkpoint "
                                     f"(checkpoints: {fit.get('checkpoints')}); is best_checkpoint's monitor logged?")
-        stage = self.table.eval_stage
+        stage = self.cell.eval_stage
         return [stage, "--config", str(self.cell.config), *self.overrides(stage, extra), "--ckpt_path", checkpoint]
 
     def reported_checkpoint(self, fit: dict) -> str | None:
@@ -201,7 +207,7 @@ class Run:
     def value_from(self, record: dict | None, fit: dict) -> float | None:
         """The reported metric (scaled) in a metrics record, if it comes from the table's checkpoint:
         fit's own values count only for ``last`` and only when validated at the final step."""
-        entry = (record or {}).get("metrics", {}).get(self.table.metric)
+        entry = (record or {}).get("metrics", {}).get(self.cell.metric)
         if entry is None:
             return None
         if record.get("stage") == "fit":
@@ -209,14 +215,14 @@ class Run:
                 return None
         elif not _same_file(record.get("checkpoint"), self.reported_checkpoint(fit)):
             return None  # evaluated another checkpoint (e.g. the table switched best <-> last)
-        return float(entry["value"]) * self.table.scale
+        return float(entry["value"]) * self.cell.scale
 
     def result(self) -> float | None:
         """The reported value, or None when the run has not produced it."""
         fit = read_metrics(self.stage_dir("fit"))
         if fit is None:
             return None
-        for record in (read_metrics(self.stage_dir(self.table.eval_stage)), fit):
+        for record in (read_metrics(self.stage_dir(self.cell.eval_stage)), fit):
             value = self.value_from(record, fit)
             if value is not None:
                 return value
@@ -281,9 +287,17 @@ def _parse_cell(name: str, spec: Any, table: dict, path: Path) -> Cell:
         paper = _number(paper, f"cell {name!r} paper", path)
     paper_std = spec.get("paper_std")
     config = _config_path(spec.get("config", table.get("config")), f"cell {name!r}", path)
-    return Cell(name=name, row=str(spec.get("row", name)), column=str(spec.get("column", table["metric"])),
-                config=config, overrides=overrides, paper=paper,
+    metric = _metric(spec.get("metric", table["metric"]), f"cell {name!r} metric", path)
+    return Cell(name=name, row=str(spec.get("row", name)), column=str(spec.get("column", metric)),
+                config=config, metric=metric, scale=_number(spec.get("scale", table.get("scale", 1.0)), f"cell {name!r} scale", path),
+                overrides=overrides, paper=paper,
                 paper_std=None if paper_std is None else _number(paper_std, f"cell {name!r} paper_std", path))
+
+
+def _metric(value: Any, where: str, path: Path) -> str:
+    if not isinstance(value, str) or not value.startswith(("val/", "test/")):
+        raise TableError(f"{path}: {where} must be a logged val/* or test/* name (e.g. test/bleu), got {value!r}")
+    return value
 
 
 def _config_path(value: Any, where: str, path: Path) -> Path:
@@ -306,12 +320,10 @@ def load_table(path: str | Path) -> Table:
         raise TableError(f"{path} is not valid YAML: {err}") from None
     if not isinstance(spec, dict):
         raise TableError(f"{path}: a table is a mapping with keys {sorted(TABLE_KEYS)}")
-    unknown = sorted(set(spec) - TABLE_KEYS)
+    unknown = sorted(k for k in set(spec) - TABLE_KEYS if not str(k).startswith(EXTENSION_PREFIX))
     if unknown:
         raise TableError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(TABLE_KEYS)}")
-    metric = spec.get("metric")
-    if not isinstance(metric, str) or not metric.startswith(("val/", "test/")):
-        raise TableError(f"{path}: metric must be a logged val/* or test/* name (e.g. test/bleu), got {metric!r}")
+    metric = _metric(spec.get("metric"), "metric", path)
     checkpoint = spec.get("checkpoint", "best")
     if checkpoint not in ("best", "last"):
         raise TableError(f"{path}: checkpoint must be 'best' or 'last', got {checkpoint!r}")
