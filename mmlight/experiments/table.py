@@ -129,13 +129,8 @@ def override_args(overrides: dict[str, Any]) -> list[str]:
     """``--key value`` pairs; lists and mappings as JSON, which the config parser reads as YAML."""
     args = []
     for key, value in overrides.items():
-        if isinstance(value, (dict, list)):
-            text = json.dumps(value)
-        elif isinstance(value, bool) or value is None:
-            text = json.dumps(value)  # true / false / null
-        else:
-            text = str(value)
-        args += [f"--{key}", text]
+        text = json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+        args += [f"--{key}", text]  # JSON gives true / false / null for the YAML parser
     return args
 
 
@@ -277,9 +272,7 @@ def _parse_cell(name: str, spec: Any, table: dict, path: Path) -> Cell:
     unknown = sorted(set(spec) - CELL_KEYS)
     if unknown:
         raise TableError(f"{path}: cell {name!r} has unknown key(s) {unknown}; allowed: {sorted(CELL_KEYS)}")
-    overrides = spec.get("overrides") or {}
-    if not isinstance(overrides, dict) or not all(isinstance(k, str) and not k.startswith("-") for k in overrides):
-        raise TableError(f"{path}: cell {name!r}: overrides must map dotted config keys (no leading --) to values")
+    overrides = _overrides(spec.get("overrides"), f"cell {name!r}", path)
     paper = spec.get("paper")
     if isinstance(paper, list):
         paper = [_number(p, f"cell {name!r} paper", path) for p in paper]
@@ -292,6 +285,13 @@ def _parse_cell(name: str, spec: Any, table: dict, path: Path) -> Cell:
                 config=config, metric=metric, scale=_number(spec.get("scale", table.get("scale", 1.0)), f"cell {name!r} scale", path),
                 overrides=overrides, paper=paper,
                 paper_std=None if paper_std is None else _number(paper_std, f"cell {name!r} paper_std", path))
+
+
+def _overrides(value: Any, where: str, path: Path) -> dict[str, Any]:
+    value = value or {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and not k.startswith("-") for k in value):
+        raise TableError(f"{path}: {where}: overrides must map dotted config keys (no leading --) to values")
+    return value
 
 
 def _metric(value: Any, where: str, path: Path) -> str:
@@ -337,14 +337,15 @@ def load_table(path: str | Path) -> Table:
     for name in cells:
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").replace(".", "").isalnum():
             raise TableError(f"{path}: cell name {name!r} must be letters, digits, '_', '-' or '.' (it is a folder name)")
-    overrides = spec.get("overrides") or {}
-    if not isinstance(overrides, dict):
-        raise TableError(f"{path}: overrides must be a mapping of dotted config keys to values")
+    overrides = _overrides(spec.get("overrides"), "table", path)
+    digits = spec.get("digits", 2)
+    if not isinstance(digits, int) or isinstance(digits, bool) or not 0 <= digits <= 10:
+        raise TableError(f"{path}: digits must be an integer from 0 to 10, got {digits!r}")
     return Table(
         name=path.stem, path=path, title=str(spec.get("title", path.stem)),
         cells=[_parse_cell(name, cell, spec, path) for name, cell in cells.items()],
         seeds=seeds, metric=metric, checkpoint=checkpoint,
-        scale=_number(spec.get("scale", 1.0), "scale", path), digits=int(spec.get("digits", 2)),
+        scale=_number(spec.get("scale", 1.0), "scale", path), digits=digits,
         higher_is_better=bool(spec.get("higher_is_better", not metric.endswith(("ppl", "loss")))),
         overrides=overrides,
     )
