@@ -90,8 +90,14 @@ def checkpoint_files(trainer) -> dict:
         if callback.monitor and callback.best_model_path:
             files["best"] = str(Path(callback.best_model_path).resolve())
             files["best_score"] = float(callback.best_model_score) if callback.best_model_score is not None else None
-        if callback.last_model_path:
-            files["last"] = str(Path(callback.last_model_path).resolve())
+        last = callback.last_model_path
+        if not last and callback.save_last and callback.dirpath:
+            # a run resumed at its end saves nothing, and Lightning forgets last_model_path when the
+            # run folder was moved: the file is still there
+            last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            last = str(last) if last.is_file() else None
+        if last:
+            files["last"] = str(Path(last).resolve())
     return files
 
 
