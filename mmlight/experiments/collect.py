@@ -86,9 +86,11 @@ def entry(result: CellResult, table: Table, best: bool) -> str:
         ours = f"**{ours}**"
     n, total = len(result.finished), len(result.runs)
     if n < total:
-        missing = ", ".join(f"seed {run.seed} {status}" for run, status in zip(result.runs, result.statuses)
-                            if status != "done")
-        ours += f" ({n}/{total}; {missing})"
+        by_status: dict[str, list[str]] = {}
+        for run, status in zip(result.runs, result.statuses):
+            if status != "done":
+                by_status.setdefault(status, []).append(str(run.seed))
+        ours += f" ({n}/{total}; " + "; ".join(f"{status}: seed {', '.join(seeds)}" for status, seeds in by_status.items()) + ")"
     mean, std = paper_value(result.cell)
     return ours if mean is None else f"{ours} · paper {mean_std(mean, std, table.digits)}"
 
@@ -96,18 +98,22 @@ def entry(result: CellResult, table: Table, best: bool) -> str:
 def markdown(table: Table, results: list[CellResult], command: str) -> str:
     rows = list(dict.fromkeys(r.cell.row for r in results))
     columns = list(dict.fromkeys(r.cell.column for r in results))
-    means = [r.mean for r in results if r.mean is not None]
-    best = (max if table.higher_is_better else min)(means) if means else None
+    pick = max if table.higher_is_better else min
+    # per column (columns may be different tasks), among the cells with every seed done
+    best = {col: pick([r.mean for r in results if r.cell.column == col and len(r.finished) == len(r.runs)],
+                      default=None) for col in columns}
     grid = {(r.cell.row, r.cell.column): r for r in results}
+    with_paper = any(r.cell.paper is not None for r in results)
     metrics = ", ".join(dict.fromkeys(f"{r.cell.metric}{f' x {r.cell.scale:g}' if r.cell.scale != 1 else ''}"
                                       for r in results))
     lines = [f"# {table.title}", "",
              f"{metrics} from the {table.checkpoint} "
-             f"checkpoint; mean ± std (population, ddof=0) over seeds {table.seeds}; the paper's numbers after "
-             f"'paper'. Written by `{command}`.", "",
+             f"checkpoint; mean ± std (population, ddof=0) over seeds {table.seeds}"
+             f"{'; the paper' + chr(39) + 's numbers after `paper`' if with_paper else ''}; the best complete mean of "
+             f"each column in bold. Written by `{command}`.", "",
              "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for row in rows:
-        cells = [entry(grid[row, col], table, grid[row, col].mean == best and best is not None)
+        cells = [entry(grid[row, col], table, best[col] is not None and grid[row, col].mean == best[col])
                  if (row, col) in grid else "" for col in columns]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     problems = [(run, status) for r in results for run, status in zip(r.runs, r.statuses) if status != "done"]

@@ -88,7 +88,7 @@ def test_collect_writes_mean_and_std_per_cell_and_marks_missing_and_failed(swept
     assert float(rows["softmax"]["mean"]) == pytest.approx(values["softmax/seed0"], abs=1e-5)
     assert rows["multimax"]["seed0"] == "failed" and rows["multimax"]["n"] == "1"
     text = (copy / "tiny.md").read_text()
-    assert "(1/2; seed 1 missing)" in text and "(1/2; seed 0 failed)" in text
+    assert "(1/2; missing: seed 1)" in text and "(1/2; failed: seed 0)" in text
     assert "- softmax/seed1: missing" in text and "- multimax/seed0: failed (log: /logs/job-7.out)" in text
 
 
