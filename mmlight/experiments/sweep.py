@@ -22,6 +22,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,14 @@ from pathlib import Path
 from mmlight.experiments.table import Run, Table, TableError, load_table, write_status
 
 LOG_FILE = "sweep.log"
+_PRINT_LOCK = threading.Lock()
+
+
+def say(message: str) -> None:
+    """Print a whole message at once: parallel runs report from several threads."""
+    with _PRINT_LOCK:
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -110,7 +119,7 @@ def tail(path: Path, lines: int = 25) -> str:
 def run_one(run: Run, extra: list[str], threads: int | None) -> str:
     """Fit (resuming), then evaluate when needed; returns the run's status after it."""
     if run.status() == "done":
-        print(f"[{run.index}] {run.label}: done, skipped", flush=True)
+        say(f"[{run.index}] {run.label}: done, skipped")
         return "skipped"
     run.directory.mkdir(parents=True, exist_ok=True)
     log = run.directory / LOG_FILE
@@ -125,7 +134,7 @@ def run_one(run: Run, extra: list[str], threads: int | None) -> str:
             return failed(run, step, None, log, str(err))
         if args is None:
             continue
-        print(f"[{run.index}] {run.label}: {args[0]} ...", flush=True)
+        say(f"[{run.index}] {run.label}: {args[0]} ...")
         code = execute(args, log, threads)
         if code != 0:
             return failed(run, step, code, log)
@@ -137,14 +146,14 @@ def run_one(run: Run, extra: list[str], threads: int | None) -> str:
         return failed(run, "collect", 0, log, f"no {run.cell.metric} from the {run.table.checkpoint} checkpoint "
                       "in the metrics files; is the metric logged?")
     write_status(run.directory, status="done", log=str(log), seconds=round(time.time() - start, 1))
-    print(f"[{run.index}] {run.label}: {run.cell.metric} = {value:.4g} ({time.time() - start:.0f} s)", flush=True)
+    say(f"[{run.index}] {run.label}: {run.cell.metric} = {value:.4g} ({time.time() - start:.0f} s)")
     return "done"
 
 
 def failed(run: Run, step: str, code: int | None, log: Path, reason: str = "") -> str:
     write_status(run.directory, status="failed", step=step, returncode=code, log=str(log), reason=reason)
-    print(f"[{run.index}] {run.label}: FAILED in {step} (exit {code}){': ' + reason if reason else ''}\n"
-          f"  log: {log}\n{tail(log)}", flush=True)
+    say(f"[{run.index}] {run.label}: FAILED in {step} (exit {code}){': ' + reason if reason else ''}\n"
+        f"  log: {log}\n{tail(log)}")
     return "failed"
 
 

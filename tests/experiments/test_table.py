@@ -119,3 +119,38 @@ def test_overrides_become_options_the_parser_reads(tmp_path):
     assert pairs["--config"] == str(tmp_path / "base.yaml") and pairs["--seed_everything"] == "0"
     logger = json.loads(pairs["--trainer.logger"])["init_args"]
     assert Path(logger["save_dir"]) / logger["name"] / logger["version"] == run.directory / "fit"
+
+
+def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    """With mmlight itself replaced by a stand-in (run a fails, run b writes its metrics), the sweep
+    reports a's log, finishes b, records both, and exits with status 1."""
+    path = write(tmp_path, "config: base.yaml\nmetric: val/acc\ncheckpoint: last\ncells: {a: {}, b: {}}\n")
+    calls = []
+
+    def fake_execute(args, log, threads):
+        calls.append(args[0])
+        run_dir = Path(args[args.index("--trainer.default_root_dir") + 1])
+        if "/a/" in str(run_dir):
+            log.write_text("Traceback: the data root does not exist\n")
+            return 1
+        run_dir.mkdir(parents=True)
+        (run_dir / "final_metrics.json").write_text(json.dumps(
+            {"stage": "fit", "global_step": 10, "metrics": {"val/acc": {"value": 0.5, "step": 10, "epoch": 0}}}))
+        return 0
+
+    monkeypatch.setattr(sweep, "execute", fake_execute)
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main([str(path), "--out", str(tmp_path / "runs"), "--parallel", "2"])
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    assert "[0] a/seed0: FAILED in fit (exit 1)" in out and "Traceback: the data root does not exist" in out
+    assert "[1] b/seed0: val/acc = 0.5" in out and "1 run(s) finished, 0 already done, 1 failed" in out
+    assert calls == ["fit", "fit"]  # b needs no evaluation: fit validated its final step
+    a, b = load_table(path).runs(tmp_path / "runs")
+    assert (a.status(), b.status(), b.result()) == ("failed", "done", 0.5)
+    assert json.loads((a.directory / "sweep_status.json").read_text())["log"] == str(a.directory / "sweep.log")
+    # a second sweep retries only the failed run
+    calls.clear()
+    with pytest.raises(SystemExit):
+        sweep.main([str(path), "--out", str(tmp_path / "runs")])
+    assert calls == ["fit"] and "[1] b/seed0: done, skipped" in capsys.readouterr().out
