@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
