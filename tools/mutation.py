@@ -1,0 +1,165 @@
+"""Mutation testing of the task, callback, CLI, model and streaming code with mutmut, one module at a
+time, each against the test files that cover it (not part of CI; see docs/testing.md).
+
+    pip install -e '.[mutation]'
+    python tools/mutation.py                    # every module below, one after the other
+    python tools/mutation.py cli vit            # some of them
+    python tools/mutation.py --report tasks     # summarise an earlier run without running again
+
+Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
+module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/`` and
+``configs/``. mutmut copies them to ``mutants/`` there, records which selected test reaches which
+function, and then runs only those tests against each mutant, forked from a warm process (``-x``: a
+mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
+only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
+to ``build/mutation/<name>/report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "build" / "mutation"
+
+
+@dataclass(frozen=True)
+class Module:
+    """What to mutate and the tests that judge it.
+
+    Args:
+        mutate: glob patterns of the source files to mutate (relative to the repository root).
+        tests: pytest arguments selecting the tests (files or node ids); slow tests and tests that run
+            the code in a subprocess (which would import the unmutated package) are left out.
+    """
+
+    mutate: tuple[str, ...]
+    tests: tuple[str, ...]
+
+    def existing_tests(self) -> list[str]:
+        """The selected tests whose file exists (an earlier checkout may lack the newer test files)."""
+        return [t for t in self.tests if (ROOT / t.split("::")[0]).exists()]
+
+
+MODULES: dict[str, Module] = {
+    "tasks": Module(("mmlight/tasks/*",), (
+        "tests/tasks/test_metrics.py", "tests/tasks/test_optim.py", "tests/tasks/test_classification.py",
+        "tests/tasks/test_language_model.py", "tests/tasks/test_translator.py")),
+    "callbacks": Module(("mmlight/callbacks/*",), ("tests/callbacks/",)),
+    # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
+    "cli": Module(("mmlight/cli.py",), (
+        "tests/test_cli_units.py", "tests/test_cli.py::test_model_options_of_a_command_line",
+        "tests/test_cli.py::test_bad_config_stops_before_work", "tests/test_cli.py::test_missing_config_file",
+        "tests/test_cli.py::test_backend_is_a_config_key", "tests/test_cli.py::test_validate_test_predict_subcommands",
+        "tests/test_cli.py::test_resume_last_and_refuse_a_checkpoint_of_another_model")),
+    "transformer": Module(("mmlight/models/transformer.py",), ("tests/models/test_transformer.py",)),
+    "vit": Module(("mmlight/models/vit.py",), ("tests/models/test_vit.py",)),
+    "streaming": Module(("mmlight/data/streaming.py", "mmlight/data/skips.py"), (
+        "tests/data/test_streaming.py", "tests/data/test_shards.py", "tests/data/test_skips.py")),
+}
+
+# Arguments added to every pytest run: stop at the first failure, no slow tests, quiet.
+PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+
+
+def toml_value(value) -> str:
+    """A TOML literal of a string, number, bool or list of those (JSON's syntax is TOML's for these)."""
+    return json.dumps(value)
+
+
+def write_workdir(name: str, module: Module, fresh: bool) -> Path:
+    """``build/mutation/<name>/`` with mutmut's config for ``module`` and links to the sources."""
+    workdir = BUILD / name
+    if fresh and workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for linked in ("mmlight", "tests", "configs"):
+        link = workdir / linked
+        if not link.exists():
+            link.symlink_to(ROOT / linked, target_is_directory=True)
+    pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    mutmut = {
+        "source_paths": ["mmlight"],
+        "only_mutate": list(module.mutate),
+        "also_copy": ["configs"],
+        "pytest_add_cli_args": PYTEST_ARGS,
+        "pytest_add_cli_args_test_selection": module.existing_tests(),
+        "process_isolation": "forkserver",  # torch is not fork-safe once it has run
+        "use_git_change_detection": False,  # the links hide the repository
+        "do_not_mutate_patterns": [r"^\s*log\.(debug|info|warning)\("],  # the wording of log lines
+    }
+    lines = ["[tool.pytest.ini_options]"] + [f"{k} = {toml_value(v)}" for k, v in pytest_options.items()
+                                             if k != "testpaths"]
+    lines += ["", "[tool.mutmut]"] + [f"{k} = {toml_value(v)}" for k, v in mutmut.items()]
+    (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    return workdir
+
+
+def run(name: str, workdir: Path, max_children: int) -> int:
+    """``mutmut run`` in ``workdir``; returns its exit code."""
+    print(f"== {name}: mutmut run in {workdir.relative_to(ROOT)}", flush=True)
+    return subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)],
+                           cwd=workdir)
+
+
+def statuses(workdir: Path) -> dict[str, str]:
+    """Mutant name -> mutmut's status (``killed``, ``survived``, ``timeout``, ``no tests``...)."""
+    from mutmut.stats import status_by_exit_code
+
+    found = {}
+    for meta in sorted((workdir / "mutants").rglob("*.py.meta")):
+        for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            found[key] = status_by_exit_code[code]
+    return found
+
+
+def report(name: str, workdir: Path) -> dict[str, int]:
+    """Write ``report.md`` (counts, then each surviving or untested mutant's diff); return the counts."""
+    found = statuses(workdir)
+    counts: dict[str, int] = {}
+    for status in found.values():
+        counts[status] = counts.get(status, 0) + 1
+    caught = counts.get("killed", 0) + counts.get("timeout", 0)
+    total = len(found) - counts.get("skipped", 0)  # "no tests" counts as not caught: no selected test reaches it
+    score = 100 * caught / total if total else float("nan")
+    lines = [f"# mutation report: {name}", "", f"counts: {json.dumps(counts, sort_keys=True)}",
+             f"caught (killed or timed out) / mutants: {caught}/{total} = {score:.1f}%", ""]
+    for key, status in sorted(found.items()):
+        if status in ("killed", "timeout"):
+            continue
+        diff = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=workdir, capture_output=True,
+                              text=True).stdout
+        lines += [f"## {key}: {status}", "```diff", diff.strip(), "```", ""]
+    (workdir / "report.md").write_text("\n".join(lines))
+    print(f"== {name}: {lines[2]}; {lines[3]} -> {(workdir / 'report.md').relative_to(ROOT)}", flush=True)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help=f"modules to run, of {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--report", action="store_true", help="only summarise earlier results")
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results of these modules")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel")
+    args = parser.parse_args(argv)
+    unknown = set(args.modules) - MODULES.keys()
+    if unknown:
+        parser.error(f"unknown module(s) {sorted(unknown)}; choose from {', '.join(MODULES)}")
+    failed = 0
+    for name in args.modules or list(MODULES):
+        workdir = write_workdir(name, MODULES[name], args.fresh and not args.report)
+        if not args.report:
+            failed |= run(name, workdir, args.max_children) != 0
+        report(name, workdir)
+    return int(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
