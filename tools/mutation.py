@@ -69,7 +69,8 @@ MODULES: dict[str, Module] = {
                    "test_mixup_step_uses_soft_targets"),
         "tests/tasks/test_translator.py")),
     "vit": Module(("mmlight/models/vit.py",), ("tests/models/test_vit.py",), keyword="not triton"),
-    "transformer": Module(("mmlight/models/transformer.py",), ("tests/models/test_transformer.py",),
+    "transformer": Module(("mmlight/models/transformer.py",), (
+        "tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
                           keyword="not triton"),
 }
 
