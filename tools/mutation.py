@@ -57,7 +57,8 @@ def _node_ids(path: str, *names: str) -> tuple[str, ...]:
 
 MODULES: dict[str, Module] = {
     "streaming": Module(("mmlight/data/streaming.py", "mmlight/data/skips.py"), (
-        "tests/data/test_streaming.py", "tests/data/test_shards.py", "tests/data/test_skips.py")),
+        "tests/data/test_streaming.py", "tests/data/test_shard_datamodule.py", "tests/data/test_shards.py",
+        "tests/data/test_skips.py")),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
     "cli": Module(("mmlight/cli.py",), ("tests/test_cli_units.py", *_node_ids(
         "tests/test_cli.py", "test_model_options_of_a_command_line", "test_bad_config_stops_before_work",
