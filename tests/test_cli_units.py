@@ -203,3 +203,34 @@ def test_checkpoint_groups_and_their_defaults(capsys):
                                                                                      "best-{epoch}-{step}", 1)
     assert best["auto_insert_metric_name"] is False
     assert printed["seed_everything"] == 0
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """build_cli that parses (and runs the hooks before instantiation) but builds and runs nothing."""
+    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)
+    return lambda args: cli.build_cli(args).config
+
+
+def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only):
+    import torch
+
+    ckpt = tmp_path / "model.ckpt"
+    torch.save({"hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
+                                     "warmup_epochs": 7.0}}, ckpt)
+    common = ["validate", "--config", str(DIGITS), "--ckpt_path", str(ckpt)]
+    model = parse_only(common).validate.model.init_args
+    assert (model.lr, model.warmup_epochs) == (0.125, 7.0)  # Lightning restores the checkpoint's
+    model = parse_only([*common, "--model.init_args.lr", "0.5"]).validate.model.init_args
+    assert (model.lr, model.warmup_epochs) == (0.5, 7.0)  # the command line wins where it speaks
+    model = parse_only([*common, "--model.init_args.lr=0.25"]).validate.model.init_args
+    assert model.lr == 0.25
+
+
+def test_slurm_job_names_the_parsed_fit_run(monkeypatch, parse_only):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    trainer = parse_only(["fit", "--config", str(DIGITS)]).fit.trainer
+    assert trainer.logger.init_args.version == "slurm-77"
+    assert Path(trainer.default_root_dir) == Path(trainer.logger.init_args.save_dir) / "digits_multimax" / "slurm-77"
