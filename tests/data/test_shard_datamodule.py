@@ -72,3 +72,13 @@ def test_info_is_read_once(monkeypatch):
     data = module()
     assert data._info() == {"root": "unused"} and data._info() is data._info()
     assert reads == ["unused"]
+
+
+def test_one_global_batch_makes_a_one_step_epoch():
+    from types import SimpleNamespace
+
+    data = module()
+    data.trainer = SimpleNamespace(global_rank=3, world_size=4)
+    assert data.epoch_steps(32, 8, "8 samples") == 1 and data.epoch_steps(63, 8, "8 samples") == 1
+    with pytest.raises(ValueError, match="smaller than one global batch"):
+        data.epoch_steps(31, 8, "8 samples")
