@@ -321,3 +321,13 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     module.hparams.lr_reference_batch = None
     configured = module.configure_optimizers()
     assert configured["optimizer"].param_groups[0]["initial_lr"] == 5e-4
+
+
+def test_language_model_predict_step_scores_each_sequence():
+    module = tiny_lm()
+    batch = lm_batches(module)[1]
+    out = module.predict_step(batch, 0)
+    for b in range(batch["input"].shape[0]):
+        row = {k: v[b:b + 1] for k, v in batch.items()}
+        correct, count, nll = np_lm_reference(module, [row])
+        assert out["tokens"][b].item() == count and out["nll"][b].item() == pytest.approx(nll, rel=1e-5)

@@ -1,0 +1,53 @@
+"""check_checkpoint_matches: a checkpoint of another model or config is refused with what differs."""
+
+import pytest
+import torch
+
+from mmlight.models import TransformerConfig
+from mmlight.tasks import LanguageModel
+from mmlight.tasks.checkpoint import check_checkpoint_matches
+
+
+def lm(d_model=8, n_layers=1, **task) -> LanguageModel:
+    return LanguageModel(TransformerConfig(vocab_size=11, d_model=d_model, n_heads=2, ffn_dim=8, n_layers=n_layers),
+                         **task)
+
+
+def checkpoint_of(module) -> dict:
+    return {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+
+
+def test_a_matching_checkpoint_passes():
+    module = lm()
+    check_checkpoint_matches(module, checkpoint_of(lm()))
+    module.on_load_checkpoint(checkpoint_of(lm(lr=1e-3)))  # other hyperparameters, same shapes: fine
+
+
+def test_missing_unexpected_and_reshaped_parameters_are_named():
+    ours = lm(n_layers=2)
+    with pytest.raises(ValueError) as info:
+        ours.on_load_checkpoint(checkpoint_of(lm(n_layers=1)))
+    message = str(info.value)
+    assert message.startswith("the checkpoint was written by another model or config: ")
+    assert "parameter(s) missing from the checkpoint, e.g. ['model.decoder.layers.1." in message
+    assert "unknown to this model" not in message and "shapes differ" not in message
+    assert "Hyperparameters that differ: ['model']" in message
+    with pytest.raises(ValueError, match=r"(\d+) unknown to this model, e.g. \['model.decoder.layers.1"):
+        lm(n_layers=1).on_load_checkpoint(checkpoint_of(ours))
+    with pytest.raises(ValueError, match=r"shapes differ: model.decoder.embed.tokens.weight \(11, 16\) vs \(11, 8\)"):
+        lm().on_load_checkpoint(checkpoint_of(lm(d_model=16)))
+
+
+def test_counts_and_hint_in_the_message():
+    module = lm()
+    theirs = checkpoint_of(module)
+    theirs["state_dict"] = dict(theirs["state_dict"])
+    extra = {f"model.extra{i}": torch.zeros(1) for i in range(4)}
+    theirs["state_dict"].update(extra)
+    with pytest.raises(ValueError) as info:
+        check_checkpoint_matches(module, theirs)
+    message = str(info.value)
+    assert "4 unknown to this model, e.g. ['model.extra0', 'model.extra1', 'model.extra2']." in message
+    assert "Hyperparameters" not in message  # same hyperparameters: no hint
+    with pytest.raises(ValueError, match="missing from the checkpoint"):
+        check_checkpoint_matches(module, {})  # no state_dict at all
