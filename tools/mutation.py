@@ -79,8 +79,9 @@ MODULES: dict[str, Module] = {
                           keyword="not triton"),
 }
 
-# Arguments added to every pytest run: stop at the first failure, no slow tests, quiet.
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+# Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
+# that keeps Lightning's save_hyperparameters working on mutmut's renamed constructors.
+PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
 
 
 def toml_value(value) -> str:
@@ -94,7 +95,7 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for linked in ("mmlight", "tests", "configs"):
+    for linked in ("mmlight", "tests", "configs", "tools"):
         link = workdir / linked
         if not link.exists():
             link.symlink_to(ROOT / linked, target_is_directory=True)
@@ -102,7 +103,7 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     mutmut = {
         "source_paths": ["mmlight"],
         "only_mutate": list(module.mutate),
-        "also_copy": ["configs"],
+        "also_copy": ["configs", "tools"],
         "pytest_add_cli_args": PYTEST_ARGS + (["-k", module.keyword] if module.keyword else []),
         "pytest_add_cli_args_test_selection": module.existing_tests(),
         "process_isolation": "forkserver",  # torch is not fork-safe once it has run
