@@ -162,11 +162,13 @@ def report(name: str, workdir: Path) -> dict[str, int]:
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
     caught = counts.get("killed", 0) + counts.get("timeout", 0)
-    total = len(found) - counts.get("skipped", 0)  # "no tests" counts as not caught: no selected test reaches it
+    # "no tests" counts as not caught (no selected test reaches it); "not checked" (an interrupted run) is
+    # left out and reported as such.
+    total = len(found) - counts.get("skipped", 0) - counts.get("not checked", 0)
     score = 100 * caught / total if total else float("nan")
     lines = [f"# mutation report: {name}", "", f"counts: {json.dumps(counts, sort_keys=True)}",
-             f"caught (killed or timed out) / mutants: {caught}/{total} = {score:.1f}%", ""]
-    uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout"))
+             f"caught (killed or timed out) / mutants tested: {caught}/{total} = {score:.1f}%", ""]
+    uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout", "not checked"))
     for key, diff in zip(uncaught, diffs(workdir, uncaught)):
         lines += [f"## {key}: {found[key]}", "```diff", diff.strip(), "```", ""]
     (workdir / "report.md").write_text("\n".join(lines))
