@@ -211,7 +211,7 @@ def parse_only(monkeypatch):
     monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
     monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
     monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)
-    return lambda args: cli.build_cli(args).config
+    return lambda args: cli.build_cli(args)
 
 
 def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only):
@@ -221,16 +221,34 @@ def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, par
     torch.save({"hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
                                      "warmup_epochs": 7.0}}, ckpt)
     common = ["validate", "--config", str(DIGITS), "--ckpt_path", str(ckpt)]
-    model = parse_only(common).validate.model.init_args
+    model = parse_only(common).config.validate.model.init_args
     assert (model.lr, model.warmup_epochs) == (0.125, 7.0)  # Lightning restores the checkpoint's
-    model = parse_only([*common, "--model.init_args.lr", "0.5"]).validate.model.init_args
+    model = parse_only([*common, "--model.init_args.lr", "0.5"]).config.validate.model.init_args
     assert (model.lr, model.warmup_epochs) == (0.5, 7.0)  # the command line wins where it speaks
-    model = parse_only([*common, "--model.init_args.lr=0.25"]).validate.model.init_args
+    model = parse_only([*common, "--model.init_args.lr=0.25"]).config.validate.model.init_args
     assert model.lr == 0.25
 
 
 def test_slurm_job_names_the_parsed_fit_run(monkeypatch, parse_only):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    trainer = parse_only(["fit", "--config", str(DIGITS)]).fit.trainer
+    trainer = parse_only(["fit", "--config", str(DIGITS)]).config.fit.trainer
     assert trainer.logger.init_args.version == "slurm-77"
     assert Path(trainer.default_root_dir) == Path(trainer.logger.init_args.save_dir) / "digits_multimax" / "slurm-77"
+
+
+def test_how_the_cli_is_built(parse_only):
+    built = parse_only(["fit", "--config", str(DIGITS)])
+    assert built.save_config_kwargs == {"overwrite": True}  # a requeued job rewrites its config.yaml
+    assert built.auto_configure_optimizers is False and built.seed_everything_default == 0
+    assert built.subcommand == "fit" and built.config.fit.model.class_path == "mmlight.tasks.ImageClassifier"
+    callbacks = built.trainer_defaults["callbacks"]  # given to the Trainer when it is built
+    assert [type(c).__name__ for c in callbacks] == [type(c).__name__ for c in cli.trainer_defaults()["callbacks"]]
+    assert isinstance(built.trainer_defaults["logger"], TensorBoardLogger)
+
+
+def test_main_reads_sys_argv(monkeypatch):
+    monkeypatch.setitem(cli.TOOLS, "probe", "tests.test_cli_units:record_tool")
+    monkeypatch.setattr(sys, "argv", ["mmlight", "probe", "--x", "1"])
+    CALLS.clear()
+    cli.main()
+    assert CALLS == [["--x", "1"]]
