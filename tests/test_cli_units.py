@@ -216,7 +216,7 @@ def parse_only(monkeypatch):
     return lambda args: cli.build_cli(args)
 
 
-def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only):
+def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only, monkeypatch):
     import torch
 
     ckpt = tmp_path / "model.ckpt"
@@ -229,6 +229,10 @@ def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, par
     assert (model.lr, model.warmup_epochs) == (0.5, 7.0)  # the command line wins where it speaks
     model = parse_only([*common, "--model.init_args.lr=0.25"]).config.validate.model.init_args
     assert model.lr == 0.25
+    model = parse_only(tuple([*common, "--model.init_args.lr", "0.75"])).config.validate.model.init_args
+    assert model.lr == 0.75
+    monkeypatch.setattr(sys, "argv", ["mmlight", *common, "--model.init_args.lr", "0.5"])  # the console script
+    assert parse_only(None).config.validate.model.init_args.lr == 0.5
 
 
 def test_slurm_job_names_the_parsed_fit_run(monkeypatch, parse_only):
