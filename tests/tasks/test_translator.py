@@ -208,7 +208,7 @@ def finished(tmp_path, monkeypatch, stage: str, mine: list, others: list | None,
 
 
 def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "out"
+    out = tmp_path / "not" / "yet" / "there"  # made with its parents
     module, logged, rows = finished(tmp_path, monkeypatch, "test", [row(3), row(0), row(4)], [row(2), row(1)],
                                     output_dir=str(out))
     order = [0, 1, 2, 3, 4]
@@ -223,10 +223,15 @@ def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypat
     assert logged["test/bleu"][0] == pytest.approx(bleu.score) and logged["test/bleu"][1]["sync_dist"] is False
     assert logged["test/bleu_tok"][0] == pytest.approx(bleu_tok.score)
     assert logged["test/bleu"][1]["prog_bar"] is True
-    written = json.loads((out / "test.bleu.json").read_text())
+    text = (out / "test.bleu.json").read_text()
+    written = json.loads(text)
+    assert text == json.dumps(written, indent=2) + "\n"
     assert written["bleu"] == pytest.approx(bleu.score) and written["bleu_tok"] == pytest.approx(bleu_tok.score)
     assert written["sentences"] == 5 and "tok:none" in written["signature_tok"]
     assert f"mmlight: 5 test translations written to {out / 'test.hyp'}" in capsys.readouterr().out
+    module.translations["test"] = [row(4)]  # a second test epoch writes into the existing folder
+    module._finish_generation("test")
+    assert (out / "test.hyp").read_text() == "".join(ROWS[i][0] + "\n" for i in (1, 2, 4))  # with the other rank's
 
 
 def test_other_ranks_score_the_same_and_write_nothing(tmp_path, monkeypatch):
