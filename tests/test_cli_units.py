@@ -258,3 +258,11 @@ def test_main_reads_sys_argv(monkeypatch):
     CALLS.clear()
     cli.main()
     assert CALLS == [["--x", "1"]]
+
+
+def test_before_fit_checks_the_slurm_task_counts(tmp_path, monkeypatch):
+    slurm(monkeypatch, "1", "1")
+    stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=2, num_nodes=1), subcommand="fit",
+                               config={"fit": {"ckpt_path": None}}, config_init={"fit": {"ckpt_path": None}})
+    with pytest.raises(SystemExit, match="SLURM started 1 task"):
+        cli.MmlightCLI.before_fit(stand_in)
