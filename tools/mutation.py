@@ -5,6 +5,7 @@ time, each against the test files that cover it (not part of CI; see docs/testin
     python tools/mutation.py                    # every module below, one after the other
     python tools/mutation.py cli vit            # some of them
     python tools/mutation.py --report tasks     # summarise an earlier run without running again
+    python tools/mutation.py --survivors tasks  # after adding tests: test again what survived
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
 module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/`` and
@@ -120,10 +121,10 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     return workdir
 
 
-def run(name: str, workdir: Path, max_children: int) -> int:
-    """``mutmut run`` in ``workdir``; returns its exit code."""
+def run(name: str, workdir: Path, max_children: int, mutants: list[str] = ()) -> int:
+    """``mutmut run`` in ``workdir`` (of ``mutants`` only, if given); returns its exit code."""
     print(f"== {name}: mutmut run in {workdir.relative_to(ROOT)}", flush=True)
-    return subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)],
+    return subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *mutants],
                            cwd=workdir)
 
 
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help=f"modules to run, of {', '.join(MODULES)} (default: all)")
     parser.add_argument("--report", action="store_true", help="only summarise earlier results")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of these modules")
+    parser.add_argument("--survivors", action="store_true",
+                        help="test again only the mutants an earlier run did not catch (after adding tests)")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel")
     args = parser.parse_args(argv)
     unknown = set(args.modules) - MODULES.keys()
@@ -193,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.modules or list(MODULES):
         workdir = write_workdir(name, MODULES[name], args.fresh and not args.report)
         if not args.report:
-            failed |= run(name, workdir, args.max_children) != 0
+            again = []
+            if args.survivors:
+                again = [k for k, status in statuses(workdir).items() if status in ("survived", "no tests")]
+                if not again:
+                    print(f"== {name}: no surviving mutants")
+            if again or not args.survivors:
+                failed |= run(name, workdir, args.max_children, again) != 0
         report(name, workdir)
     return int(failed)
 
