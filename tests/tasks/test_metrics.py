@@ -276,10 +276,14 @@ def test_sequence_task_optimiser_and_cosine_schedule():
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 3) == pytest.approx(
         cosine_reference(1e-3, 1e-4, 3, 3, 3))
-    for endless in (float("inf"), -1):
+    for endless in (float("inf"), -1, 0):
         module._trainer = SimpleNamespace(estimated_stepping_batches=endless)
-        with pytest.raises(ValueError, match="cosine schedule needs a finite run"):
+        with pytest.raises(ValueError, match="^the cosine schedule needs a finite run: set trainer.max_steps or "
+                                             "max_epochs$"):
             module.configure_optimizers()
+    module._trainer = SimpleNamespace(estimated_stepping_batches=1)  # a one-step run is a run
+    configured = module.configure_optimizers()
+    assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 1) == pytest.approx([1e-3])
 
 
 def test_inverse_sqrt_schedule_of_the_sequence_tasks():
