@@ -72,7 +72,7 @@ def fit_start(module, **datamodule):
 
 def test_fit_start_checks_batch_parity_and_class_count_without_training():
     mixing = ImageClassifier(MICRO, mixup_alpha=0.8)
-    with pytest.raises(ValueError, match="mixup/cutmix needs an even per-device batch size, got 7"):
+    with pytest.raises(ValueError, match="^mixup/cutmix needs an even per-device batch size, got 7$"):
         fit_start(mixing, batch_size=7, num_classes=10)
     fit_start(mixing, batch_size=8, num_classes=10)
     fit_start(mixing)  # a datamodule that says neither
@@ -80,7 +80,7 @@ def test_fit_start_checks_batch_parity_and_class_count_without_training():
     cutmix_only = ImageClassifier(MICRO, cutmix_alpha=1.0)
     with pytest.raises(ValueError, match="even per-device batch size"):
         fit_start(cutmix_only, batch_size=3)
-    with pytest.raises(ValueError, match="the data has 9 classes but model.num_classes is 10"):
+    with pytest.raises(ValueError, match="^the data has 9 classes but model.num_classes is 10$"):
         fit_start(ImageClassifier(MICRO), batch_size=8, num_classes=9)
 
 

@@ -229,10 +229,10 @@ def test_translator_training_loss_and_token_count():
 def test_data_with_another_padding_id_is_refused():
     module = tiny_lm()
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V, pad_id=0))
-    with pytest.raises(ValueError, match="pads with id 0 but model.pad_id is 1"):
+    with pytest.raises(ValueError, match="^the data pads with id 0 but model.pad_id is 1$"):
         module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V + 1, pad_id=PAD))
-    with pytest.raises(ValueError, match=f"vocabulary has {V + 1} tokens but model.vocab_size is {V}"):
+    with pytest.raises(ValueError, match=f"^the data's vocabulary has {V + 1} tokens but model.vocab_size is {V}: set model.model.vocab_size: {V + 1}$"):
         module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V, pad_id=PAD))
     module.setup("fit")
@@ -295,10 +295,10 @@ def test_inverse_sqrt_schedule_of_the_sequence_tasks():
 
 def test_sequence_task_arguments_are_checked():
     config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1)
-    with pytest.raises(ValueError, match="schedule must be"):
+    with pytest.raises(ValueError, match="^schedule must be 'inverse_sqrt' or 'cosine', got 'linear'$"):
         LanguageModel(config, schedule="linear")
     for bad in (-0.1, 1.0):
-        with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
+        with pytest.raises(ValueError, match=rf"^label_smoothing must be in \[0, 1\), got {bad}$"):
             LanguageModel(config, label_smoothing=bad)
     LanguageModel(config, label_smoothing=0.0)
 
@@ -320,7 +320,7 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
         cosine_reference(peak, 1e-5, 20, 20, 21))
     module._trainer.datamodule = SimpleNamespace()
-    with pytest.raises(ValueError, match="lr_reference_batch needs a datamodule with a batch_size"):
+    with pytest.raises(ValueError, match="^lr_reference_batch needs a datamodule with a batch_size attribute; set model.lr_reference_batch: null to use lr as given$"):
         module.configure_optimizers()
     module.hparams.lr_reference_batch = None
     configured = module.configure_optimizers()

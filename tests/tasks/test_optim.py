@@ -51,5 +51,5 @@ def test_inverse_sqrt_with_one_warmup_step_and_refusing_none():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([1.0, math.sqrt(1 / 2), math.sqrt(1 / 3), 0.5])
-    with pytest.raises(ValueError, match="inverse_sqrt needs warmup_steps >= 1, got 0"):
+    with pytest.raises(ValueError, match="^inverse_sqrt needs warmup_steps >= 1, got 0$"):
         warmup_inverse_sqrt(opt, warmup_steps=0)
