@@ -59,3 +59,16 @@ def test_counts_and_hint_in_the_message():
     assert "Hyperparameters" not in message  # same hyperparameters: no hint
     with pytest.raises(ValueError, match="missing from the checkpoint"):
         check_checkpoint_matches(module, {})  # no state_dict at all
+
+
+def test_the_classifier_checks_too():
+    from mmlight.models import ViTConfig
+    from mmlight.tasks import ImageClassifier
+
+    def classifier(num_classes):
+        return ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1,
+                                         num_classes=num_classes))
+
+    classifier(3).on_load_checkpoint(checkpoint_of(classifier(3)))
+    with pytest.raises(ValueError, match=r"^the checkpoint .* shapes differ: model.vit.head.bias \(4,\) vs \(3,\)"):
+        classifier(3).on_load_checkpoint(checkpoint_of(classifier(4)))
