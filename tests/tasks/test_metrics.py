@@ -119,7 +119,7 @@ def test_classifier_training_loss_is_label_smoothed_cross_entropy():
     want = F.cross_entropy(module(images).double(), labels, label_smoothing=0.2)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert loss.item() != pytest.approx(F.cross_entropy(module(images), labels).item(), rel=1e-3)
-    assert module.log.values["train/loss"] == loss.item()
+    assert module.log.values["train/loss"] == loss.item() and module.log.options["train/loss"] == {"prog_bar": True}
 
 
 PAD = 1
@@ -206,6 +206,11 @@ def test_language_model_training_loss_is_the_smoothed_mean_over_scored_targets()
     want = F.cross_entropy(module(batch["input"])[keep].double(), batch["target"][keep], label_smoothing=0.1)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert module.log.values["train/loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert module.log.options["train/loss"] == {"prog_bar": True}
+    one = dict(batch, loss_mask=torch.zeros_like(batch["loss_mask"]))
+    one["loss_mask"][1, 2] = True  # a single scored target: its own loss, not half of it
+    single = F.cross_entropy(module(batch["input"])[1, 2:3].double(), batch["target"][1, 2:3], label_smoothing=0.1)
+    assert module.training_step(one, 0).item() == pytest.approx(single.item(), rel=1e-5)
 
 
 def test_translator_training_loss_and_token_count():
@@ -222,7 +227,7 @@ def test_translator_training_loss_and_token_count():
     keep = tgt_out != PAD
     want = F.cross_entropy(module(src, tgt_in, src != PAD)[keep].double(), tgt_out[keep], label_smoothing=0.1)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
-    assert module.log.values["train/tokens"] == 5
+    assert module.log.values["train/tokens"] == 5 and module.log.options["train/loss"] == {"prog_bar": True}
     assert module.log.options["train/tokens"]["reduce_fx"] == "sum"
 
 
@@ -286,6 +291,14 @@ def test_sequence_task_optimiser_and_cosine_schedule():
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 1) == pytest.approx([1e-3])
 
 
+def test_a_floor_above_the_peak_is_the_peak():
+    module = tiny_lm(schedule="cosine", warmup_steps=2, lr=1e-4, min_lr=1e-3)
+    module._trainer = SimpleNamespace(estimated_stepping_batches=6)
+    configured = module.configure_optimizers()
+    assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 7) == pytest.approx(
+        [5e-5] + [1e-4] * 6)
+
+
 def test_inverse_sqrt_schedule_of_the_sequence_tasks():
     module = tiny_lm(warmup_steps=3, lr=1e-2)
     configured = module.configure_optimizers()
@@ -319,6 +332,9 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
         cosine_reference(peak, 1e-5, 20, 20, 21))
+    module.hparams.min_lr = 1.0  # a floor above the peak is the peak
+    configured = module.configure_optimizers()
+    assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21)[-1] == pytest.approx(peak)
     module._trainer.datamodule = SimpleNamespace()
     with pytest.raises(ValueError, match="^lr_reference_batch needs a datamodule with a batch_size attribute; set model.lr_reference_batch: null to use lr as given$"):
         module.configure_optimizers()
