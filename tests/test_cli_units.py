@@ -266,3 +266,12 @@ def test_before_fit_checks_the_slurm_task_counts(tmp_path, monkeypatch):
                                config={"fit": {"ckpt_path": None}}, config_init={"fit": {"ckpt_path": None}})
     with pytest.raises(SystemExit, match="SLURM started 1 task"):
         cli.MmlightCLI.before_fit(stand_in)
+
+
+def test_without_a_subcommand_the_whole_config_is_the_subcommands(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    built = cli.build_cli(["--config", str(DIGITS)], run=False)  # LightningCLI(run=False): no subcommand
+    assert built.subcommand is None
+    assert built.config.trainer.logger.init_args.version is None  # only fit names a run

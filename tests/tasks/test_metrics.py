@@ -228,6 +228,11 @@ def test_translator_training_loss_and_token_count():
     want = F.cross_entropy(module(src, tgt_in, src != PAD)[keep].double(), tgt_out[keep], label_smoothing=0.1)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert module.log.values["train/tokens"] == 5 and module.log.options["train/loss"] == {"prog_bar": True}
+    one = dict(batch, tgt_mask=torch.zeros_like(keep))
+    one["tgt_mask"][0, 1] = True  # a single scored target: its own loss
+    single = F.cross_entropy(module(src, tgt_in, src != PAD)[0, 1:2].double(), tgt_out[0, 1:2], label_smoothing=0.1)
+    assert module.training_step(one, 0).item() == pytest.approx(single.item(), rel=1e-5)
+    assert module.log.values["train/tokens"] == 1
     assert module.log.options["train/tokens"]["reduce_fx"] == "sum"
 
 
