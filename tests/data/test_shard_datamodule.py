@@ -50,6 +50,7 @@ def test_fixed_epoch_loader_gives_exactly_steps_batches(tmp_path, workers):
     endless = wds.DataPipeline(*data.shard_stages(urls, train=True), wds.batched(2))
     loader = data.fixed_epoch_loader(endless, 6)
     assert len(loader) == 6
+    assert loader.pipeline[0].persistent_workers == (workers > 0)  # workers are not restarted every epoch
     for _ in range(2):  # every epoch, whatever the workers
         assert len(list(loader)) == 6
 
