@@ -1,6 +1,8 @@
 """ShardDataModule's shared plumbing: the pipeline heads for training and evaluation, the fixed-length
 training loader, which split each evaluation loader reads, and the cached shard-set info."""
 
+import warnings
+
 import pytest
 import webdataset as wds
 
@@ -43,16 +45,20 @@ def test_evaluation_reads_each_shard_once_and_training_resamples(tmp_path):
     assert [next(endless)["__key__"] for _ in range(7)] == ["0-0", "0-1", "0-2"] * 2 + ["0-0"]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 1, 2])
 def test_fixed_epoch_loader_gives_exactly_steps_batches(tmp_path, workers):
     urls = write_shards(tmp_path, [5])
     data = module(workers)
     endless = wds.DataPipeline(*data.shard_stages(urls, train=True), wds.batched(2))
-    loader = data.fixed_epoch_loader(endless, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # webdataset's with_length() notice is expected and silenced
+        loader = data.fixed_epoch_loader(endless, 6)
     assert len(loader) == 6
     assert loader.pipeline[0].persistent_workers == (workers > 0)  # workers are not restarted every epoch
     for _ in range(2):  # every epoch, whatever the workers
-        assert len(list(loader)) == 6
+        batches = list(loader)
+        assert len(batches) == 6
+    assert all(len(b["__key__"]) == 2 and isinstance(b["__key__"][0], str) for b in batches)  # not re-batched
 
 
 class Splits(ShardDataModule):
