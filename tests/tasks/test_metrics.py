@@ -329,7 +329,8 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"]
     peak = 5e-4 * 32 * 2 * 3 / 512
-    assert optimizer.defaults["betas"] == (0.8, 0.95)
+    assert optimizer.defaults["betas"] == (0.8, 0.95) and configured["lr_scheduler"]["interval"] == "step"
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     # 20 steps over 4 epochs: 5 per epoch, so 1.5 warmup epochs are round(7.5) = 8 steps
     assert lrs(optimizer, configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
         cosine_reference(peak, 1e-5, 8, 20, 21))
