@@ -231,7 +231,7 @@ def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, par
     assert model.lr == 0.25
     model = parse_only(tuple([*common, "--model.init_args.lr", "0.75"])).config.validate.model.init_args
     assert model.lr == 0.75
-    monkeypatch.setattr(sys, "argv", ["mmlight", "validate", "--model.init_args.lr", "0.5", *common[1:]])  # console
+    monkeypatch.setattr(sys, "argv", ["mmlight", *common, "--model.init_args.lr", "0.5"])  # the console script
     assert parse_only(None).config.validate.model.init_args.lr == 0.5
 
 
