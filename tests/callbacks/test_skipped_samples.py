@@ -47,4 +47,6 @@ def test_a_datamodule_without_a_counter_is_ignored():
     trainer, module, calls = stand_ins(None)
     SkippedSamplesMonitor().on_validation_epoch_end(trainer, module)
     SkippedSamplesMonitor().on_train_batch_end(trainer, module, None, None, 0)
+    trainer.datamodule = SimpleNamespace()  # no `skipped` attribute at all
+    SkippedSamplesMonitor().on_validation_epoch_end(trainer, module)
     assert calls == []
