@@ -3,6 +3,8 @@ parameter scalars every ``log_every_n_steps``, and when the sigma figure goes to
 
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -63,3 +65,23 @@ def test_figure_after_validation_but_not_in_the_sanity_check(tmp_path):
         trainer = SimpleNamespace(sanity_checking=sanity, loggers=loggers, global_step=12)
         monitor.on_validation_epoch_end(trainer, module)
     assert tb.figures == [("multimax/sigma_curves", 12)]
+
+
+def test_sigma_figure_layout_and_style():
+    from mmlight.reweighting import MultiMax
+
+    monitor = ReweightingMonitor(curve_range=(-2.0, 3.0))
+    figure = monitor.figure({f"blocks.{i}": MultiMax() for i in range(5)})
+    assert len(figure.axes) == 8 and tuple(figure.get_size_inches()) == pytest.approx((12.0, 5.2))  # 2 x 4
+    assert [ax.axison for ax in figure.axes] == [True] * 5 + [False] * 3  # spare panels hidden
+    first = figure.axes[0]
+    identity, sigma = first.lines
+    x, y = identity.get_data()
+    assert len(x) == 241 and (x[0], x[-1]) == pytest.approx((-2.0, 3.0)) and list(y) == list(x)
+    assert (identity.get_linestyle(), identity.get_color(), identity.get_linewidth()) == ("--", "k", 1.0)
+    assert sigma.get_linewidth() == 1.5 and first.title.get_fontsize() == 9
+    legend = first.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["identity", "sigma"] and legend.get_texts()[0].get_fontsize() == 7
+    assert all(ax.get_legend() is None for ax in figure.axes[1:])
+    single = monitor.figure({"output": MultiMax()})  # one panel: still a grid, not a bare Axes
+    assert [ax.get_title() for ax in single.axes] == ["output"]
