@@ -113,13 +113,28 @@ def test_quickstart_fast_dev_run(config, cache_dir, tmp_path):
         assert (cache_dir / task / "_info.json").is_file()
 
 
+def topk_of_batches(cli, k: int, stage: str, batches: int = 2) -> float:
+    """Top-k accuracy of the CLI's model on the first ``batches`` batches of ``stage``, recomputed."""
+    loader = cli.datamodule.test_dataloader() if stage == "test" else cli.datamodule.val_dataloader()
+    hits = total = 0
+    model = cli.model.eval()
+    with torch.no_grad():
+        for i, (images, labels) in enumerate(loader):
+            if i == batches:
+                break
+            ranked = model(images).topk(k, dim=-1).indices  # (B, k)
+            hits += int((ranked == labels[:, None]).any(-1).sum())
+            total += len(labels)
+    return hits / total
+
+
 def test_validate_test_predict_subcommands(tmp_path):
     common = ["--config", str(QUICKSTARTS[0]), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
               "--data.init_args.cache_dir", str(tmp_path / "digits")]
     cli = build_cli(["test", *common, "--trainer.limit_test_batches", "2"])
-    assert 0.0 <= cli.trainer.callback_metrics["test/top1"] <= 1.0
+    assert cli.trainer.callback_metrics["test/top1"].item() == pytest.approx(topk_of_batches(cli, 1, "test"))
     cli = build_cli(["validate", *common, "--trainer.limit_val_batches", "2"])
-    assert "val/top5" in cli.trainer.callback_metrics
+    assert cli.trainer.callback_metrics["val/top5"].item() == pytest.approx(topk_of_batches(cli, 5, "val"))
     cli = build_cli(["predict", *common, "--trainer.limit_predict_batches", "2"])
     predictions = cli.trainer.predict_loop.predictions
     assert len(predictions) == 2 and predictions[0]["probs"].shape == (32, 10)

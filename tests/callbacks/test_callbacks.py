@@ -35,7 +35,9 @@ def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
     assert abs(logged - model.model.output.ts[0].item()) < 1e-3  # the last logged step's value
     assert "multimax/sigma_curves" in events.Tags()["images"]
     out = capsys.readouterr().out
-    assert "Final validation metrics" in out and "val/top1" in out
+    printed = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.strip().startswith("val/")}
+    assert "Final validation metrics" in out
+    assert printed["val/top1"] == pytest.approx(trainer.callback_metrics["val/top1"].item(), abs=5e-5)
 
 
 def test_sigma_figure_has_one_panel_per_layer():

@@ -92,3 +92,46 @@ def test_triton_backend_equals_reference():
 def test_backend_in_options_is_refused():
     with pytest.raises(ValueError, match="backend"):
         ReweightedViT(micro(attention=ReweightingSpec("multimax", {"backend": "triton"})))
+
+
+def test_config_defaults_are_the_deit_small_recipe():
+    c = ViTConfig()
+    assert (c.variant, c.img_size, c.patch_size, c.in_chans, c.num_classes) == ("deit_small", 224, 16, 3, 1000)
+    assert (c.global_pool, c.drop_path_rate, c.output_multimax, c.output_multimax_order, c.backend) == (
+        "avg", 0.1, False, 2, "auto")
+    assert c.attention == ReweightingSpec("softmax", {})
+
+
+@pytest.mark.parametrize("variant, width, depth, heads", [("deit_tiny", 192, 12, 3), ("deit_small", 384, 12, 6),
+                                                          ("deit_base", 768, 12, 12), ("vit_micro", 64, 4, 4)])
+def test_variant_width_depth_heads(variant, width, depth, heads):
+    with torch.device("meta"):
+        model = ReweightedViT(ViTConfig(variant=variant))
+    assert (model.vit.embed_dim, len(model.vit.blocks), model.vit.blocks[0].attn.num_heads) == (width, depth, heads)
+
+
+def test_the_config_reaches_timm():
+    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=12, patch_size=4, in_chans=2, num_classes=5,
+                                    drop_path_rate=0.3, backend="compile", output_multimax=True,
+                                    output_multimax_order=1, attention=ReweightingSpec("multimax", {"order": 1})))
+    vit = model.vit
+    assert tuple(vit.patch_embed.img_size) == (12, 12) and tuple(vit.patch_embed.patch_size) == (4, 4)
+    assert vit.patch_embed.proj.in_channels == 2 and vit.head.out_features == 5
+    assert vit.global_pool == "avg" and vit.cls_token is None
+    # stochastic depth rises linearly to drop_path_rate at the last block
+    assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3) and vit.blocks[1].drop_path1.drop_prob == pytest.approx(0.1)
+    assert all(m.backend == "compile" for m in model.attention_reweightings())
+    assert (model.output.order, model.output.backend) == (1, "compile")
+    assert model.no_weight_decay() == {f"vit.{name}" for name in vit.no_weight_decay()} and "vit.pos_embed" in model.no_weight_decay()
+
+
+@pytest.mark.parametrize("output_multimax", [False, True])
+def test_loss_is_cross_entropy_of_the_returned_scores(output_multimax):
+    model = ReweightedViT(micro(output_multimax=output_multimax, drop_path_rate=0.0)).eval()
+    if output_multimax:
+        with torch.no_grad():
+            model.output.ts.uniform_(-0.5, 0.5)
+    images, labels = torch.randn(4, 1, 8, 8), torch.tensor([1, 7, 3, 3])
+    for smoothing in (0.0, 0.2):
+        want = torch.nn.functional.cross_entropy(model(images).double(), labels, label_smoothing=smoothing)
+        assert model.loss(images, labels, label_smoothing=smoothing).item() == pytest.approx(want.item(), rel=1e-5)

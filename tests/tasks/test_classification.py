@@ -61,3 +61,42 @@ def test_class_count_mismatch_stops_fit(tmp_path):
     with pytest.raises(ValueError, match="the data has 10 classes but model.num_classes is 7"):
         L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
             wrong, DigitsDataModule(cache_dir=str(tmp_path)))
+
+
+def fit_start(module, **datamodule):
+    from types import SimpleNamespace
+
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(**datamodule))
+    module.on_fit_start()
+
+
+def test_fit_start_checks_batch_parity_and_class_count_without_training():
+    mixing = ImageClassifier(MICRO, mixup_alpha=0.8)
+    with pytest.raises(ValueError, match="^mixup/cutmix needs an even per-device batch size, got 7$"):
+        fit_start(mixing, batch_size=7, num_classes=10)
+    fit_start(mixing, batch_size=8, num_classes=10)
+    fit_start(mixing)  # a datamodule that says neither
+    fit_start(ImageClassifier(MICRO), batch_size=7, num_classes=10)  # odd is fine without mixing
+    cutmix_only = ImageClassifier(MICRO, cutmix_alpha=1.0)
+    with pytest.raises(ValueError, match="even per-device batch size"):
+        fit_start(cutmix_only, batch_size=3)
+    with pytest.raises(ValueError, match="^the data has 9 classes but model.num_classes is 10$"):
+        fit_start(ImageClassifier(MICRO), batch_size=8, num_classes=9)
+
+
+def test_mixup_gets_the_recipes_arguments():
+    module = ImageClassifier(MICRO, mixup_alpha=0.8, cutmix_alpha=1.0, mixup_switch_prob=0.3, label_smoothing=0.2)
+    m = module.mixup
+    assert (m.mixup_alpha, m.cutmix_alpha, m.switch_prob, m.label_smoothing, m.num_classes) == (0.8, 1.0, 0.3, 0.2, 10)
+    assert ImageClassifier(MICRO).mixup is None and ImageClassifier(MICRO, cutmix_alpha=0.5).mixup is not None
+
+
+def test_each_optimizer_step_updates_the_ema_once(monkeypatch):
+    import lightning as L
+
+    module = ImageClassifier(MICRO, ema_decay=0.5)
+    monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda self, *a, **k: None)
+    for _ in range(3):
+        module.optimizer_step(0, None)
+    assert int(module.ema.n_averaged) == 3
+    ImageClassifier(MICRO).update_ema()  # no EMA: nothing to do

@@ -96,7 +96,12 @@ def test_fit_steps_and_inverse_sqrt_schedule(wikitext):
     fit = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=6,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                     limit_val_batches=0)
-    fit.fit(model, data)
+    train_split = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=2, eval_block_size=4, eval_context=0,
+                                     val_split="train")
+    before = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
+    fit.fit(model.train(), data)
+    after = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
+    assert after < before - 0.05, (before, after)  # nats per training token
     optimizer = fit.optimizers[0]
     assert fit.global_step == 6
     # after 6 steps the scheduler sets step 7's factor: sqrt(3 / 7)

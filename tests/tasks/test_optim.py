@@ -38,3 +38,18 @@ def test_warmup_cosine_values():
     assert lrs[14] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="warmup_steps"):
         warmup_cosine(opt, warmup_steps=20, total_steps=10)
+
+
+def test_inverse_sqrt_with_one_warmup_step_and_refusing_none():
+    from mmlight.tasks.optim import warmup_inverse_sqrt
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_inverse_sqrt(opt, warmup_steps=1)
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([1.0, math.sqrt(1 / 2), math.sqrt(1 / 3), 0.5])
+    with pytest.raises(ValueError, match="^inverse_sqrt needs warmup_steps >= 1, got 0$"):
+        warmup_inverse_sqrt(opt, warmup_steps=0)

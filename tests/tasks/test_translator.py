@@ -4,7 +4,9 @@
 import collections
 import json
 import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -79,9 +81,11 @@ def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
     hyps = (out / "test.hyp").read_text().splitlines()
     refs = (out / "test.ref").read_text().splitlines()
     assert len(hyps) == len(refs) == 10
-    # references are the raw test targets, in split order
+    # references are the raw test targets, in split order: the raw text is tokenised and lowercased
+    # already, so the tokenised reference is the raw line and the detokenised one joins the punctuation
     raw = (toy_raw_dir(toy) / "test.en").read_text().splitlines()
-    assert refs == [toy.decode(toy.encode(line, lang="en")) for line in raw]
+    assert (out / "test.ref.tok").read_text().splitlines() == raw
+    assert refs == [re.sub(r" ([.,!?])", r"\1", line) for line in raw]
     # the logged and written BLEU are sacreBLEU's on the written files
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score
     written = json.loads((out / "test.bleu.json").read_text())
@@ -93,8 +97,10 @@ def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
     batch = next(iter(toy.test_dataloader()))
     found, _ = beam_search(model.model, batch["src"], batch["src_mask"], model.beam, start_id=toy.eos_id,
                            eos_id=toy.eos_id, pad_id=toy.pad_id, banned_ids=(toy.bos_id,))
+    hyps_tok = (out / "test.hyp.tok").read_text().splitlines()
     for sample_id, ids in zip(batch["ids"].tolist(), found):
         assert hyps[sample_id] == toy.decode(ids)
+        assert hyps_tok[sample_id] == toy.decode(ids, detokenize=False)
     assert math.isfinite(metrics["test/ppl"]) and metrics["test/tokens"] == sum(
         len(toy.encode(line, lang="en")) + 1 for line in raw)
 
@@ -143,3 +149,150 @@ def test_validation_perplexity_is_exp_mean_nll(toy, tmp_path):
 def test_vocabulary_mismatch_is_named(toy, tmp_path):
     with pytest.raises(ValueError, match=f"vocab_size: {toy.vocab_size}"):
         trainer(tmp_path).validate(tiny_translator(toy.vocab_size + 3), toy, verbose=False)
+
+
+# ---------------------------------------------------------------- the hypotheses files, fast
+# Hand-written (hyp, hyp_tok, ref, ref_tok), partly right; the detokenised score is case-sensitive, the
+# tokenised one is not, so the two BLEUs differ.
+ROWS = {
+    0: ("The cat sat on the mat.", "the cat sat on the mat .", "The cat sat on a mat.", "the cat sat on a mat ."),
+    1: ("A dog barks at the moon.", "a dog barks at the moon .", "A dog barks at the moon tonight.",
+        "a dog barks at the moon tonight ."),
+    2: ("he reads the book.", "he reads the book .", "He reads an old book.", "he reads an old book ."),
+    3: ("Rain again today.", "rain again today .", "It rains again today.", "it rains again today ."),
+    4: ("we sing loud songs.", "we sing loud songs .", "We sing loud songs.", "we sing loud songs ."),
+}
+
+
+def row(i: int, predict: bool = False) -> dict:
+    hyp, hyp_tok, ref, ref_tok = ROWS[i]
+    return {"id": i, "hyp": hyp, "hyp_tok": hyp_tok} if predict else {
+        "id": i, "hyp": hyp, "hyp_tok": hyp_tok, "ref": ref, "ref_tok": ref_tok}
+
+
+class TwoRanks:
+    """A single-process stand-in for ``torch.distributed`` with two ranks: ``all_gather_object`` puts
+    this process's rows at ``rank`` and ``other_rows`` at the other place."""
+
+    def __init__(self, rank: int, other_rows: list):
+        self.rank, self.other_rows = rank, other_rows
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self):
+        return 2
+
+    def all_gather_object(self, parts, rows):
+        parts[self.rank], parts[1 - self.rank] = rows, self.other_rows
+
+
+def finished(tmp_path, monkeypatch, stage: str, mine: list, others: list | None, rank: int = 0,
+             output_dir: str | None = None):
+    """Run ``Translator._finish_generation`` on ``mine`` (this rank's rows) with a stand-in trainer;
+    ``others`` (None = not distributed) are the other rank's. Returns (module, logged, rows)."""
+    import mmlight.tasks.translator as translator
+
+    if others is not None:
+        monkeypatch.setattr(translator, "dist", TwoRanks(rank, others))
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    module = Translator(config, output_dir=output_dir)
+    module._trainer = SimpleNamespace(is_global_zero=rank == 0, log_dir=str(tmp_path / "logs"))
+    logged = {}
+    module.log = lambda name, value, **options: logged.__setitem__(name, (value, options))
+    module.translations[stage] = list(mine)
+    return module, logged, module._finish_generation(stage)
+
+
+def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "not" / "yet" / "there"  # made with its parents
+    module, logged, rows = finished(tmp_path, monkeypatch, "test", [row(3), row(0), row(4)], [row(2), row(1)],
+                                    output_dir=str(out))
+    order = [0, 1, 2, 3, 4]
+    assert [r["id"] for r in rows] == order and "test" not in module.translations
+    hyps, refs = [ROWS[i][0] for i in order], [ROWS[i][2] for i in order]
+    hyps_tok, refs_tok = [ROWS[i][1] for i in order], [ROWS[i][3] for i in order]
+    for suffix, lines in {"hyp": hyps, "hyp.tok": hyps_tok, "ref": refs, "ref.tok": refs_tok}.items():
+        assert (out / f"test.{suffix}").read_text(encoding="utf-8") == "".join(line + "\n" for line in lines)
+    bleu = sacrebleu.corpus_bleu(hyps, [refs])
+    bleu_tok = sacrebleu.corpus_bleu(hyps_tok, [refs_tok], tokenize="none", lowercase=True)
+    assert 10 < bleu.score < 90 and 10 < bleu_tok.score < 90 and bleu.score != pytest.approx(bleu_tok.score)
+    assert logged["test/bleu"][0] == pytest.approx(bleu.score) and logged["test/bleu"][1]["sync_dist"] is False
+    assert logged["test/bleu_tok"][0] == pytest.approx(bleu_tok.score)
+    assert logged["test/bleu"][1]["prog_bar"] is True
+    text = (out / "test.bleu.json").read_text()
+    written = json.loads(text)
+    assert text == json.dumps(written, indent=2) + "\n"
+    assert written["bleu"] == pytest.approx(bleu.score) and written["bleu_tok"] == pytest.approx(bleu_tok.score)
+    assert written["sentences"] == 5 and "tok:none" in written["signature_tok"]
+    assert f"mmlight: 5 test translations written to {out / 'test.hyp'}" in capsys.readouterr().out
+    module.translations["test"] = [row(4)]  # a second test epoch writes into the existing folder
+    module._finish_generation("test")
+    assert (out / "test.hyp").read_text() == "".join(ROWS[i][0] + "\n" for i in (1, 2, 4))  # with the other rank's
+
+
+def test_other_ranks_score_the_same_and_write_nothing(tmp_path, monkeypatch):
+    _, logged, rows = finished(tmp_path, monkeypatch, "test", [row(2), row(1)], [row(3), row(0), row(4)], rank=1,
+                               output_dir=str(tmp_path / "out"))
+    order = [0, 1, 2, 3, 4]
+    assert [r["id"] for r in rows] == order
+    assert logged["test/bleu"][0] == pytest.approx(
+        sacrebleu.corpus_bleu([ROWS[i][0] for i in order], [[ROWS[i][2] for i in order]]).score)
+    assert not (tmp_path / "out").exists()
+
+
+def test_validation_logs_bleu_but_writes_no_files(tmp_path, monkeypatch):
+    _, logged, _ = finished(tmp_path, monkeypatch, "val", [row(1), row(0)], None)
+    assert logged["val/bleu"][0] == pytest.approx(
+        sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]], [[ROWS[0][2], ROWS[1][2]]]).score)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_predict_writes_hypotheses_only_to_the_log_dir(tmp_path, monkeypatch):
+    _, logged, rows = finished(tmp_path, monkeypatch, "predict", [row(4, True), row(2, True)], [row(0, True)])
+    logs = tmp_path / "logs"
+    assert logged == {} and [r["id"] for r in rows] == [0, 2, 4]
+    assert (logs / "predict.hyp").read_text() == "".join(ROWS[i][0] + "\n" for i in (0, 2, 4))
+    assert (logs / "predict.hyp.tok").read_text() == "".join(ROWS[i][1] + "\n" for i in (0, 2, 4))
+    assert sorted(p.name for p in logs.iterdir()) == ["predict.hyp", "predict.hyp.tok"]
+
+
+def test_gather_to_all_is_the_identity_without_a_process_group(monkeypatch):
+    from mmlight.tasks.translator import gather_to_all
+
+    rows = [row(1), row(0)]
+    assert gather_to_all(rows) is rows
+    import mmlight.tasks.translator as translator
+
+    one_rank = TwoRanks(0, [])
+    one_rank.get_world_size = lambda: 1
+    monkeypatch.setattr(translator, "dist", one_rank)
+    assert gather_to_all(rows) is rows
+    monkeypatch.setattr(translator, "dist", TwoRanks(1, [row(4)]))
+    assert gather_to_all(rows) == [row(4), row(1), row(0)]  # rank order, then each rank's own order
+
+
+def test_generate_decodes_hypotheses_and_references_of_each_sentence(monkeypatch):
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    module = Translator(config)
+    data = SimpleNamespace(decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist()))
+    module._trainer = SimpleNamespace(datamodule=data)
+    found = [torch.tensor([5, 6]), torch.tensor([7])]
+    monkeypatch.setattr(module, "translate", lambda src, src_mask: found)
+    batch = {"ids": torch.tensor([9, 4]), "src": torch.zeros(2, 3), "src_mask": torch.ones(2, 3, dtype=torch.bool),
+             "tgt_out": torch.tensor([[3, 4], [5, 2]])}
+    rows = module._generate("test", batch)
+    assert rows == [{"id": 9, "hyp": "D[5, 6]", "hyp_tok": "T[5, 6]", "ref": "D[3, 4]", "ref_tok": "T[3, 4]"},
+                    {"id": 4, "hyp": "D[7]", "hyp_tok": "T[7]", "ref": "D[5, 2]", "ref_tok": "T[5, 2]"}]
+    assert module.predict_step(batch, 0) == [{k: r[k] for k in ("id", "hyp", "hyp_tok")} for r in rows]
+    assert module.translations == {"test": rows, "predict": module.translations["predict"]}
+    assert len(module.translations["predict"]) == 2
+
+
+def test_only_test_generates_unless_bleu_in_validation():
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    assert Translator(config)._generates("test") and not Translator(config)._generates("val")
+    assert Translator(config, bleu_in_validation=True)._generates("val")

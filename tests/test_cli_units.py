@@ -1,0 +1,277 @@
+"""The cluster logic of the ``mmlight`` CLI without a cluster or a training run: which checkpoint
+``--ckpt_path last`` resumes (files with set modification times), the SLURM run directory (SLURM's
+environment variables), the task-count check, the subcommand table and the checkpoint defaults."""
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from mmlight import cli
+from mmlight.callbacks import FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_slurm(monkeypatch):
+    """Start every test outside SLURM, whatever the machine running the tests."""
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+
+
+def touch(path: Path, mtime: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def trainer_at(root: Path, log_dir: Path | None = None, **more) -> SimpleNamespace:
+    logger = None if log_dir is None else SimpleNamespace(log_dir=str(log_dir))
+    return SimpleNamespace(default_root_dir=str(root), logger=logger, **more)
+
+
+def test_newest_checkpoint_is_the_most_recently_written_of_any_version(tmp_path):
+    run = tmp_path / "runs" / "digits"
+    touch(run / "version_0" / "checkpoints" / "last.ckpt", 1000)
+    newest = touch(run / "version_1" / "checkpoints" / "last.ckpt", 3000)
+    touch(run / "version_1" / "checkpoints" / "last-v1.ckpt", 2000)
+    touch(run / "version_2" / "checkpoints" / "best-0-5.ckpt", 9000)  # not a resume point
+    touch(run / "version_2" / "checkpoints" / "epoch=0.ckpt", 9000)
+    trainer = trainer_at(tmp_path / "elsewhere", log_dir=run / "version_3")  # the new run's version
+    assert cli.newest_checkpoint(trainer) == str(newest)
+    # Lightning's hpc_ckpt_*.ckpt (SLURM's warning signal) in the root directory, once it is newer
+    hpc = touch(tmp_path / "elsewhere" / "hpc_ckpt_2.ckpt", 2500)
+    assert cli.newest_checkpoint(trainer) == str(newest)
+    os.utime(hpc, (4000, 4000))
+    assert cli.newest_checkpoint(trainer) == str(hpc)
+    os.utime(run / "version_0" / "checkpoints" / "last.ckpt", (5000, 5000))  # oldest name, newest file
+    assert cli.newest_checkpoint(trainer) == str(run / "version_0" / "checkpoints" / "last.ckpt")
+
+
+def test_newest_checkpoint_searches_the_root_without_a_logger_and_finds_none_in_an_empty_run(tmp_path):
+    assert cli.newest_checkpoint(trainer_at(tmp_path / "missing")) is None
+    assert cli.newest_checkpoint(trainer_at(tmp_path, log_dir=tmp_path / "runs" / "x" / "version_0")) is None
+    hpc = touch(tmp_path / "slurm-9" / "hpc_ckpt_1.ckpt", 100)
+    assert cli.newest_checkpoint(trainer_at(tmp_path)) == str(hpc)
+    assert cli.newest_checkpoint(SimpleNamespace(default_root_dir=str(tmp_path),
+                                                 logger=SimpleNamespace(log_dir=None))) == str(hpc)
+
+
+def test_before_fit_resumes_the_newest_checkpoint_for_ckpt_path_last(tmp_path, capsys):
+    def fit(ckpt_path):
+        stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=1, num_nodes=1), subcommand="fit",
+                                   config={"fit": {"ckpt_path": ckpt_path}}, config_init={"fit": {"ckpt_path": ckpt_path}})
+        cli.MmlightCLI.before_fit(stand_in)
+        return stand_in.config_init["fit"]["ckpt_path"], capsys.readouterr().out
+
+    assert fit("last") == (None, "mmlight: --ckpt_path last -> no checkpoint yet, starting fresh\n")
+    touch(tmp_path / "v0" / "last.ckpt", 100)
+    newest = touch(tmp_path / "v1" / "last.ckpt", 200)
+    assert fit("last") == (str(newest), f"mmlight: --ckpt_path last -> {newest}\n")
+    assert fit("given.ckpt") == ("given.ckpt", "")  # an explicit path is left alone
+
+
+def slurm(monkeypatch, ntasks: str, nodes: str | None, job_name: str = "train", nodes_var="SLURM_JOB_NUM_NODES"):
+    monkeypatch.setenv("SLURM_NTASKS", ntasks)
+    monkeypatch.setenv("SLURM_JOB_NAME", job_name)
+    if nodes is not None:
+        monkeypatch.setenv(nodes_var, nodes)
+
+
+@pytest.mark.parametrize("ntasks, nodes, nodes_var, devices, num_nodes", [
+    ("4", "2", "SLURM_JOB_NUM_NODES", 2, 2),
+    ("4", "2", "SLURM_NNODES", 2, 2),  # older SLURM names the node count so
+    ("3", None, None, 3, 1),  # one node when SLURM does not say
+])
+def test_matching_slurm_task_counts_pass(monkeypatch, ntasks, nodes, nodes_var, devices, num_nodes):
+    slurm(monkeypatch, ntasks, nodes, nodes_var=nodes_var)
+    cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+
+
+@pytest.mark.parametrize("ntasks, nodes, devices, num_nodes, said", [
+    ("3", "2", 2, 2, "3 task(s) on 2 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
+    ("4", "1", 2, 2, "4 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
+    ("1", None, 2, 1, "1 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=1 = 2 process(es)"),
+])
+def test_mismatched_slurm_task_counts_stop_the_run(monkeypatch, ntasks, nodes, devices, num_nodes, said):
+    slurm(monkeypatch, ntasks, nodes)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+    assert str(exit_info.value) == (f"mmlight: SLURM started {said}. Make --ntasks-per-node equal --trainer.devices "
+                                    "and --nodes equal --trainer.num_nodes.")
+    monkeypatch.setenv("SLURM_NNODES", "7")  # SLURM_JOB_NUM_NODES wins over the older name
+    if nodes is not None:
+        with pytest.raises(SystemExit, match=f"on {nodes} node"):
+            cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+
+
+def test_no_task_check_outside_slurm_or_in_an_interactive_allocation(monkeypatch):
+    wrong = SimpleNamespace(num_devices=8, num_nodes=4)
+    cli.check_slurm_tasks(wrong)  # no SLURM variables at all
+    slurm(monkeypatch, "1", "1", job_name="interactive")  # Lightning does not take this for a SLURM launch
+    cli.check_slurm_tasks(wrong)
+
+
+def fit_config(version=None, default_root_dir=None, logger=True) -> Namespace:
+    init_args = Namespace(save_dir="runs", name="digits_multimax", version=version)
+    tb = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=init_args) if logger else False
+    return Namespace(fit=Namespace(trainer=Namespace(logger=tb, default_root_dir=default_root_dir)))
+
+
+def instantiate(config: Namespace, subcommand: str = "fit") -> Namespace:
+    cli.MmlightCLI.before_instantiate_classes(SimpleNamespace(config=config, subcommand=subcommand))
+    return config[subcommand].trainer if subcommand in config else config.trainer
+
+
+def test_slurm_run_directory_is_named_by_the_job_id(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    trainer = instantiate(fit_config())
+    assert trainer.logger.init_args.version == "slurm-4242"
+    assert Path(trainer.default_root_dir) == Path("runs/digits_multimax/slurm-4242")
+    trainer = instantiate(fit_config(version="mine"))  # a version given by the user is kept
+    assert trainer.logger.init_args.version == "mine"
+    assert Path(trainer.default_root_dir) == Path("runs/digits_multimax/mine")
+    trainer = instantiate(fit_config(default_root_dir="/scratch/run"))
+    assert (trainer.logger.init_args.version, trainer.default_root_dir) == ("slurm-4242", "/scratch/run")
+    assert instantiate(fit_config(logger=False)).default_root_dir is None  # no logger: nothing to name
+    config = fit_config()
+    config["test"] = config.pop("fit")
+    assert instantiate(config, "test").logger.init_args.version is None  # only fit writes a run
+
+
+def test_no_run_directory_outside_slurm():
+    trainer = instantiate(fit_config())
+    assert trainer.logger.init_args.version is None and trainer.default_root_dir is None
+
+
+def test_run_dir_of_logger_arguments():
+    assert cli.run_dir({"save_dir": "runs", "name": "lm", "version": "slurm-1"}) == Path("runs/lm/slurm-1")
+    assert cli.run_dir({"save_dir": None, "name": None, "version": 3}) == Path("3")
+
+
+def test_model_options_of_a_command_line_edges():
+    assert cli.model_options([]) == []
+    assert cli.model_options(["fit", "--model.init_args.lr"]) == ["--model.init_args.lr"]  # last, no value
+    assert cli.model_options(["--model.a=1", "--model.b", "2", "--data.c", "3"]) == ["--model.a=1", "--model.b", "2"]
+
+
+CALLS = []
+
+
+def record_tool(argv):
+    CALLS.append(argv)
+
+
+def test_tools_table_dispatches_the_rest_of_the_command_line(monkeypatch):
+    monkeypatch.setitem(cli.TOOLS, "probe", "tests.test_cli_units:record_tool")
+    CALLS.clear()
+    cli.main(["probe", "--src", "raw", "x"])
+    assert CALLS == [["--src", "raw", "x"]]
+    from mmlight.data.prepare import main as prepare_main
+
+    module, function = cli.TOOLS["prepare"].split(":")
+    assert getattr(__import__(module, fromlist=[function]), function) is prepare_main
+
+
+def test_trainer_defaults():
+    defaults = cli.trainer_defaults()
+    logger = defaults["logger"]
+    assert isinstance(logger, TensorBoardLogger) and logger._lazy_kwargs == {"save_dir": "runs", "name": "mmlight"}
+    callbacks = defaults["callbacks"]
+    kinds = [RichProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, FinalMetrics]
+    assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
+    assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}
+
+
+def test_checkpoint_groups_and_their_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(DIGITS), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    last, best = printed["last_checkpoint"], printed["best_checkpoint"]
+    assert (last["save_last"], last["save_top_k"], last["every_n_train_steps"]) == (True, 0, 1000)
+    assert (best["monitor"], best["mode"], best["filename"], best["save_top_k"]) == ("val/top1", "max",
+                                                                                     "best-{epoch}-{step}", 1)
+    assert best["auto_insert_metric_name"] is False
+    assert printed["seed_everything"] == 0
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """build_cli that parses (and runs the hooks before instantiation) but builds and runs nothing."""
+    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)
+    return lambda args: cli.build_cli(args)
+
+
+def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only, monkeypatch):
+    import torch
+
+    ckpt = tmp_path / "model.ckpt"
+    torch.save({"hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
+                                     "warmup_epochs": 7.0}}, ckpt)
+    common = ["validate", "--config", str(DIGITS), "--ckpt_path", str(ckpt)]
+    model = parse_only(common).config.validate.model.init_args
+    assert (model.lr, model.warmup_epochs) == (0.125, 7.0)  # Lightning restores the checkpoint's
+    model = parse_only([*common, "--model.init_args.lr", "0.5"]).config.validate.model.init_args
+    assert (model.lr, model.warmup_epochs) == (0.5, 7.0)  # the command line wins where it speaks
+    model = parse_only([*common, "--model.init_args.lr=0.25"]).config.validate.model.init_args
+    assert model.lr == 0.25
+    model = parse_only(tuple([*common, "--model.init_args.lr", "0.75"])).config.validate.model.init_args
+    assert model.lr == 0.75
+    monkeypatch.setattr(sys, "argv", ["mmlight", *common, "--model.init_args.lr", "0.5"])  # the console script
+    assert parse_only(None).config.validate.model.init_args.lr == 0.5
+
+
+def test_slurm_job_names_the_parsed_fit_run(monkeypatch, parse_only):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    trainer = parse_only(["fit", "--config", str(DIGITS)]).config.fit.trainer
+    assert trainer.logger.init_args.version == "slurm-77"
+    assert Path(trainer.default_root_dir) == Path(trainer.logger.init_args.save_dir) / "digits_multimax" / "slurm-77"
+
+
+def test_how_the_cli_is_built(parse_only):
+    built = parse_only(["fit", "--config", str(DIGITS)])
+    assert built.save_config_kwargs == {"overwrite": True}  # a requeued job rewrites its config.yaml
+    assert built.auto_configure_optimizers is False and built.seed_everything_default == 0
+    assert built.subcommand == "fit" and built.config.fit.model.class_path == "mmlight.tasks.ImageClassifier"
+    callbacks = built.trainer_defaults["callbacks"]  # given to the Trainer when it is built
+    assert [type(c).__name__ for c in callbacks] == [type(c).__name__ for c in cli.trainer_defaults()["callbacks"]]
+    assert isinstance(built.trainer_defaults["logger"], TensorBoardLogger)
+
+
+def test_main_reads_sys_argv(monkeypatch):
+    monkeypatch.setitem(cli.TOOLS, "probe", "tests.test_cli_units:record_tool")
+    monkeypatch.setattr(sys, "argv", ["mmlight", "probe", "--x", "1"])
+    CALLS.clear()
+    cli.main()
+    assert CALLS == [["--x", "1"]]
+
+
+def test_before_fit_checks_the_slurm_task_counts(tmp_path, monkeypatch):
+    slurm(monkeypatch, "1", "1")
+    stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=2, num_nodes=1), subcommand="fit",
+                               config={"fit": {"ckpt_path": None}}, config_init={"fit": {"ckpt_path": None}})
+    with pytest.raises(SystemExit, match="SLURM started 1 task"):
+        cli.MmlightCLI.before_fit(stand_in)
+
+
+def test_without_a_subcommand_the_whole_config_is_the_subcommands(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    built = cli.build_cli(["--config", str(DIGITS)], run=False)  # LightningCLI(run=False): no subcommand
+    assert built.subcommand is None
+    assert built.config.trainer.logger.init_args.version is None  # only fit names a run
