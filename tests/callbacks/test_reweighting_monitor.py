@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from mmlight.callbacks import ReweightingMonitor, multimax_modules
+from mmlight.callbacks import ReweightingMonitor, reweighting_sites
 from mmlight.models import ReweightingSpec, ViTConfig
 from mmlight.tasks import ImageClassifier
 
@@ -18,12 +18,13 @@ def classifier(attention="multimax", output_multimax=True) -> ImageClassifier:
                                      attention=ReweightingSpec(attention), output_multimax=output_multimax))
 
 
-def test_multimax_modules_are_named_by_layer():
+def test_reweighting_sites_are_named_by_layer():
     module = classifier()
-    found = multimax_modules(module)
+    found = reweighting_sites(module)
     assert list(found) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "output"]
     assert found["blocks.2"] is module.model.vit.blocks[2].attn.reweight and found["output"] is module.model.output
-    assert multimax_modules(classifier("softmax", False)) == {}
+    assert list(reweighting_sites(classifier("softmax", False))) == [f"blocks.{i}" for i in range(4)]
+    assert reweighting_sites(torch.nn.Linear(2, 2)) == {}
 
 
 def logged_scalars(module, global_step, every):
@@ -41,8 +42,8 @@ def test_parameters_are_logged_every_n_steps():
     (values, options), = logged_scalars(module, 6, 3)
     assert options == {"on_step": True, "on_epoch": False}
     assert len(values) == 5 * 2 * 4  # 5 modules x (ranges, ts) x 4 entries at order 2
-    assert [values[f"multimax/output/ts_{i}"] for i in range(4)] == torch.tensor([0.1, 0.2, 0.3, 0.4]).tolist()
-    assert values["multimax/blocks.1/ranges_3"] == module.model.vit.blocks[1].attn.reweight.ranges[3].item()
+    assert [values[f"reweighting/output/ts_{i}"] for i in range(4)] == torch.tensor([0.1, 0.2, 0.3, 0.4]).tolist()
+    assert values["reweighting/blocks.1/ranges_3"] == module.model.vit.blocks[1].attn.reweight.ranges[3].item()
     assert logged_scalars(module, 7, 3) == []
     assert logged_scalars(classifier("softmax", False), 6, 3) == []
 
