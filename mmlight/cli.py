@@ -123,13 +123,7 @@ class MmlightCLI(LightningCLI):
         if missing:
             self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
                               f"{config.data.class_path} has no such attribute")
-        job_id = os.environ.get("SLURM_JOB_ID")
-        logger = config.trainer.get("logger")
-        if job_id and self.subcommand == "fit" and getattr(logger, "init_args", None) is not None:
-            if logger.init_args.get("version") is None:
-                logger.init_args.version = f"slurm-{job_id}"
-            if config.trainer.get("default_root_dir") is None:  # where Lightning writes hpc_ckpt_*.ckpt
-                config.trainer.default_root_dir = str(run_dir(logger.init_args))
+        name_slurm_run(config, self.subcommand)
 
     def before_fit(self) -> None:
         check_slurm_tasks(self.trainer)
@@ -187,6 +181,19 @@ def check_checkpoint_file(path: str | None) -> None:
                          "(a torch file without the 'state_dict' entry Lightning writes)")
 
 
+def name_slurm_run(config, subcommand: str) -> None:
+    """Under SLURM, ``fit`` logs to version ``slurm-<job id>`` and uses that run directory as the
+    trainer's root, where Lightning writes ``hpc_ckpt_*.ckpt``: a requeued job (same id) finds them.
+    A version or root directory given by the user is kept."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    logger = config.trainer.get("logger")
+    if job_id and subcommand == "fit" and getattr(logger, "init_args", None) is not None:
+        if logger.init_args.get("version") is None:
+            logger.init_args.version = f"slurm-{job_id}"
+        if config.trainer.get("default_root_dir") is None:
+            config.trainer.default_root_dir = str(run_dir(logger.init_args))
+
+
 def reweighting_names(config, prefix: str = "") -> list[tuple[str, str]]:
     """``(key, name)`` of every reweighting spec (a ``{name, options}`` entry) in a parsed config,
     so that a misspelt function stops the run at parse time, naming its key."""
@@ -220,13 +227,21 @@ def run_dir(logger_args) -> Path:
 
 
 def newest_checkpoint(trainer) -> str | None:
-    """The most recently written ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` of this run's name (every
-    version), or None."""
-    roots = {Path(trainer.default_root_dir)}
+    """The most recently written resume point of this run, or None.
+
+    With a logger, that is any ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` under the run's name (every
+    version; under SLURM the trainer's root directory is one of them), plus the ``hpc_ckpt_*.ckpt``
+    that Lightning writes directly into the root directory. Only without a logger is the root
+    directory searched recursively: it defaults to the working directory, where other runs'
+    checkpoints may live.
+    """
+    root = Path(trainer.default_root_dir)
+    patterns = ("**/last*.ckpt", "**/hpc_ckpt_*.ckpt")
     if trainer.logger is not None and trainer.logger.log_dir is not None:
-        roots.add(Path(trainer.logger.log_dir).parent)
-    found = [p for root in roots if root.is_dir() for pattern in ("**/last*.ckpt", "**/hpc_ckpt_*.ckpt")
-             for p in root.glob(pattern)]
+        searches = [(Path(trainer.logger.log_dir).parent, patterns), (root, ("hpc_ckpt_*.ckpt",))]
+    else:
+        searches = [(root, patterns)]
+    found = {p for folder, globs in searches if folder.is_dir() for pattern in globs for p in folder.glob(pattern)}
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 

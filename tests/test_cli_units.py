@@ -8,13 +8,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmlight import cli
-from mmlight.callbacks import FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor
+from mmlight.callbacks import DataPosition, FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor, StepProgressBar, StepSeed
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -59,6 +60,20 @@ def test_newest_checkpoint_is_the_most_recently_written_of_any_version(tmp_path)
     assert cli.newest_checkpoint(trainer) == str(run / "version_0" / "checkpoints" / "last.ckpt")
 
 
+def test_newest_checkpoint_never_takes_another_runs_checkpoint_under_the_root(tmp_path):
+    """The root directory defaults to the working directory: with a logger, another run's
+    last.ckpt below it is not a resume point of this run, while Lightning's hpc_ckpt in it is."""
+    other = touch(tmp_path / "runs" / "other_run" / "version_0" / "checkpoints" / "last.ckpt", 9000)
+    mine = touch(tmp_path / "runs" / "mine" / "version_0" / "checkpoints" / "last.ckpt", 1000)
+    trainer = trainer_at(tmp_path, log_dir=tmp_path / "runs" / "mine" / "version_1")
+    assert cli.newest_checkpoint(trainer) == str(mine)
+    touch(tmp_path / "sub" / "hpc_ckpt_3.ckpt", 9500)  # not written by Lightning for this root
+    assert cli.newest_checkpoint(trainer) == str(mine)
+    hpc = touch(tmp_path / "hpc_ckpt_1.ckpt", 2000)
+    assert cli.newest_checkpoint(trainer) == str(hpc)
+    assert cli.newest_checkpoint(trainer_at(tmp_path)) == str(other.parent.parent.parent.parent.parent / "sub" / "hpc_ckpt_3.ckpt")
+
+
 def test_newest_checkpoint_searches_the_root_without_a_logger_and_finds_none_in_an_empty_run(tmp_path):
     assert cli.newest_checkpoint(trainer_at(tmp_path / "missing")) is None
     assert cli.newest_checkpoint(trainer_at(tmp_path, log_dir=tmp_path / "runs" / "x" / "version_0")) is None
@@ -76,8 +91,11 @@ def test_before_fit_resumes_the_newest_checkpoint_for_ckpt_path_last(tmp_path, c
         return stand_in.config_init["fit"]["ckpt_path"], capsys.readouterr().out
 
     assert fit("last") == (None, "mmlight: --ckpt_path last -> no checkpoint yet, starting fresh\n")
-    touch(tmp_path / "v0" / "last.ckpt", 100)
-    newest = touch(tmp_path / "v1" / "last.ckpt", 200)
+    for version, mtime in (("v0", 100), ("v1", 200)):  # real checkpoint files: before_fit checks what it resumes
+        newest = tmp_path / version / "last.ckpt"
+        newest.parent.mkdir()
+        torch.save({"state_dict": {}}, newest)
+        os.utime(newest, (mtime, mtime))
     assert fit("last") == (str(newest), f"mmlight: --ckpt_path last -> {newest}\n")
     assert fit("given.ckpt") == ("given.ckpt", "")  # an explicit path is left alone
 
@@ -130,8 +148,8 @@ def fit_config(version=None, default_root_dir=None, logger=True) -> Namespace:
 
 
 def instantiate(config: Namespace, subcommand: str = "fit") -> Namespace:
-    cli.MmlightCLI.before_instantiate_classes(SimpleNamespace(config=config, subcommand=subcommand))
-    return config[subcommand].trainer if subcommand in config else config.trainer
+    cli.name_slurm_run(config[subcommand], subcommand)
+    return config[subcommand].trainer
 
 
 def test_slurm_run_directory_is_named_by_the_job_id(monkeypatch):
@@ -189,7 +207,8 @@ def test_trainer_defaults():
     logger = defaults["logger"]
     assert isinstance(logger, TensorBoardLogger) and logger._lazy_kwargs == {"save_dir": "runs", "name": "mmlight"}
     callbacks = defaults["callbacks"]
-    kinds = [RichProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, FinalMetrics]
+    kinds = [StepProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, FinalMetrics,
+             StepSeed, DataPosition]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}
 
@@ -220,7 +239,7 @@ def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, par
     import torch
 
     ckpt = tmp_path / "model.ckpt"
-    torch.save({"hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
+    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
                                      "warmup_epochs": 7.0}}, ckpt)
     common = ["validate", "--config", str(DIGITS), "--ckpt_path", str(ckpt)]
     model = parse_only(common).config.validate.model.init_args

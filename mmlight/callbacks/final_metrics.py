@@ -14,7 +14,6 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
 
 FILE_NAME = "final_metrics.json"
 
@@ -68,8 +67,12 @@ class FinalMetrics(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self._finish(trainer, "fit")
 
-    @rank_zero_only
     def _finish(self, trainer, stage: str) -> None:
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must ask, not only rank 0
+        if trainer.is_global_zero:
+            self._report(trainer, stage, log_dir)
+
+    def _report(self, trainer, stage: str, log_dir: str | None) -> None:
         step, epoch = self._weights_step(trainer)
         record = {"stage": stage, "global_step": step, "epoch": epoch,
                   "checkpoint": None if stage == "fit" else trainer.ckpt_path,
@@ -77,8 +80,8 @@ class FinalMetrics(L.Callback):
         if stage == "fit":
             record["checkpoints"] = checkpoint_files(trainer)
         print(summary(record), flush=True)
-        if trainer.log_dir is not None:
-            write_json(Path(trainer.log_dir) / FILE_NAME, record)
+        if log_dir is not None:
+            write_json(Path(log_dir) / FILE_NAME, record)
 
 
 def checkpoint_files(trainer) -> dict:
