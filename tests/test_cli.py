@@ -220,7 +220,7 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
     # the model built for it does not fit the checkpoint, and the run stops naming what differs
     other = ["--config", str(config), "--data.init_args.cache_dir", str(tmp_path / "other"),
              "--data.init_args.train_size", "30", "--data.init_args.valid_size", "5", "--data.init_args.test_size", "5",
-             "--trainer.logger", "false", "--ckpt_path", str(last)]
+             "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(last)]
     with pytest.raises(ValueError, match=r"another model or config.*shapes differ: .*embed.*\(114, 64\) vs \(\d+, 64\)"):
         main(["test", *other])
 
