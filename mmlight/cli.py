@@ -268,6 +268,8 @@ TOOLS: dict[str, str] = {
     "prepare": "mmlight.data.prepare:main",
     "analyze": "mmlight.analysis.analyze:main",
     "doctor": "mmlight.doctor:main",
+    "sweep": "mmlight.experiments.sweep:main",
+    "collect": "mmlight.experiments.collect:main",
 }
 
 

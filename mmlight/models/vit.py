@@ -41,6 +41,7 @@ class ViTConfig:
         attention: the reweighting function of every attention layer (one instance per layer).
         output_multimax: apply a learnable MultiMax sigma to the logits before the loss.
         output_multimax_order: its order (1 or 2).
+        output_multimax_terms: ``both`` or ``low`` (term (1) only; the paper's Table 5 ablation).
         backend: how every reweighting in the model is computed: ``auto`` (Triton kernels on CUDA,
             eager PyTorch on the CPU), ``reference``, ``compile`` or ``triton``.
     """
@@ -55,6 +56,7 @@ class ViTConfig:
     attention: ReweightingSpec = field(default_factory=ReweightingSpec)
     output_multimax: bool = False
     output_multimax_order: int = 2
+    output_multimax_terms: Literal["both", "low"] = "both"
     backend: Backend = "auto"
 
 
@@ -86,7 +88,8 @@ class ReweightedViT(nn.Module):
             block.attn.reweight = config.attention.build(config.backend)
         self.output = None
         if config.output_multimax:
-            self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
+            self.output = reweighting.MultiMax(order=config.output_multimax_order, terms=config.output_multimax_terms,
+                                               backend=config.backend)
 
     def attention_sites(self) -> dict[str, reweighting.Reweighting]:
         """The reweighting module of each attention layer by its stable name (``blocks.<i>``), in

@@ -12,6 +12,7 @@ holds the one definition of sigma; every faster backend is tested against it.
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -74,26 +75,46 @@ class MultiMax(Reweighting):
         init_std: std of the truncated-normal init of ``ranges`` and ``ts`` (0.02, as the official
             code), so a new layer starts close to softmax.
         learnable: if False, the parameters are frozen (useful for analysis with fixed t_b, t_d).
+        terms: ``both`` (terms (1) and (2) of Eq. 4/6) or ``low`` (term (1) only, the small-value
+            temperature t_b: the paper's MultiMax-l and Table 5's ablation row 2). With ``low`` the
+            t_d entries of ``ts`` (``ts[1]``, ``ts[3]``) stay in the official layout but are held at
+            0 inside sigma, so their values are ignored and they, and ``d``, get zero gradient.
         backend: ``auto``, ``reference``, ``compile`` or ``triton`` (see :mod:`mmlight.reweighting.backend`).
     """
 
-    def __init__(self, order: int = 2, init_std: float = 0.02, learnable: bool = True, backend: Backend = "auto"):
+    def __init__(self, order: int = 2, init_std: float = 0.02, learnable: bool = True,
+                 terms: Literal["both", "low"] = "both", backend: Backend = "auto"):
         super().__init__(backend)
         if order not in (1, 2):
             raise ValueError(f"MultiMax order must be 1 or 2, got {order}")
+        if terms not in ("both", "low"):
+            raise ValueError(f"MultiMax terms must be 'both' or 'low', got {terms!r}")
+        self.terms = terms
         n = 2 * order
         self.ranges = nn.Parameter(torch.empty(n), requires_grad=learnable)
         self.ts = nn.Parameter(torch.empty(n), requires_grad=learnable)
         nn.init.trunc_normal_(self.ranges, std=init_std, a=-2 * init_std, b=2 * init_std)
         nn.init.trunc_normal_(self.ts, std=init_std, a=-2 * init_std, b=2 * init_std)
+        if terms == "low":
+            with torch.no_grad():
+                self.ts.view(order, 2)[:, 1] = 0.0  # unused; 0 so that a saved state dict says so
 
     @property
     def order(self) -> int:
         return self.ranges.shape[0] // 2
 
+    def active_ts(self) -> torch.Tensor:
+        """``ts`` as sigma uses it: with ``terms="low"`` the t_d entries are replaced by 0 (a masked
+        copy, so every backend, the Triton kernels included, computes term (1) only and the
+        masked entries get zero gradient through autograd)."""
+        if self.terms == "both":
+            return self.ts
+        low = self.ts.view(self.order, 2)[:, :1]  # (order, 1): 1 - t_b per order
+        return torch.cat((low, torch.zeros_like(low)), dim=1).flatten()
+
     def modulate(self, x: torch.Tensor) -> torch.Tensor:
         """sigma(x) alone, e.g. for classifier logits before cross-entropy (the paper's Table 2)."""
-        return multimax_sigma(x, self.ranges, self.ts)
+        return multimax_sigma(x, self.ranges, self.active_ts())
 
     def cross_entropy(
         self,
@@ -113,7 +134,7 @@ class MultiMax(Reweighting):
             reduction: ``mean`` (over non-ignored targets) or ``sum``.
         """
         backend = resolve_backend(self.backend, logits, True, "MultiMax cross-entropy")
-        args = (logits, target, self.ranges, self.ts, label_smoothing, ignore_index, reduction)
+        args = (logits, target, self.ranges, self.active_ts(), label_smoothing, ignore_index, reduction)
         if backend == "triton":
             from mmlight.kernels import multimax_cross_entropy  # imports Triton only when it is used
 
@@ -127,7 +148,7 @@ class MultiMax(Reweighting):
         return self.modulate(x)
 
     def fused(self) -> SigmaKernels:
-        return SigmaKernels(1.0, self.ranges, self.ts)
+        return SigmaKernels(1.0, self.ranges, self.active_ts())
 
     def extra_repr(self) -> str:
-        return f"order={self.order}, backend={self.backend}"
+        return f"order={self.order}, terms={self.terms}, backend={self.backend}"

@@ -113,3 +113,55 @@ class TestProposition42:
             assert not dominated.any()
             # and the frontier is really traced: some t is as sparse, some t as multi-modal
             assert (s_sm >= s_mm[row]).any() and (m_sm >= m_mm[row]).any()
+
+
+class TestTermsOption:
+    """``terms="low"`` (the paper's MultiMax-l, Table 5 row 2): term (1) alone, official layout kept."""
+
+    def test_low_is_eq7_and_ignores_the_t_d_entries(self):
+        b, t_b = -0.5, 2.5
+        module = MultiMax(order=1, terms="low").double()
+        # an official first-order state dict with a non-zero t_d entry: it loads, and is ignored
+        module.load_state_dict({"ranges": torch.tensor([b, 1.0]), "ts": torch.tensor([1 - t_b, 0.7])}, strict=True)
+        x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+        want = ref.multimax_sigma_piecewise(x.numpy(), b, float("inf"), t_b, 1.0)  # Eq. 7: slope t_b below b only
+        np.testing.assert_allclose(module.modulate(x).detach().numpy(), want, atol=1e-12)
+
+    @pytest.mark.parametrize("order", [1, 2])
+    def test_low_gives_t_d_and_d_zero_gradient(self, order):
+        torch.manual_seed(0)
+        module = MultiMax(order=order, terms="low", init_std=0.5)
+        assert torch.all(module.ts.view(order, 2)[:, 1] == 0)  # stored as 0
+        with torch.no_grad():
+            module.ts.copy_(torch.randn(2 * order))  # even when a loaded dict makes them non-zero
+        module(torch.randn(4, 9) * 3).pow(2).sum().backward()
+        assert torch.all(module.ts.grad.view(order, 2)[:, 1] == 0)
+        assert torch.all(module.ranges.grad.view(order, 2)[:, 1] == 0)
+        assert torch.all(module.ts.grad.view(order, 2)[:, 0] != 0)
+
+    def test_both_is_unchanged_by_the_option(self):
+        torch.manual_seed(0)
+        module = MultiMax(order=2, init_std=0.5)
+        assert module.active_ts() is module.ts
+        with pytest.raises(ValueError, match="terms must be 'both' or 'low'"):
+            MultiMax(terms="high")
+
+    @pytest.mark.parametrize("order", [1, 2])
+    def test_triton_kernels_honour_low(self, order):
+        """Row-wise and cross-entropy kernels (under TRITON_INTERPRET on the CPU) against the reference."""
+        torch.manual_seed(0)
+        module = MultiMax(order=order, terms="low", init_std=0.5)
+        with torch.no_grad():
+            module.ts.copy_(torch.randn(2 * order))
+        scores = torch.randn(3, 17) * 2
+        outputs = {}
+        for backend in ("reference", "triton"):
+            module.zero_grad()
+            probs = module.compute(scores, None, backend)
+            module.backend = backend
+            loss = module.cross_entropy(scores, torch.tensor([1, 5, 16]), label_smoothing=0.1)
+            (probs.pow(2).sum() + loss).backward()
+            outputs[backend] = (probs.detach(), loss.detach(), module.ts.grad.clone(), module.ranges.grad.clone())
+        for got, want in zip(outputs["triton"], outputs["reference"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert torch.all(outputs["triton"][2].view(order, 2)[:, 1] == 0)
