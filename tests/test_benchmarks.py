@@ -71,5 +71,6 @@ def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
                             ("shards, per-copy decode", 3), ("shards", 1), ("shards", 3), ("shards, no draft", 3)}
     assert loaders[("ImageFolder", 3)]["ratio_to_imagefolder"] == 1.0
     shards = loaders[("shards", 3)]
-    assert shards["ratio_to_per_copy_shards"] == round(shards["samples_per_s"] / loaders[("shards, per-copy decode", 3)]["samples_per_s"], 3)
+    per_copy = loaders[("shards, per-copy decode", 3)]["samples_per_s"]  # rates are rounded to 0.1 in the records
+    assert shards["ratio_to_per_copy_shards"] == pytest.approx(shards["samples_per_s"] / per_copy, abs=0.005)
     assert all({"torch", "timm", "pillow", "device", "samples_per_s_per_worker"} <= r.keys() for r in loaders.values())

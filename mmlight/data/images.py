@@ -95,7 +95,7 @@ class ReadSample:
 
 
 def copy_groups(refs: Iterable[dict], copies: int, batch_size: int, rng: random.Random) -> Iterator[list[dict]]:
-    """Batches of ``batch_size`` rows, each image's ``copies`` rows in a row of the stream, as groups:
+    """Batches of ``batch_size`` rows, each image's ``copies`` rows consecutive in the stream, as groups:
     references carrying ``__copies__`` (its rows in this batch; an image whose copies straddle two
     batches is one group in each) and ``__rows__`` (their positions in the batch, a permutation drawn
     from ``rng`` so that copies are not neighbours, e.g. for mixup's flipped pairs)."""
