@@ -33,7 +33,8 @@ import torch
 from PIL import Image
 
 from mmlight.data import ImageAugment
-from mmlight.data.images import DecodeImage, ImageStream
+from mmlight.data.image_decode import AugmentGroup, SplitTransform
+from mmlight.data.images import ImageStream
 from mmlight.data.skips import SkipCounter
 from mmlight.data.streaming import RankRandom
 
@@ -83,7 +84,7 @@ def replay_seconds(urls: list[str], batches: int, batch_size: int, shuffle_buffe
 
 def decode_seconds_per_sample(url: str, samples: int, batch_size: int) -> float:
     """Seconds per sample to read, decode and augment real JPEGs (one process)."""
-    decode = DecodeImage(3, DEIT.build(train=True))
+    decode = AugmentGroup(3, SplitTransform(DEIT.build(train=True)))
     stream = ImageStream([url], batch_size, 1, 1, decode, SkipCounter())
     units = stream.units(RankRandom(0, 0, 0), count_skips=False)
     stream.materialise(next(units))  # warm-up

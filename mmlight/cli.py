@@ -30,15 +30,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import mmlight.data  # noqa: F401
 import mmlight.tasks  # noqa: F401
 from mmlight.reweighting import available as available_reweightings
-from mmlight.callbacks import (DataPosition, FinalMetrics, LastCheckpoint, ReweightingMonitor, SkippedSamplesMonitor,
-                               StepProgressBar, StepSeed)
+from mmlight.callbacks import (DataPosition, DataWaitMonitor, FinalMetrics, LastCheckpoint, ReweightingMonitor,
+                               SkippedSamplesMonitor, StepProgressBar, StepSeed)
 
 
 def trainer_defaults() -> dict:
     """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
     ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
-    the count of skipped corrupt samples, the final metrics printed, the per-step seeding of
-    dropout and mixup (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
+    the count of skipped corrupt samples, a one-time warning when the step waits on the data loader,
+    the final metrics printed, the per-step seeding of dropout and mixup
+    (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
     (:class:`~mmlight.callbacks.DataPosition`)."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
@@ -47,6 +48,7 @@ def trainer_defaults() -> dict:
             lazy_instance(LearningRateMonitor, logging_interval="step"),
             lazy_instance(ReweightingMonitor),
             lazy_instance(SkippedSamplesMonitor),
+            lazy_instance(DataWaitMonitor),
             lazy_instance(FinalMetrics),
             lazy_instance(StepSeed),
             lazy_instance(DataPosition),

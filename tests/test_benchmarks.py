@@ -49,3 +49,28 @@ def test_refuses_to_run_without_a_gpu_unless_smoke():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py")],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
+
+
+@pytest.mark.slow
+def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
+    """bench_loader.py on 12 generated photographs: the stage split for both pipelines and both copy
+    counts, every loader's rate with ratios to the baselines of the same run."""
+    out = tmp_path / "loader.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--images", "12", "--samples", "8",
+                    "--stage-samples", "4", "--batch-size", "4", "--repeats", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    images = records[0]
+    assert images["op"] == "images" and images["images"] == 12 and images["mean_kib"] > 0
+    stages = [r for r in records if r["op"] == "stage_ms_per_sample"]
+    assert [(r["backend"], r["copies"]) for r in stages] == [("ImageFolder", 1), ("shards", 1), ("ImageFolder", 3), ("shards", 3)]
+    for r in stages:
+        assert r["total"] == pytest.approx(sum(r[k] for k in ("read", "decode", "augment", "collate", "transfer")), abs=0.01)
+    loaders = {(r["backend"], r["copies"]): r for r in records if r["op"] == "image_loader_deit_train"}
+    assert set(loaders) == {("ImageFolder", 1), ("ImageFolder", 3), ("shards, per-copy decode", 1),
+                            ("shards, per-copy decode", 3), ("shards", 1), ("shards", 3), ("shards, no draft", 3)}
+    assert loaders[("ImageFolder", 3)]["ratio_to_imagefolder"] == 1.0
+    shards = loaders[("shards", 3)]
+    per_copy = loaders[("shards, per-copy decode", 3)]["samples_per_s"]  # rates are rounded to 0.1 in the records
+    assert shards["ratio_to_per_copy_shards"] == pytest.approx(shards["samples_per_s"] / per_copy, abs=0.005)
+    assert all({"torch", "timm", "pillow", "device", "samples_per_s_per_worker"} <= r.keys() for r in loaders.values())

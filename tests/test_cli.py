@@ -1,6 +1,7 @@
 """The ``mmlight`` CLI: every shipped config parses, quick starts run, bad configs fail early."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def test_deit_small_recipe(name, attention, capsys):
     trainer = cfg["trainer"]
     assert (trainer["max_epochs"], trainer["precision"], trainer["strategy"]) == (300, "bf16-mixed", "ddp")
     assert arch["backend"] == "auto"  # Triton kernels on the GPUs, eager on a CPU
+    # the SLURM job asks for the loader workers plus the training process (BENCHMARKS.md, cores per GPU)
+    cpus = int(re.search(r"--cpus-per-task=(\d+)", (ROOT / "slurm" / "imagenet.sh").read_text()).group(1))
+    assert cfg["data"]["init_args"]["num_workers"] + 1 < cpus
 
 
 def test_backend_is_a_config_key(capsys):

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmlight import cli
-from mmlight.callbacks import DataPosition, FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor, StepProgressBar, StepSeed
+from mmlight.callbacks import DataPosition, DataWaitMonitor, FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor, StepProgressBar, StepSeed
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -207,8 +207,8 @@ def test_trainer_defaults():
     logger = defaults["logger"]
     assert isinstance(logger, TensorBoardLogger) and logger._lazy_kwargs == {"save_dir": "runs", "name": "mmlight"}
     callbacks = defaults["callbacks"]
-    kinds = [StepProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, FinalMetrics,
-             StepSeed, DataPosition]
+    kinds = [StepProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, DataWaitMonitor,
+             FinalMetrics, StepSeed, DataPosition]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}
 

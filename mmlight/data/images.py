@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import io
+import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterable, Iterator, Literal
 
 import torch
 import webdataset as wds
@@ -12,11 +12,10 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
+from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, flatten
 from mmlight.data.shards import MemberReader, split_urls
 from mmlight.data.skips import SkipCounter, Skipping, is_kept
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
-
-IMAGE_KEYS = ("jpg", "jpeg", "png")
 
 
 def _posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
@@ -78,43 +77,6 @@ class ImageAugment:
         )
 
 
-class DecodeImage:
-    """Sample dict (image bytes under ``jpg``/``jpeg``/``png``, label under ``cls``) -> ``(image
-    tensor, label tensor)``, transformed. A class so that it pickles into worker processes.
-
-    Args:
-        channels: 3 decodes to RGB, 1 to grayscale.
-        transform: the timm transform applied to the PIL image.
-    """
-
-    def __init__(self, channels: int, transform):
-        self.mode = "RGB" if channels == 3 else "L"
-        self.transform = transform
-
-    def __call__(self, sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        key = next((k for k in IMAGE_KEYS if k in sample), None)
-        if key is None:
-            raise ValueError(f"sample {sample.get('__key__')} has no image ({'/'.join(IMAGE_KEYS)})")
-        image = Image.open(io.BytesIO(sample[key])).convert(self.mode)
-        return self.transform(image), torch.tensor(int(sample["cls"]))
-
-
-class RepeatEach:
-    """Pipeline stage: yield every sample ``times`` times in a row (repeated augmentation).
-
-    Args:
-        times: copies per sample.
-    """
-
-    def __init__(self, times: int):
-        self.times = times
-
-    def __call__(self, samples):
-        for sample in samples:
-            for _ in range(self.times):
-                yield sample
-
-
 class ReadSample:
     """Sample reference (member ``(offset, size)`` values, see
     :func:`mmlight.data.streaming.resampled_samples`) -> the sample with its bytes, then ``fn`` of it.
@@ -132,43 +94,70 @@ class ReadSample:
         return self.fn(sample)
 
 
+def copy_groups(refs: Iterable[dict], copies: int, batch_size: int, rng: random.Random) -> Iterator[list[dict]]:
+    """Batches of ``batch_size`` rows, each image's ``copies`` rows consecutive in the stream, as groups:
+    references carrying ``__copies__`` (its rows in this batch; an image whose copies straddle two
+    batches is one group in each) and ``__rows__`` (their positions in the batch, a permutation drawn
+    from ``rng`` so that copies are not neighbours, e.g. for mixup's flipped pairs)."""
+    slots = (ref for ref in refs for _ in range(copies))
+    for batch in batched(slots, batch_size):
+        rows = list(range(batch_size))
+        rng.shuffle(rows)
+        groups: list[dict] = []
+        last = None
+        for row, ref in zip(rows, batch):
+            if ref is last:
+                groups[-1]["__copies__"] += 1
+                groups[-1]["__rows__"].append(row)
+            else:
+                groups.append({**ref, "__copies__": 1, "__rows__": [row]})
+                last = ref
+        yield groups
+
+
 class ImageStream(StreamSource):
-    """Training batches of an image shard set: resampled shards, each image ``repeats`` times, a
-    shuffle buffer, batches of ``batch_size`` references; a batch is read and decoded only when
-    materialised. A sample that fails to read or decode is logged, counted, and its place in the
-    batch taken by a copy of another sample of the batch, so batches keep their size (mixup needs
-    an even one) and later batches are unaffected.
+    """Training batches of an image shard set: resampled shards, a shuffle buffer of images, each
+    image's ``repeats`` copies in one batch (or two, at a boundary) at rows drawn for them; a batch
+    is read and decoded only when materialised, each image once for all of its copies
+    (:class:`~mmlight.data.image_decode.AugmentGroup`), straight into a shared-memory batch
+    (:class:`~mmlight.data.image_decode.NormalizedBatches`). A sample that fails to read or decode
+    is logged, counted, and its rows taken by copies of other rows of the batch, so batches keep
+    their size (mixup needs an even one) and later batches are unaffected.
 
     Args:
         urls: training shards.
-        batch_size: samples per batch.
-        shuffle_buffer: samples held in the shuffle buffer.
-        repeats: copies of each sample (repeated augmentation).
-        decode: sample dict -> ``(image, label)`` tensors.
+        batch_size: rows per batch.
+        shuffle_buffer: rows held in the shuffle buffer, copies included: it holds
+            ``shuffle_buffer // repeats`` encoded images.
+        repeats: copies of each image (repeated augmentation).
+        decode: the read sample (its ``__copies__``) -> that many augmented ``(PIL image, label)``
+            pairs; None for a stream whose units are only replayed (benchmarks).
         counter: where skipped samples are counted.
     """
 
-    def __init__(self, urls: list[str], batch_size: int, shuffle_buffer: int, repeats: int, decode,
-                 counter: SkipCounter):
+    def __init__(self, urls: list[str], batch_size: int, shuffle_buffer: int, repeats: int,
+                 decode: AugmentGroup | None, counter: SkipCounter):
         self.urls, self.batch_size, self.shuffle_buffer, self.repeats = urls, batch_size, shuffle_buffer, repeats
         self.counter = counter
         self.load = Skipping(ReadSample(decode), counter)
+        self.collate = NormalizedBatches(batch_size, decode.split, partial=False) if decode is not None else None
 
     def units(self, rand: RankRandom, count_skips: bool):
         refs = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
-        if self.repeats > 1:  # copies share one reference until decoded, each with its own augmentation
-            refs = RepeatEach(self.repeats)(refs)
-        return batched(shuffled(refs, self.shuffle_buffer, rand.python("shuffle")), self.batch_size)
+        images = shuffled(refs, max(self.shuffle_buffer // self.repeats, 1), rand.python("shuffle"))
+        return copy_groups(images, self.repeats, self.batch_size, rand.python("order"))
 
     def materialise(self, unit: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        loaded = [self.load(ref) for ref in unit]
-        kept = [item for item in loaded if is_kept(item)]
+        rows: list = [None] * self.batch_size
+        for group in unit:
+            copies = self.load(group)
+            for row, copy in zip(group["__rows__"], copies or [None] * group["__copies__"]):
+                rows[row] = copy
+        kept = [row for row in rows if is_kept(row)]
         if not kept:
             raise RuntimeError(f"no sample of a training batch could be read, e.g. {unit[0]['__key__']} "
                                f"in {unit[0]['__url__']}")
-        filled = [item if is_kept(item) else kept[i % len(kept)] for i, item in enumerate(loaded)]
-        images, labels = zip(*filled)
-        return torch.stack(images), torch.stack(labels)
+        return self.collate.collate([row if is_kept(row) else kept[i % len(kept)] for i, row in enumerate(rows)])
 
 
 class ImageShardDataModule(ShardDataModule):
@@ -181,13 +170,20 @@ class ImageShardDataModule(ShardDataModule):
         batch_size: per-device batch size.
         num_workers: DataLoader worker processes per device.
         augment: the image transforms.
-        shuffle_buffer: samples held in the training shuffle buffer.
+        shuffle_buffer: training rows held in the shuffle buffer, repeated-augmentation copies
+            included: it holds ``shuffle_buffer // repeated_augmentation`` encoded images (about
+            110 KiB each on ImageNet), the memory the buffer had when copies were repeated before it.
         train_split: name of the training split in ``_info.json``.
         val_split: name of the validation split.
         test_split: name of the split that ``test`` and ``predict`` read.
-        repeated_augmentation: training copies of each image, each augmented independently and
-            spread by the shuffle buffer (DeiT uses 3). The epoch length stays one pass's worth of
-            samples, so an epoch sees ``1/repeats`` of the distinct images, as with DeiT's sampler.
+        repeated_augmentation: training copies of each image, each augmented independently from
+            one decode (DeiT uses 3). The copies go to random rows of the same batch (or of two
+            consecutive ones), as DeiT's sampler puts them in one global batch. The epoch length
+            stays one pass's worth of samples, so an epoch sees ``1/repeats`` of the distinct
+            images, as with DeiT's sampler.
+        draft_decode: decode each training JPEG at 1/2, 1/4 or 1/8 of its size when every crop
+            drawn for it keeps at least the network's input size at that scale (the crop boxes are
+            drawn first, on the full-size geometry). False decodes at full size: timm's pixels exactly.
     """
 
     def __init__(
@@ -201,6 +197,7 @@ class ImageShardDataModule(ShardDataModule):
         val_split: str = "val",
         test_split: str = "val",
         repeated_augmentation: int = 1,
+        draft_decode: bool = True,
     ):
         super().__init__(root, num_workers, val_split, test_split)
         if batch_size < 1:
@@ -208,6 +205,7 @@ class ImageShardDataModule(ShardDataModule):
         if repeated_augmentation < 1:
             raise ValueError(f"repeated_augmentation must be >= 1, got {repeated_augmentation}")
         self.repeated_augmentation = repeated_augmentation
+        self.draft_decode = draft_decode
         self.batch_size = batch_size
         self.augment = augment
         self.shuffle_buffer = shuffle_buffer
@@ -221,14 +219,16 @@ class ImageShardDataModule(ShardDataModule):
         info = self._info()
         num_samples = info["splits"][self.train_split]["num_samples"]
         steps = self.epoch_steps(num_samples, self.batch_size, f"{self.batch_size} samples")
-        decode = DecodeImage(self.augment.channels, self.augment.build(train=True))
+        split = SplitTransform(self.augment.build(train=True))
+        decode = AugmentGroup(self.augment.channels, split, self.repeated_augmentation, draft=self.draft_decode)
         stream = ImageStream(split_urls(self.root, info, self.train_split), self.batch_size, self.shuffle_buffer,
                              self.repeated_augmentation, decode, self.skipped)
         return self.resumable_loader(stream, steps)
 
     def _eval_loader(self, split: str):
-        decode = DecodeImage(self.augment.channels, self.augment.build(train=False))
+        transform = SplitTransform(self.augment.build(train=False))
+        decode = AugmentGroup(self.augment.channels, transform, copies=1, draft=False)
         dataset = wds.DataPipeline(*self.eval_stages(split_urls(self.root, self._info(), split)),
-                                   wds.map(Skipping(decode, self.skipped)), wds.select(is_kept),
-                                   wds.batched(self.batch_size, partial=True))
+                                   wds.map(Skipping(decode, self.skipped)), wds.select(is_kept), flatten,
+                                   NormalizedBatches(self.batch_size, transform, partial=True))
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)

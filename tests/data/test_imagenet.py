@@ -4,6 +4,7 @@ with a truncated JPEG and a zero-byte file among the images."""
 import io
 import json
 import logging
+import random
 import tarfile
 
 import numpy as np
@@ -14,7 +15,6 @@ from PIL import Image
 
 from mmlight.cli import main
 from mmlight.data import ImageAugment, ImageShardDataModule
-from mmlight.data.images import RepeatEach
 from mmlight.data.prepare import imagenet, prepare
 from mmlight.data.shards import read_info
 
@@ -150,15 +150,29 @@ def test_corrupt_sample_in_a_shard_is_skipped_counted_and_logged(tmp_path, caplo
     assert "broken" in caplog.text
 
 
-def test_repeated_augmentation_repeats_inside_the_stream(tmp_path, small_shards):
-    assert list(RepeatEach(3)(iter("ab"))) == list("aaabbb")
+def test_repeated_augmentation_decodes_each_image_once_and_batches_arrive_in_shared_memory(tmp_path, monkeypatch):
+    """3 copies per image from one decode each, in the same batch (12 rows: 4 decodes; per-copy
+    decoding would need 12), each copy augmented on its own; with a worker, batches reach the main
+    process in shared memory (allocated there by the worker, so nothing was copied to send them)."""
+    from mmlight.data import image_decode
+
     write_raw(tmp_path / "raw")
     prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1)
+    decodes = []
+    opened = image_decode.open_image
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: decodes.append(a) or opened(*a))
     dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=0, augment=SMALL,
                               shuffle_buffer=1, repeated_augmentation=3)
-    images, labels = next(iter(dm.train_dataloader()))
-    assert labels[0] == labels[1] == labels[2] and labels[3] == labels[4] == labels[5]
-    assert not torch.equal(images[0], images[1])  # each copy augmented on its own
+    batches = list(dm.train_dataloader())  # 12 // 6 = 2 batches of 2 images x 3 copies
+    assert len(batches) == 2 and len(decodes) == 12 // 3
+    for _, labels in batches:
+        assert all(count % 3 == 0 for count in torch.bincount(labels).tolist())  # whole groups
+    images = torch.cat([x for x, _ in batches])
+    assert not any(torch.equal(images[i], images[j]) for i in range(12) for j in range(i))  # each copy augmented
+    dm_worker = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=1, augment=SMALL,
+                                     repeated_augmentation=3)
+    images, labels = next(iter(dm_worker.train_dataloader()))
+    assert images.is_shared() and images.shape == (6, 3, 16, 16) and images.dtype == torch.float32
 
 
 def test_randaugment_posterize_at_full_magnitude_does_not_crash():
@@ -174,3 +188,19 @@ def test_randaugment_posterize_at_full_magnitude_does_not_crash():
     transform = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3).build(train=True)
     for _ in range(200):
         transform(image)
+
+
+def test_copy_groups_cover_every_row_once_and_split_a_straddling_image():
+    """Batches of 4 rows from images of 3 copies: every row of a batch filled exactly once, every
+    image's 3 copies present (image b straddles batches 0 and 1, as 2 + 1 copies), rows drawn at random."""
+    from mmlight.data.images import copy_groups
+
+    refs = [{"__key__": k} for k in "abcd"]
+    batches = list(copy_groups(refs, 3, 4, random.Random(0)))
+    assert len(batches) == 3  # 12 rows
+    for groups in batches:
+        assert sorted(row for g in groups for row in g["__rows__"]) == [0, 1, 2, 3]
+        assert all(g["__copies__"] == len(g["__rows__"]) for g in groups)
+    copies = [(g["__key__"], g["__copies__"]) for groups in batches for g in groups]
+    assert copies == [("a", 3), ("b", 1), ("b", 2), ("c", 2), ("c", 1), ("d", 3)]
+    assert {tuple(g["__rows__"]) for groups in batches for g in groups} != {(0, 1, 2), (3,), (0, 1), (2, 3), (0,), (1, 2, 3)}

@@ -15,7 +15,7 @@ import webdataset as wds
 from PIL import Image
 
 from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
-from mmlight.data.images import DecodeImage
+from mmlight.data.image_decode import AugmentGroup
 from mmlight.data.shards import MemberReader, npy_header, tar_index
 from mmlight.data.streaming import ResumableLoader, ShardDataModule, shuffled
 
@@ -231,12 +231,12 @@ def test_ranks_get_different_streams(image_shards, monkeypatch):
 def test_resuming_skips_without_decoding(image_shards, monkeypatch):
     """Reaching batch k decodes none of the k skipped batches: only the batch that is returned."""
     decoded = []
-    original = DecodeImage.__call__
-    monkeypatch.setattr(DecodeImage, "__call__", lambda self, sample: decoded.append(1) or original(self, sample))
+    original = AugmentGroup.__call__
+    monkeypatch.setattr(AugmentGroup, "__call__", lambda self, sample: decoded.append(1) or original(self, sample))
     loader = image_loader(image_shards, 0, monkeypatch)
     loader.load_state_dict({**loader.state_dict(), "position": 4})
     next(iter(loader))
-    assert len(decoded) == 4  # one batch of 4 samples
+    assert len(decoded) == 2  # one batch of 4 rows: 2 images, decoded once for their 2 copies each
 
 
 def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeypatch, caplog):

@@ -1,0 +1,114 @@
+"""mmlight.data.image_decode against timm's own transform: same random draws, same pixels at full
+size, close pixels at reduced size, one decode per repeated-augmentation group."""
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmlight.data import ImageAugment, image_decode
+from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, crop_box, draft_scale
+
+DEIT_16 = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3, re_prob=0.5)
+
+
+def smooth_jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    """A smooth colour image (DCT scaling is near exact on it), JPEG quality 95."""
+    small = np.random.default_rng(seed).integers(0, 255, (6, 8, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def seeded(seed: int) -> None:
+    """Seed every source timm's transform draws from (RandAugment picks its ops with numpy)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def test_draft_scale_is_the_largest_reduction_keeping_every_crop_at_output_size():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        boxes = [(0, 0, int(w), int(h)) for w, h in rng.integers(20, 2000, (int(rng.integers(1, 4)), 2))]
+        fits = [s for s in (1, 2, 4, 8) if all(w / s >= 224 and h / s >= 200 for _, _, w, h in boxes)]
+        assert draft_scale(boxes, (224, 200)) == max(fits, default=1)
+
+
+def test_crop_draws_are_timms_and_full_size_pixels_are_timms_exactly():
+    """Same seed: the header-only crop draw equals timm's on the decoded image, and the whole path
+    (decode, crop, flip, RandAugment, normalise into a batch row, erase) equals timm's transform."""
+    data = smooth_jpeg(61, 47)
+    transform = DEIT_16.build(train=True)
+    split = SplitTransform(transform)
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    for seed in range(40):
+        seeded(seed)
+        expected_box = split.crop.get_params(image, split.crop.scale, split.crop.ratio)
+        seeded(seed)
+        (left, top, right, bottom), _ = crop_box(split.crop, Image.open(io.BytesIO(data)))
+        assert (top, left, bottom - top, right - left) == expected_box
+        seeded(seed)
+        expected = transform(image)  # (3, 16, 16)
+        seeded(seed)
+        group = AugmentGroup(3, split, copies=1, draft=False)
+        row, labels = NormalizedBatches(1, split, partial=True).collate(group({"jpg": data, "cls": "2"}))
+        assert labels.tolist() == [2]
+        torch.testing.assert_close(row[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reduced_decode_draws_the_same_crops_and_gives_close_pixels(monkeypatch):
+    """A 1600 x 1200 image with crops of at least half its area: the crop boxes and the random state
+    after them do not depend on draft; the reduced decode is used, and its crops differ from the
+    full-size ones by resampling only (mean absolute difference under 2 of 255)."""
+    data = smooth_jpeg(1600, 1200)
+    augment = ImageAugment(image_size=224, scale=(0.5, 1.0), hflip=0.0, color_jitter=None)
+    split = SplitTransform(augment.build(train=True))
+    decoded = []
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: decoded.append(a[2]) or _open(*a))
+    for seed in range(5):
+        outputs, states = {}, {}
+        for draft in (True, False):
+            seeded(seed)
+            group = AugmentGroup(3, split, copies=3, draft=draft)
+            outputs[draft] = [np.asarray(image, np.float32) for image, _ in group({"jpg": data, "cls": "0"})]
+            states[draft] = random.getstate()
+        assert states[True] == states[False]
+        for reduced, full in zip(outputs[True], outputs[False]):
+            assert reduced.shape == full.shape == (224, 224, 3)
+            assert np.abs(reduced - full).mean() < 2.0
+    assert all(s >= 2 for s in decoded[0::2]) and decoded[1::2] == [1] * 5  # crops >= 848 px: room for >= 2
+
+
+_open = image_decode.open_image
+
+
+def test_repeated_augmentation_decodes_once_per_group(monkeypatch):
+    data = smooth_jpeg(64, 48)
+    calls = []
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: calls.append(a) or _open(*a))
+    split = SplitTransform(DEIT_16.build(train=True))
+    copies = AugmentGroup(3, split, copies=3)({"jpg": data, "cls": "7"})
+    assert len(calls) == 1 and [label for _, label in copies] == [7, 7, 7]
+    first, second, third = (np.asarray(image) for image, _ in copies)
+    assert not (np.array_equal(first, second) and np.array_equal(second, third))  # augmented independently
+
+
+def test_eval_rows_are_timms_eval_transform():
+    data = smooth_jpeg(40, 30)
+    augment = ImageAugment(image_size=16, crop_pct=0.875)
+    transform = augment.build(train=False)
+    split = SplitTransform(transform)
+    rows, _ = NormalizedBatches(2, split, partial=True).collate(AugmentGroup(3, split)({"jpg": data, "cls": "0"}))
+    expected = transform(Image.open(io.BytesIO(data)).convert("RGB"))
+    torch.testing.assert_close(rows[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_transform_without_normalize_is_refused():
+    from torchvision import transforms as tv
+
+    with pytest.raises(ValueError, match="Normalize"):
+        SplitTransform(tv.Compose([tv.CenterCrop(4), tv.ToTensor()]))
