@@ -1,7 +1,5 @@
-"""ShardDataModule's shared plumbing: the pipeline heads for training and evaluation, the fixed-length
-training loader, which split each evaluation loader reads, and the cached shard-set info."""
-
-import warnings
+"""ShardDataModule's shared plumbing: the evaluation pipeline head, which split each evaluation
+loader reads, the epoch length and the cached shard-set info."""
 
 import pytest
 import webdataset as wds
@@ -30,35 +28,16 @@ def test_rank_and_world_without_a_trainer():
     assert module()._rank_and_world() == (0, 1) and module()._world_size() == 1
 
 
-def test_evaluation_reads_each_shard_once_and_training_resamples(tmp_path):
+def test_evaluation_reads_each_shard_once(tmp_path):
+    """The evaluation head reads every shard once, split by node and worker, counting skips in the
+    module's counter (training streams: tests/data/test_streaming.py)."""
     urls = write_shards(tmp_path, [3, 2, 4])
     data = module()
-    stages = data.shard_stages(urls, train=False)
+    stages = data.eval_stages(urls)
     assert isinstance(stages[0], wds.SimpleShardList) and stages[1:3] == [wds.split_by_node, wds.split_by_worker]
     assert isinstance(stages[-1], TarSamples) and stages[-1].counter is data.skipped
     keys = [s["__key__"] for s in wds.DataPipeline(*stages)]
     assert sorted(keys) == sorted(f"{i}-{j}" for i, n in enumerate([3, 2, 4]) for j in range(n))
-    stages = data.shard_stages(urls[:1], train=True)
-    assert isinstance(stages[0], wds.ResampledShards) and stages[1] is wds.split_by_node
-    assert isinstance(stages[-1], TarSamples) and stages[-1].counter is data.skipped
-    endless = iter(wds.DataPipeline(*stages))
-    assert [next(endless)["__key__"] for _ in range(7)] == ["0-0", "0-1", "0-2"] * 2 + ["0-0"]
-
-
-@pytest.mark.parametrize("workers", [0, 1, 2])
-def test_fixed_epoch_loader_gives_exactly_steps_batches(tmp_path, workers):
-    urls = write_shards(tmp_path, [5])
-    data = module(workers)
-    endless = wds.DataPipeline(*data.shard_stages(urls, train=True), wds.batched(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # webdataset's with_length() notice is expected and silenced
-        loader = data.fixed_epoch_loader(endless, 6)
-    assert len(loader) == 6
-    assert loader.pipeline[0].persistent_workers == (workers > 0)  # workers are not restarted every epoch
-    for _ in range(2):  # every epoch, whatever the workers
-        batches = list(loader)
-        assert len(batches) == 6
-    assert all(len(b["__key__"]) == 2 and isinstance(b["__key__"][0], str) for b in batches)  # not re-batched
 
 
 class Splits(ShardDataModule):

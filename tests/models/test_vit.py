@@ -120,7 +120,7 @@ def test_the_config_reaches_timm():
     assert vit.global_pool == "avg" and vit.cls_token is None
     # stochastic depth rises linearly to drop_path_rate at the last block
     assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3) and vit.blocks[1].drop_path1.drop_prob == pytest.approx(0.1)
-    assert all(m.backend == "compile" for m in model.attention_reweightings())
+    assert all(m.backend == "compile" for m in model.attention_sites().values())
     assert (model.output.order, model.output.backend) == (1, "compile")
     assert model.no_weight_decay() == {f"vit.{name}" for name in vit.no_weight_decay()} and "vit.pos_embed" in model.no_weight_decay()
 
