@@ -296,6 +296,17 @@ def main(args: ArgsType = None) -> None:
         getattr(importlib.import_module(module), function)(argv[1:])
         return
     build_cli(args)
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """Destroy the DDP process group before the interpreter exits. Lightning leaves it open, and
+    gloo's threads torn down at exit can abort a finished rank ("terminate called without an
+    active exception"), which SLURM then reports as a failed job."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
