@@ -20,13 +20,23 @@ PER_LAYER = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac
              "max_weight", "sink_ratio", "rollout_discrepancy")
 
 
-def plt():
-    import matplotlib
+def new_figure(figsize: tuple[float, float]):
+    """An empty figure outside pyplot's global state: drawing one is safe on any thread (the training
+    callback draws on a background thread), and nothing needs closing."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
+    return Figure(figsize=figsize)
 
-    return pyplot
+
+def to_image(fig) -> "numpy.ndarray":
+    """The rendered figure as an ``(H, W, 3)`` uint8 array (what TensorBoard's ``add_image`` takes)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    fig.tight_layout()
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def safe(label: str) -> str:
@@ -38,7 +48,8 @@ def grid(n: int, cols: int = 4, size: tuple[float, float] = (3.2, 2.6)):
     """``n`` axes in a grid (extra axes hidden)."""
     cols = max(1, min(cols, n))
     rows = -(-n // cols)
-    fig, axes = plt().subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), squeeze=False)
+    fig = new_figure((size[0] * cols, size[1] * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     return fig, list(axes.flat)[:n]
@@ -47,7 +58,6 @@ def grid(n: int, cols: int = 4, size: tuple[float, float] = (3.2, 2.6)):
 def save(fig, out: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
-    plt().close(fig)
     return name
 
 
@@ -108,7 +118,8 @@ def histogram_figure(results: dict[str, dict], cdf: bool = False):
 def layers_figure(stats: dict, cdf: bool = False):
     """One run's weight histogram (or CDF) with one line per layer in a single panel: the cheap
     form the training callback draws."""
-    fig, ax = plt().subplots(figsize=(4.5, 3.2))
+    fig = new_figure((4.5, 3.2))
+    ax = fig.subplots()
     edges = torch.tensor(stats["histogram_edges"])
     for site, entry in stats["sites"].items():
         counts = torch.tensor(entry["histogram"])
@@ -221,7 +232,8 @@ def attention_map(task, image: torch.Tensor, label: str, out: Path, query_patch:
     query = n // 2 + grid_hw[1] // 2 if query_patch is None else query_patch  # checked by analyze
     sites = sorted(weights, key=layer_index)
     heads = weights[sites[0]].shape[0]
-    fig, axes = plt().subplots(len(sites), heads + 1, figsize=(2.1 * (heads + 1), 2.1 * len(sites)), squeeze=False)
+    fig = new_figure((2.1 * (heads + 1), 2.1 * len(sites)))
+    axes = fig.subplots(len(sites), heads + 1, squeeze=False)
     for row, site in zip(axes, sites):
         row[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
         qy, qx = divmod(query, grid_hw[1])
@@ -263,7 +275,8 @@ def grad_cam(task, image: torch.Tensor, label: str, out: Path) -> str:
     task.model.eval()
     heat = grad_cam_map(task.model, image)
     task.model.train(was_training)
-    fig, ax = plt().subplots(1, 2, figsize=(5, 2.6))
+    fig = new_figure((5, 2.6))
+    ax = fig.subplots(1, 2)
     ax[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
     ax[1].imshow(image[0].float().mean(0).cpu(), cmap="gray")
     ax[1].imshow(heat, cmap="jet", alpha=0.5)

@@ -49,11 +49,13 @@ def entropy(weights: torch.Tensor) -> torch.Tensor:
     return paper.entropy(weights.double())
 
 
-def normalized_entropy(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def normalized_entropy(weights: torch.Tensor, keys: torch.Tensor, nats: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy divided by ``log(number of attended keys)`` per row; NaN for rows with fewer than 2
-    keys, where it is undefined (callers skip NaN rows)."""
+    keys, where it is undefined (callers skip NaN rows). ``nats``: :func:`entropy` of ``weights``,
+    when the caller has it already."""
     n = keys.sum(-1).double()
-    return torch.where(n >= 2, entropy(weights) / n.clamp_min(2).log(), math.nan)
+    nats = entropy(weights) if nats is None else nats
+    return torch.where(n >= 2, nats / n.clamp_min(2).log(), math.nan)
 
 
 def centred_scores(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -68,19 +70,23 @@ def centred_scores(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return x - mean
 
 
-def multimodality(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+def multimodality(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0,
+                  centred: torch.Tensor | None = None) -> torch.Tensor:
     """M per row (Definition 3.2) over attended keys with centred score above ``eps`` (and below the
-    row's maximum); NaN for rows with no such key, where M is undefined."""
-    x = torch.where(keys, centred_scores(scores, keys), -math.inf)  # masked keys: never relevant nor max
+    row's maximum); NaN for rows with no such key, where M is undefined. ``centred``:
+    :func:`centred_scores` of ``scores``, when the caller has it already."""
+    centred = centred_scores(scores, keys) if centred is None else centred
+    x = torch.where(keys, centred, -math.inf)  # masked keys: never relevant nor max
     relevant = (x > eps) & (x < x.amax(-1, keepdim=True))
     return torch.where(relevant.any(-1), paper.multimodality(x, weights.double(), eps), math.nan)
 
 
-def sparsity(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+def sparsity(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0,
+             centred: torch.Tensor | None = None) -> torch.Tensor:
     """S per row (Definition 3.3) over attended keys with centred score below ``eps``; the reference
     ``s`` is the paper's suggestion, the smallest softmax probability of the row's attended scores.
-    NaN for rows with no such key."""
-    x = centred_scores(scores, keys)
+    NaN for rows with no such key. ``centred``: as for :func:`multimodality`."""
+    x = centred_scores(scores, keys) if centred is None else centred
     soft = torch.softmax(torch.where(keys, x, -math.inf), dim=-1)
     s = torch.where(keys, soft, math.inf).amin(-1, keepdim=True).clamp(min=1e-300, max=1.0)
     x = torch.where(keys, x, math.inf)  # masked keys: never "small"

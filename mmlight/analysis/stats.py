@@ -103,16 +103,24 @@ class _SiteSums:
 class StatsObserver(AttentionObserver):
     """Reduces each attention call to running sums (see the module docstring).
 
+    The reduction can wait: :meth:`record` keeps what it needs (the weights, the scores and the masks
+    of the call) and :meth:`flush` reduces everything kept, in order. Once more than ``keep_bytes``
+    are kept, :meth:`record` flushes at once, so memory stays bounded; the rest waits for a
+    :meth:`flush` later, e.g. on another thread.
+
     Args:
         settings: the thresholds.
+        keep_bytes: how much recorded attention may wait (0: reduce each call as it comes).
     """
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, keep_bytes: int = 0):
+        self.settings, self.keep_bytes = settings, keep_bytes
         self.sites: dict[str, _SiteSums] = {}
         self.query_keep: dict[str, torch.Tensor | None] = {}
         self._scores: dict[str, torch.Tensor] = {}
         self._head_mean: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kept: list[tuple | None] = []  # record() arguments; None ends a batch
+        self.kept_bytes = 0
 
     def edit_mask(self, site, q, k, mask):
         # The scores the reweighting sees (the models use the default scale hs ** -0.5); M and S need them.
@@ -120,16 +128,36 @@ class StatsObserver(AttentionObserver):
         return mask
 
     def record(self, site, weights, keep) -> None:
+        call = (site, weights.detach(), keep, self._scores.pop(site), self.query_keep.get(stack_of(site)))
+        self._kept.append(call)
+        self.kept_bytes += sum(t.numel() * t.element_size() for t in call[1:] if torch.is_tensor(t))
+        if self.kept_bytes > self.keep_bytes:
+            self.flush()
+
+    def end_batch(self) -> None:
+        self._kept.append(None)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Reduce every kept call, in the order they were recorded."""
+        kept, self._kept, self.kept_bytes = self._kept, [], 0
+        for call in kept:
+            if call is None:
+                self._roll_out()
+            else:
+                self._reduce(*call)
+
+    def _reduce(self, site, weights, keep, scores, query_keep) -> None:
         s = self.settings
-        weights = weights.detach()
-        scores = self._scores.pop(site)
+        weights = weights.double()  # once here, not in every metric
         keys = M.attended(weights, keep)  # (B, nh, Tq, Tk)
-        rows = M.counted_rows(keys, self.query_keep.get(stack_of(site)))  # (B, nh, Tq)
+        rows = M.counted_rows(keys, query_keep)  # (B, nh, Tq)
         sums = self.sites.setdefault(site, _SiteSums(heads=weights.shape[1]))
-        sums.add("entropy", M.entropy(weights), rows)
-        sums.add("normalized_entropy", M.normalized_entropy(weights, keys), rows)
-        sums.add("multimodality", M.multimodality(scores, weights, keys, s.eps_multimodality), rows)
-        sums.add("sparsity", M.sparsity(scores, weights, keys, s.eps_sparsity), rows)
+        nats, centred = M.entropy(weights), M.centred_scores(scores, keys)
+        sums.add("entropy", nats, rows)
+        sums.add("normalized_entropy", M.normalized_entropy(weights, keys, nats), rows)
+        sums.add("multimodality", M.multimodality(scores, weights, keys, s.eps_multimodality, centred), rows)
+        sums.add("sparsity", M.sparsity(scores, weights, keys, s.eps_sparsity, centred), rows)
         sums.add("max_weight", M.row_max(weights).double(), rows)
         counted = keys & rows[..., None]
         sums.add_fraction("frac_below_1e-3", weights < s.near_zero, counted)
@@ -137,10 +165,10 @@ class StatsObserver(AttentionObserver):
         sums.histogram += M.weight_histogram(weights[counted])
         sums.add_incoming(*M.incoming_attention(weights, keys, rows))
         if kind_of(site) != "cross":  # rollout runs through the self-attention stacks only
-            self._head_mean[site] = (weights.double().mean(1), rows.any(1))  # (B, T, T), (B, T)
+            self._head_mean[site] = (weights.mean(1), rows.any(1))  # (B, T, T), (B, T)
 
-    def end_batch(self) -> None:
-        """Roll out each self-attention stack through its layers and add the discrepancies."""
+    def _roll_out(self) -> None:
+        """Roll out each self-attention stack of the batch through its layers and add the discrepancies."""
         stacks: dict[str, list[str]] = {}
         for site in sorted(self._head_mean, key=layer_index):
             stacks.setdefault(stack_of(site), []).append(site)
@@ -152,7 +180,6 @@ class StatsObserver(AttentionObserver):
                 self.sites[site].discrepancy[0] += total
                 self.sites[site].discrepancy[1] += n
         self._head_mean.clear()
-        self._scores.clear()
 
 
 class BlockSimilarity:
@@ -187,6 +214,10 @@ class BlockSimilarity:
         for handle in self._handles:
             handle.remove()
 
+    def summary(self) -> dict:
+        """``{block: {"token_similarity": mean over samples, or None}}``."""
+        return {name: {"token_similarity": total / n if n else None} for name, (total, n) in self.sums.items()}
+
 
 def blocks_of(model) -> list[tuple[str, torch.nn.Module, int]]:
     """``(name, block, prefix tokens to drop)`` for every transformer block: ``blocks.{i}`` of a ViT
@@ -200,24 +231,39 @@ def blocks_of(model) -> list[tuple[str, torch.nn.Module, int]]:
     return found
 
 
+@dataclass
+class Recording:
+    """What :func:`record_statistics` observed: the token similarity, done, and the attention calls
+    still to reduce. :meth:`finish` reduces them (on any thread) and returns the statistics."""
+
+    observer: StatsObserver
+    blocks: dict  # {block: {"token_similarity": value}}
+
+    def finish(self) -> dict:
+        self.observer.flush()
+        return summarize(self.observer, self.blocks)
+
+
 @torch.no_grad()
-def collect_statistics(task, batches: list, settings: Settings = Settings(), progress=None) -> dict:
-    """Statistics of ``task``'s attention on ``batches`` (e.g. from :func:`first_samples`).
+def record_statistics(task, batches: list, settings: Settings = Settings(), progress=None,
+                      keep_bytes: int = 0) -> Recording:
+    """Run ``task`` on ``batches`` under a :class:`StatsObserver` that may keep up to ``keep_bytes``
+    of attention unreduced for :meth:`Recording.finish`.
 
     Args:
         task: an mmlight task (its ``.model`` is run in eval mode; the mode is restored after).
         batches: CPU batches; moved to the task's device one at a time.
         settings: the thresholds.
         progress: optional callable ``progress(num_samples_done)`` after each batch.
-
-    Returns:
-        ``{"settings", "sites": {site: {...}}, "blocks": {block: {"token_similarity": v}}}``.
+        keep_bytes: how much recorded attention may wait for :meth:`Recording.finish` (0: reduce
+            after every batch).
     """
     task_kind(task)  # a clear error for an unsupported task
     model, device = task.model, task.device
     was_training = model.training
-    model.eval()
-    observer = StatsObserver(settings)
+    if was_training:  # the callback records in validation, already in eval mode: skip the module walk
+        model.eval()
+    observer = StatsObserver(settings, keep_bytes)
     similarity = BlockSimilarity(model, lambda: observer.query_keep)
     try:
         with observe_attention(task, observer):
@@ -230,12 +276,25 @@ def collect_statistics(task, batches: list, settings: Settings = Settings(), pro
                     progress(batch_size(batch))
     finally:
         similarity.remove()
-        model.train(was_training)
-    return summarize(observer, similarity, settings)
+        if was_training:
+            model.train()
+    return Recording(observer, similarity.summary())
 
 
-def summarize(observer: StatsObserver, similarity: BlockSimilarity, settings: Settings) -> dict:
-    """The JSON-ready result of :func:`collect_statistics`."""
+def collect_statistics(task, batches: list, settings: Settings = Settings(), progress=None) -> dict:
+    """Statistics of ``task``'s attention on ``batches`` (e.g. from :func:`first_samples`), reduced
+    batch by batch (arguments as for :func:`record_statistics`).
+
+    Returns:
+        ``{"settings", "sites": {site: {...}}, "blocks": {block: {"token_similarity": v}}}``.
+    """
+    return record_statistics(task, batches, settings, progress).finish()
+
+
+def summarize(observer: StatsObserver, blocks: dict) -> dict:
+    """The JSON-ready result of :func:`collect_statistics` from the reduced sums and the blocks'
+    token similarity."""
+    settings = observer.settings
     sites = {}
     for site in sorted(observer.sites, key=lambda s: (s.split(".")[0], kind_of(s), layer_index(s))):
         sums = observer.sites[site]
@@ -260,7 +319,6 @@ def summarize(observer: StatsObserver, similarity: BlockSimilarity, settings: Se
             "incoming_relative": nan_to_none(relative.tolist()),
             "top_sinks": [{"position": int(i), "relative": float(relative[i])} for i in order if not math.isnan(relative[i])],
         }
-    blocks = {name: {"token_similarity": total / n if n else None} for name, (total, n) in similarity.sums.items()}
     return {"settings": asdict(settings), "histogram_edges": M.HIST_EDGES.tolist(), "sites": sites, "blocks": blocks}
 
 

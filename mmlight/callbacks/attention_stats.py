@@ -3,50 +3,68 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from mmlight.analysis.stats import Settings, collect_statistics, metric_rows
+from mmlight.analysis.stats import Recording, Settings, metric_rows, record_statistics
 from mmlight.analysis.tasks import batch_size, map_batch
 
 
 class AttentionStats(L.Callback):
-    """Records :func:`mmlight.analysis.stats.collect_statistics` on the first ``num_samples`` samples
+    """Records the statistics of :mod:`mmlight.analysis.stats` on the first ``num_samples`` samples
     that global rank 0 validates (the first of the split in a single-process run; the same samples
     every time), every ``every_n_epochs`` validation epochs, starting with the first.
 
     Logs per-layer scalars ``attention/<site>/<metric>`` (and ``attention/<block>/token_similarity``)
     to every logger, plus, to TensorBoard, the weight histograms and their CDF (one line per layer)
     and the token similarity against depth with one line per recorded epoch (the paper's Figures 5,
-    8 and 4). Its cost is logged: ``attention/seconds`` per recording, ``attention/figure_seconds``,
-    and the validation loop's own ``attention/validation_seconds`` at every validation epoch. Only global rank 0 does any of this, on the task's inner
-    model (no collective calls, so other ranks just wait at their next synchronisation). Without
-    this callback nothing is observed and attention keeps its fused paths.
+    8 and 4).
+
+    The training loop waits only for the observed forward pass: reducing the recorded attention to
+    statistics (up to ``keep_mib`` of it) and drawing the figures happen on one background thread,
+    while training goes on. Their results are logged at the step of their recording as soon as they
+    are ready, and at the latest when the run ends, which waits for them.
+
+    Its cost is logged: ``attention/seconds`` per recording (what the loop waited), ``attention/
+    reduce_seconds`` and ``attention/figure_seconds`` (the background thread's work),
+    ``attention/final_wait_seconds`` (what the end of the run waited for it), and the validation
+    loop's own ``attention/validation_seconds`` at every validation epoch. Only global rank 0 does
+    any of this, on the task's inner model (no collective calls, so other ranks just wait at their
+    next synchronisation). Without this callback nothing is observed and attention keeps its fused
+    paths.
 
     Args:
         every_n_epochs: record at validation epochs 0, k, 2k, ... (sanity checks never count).
         num_samples: how many validation samples (taken from the first validation batches).
-        figures: when to draw the figures: ``end`` (once, when fit ends, from the last recording and
-            every recorded epoch's similarity: the cheap default), ``every`` (at each recording) or
-            ``off``.
+        figures: when to draw the figures: ``every`` recording (the default; off the training loop's
+            path), only at the ``end`` of fit (from the last recording and every recorded epoch's
+            similarity), or ``off``.
         settings: the thresholds; :class:`~mmlight.analysis.stats.Settings` by default.
+        keep_mib: how much recorded attention (MiB, on the model's device) may wait for the
+            background thread; past it, the recording reduces on the loop (0: all on the loop).
     """
 
     def __init__(self, every_n_epochs: int = 10, num_samples: int = 32,
-                 figures: Literal["end", "every", "off"] = "end",
-                 settings: Settings | None = None):
+                 figures: Literal["every", "end", "off"] = "every",
+                 settings: Settings | None = None, keep_mib: int = 256):
         if every_n_epochs < 1 or num_samples < 1:
             raise ValueError(f"every_n_epochs and num_samples must be >= 1, got {every_n_epochs}, {num_samples}")
-        if figures not in ("end", "every", "off"):
-            raise ValueError(f"figures must be 'end', 'every' or 'off', got {figures!r}")
+        if figures not in ("every", "end", "off"):
+            raise ValueError(f"figures must be 'every', 'end' or 'off', got {figures!r}")
+        if keep_mib < 0:
+            raise ValueError(f"keep_mib must be >= 0, got {keep_mib}")
         self.every_n_epochs, self.num_samples, self.figures = every_n_epochs, num_samples, figures
+        self.keep_bytes = keep_mib * 2**20
         self.settings = settings or Settings()
         self.batches: list = []
         self.validations = 0
         self.similarity_history: dict[str, dict] = {}
         self.last: dict | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[int, Future]] = []  # (step, future of finish()'s result), in order
 
     def _collecting(self, trainer) -> bool:
         return trainer.is_global_zero and not trainer.sanity_checking
@@ -69,44 +87,64 @@ class AttentionStats(L.Callback):
             return
         start = time.perf_counter()
         self._log(trainer, {"attention/validation_seconds": start - self._validation_start})
+        self._log_finished(trainer, wait=False)
         if not (due and self.batches):
             return
-        stats = collect_statistics(pl_module, self.batches, self.settings)
-        self.last = {"label": f"epoch {trainer.current_epoch}", "stats": stats}
-        self.similarity_history[self.last["label"]] = {"blocks": stats["blocks"]}
-        scalars = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(stats)
-                   if head is None and value is not None}
-        self._log(trainer, scalars)
-        if self.figures == "every":
-            self._figures(trainer)
+        recording = record_statistics(pl_module, self.batches, self.settings, keep_bytes=self.keep_bytes)
+        label = f"epoch {trainer.current_epoch}"
+        self.similarity_history[label] = {"blocks": recording.blocks}
+        history = {name: dict(entry) for name, entry in self.similarity_history.items()}
+        draw = self.figures == "every" and _has_tensorboard(trainer)
+        self._submit(trainer, finish_recording, recording, label, history if draw else None)
         self._log(trainer, {"attention/seconds": time.perf_counter() - start})
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self._log_finished(trainer, wait=False)
+
     def on_fit_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero and self.figures == "end" and self.last is not None:
-            self._figures(trainer)
+        if trainer.is_global_zero and self.figures == "end" and _has_tensorboard(trainer):
+            self._log_finished(trainer, wait=True)  # the last recording's statistics
+            if self.last is not None:
+                self._submit(trainer, redraw, self.last, self.similarity_history)
 
-    @staticmethod
-    def _log(trainer, scalars: dict) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(scalars, step=trainer.global_step)
-
-    def _figures(self, trainer) -> None:
-        """The last recording's histogram and CDF and the similarity of every recorded epoch."""
-        from mmlight.analysis import figures
-
-        boards = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        if not boards:
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._worker is None:
             return
         start = time.perf_counter()
-        stats = self.last["stats"]
-        drawn = {"attention/weight_histogram": figures.layers_figure(stats),
-                 "attention/weight_cdf": figures.layers_figure(stats, cdf=True),
-                 "attention/token_similarity": figures.similarity_figure(self.similarity_history)}
-        for tag, fig in drawn.items():
-            for board in boards:
-                board.add_figure(tag, fig, global_step=trainer.global_step, close=False)
-            figures.plt().close(fig)
-        self._log(trainer, {"attention/figure_seconds": time.perf_counter() - start})
+        self._log_finished(trainer, wait=True)
+        self._log(trainer, {"attention/final_wait_seconds": time.perf_counter() - start})
+        self._worker.shutdown()
+        self._worker = None
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self._worker is not None:  # the statistics of a failed run are not worth waiting for
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker, self._pending = None, []
+
+    @staticmethod
+    def _log(trainer, scalars: dict, step: int | None = None) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=trainer.global_step if step is None else step)
+
+    def _submit(self, trainer, job, *args) -> None:
+        """Run ``job(*args)`` on the background thread; its result is logged at the current step."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attention-stats")
+        self._pending.append((trainer.global_step, self._worker.submit(job, *args)))
+
+    def _log_finished(self, trainer, wait: bool) -> None:
+        """Log the background thread's finished results (all of them, waiting, if ``wait``), in order."""
+        boards = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        while self._pending and (wait or self._pending[0][1].done()):
+            step, future = self._pending.pop(0)
+            done = future.result()
+            if done.get("stats") is not None:
+                self.last = {"label": done["label"], "stats": done["stats"]}
+            self._log(trainer, done["scalars"], step=step)
+            for tag, image in done["images"].items():
+                for board in boards:
+                    board.add_image(tag, image, global_step=step, dataformats="HWC")
 
     def state_dict(self) -> dict:
         return {"validations": self.validations, "similarity_history": self.similarity_history}
@@ -114,3 +152,43 @@ class AttentionStats(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.validations = state_dict.get("validations", 0)
         self.similarity_history = state_dict.get("similarity_history", {})
+
+
+def _has_tensorboard(trainer) -> bool:
+    return any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
+
+
+def finish_recording(recording: Recording, label: str, similarity_history: dict | None) -> dict:
+    """Reduce a recording (on the background thread) to its per-layer scalars, and draw its figures
+    when ``similarity_history`` (every recorded epoch's, this one included) is given."""
+    start = time.perf_counter()
+    stats = recording.finish()
+    scalars = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(stats)
+               if head is None and value is not None}
+    scalars["attention/reduce_seconds"] = time.perf_counter() - start
+    done = {"label": label, "stats": stats, "scalars": scalars, "images": {}}
+    if similarity_history is not None:
+        done["images"], scalars["attention/figure_seconds"] = draw_figures(stats, similarity_history)
+    return done
+
+
+def redraw(last: dict, similarity_history: dict) -> dict:
+    """The figures of the last recording, drawn again with every recorded epoch's similarity."""
+    images, seconds = draw_figures(last["stats"], similarity_history)
+    return {"label": last["label"], "stats": None, "scalars": {"attention/figure_seconds": seconds}, "images": images}
+
+
+def draw_figures(stats: dict, similarity_history: dict[str, dict]) -> tuple[dict, float]:
+    """The callback's three figures as images, and the seconds it took to draw them.
+
+    Args:
+        stats: one recording (:func:`~mmlight.analysis.stats.collect_statistics`).
+        similarity_history: ``{epoch label: {"blocks": ...}}`` of every recording so far.
+    """
+    from mmlight.analysis import figures
+
+    start = time.perf_counter()
+    images = {"attention/weight_histogram": figures.to_image(figures.layers_figure(stats)),
+              "attention/weight_cdf": figures.to_image(figures.layers_figure(stats, cdf=True)),
+              "attention/token_similarity": figures.to_image(figures.similarity_figure(similarity_history))}
+    return images, time.perf_counter() - start

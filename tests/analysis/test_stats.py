@@ -127,3 +127,26 @@ def test_statistics_leave_attention_unobserved_afterwards():
 def test_kind_of_sites():
     assert [kind_of(s) for s in ("blocks.0", "encoder.layers.1.self_attn", "decoder.layers.0.self_attn",
                                  "decoder.layers.2.cross_attn")] == ["self", "encoder_self", "decoder_self", "cross"]
+
+
+def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded():
+    """record_statistics may leave the reduction for later (the training callback finishes it on a
+    background thread): the result equals the batch-by-batch one, and past keep_bytes it reduces at once."""
+    from mmlight.analysis.stats import record_statistics
+
+    torch.manual_seed(0)
+    task = LanguageModel(model=tiny_config(n_layers=3))
+    batches = [{"input": torch.randint(2, 20, (4, 9))}, {"input": torch.randint(2, 20, (3, 7))}]
+    want = collect_statistics(task, batches)
+
+    deferred = record_statistics(task, batches, keep_bytes=2**30)
+    assert deferred.observer.sites == {}  # nothing reduced yet: 3 layers x 2 batches kept
+    assert sum(call is not None for call in deferred.observer._kept) == 6
+    # weights (float32) and scores (float32) of (4, 2, 9, 9) and (3, 2, 7, 7) per layer, plus the bool masks
+    assert deferred.observer.kept_bytes >= 3 * 2 * 4 * (4 * 2 * 81 + 3 * 2 * 49)
+    assert deferred.blocks == want["blocks"]  # token similarity is done during the forward pass
+    assert deferred.finish() == want
+
+    bounded = record_statistics(task, batches, keep_bytes=1000)  # less than one layer's weights
+    assert bounded.observer.kept_bytes <= 1000 and len(bounded.observer.sites) == 3
+    assert bounded.finish() == want

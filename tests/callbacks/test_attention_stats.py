@@ -81,6 +81,52 @@ def test_every_k_epochs_and_off_records_nothing(tmp_path):
     assert probe.observed and not any(probe.observed)
 
 
+def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    data = RecallDataModule(num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24,
+                            batch_size=8)
+    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
+                                           n_encoder_layers=0, max_positions=32), warmup_steps=2)
+    stats_cb = AttentionStats(every_n_epochs=1, num_samples=6)  # figures: every recording (the default)
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=TensorBoardLogger(tmp_path, name="run"),
+                        callbacks=[stats_cb], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(task, datamodule=data)
+    assert stats_cb._worker is None and not stats_cb._pending  # drained and shut down at teardown
+
+    acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    recorded = [e.step for e in acc.Scalars("attention/seconds")]
+    assert recorded == [8, 16, 24]  # 8 training batches per epoch
+    for tag in ("attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"):
+        images = acc.Images(tag)
+        assert [e.step for e in images] == recorded
+        assert all(e.width > 100 and e.height > 100 for e in images)
+    assert [e.step for e in acc.Scalars("attention/figure_seconds")] == recorded
+    assert [e.step for e in acc.Scalars("attention/reduce_seconds")] == recorded
+    assert len(acc.Scalars("attention/final_wait_seconds")) == 1
+    # the similarity figure of the last recording draws one line per recorded epoch
+    assert list(stats_cb.similarity_history) == ["epoch 0", "epoch 1", "epoch 2"]
+
+
+def test_drawn_figures_are_images_of_the_recorded_statistics():
+    from mmlight.callbacks.attention_stats import draw_figures
+
+    torch.manual_seed(0)
+    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
+                                           n_encoder_layers=0, max_positions=32))
+    stats = collect_statistics(task, [{"input": torch.randint(0, 20, (4, 12))}])
+    images, seconds = draw_figures(stats, {"epoch 0": {"blocks": stats["blocks"]}})
+    assert set(images) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
+    for image in images.values():
+        assert image.dtype.name == "uint8" and image.ndim == 3 and image.shape[2] == 3
+        assert image.min() < 128 < image.max()  # lines drawn on a white background, not a blank canvas
+    assert seconds > 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="every_n_epochs"):
         AttentionStats(every_n_epochs=0)
