@@ -78,6 +78,10 @@ MODULES: dict[str, Module] = {
     "transformer": Module(("mmlight/models/transformer.py",), (
         "tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
                           keyword="not triton"),
+    # issue 17's standard for new code: the attention statistics and the robustness interventions
+    "analysis": Module(("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"), (
+        "tests/analysis/test_metrics.py", "tests/analysis/test_stats.py", "tests/analysis/test_robustness.py",
+        "tests/analysis/test_analyze.py")),
 }
 
 # Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
