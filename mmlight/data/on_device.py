@@ -17,6 +17,7 @@ timm's modes, but not the numbers timm's CPU generator would have drawn.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -79,12 +80,20 @@ def draw_erasing(erasing: RandomErasing, batch: int, height: int, width: int) ->
     return ErasingBoxes(boxes, erasing.mode, seed)
 
 
+@functools.lru_cache(maxsize=16)
+def _constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device):
+    """``(255 mean, 1 / (255 std))`` as ``(1, C, 1, 1)`` float32 on ``device``, made once: a copy from
+    pageable host memory in every step would make the host wait for the device."""
+    mean255 = (torch.tensor(mean, dtype=torch.float32) * 255).view(1, -1, 1, 1)
+    inv_std255 = (1 / (torch.tensor(std, dtype=torch.float32) * 255)).view(1, -1, 1, 1)
+    return mean255.to(device), inv_std255.to(device)
+
+
 def normalized(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """``(B, H, W, C)`` uint8 -> ``(B, C, H, W)`` float32 ``(pixels - 255 mean) / (255 std)``, on the
     images' device: the arithmetic (float32, in this order) of the worker-side path
     (:class:`mmlight.data.image_decode.NormalizedBatches`), so the two agree to rounding."""
-    mean255 = (torch.tensor(mean, dtype=torch.float32) * 255).to(images.device).view(1, -1, 1, 1)
-    inv_std255 = (1 / (torch.tensor(std, dtype=torch.float32) * 255)).to(images.device).view(1, -1, 1, 1)
+    mean255, inv_std255 = _constants(tuple(mean), tuple(std), images.device)
     batch, height, width, channels = images.shape
     out = torch.empty(batch, channels, height, width, dtype=torch.float32, device=images.device)
     torch.sub(images.permute(0, 3, 1, 2), mean255, out=out)  # convert and transpose in one pass
