@@ -195,7 +195,8 @@ class ImageShardDataModule(ShardDataModule):
             device, so the training and evaluation steps see the same ``(B, C, H, W)`` float32
             images as with False (the erasing noise is N(0, 1) from a per-batch seeded device
             generator instead of the worker's CPU generator). A quarter of the bytes per batch to
-            send and copy, and about a fifth less worker time per sample (BENCHMARKS.md). Code that
+            send and copy, and 11-15% less worker time per sample with DeiT's transform
+            (BENCHMARKS.md, "Image loader"). Code that
             iterates the loaders itself applies ``on_after_batch_transfer(batch, 0)`` to each batch.
             False: the worker writes normalised, erased float32 batches.
     """
