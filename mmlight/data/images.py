@@ -244,8 +244,11 @@ class ImageShardDataModule(ShardDataModule):
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         """On the device: a uint8 batch converted, normalised (the transform's mean and std) and
-        erased (:func:`mmlight.data.on_device.normalized_batch`); a float32 batch as it is."""
-        return normalized_batch(batch, self.augment.mean, self.augment.std)
+        erased (:func:`mmlight.data.on_device.normalized_batch`), then cast as the trainer's
+        precision casts inputs (e.g. ``bf16-true``; Lightning does that before the transfer, when
+        the images were still uint8); a float32 batch as it is."""
+        batch = normalized_batch(batch, self.augment.mean, self.augment.std)
+        return batch if self.trainer is None else self.trainer.precision_plugin.convert_input(batch)
 
     def _eval_loader(self, split: str):
         transform = SplitTransform(self.augment.build(train=False))

@@ -156,19 +156,22 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_trainer_steps_receive_normalised_float_images(shards, monkeypatch, tmp_path):
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("64-true", torch.float64)])
+def test_trainer_steps_receive_normalised_float_images(shards, monkeypatch, tmp_path, precision, dtype):
     """Through Lightning, the DataModule's hook runs on every batch: the steps (and callbacks after
-    the transfer, such as AttentionStats) see ``(B, C, H, W)`` float32 images and labels only."""
+    the transfer, such as AttentionStats) see ``(B, C, H, W)`` images in the precision's input
+    dtype (Lightning casts inputs before the transfer, when they are still uint8) and labels only."""
     data, _, _ = loaders(shards, True, monkeypatch)
     module = Recorder()
     trainer = L.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        precision=precision)
     trainer.fit(module, datamodule=data)
     stages = {stage for stage, _ in module.seen}
     assert stages == {"train", "val"}
     low, high = min(-m / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std)), max(
         (1 - m) / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std))
     for stage, batch in module.seen:
-        assert len(batch) == 2 and batch[0].dtype == torch.float32 and batch[0].shape == (4, 3, 16, 16)
+        assert len(batch) == 2 and batch[0].dtype == dtype and batch[0].shape == (4, 3, 16, 16)
         if stage == "val":  # no erasing noise: every value in the normalised range of 0..255
             assert low - 1e-5 <= batch[0].min() and batch[0].max() <= high + 1e-5
