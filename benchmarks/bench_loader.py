@@ -11,14 +11,20 @@ under RandAugment) to the same JPEGs. Measured side by side in one run, alternat
   ``RASampler`` on one rank), so every copy is decoded again, as in DeiT;
 * ``shards, per-copy decode``: mmlight's pipeline before issue 16 (each copy decoded and
   transformed by the timm transform, ``torch.stack`` collation), rebuilt here as the baseline;
-* ``shards``: ``ImageShardDataModule`` (mmlight.data.image_decode): crop box drawn first, JPEG
-  decoded at reduced size (``draft``), one decode per repeated-augmentation group, batch rows
-  normalised in place in shared memory; also with ``draft_decode=False``.
+* ``shards``: ``ImageShardDataModule(normalize_on_device=False)`` (mmlight.data.image_decode):
+  crop box drawn first, JPEG decoded at reduced size (``draft``), one decode per
+  repeated-augmentation group, batch rows normalised and erased in place in shared memory; also
+  with ``draft_decode=False``;
+* ``shards, uint8``: ``ImageShardDataModule`` as configured for DeiT (``normalize_on_device=True``):
+  the same, but the rows are plain copies of the uint8 pixels and only the erasing boxes are drawn
+  in the worker; converting, normalising and erasing happen after the transfer, on the device
+  (``mmlight.data.on_device``). That step's cost on this CPU, in the main process, is timed apart
+  (``device_step_ms_per_sample``): on a GPU it takes microseconds.
 
 It also splits one worker's per-sample time into read, decode, augment, collate and transfer (the
 batch handed to the main process through a ``multiprocessing`` pickle, as a DataLoader worker
 does; plus the copy into pinned memory when CUDA is present), for the ImageFolder path and for
-mmlight's. JSON lines go to ``benchmarks/results/``; BENCHMARKS.md has the table.
+mmlight's two. JSON lines go to ``benchmarks/results/``; BENCHMARKS.md has the table.
 
     python benchmarks/bench_loader.py                      # generated photograph-like JPEGs
     python benchmarks/bench_loader.py --src /path/to/ILSVRC2012  # real ones (train/<wnid>/*.JPEG)
@@ -55,7 +61,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import default_collate
 
 from mmlight.data import ImageAugment, ImageShardDataModule
-from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, open_image
+from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, open_image
+from mmlight.data.on_device import normalized_batch
 from mmlight.data.prepare import prepare
 from mmlight.data.images import ImageStream
 from mmlight.data.shards import MemberReader, iter_tar, read_info, split_urls
@@ -143,7 +150,7 @@ def as_worker():
 def _transfer(batch) -> None:
     """A worker's batch on its way to the training step: the pickle through shared memory that a
     DataLoader worker queue does, then the copy into pinned memory when CUDA exists."""
-    images, _ = ForkingPickler.loads(ForkingPickler.dumps(batch))
+    images = ForkingPickler.loads(ForkingPickler.dumps(batch))[0]
     if torch.cuda.is_available():
         images.pin_memory()
 
@@ -152,7 +159,7 @@ class StageClock:
     """Accumulates seconds per stage: ``with clock("decode"): ...``."""
 
     def __init__(self):
-        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.seconds = dict.fromkeys(STAGES + ("device",), 0.0)
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
@@ -182,11 +189,15 @@ def stage_times_imagefolder(files: list[Path], samples: int, batch_size: int, co
     return clock.seconds
 
 
-def stage_times_shards(urls: list[str], samples: int, batch_size: int, copies: int, draft: bool) -> dict:
+def stage_times_shards(urls: list[str], samples: int, batch_size: int, copies: int, draft: bool,
+                       uint8: bool = False) -> dict:
     """Seconds per stage for mmlight: tar read, crop draw and (reduced) decode, crops and PIL ops,
-    the batch written in shared memory (convert, normalise, erase), transfer."""
+    the batch written in shared memory (convert, normalise, erase; or with ``uint8`` the pixels
+    copied and the erasing boxes drawn), transfer; with ``uint8`` also ``device``: the on-device
+    step (convert, normalise, erase) run here, on the CPU, as the main process would without a GPU."""
     split, clock = SplitTransform(DEIT.build(train=True)), StageClock()
-    group, batches = AugmentGroup(3, split, copies, draft=draft), NormalizedBatches(batch_size, split, partial=False)
+    group = AugmentGroup(3, split, copies, draft=draft)
+    batches = (Uint8Batches if uint8 else NormalizedBatches)(batch_size, split, partial=False)
     records = (data for _ in itertools.count() for url in urls for name, data in iter_tar(url) if name.endswith(".jpg"))
     for _ in range(samples // batch_size):
         pending = []
@@ -202,6 +213,8 @@ def stage_times_shards(urls: list[str], samples: int, batch_size: int, copies: i
             batch = batches.collate(pending[:batch_size])
         with clock("transfer"):
             _transfer(batch)
+        with clock("device"):
+            normalized_batch(batch, DEIT.mean, DEIT.std)
     return clock.seconds
 
 
@@ -228,9 +241,10 @@ def folder_loader(raw: Path, batch_size: int, workers: int, copies: int):
                                        num_workers=workers, drop_last=True, persistent_workers=workers > 0)
 
 
-def shard_loader(shards: Path, batch_size: int, workers: int, copies: int, draft: bool = True):
+def shard_loader(shards: Path, batch_size: int, workers: int, copies: int, draft: bool = True, uint8: bool = False):
     dm = ImageShardDataModule(str(shards), batch_size=batch_size, num_workers=workers, augment=DEIT,
-                              shuffle_buffer=500, repeated_augmentation=copies, draft_decode=draft)
+                              shuffle_buffer=500, repeated_augmentation=copies, draft_decode=draft,
+                              normalize_on_device=uint8)
     return dm.train_dataloader()
 
 
@@ -288,8 +302,8 @@ def measure(loader, samples: int) -> tuple[float, float | None]:
     it = iter(loader)
     next(it)
     seen, start = 0, time.perf_counter()
-    for images, _ in it:
-        seen += len(images)
+    for batch in it:
+        seen += len(batch[0])
         if seen >= samples:
             break
     rate = seen / (time.perf_counter() - start)
@@ -341,7 +355,9 @@ def main(argv: list[str] | None = None) -> Path:
         files = sorted((raw / "train").rglob("*.JPEG"))
         for copies in sorted({1, args.copies}):
             splits = {"ImageFolder": lambda: stage_times_imagefolder(files, args.stage_samples, args.batch_size, copies),
-                      "shards": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies, True)}
+                      "shards": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies, True),
+                      "shards, uint8": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies,
+                                                                  True, uint8=True)}
             runs = {name: [] for name in splits}
             for _ in range(args.repeats):  # alternate, as for the loaders; the median per stage counts
                 for name, run in splits.items():
@@ -351,6 +367,11 @@ def main(argv: list[str] | None = None) -> Path:
                               for k in STAGES}
                 emit({"op": "stage_ms_per_sample", "backend": name, "copies": copies, "samples": args.stage_samples,
                       "repeats": args.repeats, **per_sample, "total": round(sum(per_sample.values()), 3)})
+                if name == "shards, uint8":  # the main process's step after the transfer, here on the CPU
+                    device = statistics.median(r["device"] for r in seconds) / args.stage_samples * 1e3
+                    emit({"op": "device_step_ms_per_sample", "backend": name, "copies": copies, "on": "cpu",
+                          "threads": torch.get_num_threads(), "samples": args.stage_samples,
+                          "repeats": args.repeats, "ms": round(device, 3)})
         for workers in args.workers:
             loaders = {
                 ("ImageFolder", 1): lambda: folder_loader(raw, args.batch_size, workers, 1),
@@ -360,6 +381,8 @@ def main(argv: list[str] | None = None) -> Path:
                 ("shards", 1): lambda: shard_loader(shards, args.batch_size, workers, 1),
                 ("shards", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies),
                 ("shards, no draft", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies, draft=False),
+                ("shards, uint8", 1): lambda: shard_loader(shards, args.batch_size, workers, 1, uint8=True),
+                ("shards, uint8", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies, uint8=True),
             }
             runs = {key: [] for key in loaders}
             for _ in range(args.repeats):  # alternate, so a busy moment hits all alike

@@ -8,7 +8,7 @@
 #
 # Shards come from: mmlight prepare imagenet --src /path/to/ILSVRC2012 --out $DATA
 # Everything else (signals, requeue, run directory, CPU override) works as in slurm/train.sh.
-# CPUs: 26 loader workers per GPU (the configs' data.num_workers) + the training process and its
+# CPUs: 16 loader workers per GPU (the configs' data.num_workers) + the training process and its
 # threads, from BENCHMARKS.md ("Cores one GPU needs"). On nodes with fewer CPUs lower both; mmlight
 # warns at fit start when the GPUs wait on the loader.
 #
@@ -16,7 +16,7 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=28
+#SBATCH --cpus-per-task=18
 #SBATCH --time=48:00:00
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue

@@ -53,8 +53,8 @@ def test_refuses_to_run_without_a_gpu_unless_smoke():
 
 @pytest.mark.slow
 def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
-    """bench_loader.py on 12 generated photographs: the stage split for both pipelines and both copy
-    counts, every loader's rate with ratios to the baselines of the same run."""
+    """bench_loader.py on 12 generated photographs: the stage split for the three pipelines and both
+    copy counts, the on-device step's CPU cost, every loader's rate with ratios to the baselines of the same run."""
     out = tmp_path / "loader.jsonl"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--images", "12", "--samples", "8",
                     "--stage-samples", "4", "--batch-size", "4", "--repeats", "1", "--out", str(out)],
@@ -63,12 +63,16 @@ def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
     images = records[0]
     assert images["op"] == "images" and images["images"] == 12 and images["mean_kib"] > 0
     stages = [r for r in records if r["op"] == "stage_ms_per_sample"]
-    assert [(r["backend"], r["copies"]) for r in stages] == [("ImageFolder", 1), ("shards", 1), ("ImageFolder", 3), ("shards", 3)]
+    assert [(r["backend"], r["copies"]) for r in stages] == [
+        (name, copies) for copies in (1, 3) for name in ("ImageFolder", "shards", "shards, uint8")]
     for r in stages:
         assert r["total"] == pytest.approx(sum(r[k] for k in ("read", "decode", "augment", "collate", "transfer")), abs=0.01)
+    device = [r for r in records if r["op"] == "device_step_ms_per_sample"]
+    assert [(r["copies"], r["on"]) for r in device] == [(1, "cpu"), (3, "cpu")] and all(r["ms"] > 0 for r in device)
     loaders = {(r["backend"], r["copies"]): r for r in records if r["op"] == "image_loader_deit_train"}
     assert set(loaders) == {("ImageFolder", 1), ("ImageFolder", 3), ("shards, per-copy decode", 1),
-                            ("shards, per-copy decode", 3), ("shards", 1), ("shards", 3), ("shards, no draft", 3)}
+                            ("shards, per-copy decode", 3), ("shards", 1), ("shards", 3), ("shards, no draft", 3),
+                            ("shards, uint8", 1), ("shards, uint8", 3)}
     assert loaders[("ImageFolder", 3)]["ratio_to_imagefolder"] == 1.0
     shards = loaders[("shards", 3)]
     per_copy = loaders[("shards, per-copy decode", 3)]["samples_per_s"]  # rates are rounded to 0.1 in the records

@@ -64,6 +64,7 @@ def test_deit_small_recipe(name, attention, capsys):
     augment = cfg["data"]["init_args"]["augment"]
     assert (augment["auto_augment"], augment["color_jitter"], augment["re_prob"]) == ("rand-m9-mstd0.5-inc1", 0.3, 0.25)
     assert (augment["interpolation"], augment["crop_pct"]) == ("bicubic", 0.875)
+    assert cfg["data"]["init_args"]["normalize_on_device"] is True  # the workers send uint8 (BENCHMARKS.md)
     trainer = cfg["trainer"]
     assert (trainer["max_epochs"], trainer["precision"], trainer["strategy"]) == (300, "bf16-mixed", "ddp")
     assert arch["backend"] == "auto"  # Triton kernels on the GPUs, eager on a CPU

@@ -101,13 +101,17 @@ def check_fits_data(task, datamodule, path: Path) -> None:
 
 
 def eval_loader(datamodule, split: str):
-    """The split's loader after ``prepare_data``/``setup``; an :class:`AnalyzeError` if it has none."""
+    """The split's batches after ``prepare_data``/``setup``, each as the model sees it in
+    ``trainer.validate``: through the DataModule's ``on_after_batch_transfer`` (e.g. uint8 images
+    normalised, see ``ImageShardDataModule(normalize_on_device=...)``); an :class:`AnalyzeError` if
+    the data has no such split."""
     datamodule.prepare_data()
     datamodule.setup("validate" if split == "val" else "test")
     try:
-        return datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
+        loader = datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
     except Exception as err:
         raise AnalyzeError(f"the data has no usable {split} split: {err}") from err
+    return (datamodule.on_after_batch_transfer(batch, 0) for batch in loader)
 
 
 def vocabulary(datamodule) -> list[str] | None:

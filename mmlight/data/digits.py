@@ -68,6 +68,9 @@ class DigitsDataModule(ImageShardDataModule):
         augment: image transforms (8x8 grayscale by default).
         val_fraction: fraction of the 1,797 images held out for validation (fixed, seeded split).
         seed: seed of that split.
+        normalize_on_device: yield uint8 batches normalised after the transfer (see
+            :class:`ImageShardDataModule`); off here: 8 x 8 images leave nothing to save, and the
+            loaders keep yielding the normalised images the quick start's tests and tools read.
     """
 
     def __init__(
@@ -78,8 +81,10 @@ class DigitsDataModule(ImageShardDataModule):
         augment: ImageAugment = DIGITS_AUGMENT,
         val_fraction: float = 0.2,
         seed: int = 0,
+        normalize_on_device: bool = False,
     ):
-        super().__init__(os.path.expanduser(cache_dir), batch_size, num_workers, augment, shuffle_buffer=2000)
+        super().__init__(os.path.expanduser(cache_dir), batch_size, num_workers, augment, shuffle_buffer=2000,
+                         normalize_on_device=normalize_on_device)
         self.val_fraction = val_fraction
         self.seed = seed
 

@@ -12,8 +12,10 @@ plus a fourth when the batch is copied into shared memory for the main process. 
   input, and crops and resizes in one Pillow call (as FFCV does);
 * with repeated augmentation, decodes an image once for all of its copies;
 * writes each augmented image straight into its row of the batch tensor, in shared memory when in
-  a loader worker, converting and normalising in two passes; the batch then reaches the main
-  process without a copy.
+  a loader worker, so the batch reaches the main process without a copy: either as uint8 pixels
+  with the random-erasing boxes, normalised and erased on the device after the transfer
+  (:class:`Uint8Batches`, :mod:`mmlight.data.on_device`), or converted, normalised and erased here
+  (:class:`NormalizedBatches`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 from PIL import Image
+from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
 from torchvision import transforms as tv
 from torchvision.transforms.functional import pil_modes_mapping
+
+from mmlight.data.on_device import draw_erasing
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg can decode at directly (Pillow ``draft``)
@@ -158,34 +163,36 @@ def flatten(groups: Iterable[list]) -> Iterator:
         yield from group
 
 
-def _batch_tensor(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised float32 tensor, in shared memory inside a DataLoader worker, so that sending
-    the batch to the main process passes a handle instead of copying it (what ``default_collate``
-    does for the batches it stacks)."""
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised tensor, in shared memory inside a DataLoader worker, so that sending the
+    batch to the main process passes a handle instead of copying it (what ``default_collate`` does
+    for the batches it stacks)."""
     if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape)
+        return torch.empty(shape, dtype=dtype)
     numel = int(np.prod(shape))
-    storage = torch.empty(0)._typed_storage()._new_shared(numel, device="cpu")
-    return torch.empty(0).new(storage).view(shape)
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel, device="cpu")
+    return torch.empty(0, dtype=dtype).new(storage).view(shape)
 
 
-class NormalizedBatches:
-    """Pipeline stage: ``(PIL image, label)`` pairs -> ``(images (B, C, H, W) float32, labels (B,))``.
-    Each image is converted and normalised straight into its row of the batch, then the tensor ops
-    (random erasing) run on that row in place.
+def pixels(image: Image.Image) -> torch.Tensor:
+    """The image's pixels as an ``(H, W, C)`` uint8 tensor (one copy, Pillow's ``tobytes``)."""
+    with warnings.catch_warnings():  # Pillow's array is read-only; it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        array = torch.from_numpy(np.asarray(image))  # (H, W) or (H, W, C) uint8
+    return array.view(image.height, image.width, -1)
+
+
+class Batches:
+    """Pipeline stage: ``(PIL image, label)`` pairs -> batches of ``batch_size`` (:meth:`collate`).
 
     Args:
         batch_size: images per batch.
-        split: supplies ``mean``, ``std`` and ``tensor_ops``.
         partial: yield a last, smaller batch.
     """
 
-    def __init__(self, batch_size: int, split: SplitTransform, partial: bool):
+    def __init__(self, batch_size: int, partial: bool):
         self.batch_size = batch_size
         self.partial = partial
-        self.mean255 = (split.mean * 255).view(-1, 1, 1)  # ToTensor's /255 folded into Normalize
-        self.inv_std255 = (1 / (split.std * 255)).view(-1, 1, 1)
-        self.tensor_ops = split.tensor_ops
 
     def __call__(self, samples: Iterable[tuple[Image.Image, int]]):
         pending = []
@@ -197,6 +204,27 @@ class NormalizedBatches:
         if pending and self.partial:
             yield self.collate(pending)
 
+    def collate(self, samples: list[tuple[Image.Image, int]]) -> tuple:
+        raise NotImplementedError
+
+
+class NormalizedBatches(Batches):
+    """Pipeline stage: ``(PIL image, label)`` pairs -> ``(images (B, C, H, W) float32, labels (B,))``.
+    Each image is converted and normalised straight into its row of the batch, then the tensor ops
+    (random erasing) run on that row in place.
+
+    Args:
+        batch_size: images per batch.
+        split: supplies ``mean``, ``std`` and ``tensor_ops``.
+        partial: yield a last, smaller batch.
+    """
+
+    def __init__(self, batch_size: int, split: SplitTransform, partial: bool):
+        super().__init__(batch_size, partial)
+        self.mean255 = (split.mean * 255).view(-1, 1, 1)  # ToTensor's /255 folded into Normalize
+        self.inv_std255 = (1 / (split.std * 255)).view(-1, 1, 1)
+        self.tensor_ops = split.tensor_ops
+
     def collate(self, samples: list[tuple[Image.Image, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         first = samples[0][0]
         images = _batch_tensor((len(samples), len(first.getbands()), first.height, first.width))
@@ -206,13 +234,41 @@ class NormalizedBatches:
 
     def write_row(self, row: torch.Tensor, image: Image.Image) -> None:
         """``row (C, H, W) = (pixels - 255 mean) / (255 std)``, then the tensor ops in place."""
-        with warnings.catch_warnings():  # Pillow's array is read-only; it is only read here
-            warnings.simplefilter("ignore", UserWarning)
-            pixels = torch.from_numpy(np.asarray(image))  # (H, W) or (H, W, C) uint8
-        pixels = pixels.view(image.height, image.width, -1).permute(2, 0, 1)  # (C, H, W)
-        torch.sub(pixels, self.mean255, out=row)  # uint8 -> float32 and the transpose in one pass
+        torch.sub(pixels(image).permute(2, 0, 1), self.mean255, out=row)  # uint8 -> float32 and transpose
         row.mul_(self.inv_std255)
         for op in self.tensor_ops:
             result = op(row)
             if result is not row:
                 row.copy_(result)
+
+
+class Uint8Batches(Batches):
+    """Pipeline stage: ``(PIL image, label)`` pairs -> ``(images (B, H, W, C) uint8, labels (B,))``,
+    plus, when the transform erases, the batch's :class:`~mmlight.data.on_device.ErasingBoxes`
+    (timm's boxes, drawn here; filled on the device). Each row is a plain copy of the image's
+    pixels; :func:`mmlight.data.on_device.normalized_batch` finishes the batch after the transfer.
+
+    Args:
+        batch_size: images per batch.
+        split: its ``tensor_ops`` may hold timm's ``RandomErasing`` and nothing else.
+        partial: yield a last, smaller batch.
+    """
+
+    def __init__(self, batch_size: int, split: SplitTransform, partial: bool):
+        super().__init__(batch_size, partial)
+        others = [op for op in split.tensor_ops if not isinstance(op, RandomErasing)]
+        if others or len(split.tensor_ops) > 1:
+            raise ValueError(f"uint8 batches finish on the device only timm's RandomErasing; the transform "
+                             f"also has {split.tensor_ops}: use normalize_on_device=False")
+        self.erasing = split.tensor_ops[0] if split.tensor_ops else None
+
+    def collate(self, samples: list[tuple[Image.Image, int]]) -> tuple:
+        first = samples[0][0]
+        height, width = first.height, first.width
+        images = _batch_tensor((len(samples), height, width, len(first.getbands())), torch.uint8)
+        for row, (image, _) in zip(images, samples):
+            row.copy_(pixels(image))
+        labels = torch.tensor([label for _, label in samples])
+        if self.erasing is None:
+            return images, labels
+        return images, labels, draw_erasing(self.erasing, len(samples), height, width)

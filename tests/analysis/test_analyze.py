@@ -155,3 +155,20 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
     assert (out / "cross_attention_alignment_nmt_softmax.png").is_file()
     assert json.loads((out / "stats.json").read_text())["split"] == "test"
     assert not list(tmp_path.glob("test.*"))
+
+
+def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
+    """With uint8 batches (``normalize_on_device``), the analysis still reads normalised float32
+    images: those of the DataModule's float32 path, through its ``on_after_batch_transfer``."""
+    from mmlight.analysis.analyze import eval_loader
+    from mmlight.data import DigitsDataModule
+
+    on_device = DigitsDataModule(cache_dir=str(tmp_path), batch_size=50, normalize_on_device=True)
+    batches = list(eval_loader(on_device, "val"))
+    assert next(iter(on_device.val_dataloader()))[0].dtype == torch.uint8  # what the hook turned into floats
+    expected = list(DigitsDataModule(cache_dir=str(tmp_path), batch_size=50).val_dataloader())
+    assert len(batches) == len(expected) == 8  # 359 validation digits
+    for (images, labels), (want_images, want_labels) in zip(batches, expected):
+        assert images.dtype == torch.float32 and images.shape[1:] == (1, 8, 8)
+        torch.testing.assert_close(images, want_images, atol=1e-6, rtol=1e-6)
+        assert torch.equal(labels, want_labels)

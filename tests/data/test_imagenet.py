@@ -130,8 +130,8 @@ def test_stream_val_once_and_train_fixed_length(tmp_path, small_shards):
     train = dm.train_dataloader()
     batches = list(train)
     assert len(batches) == len(train) == 12 // 5
-    images, labels = batches[0]
-    assert images.shape == (5, 3, 16, 16) and labels.dtype == torch.int64
+    images, labels = batches[0]  # uint8 (normalised on the device, tests/data/test_on_device.py)
+    assert images.shape == (5, 16, 16, 3) and images.dtype == torch.uint8 and labels.dtype == torch.int64
 
 
 def test_corrupt_sample_in_a_shard_is_skipped_counted_and_logged(tmp_path, caplog):
@@ -171,6 +171,9 @@ def test_repeated_augmentation_decodes_each_image_once_and_batches_arrive_in_sha
     assert not any(torch.equal(images[i], images[j]) for i in range(12) for j in range(i))  # each copy augmented
     dm_worker = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=1, augment=SMALL,
                                      repeated_augmentation=3)
+    images, labels = next(iter(dm_worker.train_dataloader()))
+    assert images.is_shared() and images.shape == (6, 16, 16, 3) and images.dtype == torch.uint8
+    dm_worker.normalize_on_device = False
     images, labels = next(iter(dm_worker.train_dataloader()))
     assert images.is_shared() and images.shape == (6, 3, 16, 16) and images.dtype == torch.float32
 

@@ -16,6 +16,7 @@ from PIL import Image
 
 from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
 from mmlight.data.image_decode import AugmentGroup
+from mmlight.data.on_device import ErasingBoxes
 from mmlight.data.shards import MemberReader, npy_header, tar_index
 from mmlight.data.streaming import ResumableLoader, ShardDataModule, shuffled
 
@@ -143,9 +144,16 @@ def translation_loader(shards, seed, monkeypatch, num_workers=0):
 
 
 def flat(batch) -> list[torch.Tensor]:
-    """The tensors of a batch (tuple or dict), in a fixed order."""
+    """The tensors of a batch (tuple or dict), in a fixed order; random-erasing boxes and their fill
+    seed (uint8 image batches) included."""
     items = batch.values() if isinstance(batch, dict) else batch
-    return [t for t in items if isinstance(t, torch.Tensor)]
+    tensors = []
+    for item in items:
+        if isinstance(item, ErasingBoxes):
+            tensors += [item.boxes, torch.tensor(item.seed)]
+        elif isinstance(item, torch.Tensor):
+            tensors.append(item)
+    return tensors
 
 
 def same(a, b) -> bool:
@@ -243,7 +251,7 @@ def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeyp
     loader = image_loader(image_shards, 0, monkeypatch)
     with caplog.at_level("WARNING"):
         batches = epochs(loader, 3)
-    assert all(images.shape == (4, 3, 16, 16) and labels.shape == (4,) for images, labels in batches)
+    assert all(images.shape == (4, 16, 16, 3) and labels.shape == (4,) for images, labels, _ in batches)
     assert loader.dataset.source.counter.value >= 1 and "img0005" in caplog.text
 
 
