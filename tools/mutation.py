@@ -64,11 +64,12 @@ MODULES: dict[str, Module] = {
     "cli": Module(("mmlight/cli.py",), ("tests/test_cli_units.py", *_node_ids(
         "tests/test_cli.py", "test_model_options_of_a_command_line", "test_bad_config_stops_before_work",
         "test_missing_config_file", "test_backend_is_a_config_key"))),
-    # test_callbacks.py's two training runs take a minute each; the unit tests cover the same logic.
-    "callbacks": Module(("mmlight/callbacks/*",), (
-        "tests/callbacks/test_checkpoint.py", "tests/callbacks/test_skipped_samples.py",
-        "tests/callbacks/test_final_metrics.py", "tests/callbacks/test_reweighting_monitor.py",
-        "tests/callbacks/test_callbacks.py::test_sigma_figure_has_one_panel_per_layer")),
+    # every callback's test file; test_callbacks.py's training run with the monitor is left out (the unit
+    # tests of test_reweighting_monitor.py cover the same logic), and so is attention_stats' DDP subprocess.
+    "callbacks": Module(("mmlight/callbacks/*",), tuple(f"tests/callbacks/test_{name}.py" for name in (
+        "attention_stats", "callbacks", "checkpoint", "data_position", "data_wait", "final_metrics", "progress",
+        "reweighting_monitor", "skipped_samples", "step_seed")),
+        keyword="not test_monitor_logs_parameters_curves_and_final_metrics"),
     # test_language_model.py and two training runs of test_classification.py are left out: slow.
     "tasks": Module(("mmlight/tasks/*",), (
         "tests/tasks/test_metrics.py", "tests/tasks/test_optim.py", "tests/tasks/test_checkpoint.py",
