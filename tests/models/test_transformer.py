@@ -6,10 +6,16 @@ import torch.nn.functional as F
 
 from mmlight import reweighting
 from mmlight.models.transformer import (
+    FeedForward,
     KVCache,
+    MultiHeadAttention,
+    Residual,
+    TokenPositionEmbedding,
     TransformerConfig,
     TransformerLM,
     TransformerSeq2Seq,
+    none_if_all,
+    token_embedding,
 )
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting import MultiMax, multimax_sigma
@@ -221,6 +227,50 @@ def test_only_the_encoder_decoder_has_cross_attention_caches_and_sites():
     assert lm.new_cache().cross_attn == [] and len(lm.new_cache().self_attn) == 2
     assert list(lm.reweighting_sites()) == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
     assert len(TransformerSeq2Seq(tiny(1)).new_cache().cross_attn) == 2
+
+
+def test_a_mask_that_keeps_everything_becomes_none():
+    """None lets attention take its unmasked fast path; any masked key keeps the mask itself."""
+    assert none_if_all(None) is None and none_if_all(torch.ones(2, 3, dtype=torch.bool)) is None
+    partial = torch.tensor([[True, False, True]])
+    assert none_if_all(partial) is partial
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropouts, devices and dtypes
+
+
+def test_every_dropout_reaches_its_layers():
+    model = TransformerSeq2Seq(tiny(1, dropout=0.1, attention_dropout=0.2, activation_dropout=0.3))
+    attention = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
+    residuals = [m for m in model.modules() if isinstance(m, Residual)]
+    assert len(attention) == 1 + 2 * 2 and all(m.dropout == 0.2 for m in attention)
+    assert len(ffns) == 1 + 2 and all(m.activation_dropout.p == 0.3 for m in ffns)
+    assert len(residuals) == 2 + 2 * 3 and all(m.dropout.p == 0.1 for m in residuals)
+    assert model.encoder.embed.dropout.p == model.decoder.embed.dropout.p == 0.1
+
+
+def test_attention_dropout_acts_in_training_only():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    plain = MultiHeadAttention(8, 2, ReweightingSpec("softmax").build("reference"))  # no dropout by default
+    dropped = MultiHeadAttention(8, 2, ReweightingSpec("softmax").build("reference"), dropout=0.5)
+    dropped.load_state_dict(plain.state_dict())
+    want = plain.eval()(x)
+    torch.testing.assert_close(plain.train()(x), want)
+    torch.testing.assert_close(dropped.eval()(x), want)
+    assert not torch.allclose(dropped.train()(x), want)
+
+
+def test_positions_follow_the_tokens_device_and_the_embedding_dtype():
+    """The sinusoid table moves to the tokens' device (the meta device stands in for a GPU) and is cast
+    to the embedding's dtype (a bf16 model gives bf16 states)."""
+    ids = tokens(2, 3)
+    embed = TokenPositionEmbedding(token_embedding(23, 32, PAD), tiny())
+    assert embed.to(torch.bfloat16)(ids).dtype == torch.bfloat16
+    embed = TokenPositionEmbedding(token_embedding(23, 32, PAD), tiny()).to("meta")
+    assert embed(ids.to("meta")).device.type == "meta"
 
 
 # ---------------------------------------------------------------------------------------------
