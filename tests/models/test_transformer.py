@@ -121,8 +121,12 @@ def test_parameter_formula_variants(kwargs):
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple"):
         tiny(n_heads=3)
-    with pytest.raises(ValueError, match="joint"):
+    with pytest.raises(ValueError, match=r"^share_embeddings needs one joint vocabulary \(src_vocab_size == "
+                                         r"vocab_size\)$"):
         tiny(n_encoder_layers=1, share_embeddings=True, src_vocab_size=30)
+    with pytest.raises(ValueError, match="^TransformerSeq2Seq needs n_encoder_layers > 0; use TransformerLM for "
+                                         "an LM$"):
+        TransformerSeq2Seq(tiny())
     with pytest.raises(ValueError, match="^TransformerLM is decoder-only: set n_encoder_layers=0 or use "
                                          "TransformerSeq2Seq$"):
         TransformerLM(tiny(n_encoder_layers=1))
@@ -227,6 +231,9 @@ def test_only_the_encoder_decoder_has_cross_attention_caches_and_sites():
     assert lm.new_cache().cross_attn == [] and len(lm.new_cache().self_attn) == 2
     assert list(lm.reweighting_sites()) == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
     assert len(TransformerSeq2Seq(tiny(1)).new_cache().cross_attn) == 2
+    for model in (TransformerLM(tiny(output_multimax=True, output_multimax_order=1)),
+                  TransformerSeq2Seq(tiny(1, output_multimax=True, output_multimax_order=1))):
+        assert model.output.order == 1 and model.reweighting_sites()["output"] is model.output
 
 
 def test_a_mask_that_keeps_everything_becomes_none():
@@ -249,6 +256,9 @@ def test_every_dropout_reaches_its_layers():
     assert len(ffns) == 1 + 2 and all(m.activation_dropout.p == 0.3 for m in ffns)
     assert len(residuals) == 2 + 2 * 3 and all(m.dropout.p == 0.1 for m in residuals)
     assert model.encoder.embed.dropout.p == model.decoder.embed.dropout.p == 0.1
+    ffn = FeedForward(8, 12)  # no activation dropout by default
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(ffn.train()(x), ffn.eval()(x))
 
 
 def test_attention_dropout_acts_in_training_only():

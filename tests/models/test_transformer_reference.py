@@ -227,4 +227,6 @@ def test_fairseq_initialisation():
     assert model.encoder.embed.tokens is not model.decoder.embed.tokens  # share_embeddings is off
     lm = TransformerLM(config(d_model=d, n_heads=4, vocab_size=400)).decoder.embed.tokens
     assert lm.padding_idx == PAD and lm.weight[PAD].abs().max() == 0
+    lm(torch.tensor([[PAD, 3, PAD]])).sum().backward()
+    assert lm.weight.grad[PAD].abs().max() == 0 and lm.weight.grad[3].abs().min() > 0  # no gradient to padding
     assert lm.weight[[r for r in range(400) if r != PAD]].std().item() == pytest.approx(d ** -0.5, rel=0.05)
