@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 again = [k for k, status in statuses(workdir).items() if status in ("survived", "no tests")]
                 if not again:
                     print(f"== {name}: no surviving mutants")
+                # mutmut maps only tests it has not seen before to the functions they reach: a test
+                # that was edited since (a new assertion reaching another function) would not be run
+                # against that function's mutants. Forgetting the map makes it map every test again.
+                (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
             if again or not args.survivors:
                 failed |= run(name, workdir, args.max_children, again) != 0
         report(name, workdir)
