@@ -109,9 +109,12 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
         "pytest_add_cli_args": PYTEST_ARGS + (["-k", module.keyword] if module.keyword else []),
         "pytest_add_cli_args_test_selection": module.existing_tests(),
         "process_isolation": "forkserver",  # torch is not fork-safe once it has run
-        # mutmut's wall-clock limit is half its CPU limit, 15 x 2 x (test time + this): on a loaded
-        # machine the default (1 s) times out mutants whose tests merely waited for a core
+        # A mutant times out after (test time + timeout_constant) x timeout_multiplier seconds (wall
+        # clock; twice that in CPU time). The constant absorbs waiting for a core on a loaded machine
+        # (mutmut's 1 s would time out mutants whose tests merely waited); the multiplier is lower than
+        # mutmut's 15, which let a mutant that loops forever hold the run for ten minutes.
         "timeout_constant": 30.0,
+        "timeout_multiplier": 4.0,
         "use_git_change_detection": False,  # the links hide the repository
         "do_not_mutate_patterns": [r"^\s*log\.(debug|info|warning)\("],  # the wording of log lines
     }
