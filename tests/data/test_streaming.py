@@ -80,6 +80,19 @@ def test_shuffle_buffer_permutes_and_depends_only_on_its_generator():
     assert list(shuffled(items, 1, random.Random(3))) == items
 
 
+@pytest.mark.parametrize("buffer", [2, 4])
+def test_shuffle_buffer_holds_exactly_buffer_items(buffer):
+    """Output position p is drawn once input item p + buffer - 1 has been read, so an item leaves at most
+    buffer - 1 places before its input position; over many seeds that bound is reached, never passed."""
+    items = list(range(40))
+    advances = set()
+    for seed in range(30):
+        out = list(shuffled(items, buffer, random.Random(seed)))
+        assert sorted(out) == items
+        advances |= {item - position for position, item in enumerate(out)}
+    assert max(advances) == buffer - 1
+
+
 def test_rank_random_seeds_each_stream_from_seed_epoch_rank_and_purpose():
     """Python's generator is seeded with the 128-bit number of SeedSequence([seed, epoch, rank, purpose])'s
     first two 64-bit words, NumPy's with that entropy itself; shared streams leave the rank out. (The
