@@ -20,7 +20,17 @@ from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, W
 from mmlight.data.image_decode import AugmentGroup
 from mmlight.data.shards import MemberReader, npy_header, tar_index
 from mmlight.data.skips import SkipCounter
-from mmlight.data.streaming import PURPOSES, RankRandom, ResumableLoader, ShardDataModule, resampled_samples, shuffled
+from mmlight.data.streaming import (
+    PURPOSES,
+    RankRandom,
+    ResumableLoader,
+    ShardDataModule,
+    StreamDataset,
+    StreamSource,
+    resampled_samples,
+    run_seed,
+    shuffled,
+)
 
 
 def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
@@ -110,6 +120,39 @@ def test_rank_random_seeds_each_stream_from_seed_epoch_rank_and_purpose():
     shared = np.random.default_rng([7, 2, PURPOSES["order"]]).permutation(20)
     np.testing.assert_array_equal(rand.numpy("order", per_rank=False).permutation(20), shared)
     np.testing.assert_array_equal(RankRandom(7, 2, 0).numpy("order", per_rank=False).permutation(20), shared)
+    assert rand.entropy("unit", 4) == [7, 2, 3, PURPOSES["unit"], 4]  # a unit's generators: per rank
+    assert rand.entropy("unit", 4, per_rank=False) == [7, 2, PURPOSES["unit"], 4]
+
+
+def test_run_seed_is_seed_everythings_or_0(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert run_seed() == 0
+    monkeypatch.setenv("PL_GLOBAL_SEED", "17")
+    assert run_seed() == 17
+
+
+class DrawSource(StreamSource):
+    """Units are draws of the rank's ``order`` stream, materialised as they are; records ``count_skips``."""
+
+    def __init__(self):
+        self.asked = []
+
+    def units(self, rand, count_skips):
+        self.asked.append(count_skips)
+        draws = rand.python("order")
+        while True:
+            yield draws.randrange(10 ** 9)
+
+    def materialise(self, unit):
+        return unit
+
+
+def test_a_new_stream_dataset_gives_epoch_0_from_its_first_batch():
+    source = DrawSource()
+    got = list(StreamDataset(source, steps=4, seed=3, rank=1))
+    draws = RankRandom(3, 0, 1).python("order")
+    assert got == [draws.randrange(10 ** 9) for _ in range(4)]
+    assert source.asked == [True]  # the only process is the one that reports unreadable shards
 
 
 class DrawLimit(random.Random):
