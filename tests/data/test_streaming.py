@@ -15,6 +15,7 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image
+from torch.utils.data import get_worker_info
 
 from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
 from mmlight.data.image_decode import AugmentGroup
@@ -153,6 +154,28 @@ def test_a_new_stream_dataset_gives_epoch_0_from_its_first_batch():
     draws = RankRandom(3, 0, 1).python("order")
     assert got == [draws.randrange(10 ** 9) for _ in range(4)]
     assert source.asked == [True]  # the only process is the one that reports unreadable shards
+
+
+class WorkerDrawSource(DrawSource):
+    """Materialises a unit as (unit, the loader worker that made it, a draw of each seeded global generator)."""
+
+    def materialise(self, unit):
+        info = get_worker_info()
+        return unit, None if info is None else info.id, random.random(), float(np.random.random()), torch.rand(()).item()
+
+
+def test_worker_w_of_3_makes_batches_start_plus_w_and_each_unit_has_its_own_seed():
+    """Resumed at batch 1 with 3 loader workers: batches 1..6 of the single-process order, made by
+    workers 0, 1, 2, 0, 1, 2; each unit's augmentation draws differ (seeded by its index)."""
+    loader = ResumableLoader(StreamDataset(WorkerDrawSource(), steps=7, seed=3, rank=0), num_workers=3, world_size=1)
+    loader.load_state_dict({**loader.state_dict(), "position": 1})
+    loader.set_epoch(0)
+    got = list(loader)
+    draws = RankRandom(3, 0, 0).python("order")
+    assert [unit for unit, *_ in got] == [draws.randrange(10 ** 9) for _ in range(7)][1:]
+    assert [worker for _, worker, *_ in got] == [0, 1, 2, 0, 1, 2]
+    for generator in (2, 3, 4):  # Python's, NumPy's, torch's
+        assert len({batch[generator] for batch in got}) == 6
 
 
 class DrawLimit(random.Random):
