@@ -165,15 +165,19 @@ class WorkerDrawSource(DrawSource):
 
 
 def test_worker_w_of_3_makes_batches_start_plus_w_and_each_unit_has_its_own_seed():
-    """Resumed at batch 1 with 3 loader workers: batches 1..6 of the single-process order, made by
-    workers 0, 1, 2, 0, 1, 2; each unit's augmentation draws differ (seeded by its index)."""
-    loader = ResumableLoader(StreamDataset(WorkerDrawSource(), steps=7, seed=3, rank=0), num_workers=3, world_size=1)
-    loader.load_state_dict({**loader.state_dict(), "position": 1})
-    loader.set_epoch(0)
-    got = list(loader)
+    """Resumed at batch 1 with 3 loader workers: batches 1..6 of the single-process run (units and
+    augmentation draws), made by workers 0, 1, 2, 0, 1, 2; each unit's draws differ (seeded by its index)."""
+    def resumed(workers):
+        loader = ResumableLoader(StreamDataset(WorkerDrawSource(), steps=7, seed=3, rank=0), workers, world_size=1)
+        loader.load_state_dict({**loader.state_dict(), "position": 1})
+        loader.set_epoch(0)
+        return list(loader)
+
+    alone, got = resumed(0), resumed(3)
     draws = RankRandom(3, 0, 0).python("order")
     assert [unit for unit, *_ in got] == [draws.randrange(10 ** 9) for _ in range(7)][1:]
-    assert [worker for _, worker, *_ in got] == [0, 1, 2, 0, 1, 2]
+    assert [worker for _, worker, *_ in got] == [0, 1, 2, 0, 1, 2] and [w for _, w, *_ in alone] == [None] * 6
+    assert [(unit, *rest) for unit, _, *rest in got] == [(unit, *rest) for unit, _, *rest in alone]
     for generator in (2, 3, 4):  # Python's, NumPy's, torch's
         assert len({batch[generator] for batch in got}) == 6
 
