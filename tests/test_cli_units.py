@@ -294,3 +294,20 @@ def test_without_a_subcommand_the_whole_config_is_the_subcommands(monkeypatch):
     built = cli.build_cli(["--config", str(DIGITS)], run=False)  # LightningCLI(run=False): no subcommand
     assert built.subcommand is None
     assert built.config.trainer.logger.init_args.version is None  # only fit names a run
+
+
+def test_main_closes_the_process_group_the_run_opened(monkeypatch):
+    """A DDP process group left open at exit can abort a finished rank: main destroys it after the run
+    (a single-process gloo group stands in for the one Lightning opens)."""
+    import torch.distributed as dist
+
+    opened = []
+
+    def run(args):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        opened.append(dist.is_initialized())
+
+    monkeypatch.setattr(cli, "build_cli", run)
+    cli.main(["fit"])
+    assert opened == [True] and not dist.is_initialized()
+    cli.close_process_group()  # without a group: nothing to do, no error

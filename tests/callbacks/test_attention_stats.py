@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
@@ -155,3 +156,72 @@ def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
     steps = [e.step for e in acc.Scalars("attention/decoder.layers.1.self_attn/entropy")]
     assert len(steps) == 2 and steps[0] < steps[1]
     assert {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"} <= set(acc.Tags()["images"])
+
+
+def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_afresh():
+    """A resumed run keeps counting validations (every k-th records) and draws every recorded epoch."""
+    history = {"epoch 0": {"blocks": {"decoder.layers.0": {"token_similarity": 0.5}}}}
+    recorded = AttentionStats()
+    recorded.validations, recorded.similarity_history = 5, history
+    assert recorded.state_dict() == {"validations": 5, "similarity_history": history}
+    resumed = AttentionStats()
+    resumed.load_state_dict(recorded.state_dict())
+    assert (resumed.validations, resumed.similarity_history) == (5, history)
+    resumed.load_state_dict({})  # a checkpoint written without this callback
+    assert (resumed.validations, resumed.similarity_history) == (0, {})
+
+
+class Board(TensorBoardLogger):
+    """A TensorBoard logger whose writer records ``add_figure`` calls and whose metrics are kept."""
+
+    def __init__(self, save_dir):
+        super().__init__(save_dir)
+        self.figures, self.metrics = [], []
+
+    @property
+    def experiment(self):
+        return SimpleNamespace(add_figure=lambda tag, fig, global_step, close: self.figures.append(
+            (tag, fig, global_step, close)))
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((metrics, step))
+
+
+def test_figures_go_to_every_tensorboard_at_the_step_and_are_closed(tmp_path, monkeypatch):
+    from mmlight.analysis import figures
+
+    drawn = []
+
+    def fake(kind):
+        def draw(data, **options):
+            fig = figures.plt().figure()
+            drawn.append((kind, data, options, fig))
+            return fig
+        return draw
+
+    monkeypatch.setattr(figures, "layers_figure", fake("layers"))
+    monkeypatch.setattr(figures, "similarity_figure", fake("similarity"))
+    boards = [Board(tmp_path / "a"), Board(tmp_path / "b")]
+    trainer = SimpleNamespace(loggers=[CSVLogger(tmp_path), *boards], global_step=42, is_global_zero=True)
+    callback = AttentionStats(figures="end")
+    stats = {"sites": {}, "blocks": {}}
+    callback.last = {"label": "epoch 3", "stats": stats}
+    callback.similarity_history = {"epoch 3": {"blocks": {}}}
+    callback.on_fit_end(trainer, None)
+
+    assert [(kind, data, options) for kind, data, options, _ in drawn] == [
+        ("layers", stats, {}), ("layers", stats, {"cdf": True}), ("similarity", callback.similarity_history, {})]
+    tags = ["attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"]
+    for board in boards:
+        assert [(tag, fig, step, close) for tag, fig, step, close in board.figures] == [
+            (tag, fig, 42, False) for tag, (*_, fig) in zip(tags, drawn)]
+        (metrics, step), = board.metrics
+        assert list(metrics) == ["attention/figure_seconds"] and metrics["attention/figure_seconds"] >= 0 and step == 42
+    assert not any(figures.plt().fignum_exists(fig.number) for *_, fig in drawn)  # closed after logging
+
+    drawn.clear()
+    AttentionStats(figures="off").on_fit_end(trainer, None)  # off, or nothing recorded yet: no figures
+    AttentionStats(figures="end").on_fit_end(trainer, None)
+    trainer.loggers = [CSVLogger(tmp_path)]  # no TensorBoard: nothing drawn
+    callback.on_fit_end(trainer, None)
+    assert drawn == []

@@ -43,3 +43,27 @@ def test_states_reach_the_loaders_with_lightnings_position():
     callback.on_load_checkpoint(None, None, saved)
     with pytest.raises(RuntimeError, match="1 training loader state\\(s\\), but this run has 2"):
         callback.on_train_start(SimpleNamespace(train_dataloader=[Loader(), Loader()]), None)
+
+
+@pytest.mark.parametrize("saved", [{}, {"loops": {}}, {"loops": {"fit_loop": {}}},
+                                   {"loops": {"fit_loop": {"state_dict": {}}}}])
+def test_a_checkpoint_without_loader_states_hands_nothing_over(saved):
+    """Checkpoints from before the resumable loaders (or without a fit loop) leave the loaders alone."""
+    callback = DataPosition()
+    callback.on_load_checkpoint(None, None, saved)
+    loader = Loader()
+    callback.on_train_start(SimpleNamespace(train_dataloader=loader), None)
+    assert loader.loaded is None
+
+
+def test_only_states_with_a_position_get_lightnings_and_without_progress_they_stay_as_saved():
+    states = [{"epoch": 0, "position": 9}, {"kind": "another stateful loader"}]
+    callback = DataPosition()
+    callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {
+        "state_dict": {"combined_loader": states}, "epoch_loop.batch_progress": {"current": progress(3, 3, 3, 3)}}}})
+    loaders = [Loader(), Loader()]
+    callback.on_train_start(SimpleNamespace(train_dataloader=loaders), None)
+    assert [loader.loaded for loader in loaders] == [{"epoch": 0, "position": 3}, {"kind": "another stateful loader"}]
+    callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {"state_dict": {"combined_loader": states}}}})
+    callback.on_train_start(SimpleNamespace(train_dataloader=loaders), None)
+    assert [loader.loaded for loader in loaders] == states

@@ -3,6 +3,7 @@ the measured share; a step that sleeps more than the loader does not."""
 
 import time
 import warnings
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -62,3 +63,49 @@ def test_fast_loader_is_quiet():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_wait_share"):
         DataWaitMonitor(max_wait_share=1.5)
+
+
+def drive(monkeypatch, datamodule, times, epoch_break=False):
+    """The hooks of four training batches on a clock that reads ``times`` (start and end of each batch);
+    ``epoch_break``: a new epoch starts before the second batch. Returns the monitor and its warnings."""
+    import mmlight.callbacks.data_wait as data_wait
+
+    clock = iter(times)
+    monkeypatch.setattr(data_wait.time, "perf_counter", lambda: next(clock))
+    monitor = DataWaitMonitor(max_wait_share=0.5, warmup=1, window=2)
+    trainer = SimpleNamespace(datamodule=datamodule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.on_fit_start(trainer, None)
+        monitor.on_train_epoch_start(trainer, None)
+        for i in range(4):
+            if epoch_break and i == 1:
+                monitor.on_train_epoch_start(trainer, None)
+            monitor.on_train_batch_start(trainer, None, None, i)
+            monitor.on_train_batch_end(trainer, None, None, None, i)
+    return monitor, [str(w.message) for w in caught]
+
+
+def test_the_warning_gives_the_measured_figures_and_the_workers_that_would_keep_up(monkeypatch):
+    """Batch 0 is warm-up; batches 1 and 2 wait 3 s each for a 1 s step: 75% waiting; with 2 workers
+    delivering one batch per 4 s, ceil(2 x 8 / 2) = 8 workers would deliver one per step. Batch 3 is
+    not timed (the clock would run out)."""
+    monitor, messages = drive(monkeypatch, SimpleNamespace(num_workers=2), [1.0, 4.0, 5.0, 8.0, 9.0])
+    assert (monitor.measured, monitor.wait_s, monitor.step_s, monitor.wait_share()) == (2, 6.0, 2.0, 0.75)
+    assert messages == [
+        "The training step waited on the data loader for 75% of the time over 2 steps (fetch 3000.0 ms, step "
+        "1000.0 ms per batch; threshold 50%): the input pipeline, not the accelerator, sets the speed. With 2 "
+        "workers per device now, about 8 would keep up (data.num_workers, and as many CPUs per task). See "
+        "BENCHMARKS.md, 'Image loader', for the cores one GPU needs."]
+    for datamodule in (None, SimpleNamespace(num_workers=0), SimpleNamespace()):  # no worker advice
+        _, messages = drive(monkeypatch, datamodule, [1.0, 4.0, 5.0, 8.0, 9.0])
+        assert len(messages) == 1 and messages[0].endswith("sets the speed. See BENCHMARKS.md, 'Image loader', "
+                                                           "for the cores one GPU needs.")
+
+
+def test_the_gap_across_an_epoch_start_is_not_a_fetch_and_a_share_at_the_threshold_is_quiet(monkeypatch):
+    # batch 1 follows a new epoch: not timed; batches 2 and 3 wait 1 s for a 1 s step: exactly 50%
+    monitor, messages = drive(monkeypatch, None, [1.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0], epoch_break=True)
+    assert (monitor.measured, monitor.wait_s, monitor.step_s, monitor.done) == (2, 2.0, 2.0, True)
+    assert messages == []
+    assert DataWaitMonitor().wait_share() == 0.0  # nothing measured yet

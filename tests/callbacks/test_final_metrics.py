@@ -3,14 +3,17 @@ off as the final weights'), and validate/test record the checkpoint they evaluat
 checked against the mean squared error recomputed from the saved weights in float64."""
 
 import json
+from types import SimpleNamespace
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mmlight.callbacks import FinalMetrics
+from mmlight.callbacks.final_metrics import checkpoint_files
 
 torch.manual_seed(0)
 X_TRAIN, X_VAL = torch.randn(64, 4), torch.randn(32, 4)
@@ -102,3 +105,41 @@ def test_a_run_without_validation_says_so(tmp_path, capsys):
     record = json.loads((tmp_path / "r" / "fit" / "final_metrics.json").read_text())
     assert record["metrics"] == {} and record["global_step"] == 4
     assert "Final validation metrics: none were logged (step 4)." in capsys.readouterr().out
+
+
+def test_checkpoint_files_name_the_monitored_best_and_the_last(tmp_path):
+    """Only a ModelCheckpoint with a monitor has a best file; other callbacks in the list are passed over."""
+    monitored = ModelCheckpoint(dirpath=tmp_path / "b", monitor="val/top1")
+    monitored.best_model_path, monitored.best_model_score = str(tmp_path / "b" / "best-1-10.ckpt"), torch.tensor(95.5)
+    unmonitored = ModelCheckpoint(dirpath=tmp_path / "l", save_last=True)
+    unmonitored.best_model_path = str(tmp_path / "l" / "epoch=3.ckpt")  # its newest file, not a best one
+    unmonitored.last_model_path = str(tmp_path / "l" / "last.ckpt")
+    trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(), monitored, unmonitored])
+    assert checkpoint_files(trainer) == {"best": str((tmp_path / "b" / "best-1-10.ckpt").resolve()),
+                                         "best_score": 95.5, "last": str((tmp_path / "l" / "last.ckpt").resolve())}
+    monitored.best_model_score = None  # a best file whose score is unknown
+    assert checkpoint_files(trainer)["best_score"] is None
+
+
+def stand_in(fn, global_step=80, current_epoch=3, ckpt_path="/runs/last.ckpt"):
+    return SimpleNamespace(state=SimpleNamespace(fn=fn), global_step=global_step, current_epoch=current_epoch,
+                           ckpt_path=ckpt_path)
+
+
+def test_the_weights_step_is_the_trainers_in_fit_and_the_checkpoints_otherwise():
+    metrics = FinalMetrics()
+    assert metrics._weights_step(stand_in(TrainerFn.VALIDATING, 0, 0)) == (0, 0)  # no checkpoint loaded
+    metrics.on_load_checkpoint(None, None, {"global_step": 50, "epoch": 2})
+    assert metrics._weights_step(stand_in(TrainerFn.FITTING)) == (80, 3)  # a resumed fit: where training is
+    assert metrics._weights_step(stand_in(TrainerFn.VALIDATING)) == (50, 2)
+    metrics.on_load_checkpoint(None, None, {})  # a checkpoint without counters
+    assert metrics._weights_step(stand_in(TrainerFn.TESTING)) == (0, 0)
+
+
+def test_a_resumed_fit_names_no_evaluated_checkpoint(tmp_path, capsys):
+    metrics = FinalMetrics()
+    metrics._report(SimpleNamespace(**vars(stand_in(TrainerFn.FITTING)), checkpoint_callbacks=[]), "fit", str(tmp_path))
+    record = json.loads((tmp_path / "final_metrics.json").read_text())
+    assert record["checkpoint"] is None and record["checkpoints"] == {} and record["global_step"] == 80
+    metrics._report(stand_in(TrainerFn.VALIDATING), "validate", str(tmp_path))
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["checkpoint"] == "/runs/last.ckpt"

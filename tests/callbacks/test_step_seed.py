@@ -22,3 +22,14 @@ def test_draws_are_a_function_of_the_position(monkeypatch):
     assert draws(0, 1, 5, 0, monkeypatch) == reference
     for other in [(1, 1, 5, 0), (0, 2, 5, 0), (0, 1, 6, 0), (0, 1, 5, 1)]:
         assert all(a != b for a, b in zip(draws(*other, monkeypatch)[:3], reference[:3])), other
+
+
+def test_generators_are_seeded_from_the_seed_sequence_of_the_position(monkeypatch):
+    """Python's and torch's generators get the 64-bit number of SeedSequence([seed, epoch, batch, rank])'s
+    first two 32-bit words, NumPy's legacy one the first word (it takes 32 bits): hand-seeded copies draw
+    the same. (The derivation is part of every run's draws: changing it changes resumed runs.)"""
+    high, low = np.random.SeedSequence([3, 1, 5, 2]).generate_state(2, np.uint32)
+    seed = int(high) * 2 ** 32 + int(low)
+    want = (random.Random(seed).random(), float(np.random.RandomState(int(high)).rand()),
+            float(torch.rand(1, generator=torch.Generator().manual_seed(seed))))
+    assert draws(3, 1, 5, 2, monkeypatch)[:3] == want

@@ -28,6 +28,11 @@ def test_rank_and_world_without_a_trainer():
     assert module()._rank_and_world() == (0, 1) and module()._world_size() == 1
 
 
+def test_printed_as_its_class_and_root():
+    """jsonargparse prints DataModules in its messages: the class and the folder, no loader built."""
+    assert str(module()) == "ShardDataModule(root='unused')"
+
+
 def test_evaluation_reads_each_shard_once(tmp_path):
     """The evaluation head reads every shard once, split by node and worker, counting skips in the
     module's counter (training streams: tests/data/test_streaming.py)."""

@@ -4,8 +4,10 @@ at any batch from the state Lightning saves; header-only skipping; the shared ep
 import io
 import json
 import random
+import re
 import tarfile
 import warnings
+from itertools import islice
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,12 +15,24 @@ import pytest
 import torch
 import webdataset as wds
 from PIL import Image
+from torch.utils.data import get_worker_info
 
 from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
 from mmlight.data.image_decode import AugmentGroup
 from mmlight.data.on_device import ErasingBoxes
 from mmlight.data.shards import MemberReader, npy_header, tar_index
-from mmlight.data.streaming import ResumableLoader, ShardDataModule, shuffled
+from mmlight.data.skips import SkipCounter
+from mmlight.data.streaming import (
+    PURPOSES,
+    RankRandom,
+    ResumableLoader,
+    ShardDataModule,
+    StreamDataset,
+    StreamSource,
+    resampled_samples,
+    run_seed,
+    shuffled,
+)
 
 
 def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
@@ -76,6 +90,152 @@ def test_shuffle_buffer_permutes_and_depends_only_on_its_generator():
     assert out == list(shuffled(items, 8, random.Random(3)))
     assert out != list(shuffled(items, 8, random.Random(4)))
     assert list(shuffled(items, 1, random.Random(3))) == items
+
+
+@pytest.mark.parametrize("buffer", [2, 4])
+def test_shuffle_buffer_holds_exactly_buffer_items(buffer):
+    """Output position p is drawn once input item p + buffer - 1 has been read, so an item leaves at most
+    buffer - 1 places before its input position; over many seeds that bound is reached, never passed."""
+    items = list(range(40))
+    advances = set()
+    for seed in range(30):
+        out = list(shuffled(items, buffer, random.Random(seed)))
+        assert sorted(out) == items
+        advances |= {item - position for position, item in enumerate(out)}
+    assert max(advances) == buffer - 1
+
+
+def test_rank_random_seeds_each_stream_from_seed_epoch_rank_and_purpose():
+    """Python's generator is seeded with the 128-bit number of SeedSequence([seed, epoch, rank, purpose])'s
+    first two 64-bit words, NumPy's with that entropy itself; shared streams leave the rank out. (The
+    derivation is part of every run's data order: changing it reorders runs resumed from old checkpoints.)"""
+    rand = RankRandom(7, 2, 3)
+    high, low = np.random.SeedSequence([7, 2, 3, PURPOSES["shards"]]).generate_state(2, np.uint64)
+    want = random.Random(int(high) * 2 ** 64 + int(low))
+    draws = rand.python("shards")
+    assert [draws.random() for _ in range(3)] == [want.random() for _ in range(3)]
+    assert rand.python("shards").random() != RankRandom(7, 2, 0).python("shards").random()  # per rank by default
+    shared = RankRandom(7, 2, 0).python("shuffle", per_rank=False).random()
+    assert rand.python("shuffle", per_rank=False).random() == shared
+    want = np.random.default_rng([7, 2, 3, PURPOSES["offsets"]]).integers(1 << 30, size=5)
+    np.testing.assert_array_equal(rand.numpy("offsets").integers(1 << 30, size=5), want)
+    shared = np.random.default_rng([7, 2, PURPOSES["order"]]).permutation(20)
+    np.testing.assert_array_equal(rand.numpy("order", per_rank=False).permutation(20), shared)
+    np.testing.assert_array_equal(RankRandom(7, 2, 0).numpy("order", per_rank=False).permutation(20), shared)
+    assert rand.entropy("unit", 4) == [7, 2, 3, PURPOSES["unit"], 4]  # a unit's generators: per rank
+    assert rand.entropy("unit", 4, per_rank=False) == [7, 2, PURPOSES["unit"], 4]
+
+
+def test_run_seed_is_seed_everythings_or_0(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert run_seed() == 0
+    monkeypatch.setenv("PL_GLOBAL_SEED", "17")
+    assert run_seed() == 17
+
+
+class DrawSource(StreamSource):
+    """Units are draws of the rank's ``order`` stream, materialised as they are; records ``count_skips``."""
+
+    def __init__(self):
+        self.asked = []
+
+    def units(self, rand, count_skips):
+        self.asked.append(count_skips)
+        draws = rand.python("order")
+        while True:
+            yield draws.randrange(10 ** 9)
+
+    def materialise(self, unit):
+        return unit
+
+
+def test_a_new_stream_dataset_gives_epoch_0_from_its_first_batch():
+    source = DrawSource()
+    got = list(StreamDataset(source, steps=4, seed=3, rank=1))
+    draws = RankRandom(3, 0, 1).python("order")
+    assert got == [draws.randrange(10 ** 9) for _ in range(4)]
+    assert source.asked == [True]  # the only process is the one that reports unreadable shards
+
+
+class WorkerDrawSource(DrawSource):
+    """Materialises a unit as (unit, the loader worker that made it, a draw of each seeded global generator)."""
+
+    def materialise(self, unit):
+        info = get_worker_info()
+        return unit, None if info is None else info.id, random.random(), float(np.random.random()), torch.rand(()).item()
+
+
+def test_worker_w_of_3_makes_batches_start_plus_w_and_each_unit_has_its_own_seed():
+    """Resumed at batch 1 with 3 loader workers: batches 1..6 of the single-process run (units and
+    augmentation draws), made by workers 0, 1, 2, 0, 1, 2; each unit's draws differ (seeded by its index)."""
+    def resumed(workers):
+        loader = ResumableLoader(StreamDataset(WorkerDrawSource(), steps=7, seed=3, rank=0), workers, world_size=1)
+        loader.load_state_dict({**loader.state_dict(), "position": 1})
+        loader.set_epoch(0)
+        return list(loader)
+
+    alone, got = resumed(0), resumed(3)
+    draws = RankRandom(3, 0, 0).python("order")
+    assert [unit for unit, *_ in got] == [draws.randrange(10 ** 9) for _ in range(7)][1:]
+    assert [worker for _, worker, *_ in got] == [0, 1, 2, 0, 1, 2] and [w for _, w, *_ in alone] == [None] * 6
+    assert [(unit, *rest) for unit, _, *rest in got] == [(unit, *rest) for unit, _, *rest in alone]
+    for generator in (2, 3, 4):  # Python's, NumPy's, torch's
+        assert len({batch[generator] for batch in got}) == 6
+
+
+class DrawLimit(random.Random):
+    """A ``random.Random`` that fails the test after ``limit`` draws (instead of a stream spinning forever)."""
+
+    def __init__(self, seed: int, limit: int):
+        super().__init__(seed)
+        self.draws, self.limit = 0, limit
+
+    def randrange(self, *args):
+        self.draws += 1
+        assert self.draws <= self.limit, "the stream kept drawing shards"
+        return super().randrange(*args)
+
+
+def test_resampled_samples_count_each_unreadable_draw_and_go_on(tmp_path, caplog):
+    good = tmp_path / "good.tar"
+    with wds.TarWriter(str(good)) as writer:
+        writer.write({"__key__": "only", "txt": b"1"})  # one sample per good draw
+    urls = [str(tmp_path / "missing-a.tar"), str(good), str(tmp_path / "missing-b.tar")]
+    replay = random.Random(5)  # the draws the stream makes, replayed by hand
+    failed_draws = good_draws = 0
+    while good_draws < 12:
+        if urls[replay.randrange(3)] == str(good):
+            good_draws += 1
+        else:
+            failed_draws += 1
+    counter = SkipCounter()
+    with caplog.at_level("WARNING", logger="mmlight.data.streaming"):
+        samples = list(islice(resampled_samples(urls, random.Random(5), counter), 12))
+    assert [s["__key__"] for s in samples] == ["only"] * 12 and failed_draws > 0
+    assert counter.value == failed_draws == len(caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmlight.data.streaming"):
+        assert len(list(islice(resampled_samples(urls, random.Random(5), None), 12))) == 12
+    assert caplog.records == []  # None: a worker that neither counts nor logs
+
+
+def test_no_readable_shard_stops_the_stream_naming_them(tmp_path):
+    urls = [str(tmp_path / f"missing-{i}.tar") for i in range(5)]
+    named = ", ".join(repr(u) for u in sorted(urls)[:3])
+    with pytest.raises(RuntimeError, match=re.escape(f"no readable sample in any of the 5 training shards, e.g. [{named}]")):
+        next(resampled_samples(urls + urls[:2], DrawLimit(0, 500), None))  # a repeated shard is one shard
+
+
+def test_loader_state_names_its_layout_and_a_new_worker_count_is_logged(image_shards, monkeypatch, caplog):
+    loader = image_loader(image_shards, 0, monkeypatch)
+    assert loader.state_dict() == {"epoch": 0, "position": 0, "seed": 0, "world_size": 1, "steps": 10,
+                                   "num_workers": 0}
+    with caplog.at_level("INFO", logger="mmlight.data.streaming"):
+        loader.load_state_dict(loader.state_dict())
+        assert caplog.records == []
+        loader.load_state_dict({**loader.state_dict(), "num_workers": 3})
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with 0 loader workers (checkpoint: 3): the order does not depend on them"]
 
 
 # ---------------------------------------------------------------- whole streams

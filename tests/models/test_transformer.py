@@ -6,10 +6,16 @@ import torch.nn.functional as F
 
 from mmlight import reweighting
 from mmlight.models.transformer import (
+    FeedForward,
     KVCache,
+    MultiHeadAttention,
+    Residual,
+    TokenPositionEmbedding,
     TransformerConfig,
     TransformerLM,
     TransformerSeq2Seq,
+    none_if_all,
+    token_embedding,
 )
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting import MultiMax, multimax_sigma
@@ -83,6 +89,24 @@ def test_preset_parameter_counts():
         assert count(TransformerSeq2Seq(mm)) == expected_params(mt) + 8 * 18
 
 
+def test_presets_set_every_field_of_their_recipe():
+    """Every field the two presets set (their docstrings' fairseq recipes), and overrides replacing fields."""
+    lm = TransformerConfig.transformer_lm_wikitext103()
+    assert (lm.vocab_size, lm.d_model, lm.n_heads, lm.ffn_dim, lm.n_layers, lm.n_encoder_layers) == (
+        267_744, 512, 8, 2048, 6, 0)
+    assert (lm.dropout, lm.attention_dropout, lm.activation_dropout, lm.max_positions) == (0.1, 0.0, 0.0, 512)
+    assert lm.pre_norm is False and lm.share_output_embedding is True and lm.sinusoidal_positions is True
+    mt = TransformerConfig.transformer_iwslt_de_en()
+    assert (mt.vocab_size, mt.d_model, mt.n_heads, mt.ffn_dim, mt.n_layers, mt.n_encoder_layers) == (
+        10_000, 512, 4, 1024, 6, 6)
+    assert (mt.dropout, mt.attention_dropout, mt.activation_dropout, mt.max_positions) == (0.3, 0.0, 0.0, 1024)
+    assert mt.pre_norm is False and mt.share_embeddings is True and mt.share_output_embedding is True
+    spec = ReweightingSpec("multimax", {"order": 1})
+    for preset in (TransformerConfig.transformer_lm_wikitext103, TransformerConfig.transformer_iwslt_de_en):
+        c = preset(attention=spec, max_positions=64)
+        assert (c.attention, c.max_positions, c.d_model) == (spec, 64, 512)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"pre_norm": True, "share_output_embedding": False, "output_multimax": True},
     {"share_embeddings": False, "src_vocab_size": 23, "sinusoidal_positions": False, "pre_norm": True},
@@ -97,9 +121,14 @@ def test_parameter_formula_variants(kwargs):
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple"):
         tiny(n_heads=3)
-    with pytest.raises(ValueError, match="joint"):
+    with pytest.raises(ValueError, match=r"^share_embeddings needs one joint vocabulary \(src_vocab_size == "
+                                         r"vocab_size\)$"):
         tiny(n_encoder_layers=1, share_embeddings=True, src_vocab_size=30)
-    with pytest.raises(ValueError, match="decoder-only"):
+    with pytest.raises(ValueError, match="^TransformerSeq2Seq needs n_encoder_layers > 0; use TransformerLM for "
+                                         "an LM$"):
+        TransformerSeq2Seq(tiny())
+    with pytest.raises(ValueError, match="^TransformerLM is decoder-only: set n_encoder_layers=0 or use "
+                                         "TransformerSeq2Seq$"):
         TransformerLM(tiny(n_encoder_layers=1))
     with pytest.raises(ValueError, match="max_positions"):
         TransformerLM(tiny())(tokens(1, 33))
@@ -176,6 +205,84 @@ def test_kv_cache_append_merges_masks():
     assert keep.tolist() == [[True, True, True, False], [True, True, True, True]] and len(cache) == 4
 
 
+def test_kv_cache_reorder_selects_rows_of_keys_values_and_mask():
+    k = torch.arange(6.0).reshape(3, 1, 2, 1)  # (B, nh, Tk, hs)
+    keep = torch.tensor([[True, False], [True, True], [False, True]])
+    cache = KVCache(k, -k, keep)
+    cache.reorder(torch.tensor([2, 0, 0]))
+    assert torch.equal(cache.k, k[[2, 0, 0]]) and torch.equal(cache.v, -k[[2, 0, 0]])
+    assert cache.keep.tolist() == [[False, True], [True, False], [True, False]]
+
+
+def test_kv_cache_fills_in_masks_on_the_keys_device():
+    """The all-kept mask made for keys that came without one is bool and lives where the keys are (the
+    meta device stands in for a GPU: mixing it with a CPU tensor is an error, as CUDA's would be)."""
+    k = torch.zeros(2, 1, 3, 4, device="meta")
+    masks = torch.ones(2, 3, dtype=torch.bool, device="meta"), torch.ones(2, 1, dtype=torch.bool, device="meta")
+    for first, second in ((None, masks[1]), (masks[0], None)):
+        cache = KVCache()
+        cache.append(k, k, first)
+        _, _, keep = cache.append(k[:, :, :1], k[:, :, :1], second)
+        assert (keep.device.type, keep.dtype, keep.shape) == ("meta", torch.bool, (2, 4))
+
+
+def test_only_the_encoder_decoder_has_cross_attention_caches_and_sites():
+    lm = TransformerLM(tiny())
+    assert lm.new_cache().cross_attn == [] and len(lm.new_cache().self_attn) == 2
+    assert list(lm.reweighting_sites()) == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+    assert len(TransformerSeq2Seq(tiny(1)).new_cache().cross_attn) == 2
+    for model in (TransformerLM(tiny(output_multimax=True, output_multimax_order=1)),
+                  TransformerSeq2Seq(tiny(1, output_multimax=True, output_multimax_order=1))):
+        assert model.output.order == 1 and model.reweighting_sites()["output"] is model.output
+
+
+def test_a_mask_that_keeps_everything_becomes_none():
+    """None lets attention take its unmasked fast path; any masked key keeps the mask itself."""
+    assert none_if_all(None) is None and none_if_all(torch.ones(2, 3, dtype=torch.bool)) is None
+    partial = torch.tensor([[True, False, True]])
+    assert none_if_all(partial) is partial
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropouts, devices and dtypes
+
+
+def test_every_dropout_reaches_its_layers():
+    model = TransformerSeq2Seq(tiny(1, dropout=0.1, attention_dropout=0.2, activation_dropout=0.3))
+    attention = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
+    residuals = [m for m in model.modules() if isinstance(m, Residual)]
+    assert len(attention) == 1 + 2 * 2 and all(m.dropout == 0.2 for m in attention)
+    assert len(ffns) == 1 + 2 and all(m.activation_dropout.p == 0.3 for m in ffns)
+    assert len(residuals) == 2 + 2 * 3 and all(m.dropout.p == 0.1 for m in residuals)
+    assert model.encoder.embed.dropout.p == model.decoder.embed.dropout.p == 0.1
+    ffn = FeedForward(8, 12)  # no activation dropout by default
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(ffn.train()(x), ffn.eval()(x))
+
+
+def test_attention_dropout_acts_in_training_only():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    plain = MultiHeadAttention(8, 2, ReweightingSpec("softmax").build("reference"))  # no dropout by default
+    dropped = MultiHeadAttention(8, 2, ReweightingSpec("softmax").build("reference"), dropout=0.5)
+    dropped.load_state_dict(plain.state_dict())
+    want = plain.eval()(x)
+    torch.testing.assert_close(plain.train()(x), want)
+    torch.testing.assert_close(dropped.eval()(x), want)
+    assert not torch.allclose(dropped.train()(x), want)
+
+
+def test_positions_follow_the_tokens_device_and_the_embedding_dtype():
+    """The sinusoid table moves to the tokens' device (the meta device stands in for a GPU) and is cast
+    to the embedding's dtype (a bf16 model gives bf16 states)."""
+    ids = tokens(2, 3)
+    embed = TokenPositionEmbedding(token_embedding(23, 32, PAD), tiny())
+    assert embed.to(torch.bfloat16)(ids).dtype == torch.bfloat16
+    embed = TokenPositionEmbedding(token_embedding(23, 32, PAD), tiny()).to("meta")
+    assert embed(ids.to("meta")).device.type == "meta"
+
+
 # ---------------------------------------------------------------------------------------------
 # Masking: finite outputs and gradients with every reweighting
 
@@ -240,6 +347,9 @@ def test_loss_matches_cross_entropy(output_multimax):
     total, n = model.loss(x, y, ignore_index=-100)  # pad targets counted now
     torch.testing.assert_close(total, F.cross_entropy(logits, y.reshape(-1), reduction="sum"))
     assert n == 10
+    total, n = model.summed_loss(model(x), y)  # the tasks' NLL: no smoothing by default
+    torch.testing.assert_close(total, F.cross_entropy(logits, y.reshape(-1), ignore_index=PAD, reduction="sum"))
+    assert n == 9
 
 
 def test_seq2seq_loss_matches_cross_entropy():
@@ -250,6 +360,18 @@ def test_seq2seq_loss_matches_cross_entropy():
     total, n = model.loss(src, tgt_in, tgt)
     logits = model.logits(model(src, tgt_in)).reshape(6, -1)
     torch.testing.assert_close(total, F.cross_entropy(logits, tgt.reshape(-1), ignore_index=PAD, reduction="sum"))
+    assert n == 5
+    # every argument reaches the loss: a source mask that also hides a real token, a loss mask,
+    # another ignore_index (pad targets count again) and label smoothing
+    src_mask = model.source_mask(src)
+    src_mask[0, 1] = False
+    loss_mask = torch.ones(2, 3, dtype=torch.bool)
+    loss_mask[0, 0] = False
+    total, n = model.loss(src, tgt_in, tgt, src_mask=src_mask, loss_mask=loss_mask, ignore_index=-100,
+                          label_smoothing=0.1)
+    logits = model.logits(model(src, tgt_in, src_mask)).reshape(6, -1)
+    want = F.cross_entropy(logits, torch.where(loss_mask, tgt, -100).reshape(-1), label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(total, want)
     assert n == 5
 
 

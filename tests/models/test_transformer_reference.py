@@ -168,21 +168,30 @@ def test_seq2seq_forward_equals_its_definition(pre_norm):
     model = TransformerSeq2Seq(c).double().eval()
     randomize_norms(model)
     src = torch.tensor([[3, 6, 9, 2], [5, 7, PAD, PAD]])
-    tgt = torch.tensor([[2, 4, 8], [2, 11, 6]])
-    with torch.no_grad():
-        got = model.logits(model(src, tgt))
-        enc, dec = model.encoder, model.decoder
+    tgt = torch.tensor([[2, 4, 8], [2, 11, PAD]])  # a padded target: its key is masked
+    enc, dec = model.encoder, model.decoder
+
+    def reference(src_keep):
         x = embed(src, enc.embed.tokens, c)
         for layer in enc.layers:  # no causal mask in the encoder
-            x = sublayer(x, lambda h: attend(h, h, src != PAD, False, layer.self_attn, c.n_heads),
+            x = sublayer(x, lambda h: attend(h, h, src_keep, False, layer.self_attn, c.n_heads),
                          layer.attn_block.norm, pre_norm)
             x = sublayer(x, lambda h: ffn(h, layer.ffn), layer.ffn_block.norm, pre_norm)
         memory = x if enc.norm is None else layer_norm(x, enc.norm)
-        hidden = reference_decoder(embed(tgt, dec.embed.tokens, c), tgt != PAD, dec.layers, c, memory, src != PAD,
+        hidden = reference_decoder(embed(tgt, dec.embed.tokens, c), tgt != PAD, dec.layers, c, memory, src_keep,
                                    final_norm=dec.norm if pre_norm else None)
-        want = hidden @ dec.embed.tokens.weight.T
+        return memory, hidden @ dec.embed.tokens.weight.T
+
     assert (enc.norm is not None) == (dec.norm is not None) == pre_norm
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the sinusoids are float32
+    hidden_too = src != PAD
+    hidden_too[0, 1] = False  # a source mask given by the caller, hiding a real token too
+    with torch.no_grad():
+        for src_mask, src_keep in ((None, src != PAD), (hidden_too, hidden_too)):
+            memory, want = reference(src_keep)
+            got = model.logits(model(src, tgt, src_mask))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the sinusoids are float32
+            torch.testing.assert_close(model.encode(src, src_mask), memory, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.encode(src), reference(src != PAD)[0], rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ initialisation
@@ -216,3 +225,8 @@ def test_fairseq_initialisation():
     assert model.decoder.embed.tokens.weight[PAD].abs().max() == 0 and model.encoder.embed.tokens.weight[PAD].abs().max() == 0
     assert model.output_projection.weight is not model.decoder.embed.tokens.weight
     assert model.encoder.embed.tokens is not model.decoder.embed.tokens  # share_embeddings is off
+    lm = TransformerLM(config(d_model=d, n_heads=4, vocab_size=400)).decoder.embed.tokens
+    assert lm.padding_idx == PAD and lm.weight[PAD].abs().max() == 0
+    lm(torch.tensor([[PAD, 3, PAD]])).sum().backward()
+    assert lm.weight.grad[PAD].abs().max() == 0 and lm.weight.grad[3].abs().min() > 0  # no gradient to padding
+    assert lm.weight[[r for r in range(400) if r != PAD]].std().item() == pytest.approx(d ** -0.5, rel=0.05)

@@ -135,3 +135,15 @@ def test_loss_is_cross_entropy_of_the_returned_scores(output_multimax):
     for smoothing in (0.0, 0.2):
         want = torch.nn.functional.cross_entropy(model(images).double(), labels, label_smoothing=smoothing)
         assert model.loss(images, labels, label_smoothing=smoothing).item() == pytest.approx(want.item(), rel=1e-5)
+        if smoothing == 0.0:  # the default is no smoothing
+            assert model.loss(images, labels).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_config_is_kept_and_the_output_multimax_is_a_named_site():
+    config = micro(output_multimax=True, output_multimax_order=1, output_multimax_terms="low")
+    model = ReweightedViT(config)
+    assert model.config is config
+    assert (model.output.order, model.output.terms) == (1, "low")
+    sites = model.reweighting_sites()
+    assert list(sites) == [f"blocks.{i}" for i in range(4)] + ["output"] and sites["output"] is model.output
+    assert list(ReweightedViT(micro()).reweighting_sites()) == [f"blocks.{i}" for i in range(4)]
