@@ -172,30 +172,31 @@ def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_a
 
 
 class Board(TensorBoardLogger):
-    """A TensorBoard logger whose writer records ``add_figure`` calls and whose metrics are kept."""
+    """A TensorBoard logger whose writer records ``add_image`` calls and whose metrics are kept."""
 
     def __init__(self, save_dir):
         super().__init__(save_dir)
-        self.figures, self.metrics = [], []
+        self.images, self.metrics = [], []
 
     @property
     def experiment(self):
-        return SimpleNamespace(add_figure=lambda tag, fig, global_step, close: self.figures.append(
-            (tag, fig, global_step, close)))
+        return SimpleNamespace(add_image=lambda tag, image, global_step, dataformats: self.images.append(
+            (tag, image.shape, global_step, dataformats)))
 
     def log_metrics(self, metrics, step=None):
         self.metrics.append((metrics, step))
 
 
-def test_figures_go_to_every_tensorboard_at_the_step_and_are_closed(tmp_path, monkeypatch):
+def test_figures_at_the_end_go_to_every_tensorboard_at_the_step(tmp_path, monkeypatch):
     from mmlight.analysis import figures
 
     drawn = []
 
     def fake(kind):
         def draw(data, **options):
-            fig = figures.plt().figure()
-            drawn.append((kind, data, options, fig))
+            drawn.append((kind, data, options))
+            fig = figures.new_figure((2, 1))
+            fig.subplots().plot([0, 1], [0, 1])
             return fig
         return draw
 
@@ -208,16 +209,16 @@ def test_figures_go_to_every_tensorboard_at_the_step_and_are_closed(tmp_path, mo
     callback.last = {"label": "epoch 3", "stats": stats}
     callback.similarity_history = {"epoch 3": {"blocks": {}}}
     callback.on_fit_end(trainer, None)
+    callback.teardown(trainer, None, "fit")  # waits for the background thread and logs
 
-    assert [(kind, data, options) for kind, data, options, _ in drawn] == [
-        ("layers", stats, {}), ("layers", stats, {"cdf": True}), ("similarity", callback.similarity_history, {})]
+    assert drawn == [("layers", stats, {}), ("layers", stats, {"cdf": True}),
+                     ("similarity", callback.similarity_history, {})]
     tags = ["attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"]
     for board in boards:
-        assert [(tag, fig, step, close) for tag, fig, step, close in board.figures] == [
-            (tag, fig, 42, False) for tag, (*_, fig) in zip(tags, drawn)]
-        (metrics, step), = board.metrics
-        assert list(metrics) == ["attention/figure_seconds"] and metrics["attention/figure_seconds"] >= 0 and step == 42
-    assert not any(figures.plt().fignum_exists(fig.number) for *_, fig in drawn)  # closed after logging
+        assert [(tag, step, fmt) for tag, _, step, fmt in board.images] == [(tag, 42, "HWC") for tag in tags]
+        assert all(shape == (100, 200, 3) for _, shape, _, _ in board.images)  # 2 x 1 inches at 100 dpi
+        logged = {k: step for metrics, step in board.metrics for k in metrics}
+        assert logged["attention/figure_seconds"] == 42 and "attention/final_wait_seconds" in logged
 
     drawn.clear()
     AttentionStats(figures="off").on_fit_end(trainer, None)  # off, or nothing recorded yet: no figures
