@@ -133,6 +133,8 @@ def test_bad_arguments():
         AttentionStats(every_n_epochs=0)
     with pytest.raises(ValueError, match="figures must be"):
         AttentionStats(figures="sometimes")
+    with pytest.raises(ValueError, match="keep_mib must be >= 0, got -1"):
+        AttentionStats(keep_mib=-1)
 
 
 @pytest.mark.slow
