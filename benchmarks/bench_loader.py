@@ -52,7 +52,6 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
-import PIL
 import timm
 import torch
 import torchvision
@@ -61,7 +60,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import default_collate
 
 from mmlight.data import ImageAugment, ImageShardDataModule
-from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, open_image
+from mmlight.data.image_decode import (AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, open_image,
+                                       pillow_build)
 from mmlight.data.on_device import normalized_batch
 from mmlight.data.prepare import prepare
 from mmlight.data.images import ImageStream
@@ -315,7 +315,7 @@ def measure(loader, samples: int) -> tuple[float, float | None]:
 def versions() -> dict:
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return {"device": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "torchvision": torchvision.__version__, "timm": timm.__version__, "pillow": PIL.__version__,
+            "torchvision": torchvision.__version__, "timm": timm.__version__, "pillow": pillow_build(),
             "webdataset": getattr(wds, "__version__", "?")}
 
 

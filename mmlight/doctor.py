@@ -104,8 +104,10 @@ def environment() -> list[tuple[str, str]]:
     """``(name, value)`` lines about this machine."""
     import triton
 
+    from mmlight.data.image_decode import pillow_build
+
     lines = [("python", platform.python_version()), ("torch", torch.__version__), ("triton", triton.__version__),
-             ("CUDA (torch built with)", str(torch.version.cuda))]
+             ("CUDA (torch built with)", str(torch.version.cuda)), ("image decode and resize", pillow_build())]
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         props = torch.cuda.get_device_properties(0)

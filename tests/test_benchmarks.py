@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +79,36 @@ def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
     per_copy = loaders[("shards, per-copy decode", 3)]["samples_per_s"]  # rates are rounded to 0.1 in the records
     assert shards["ratio_to_per_copy_shards"] == pytest.approx(shards["samples_per_s"] / per_copy, abs=0.005)
     assert all({"torch", "timm", "pillow", "device", "samples_per_s_per_worker"} <= r.keys() for r in loaders.values())
+
+
+def test_pillow_build_pixels_difference_against_a_hand_count():
+    """The grey-level comparison of two dumps, on arrays whose differences are known."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from pillow_build_pixels import difference
+
+    a = np.array([[0, 10, 200, 255], [5, 5, 5, 5]], np.uint8)
+    b = np.array([[0, 11, 198, 16], [5, 5, 5, 5]], np.uint8)  # differences 0, 1, 2, 239 (no uint8 wrap-around)
+    got = difference(a, b)
+    assert got["max_levels"] == 239
+    assert got["share_differing"] == 3 / 8 and got["share_differing_by_more_than_1"] == 2 / 8
+    assert got["mean_abs_levels"] == pytest.approx((1 + 2 + 239) / 8)
+    assert got["mean_a"] == pytest.approx(a.sum() / 8) and got["mean_b"] == pytest.approx(b.sum() / 8)
+    with pytest.raises(ValueError, match="different shapes"):
+        difference(a, b[:1])
+
+
+def test_pillow_build_pixels_same_build_twice_is_identical(tmp_path):
+    """Two dumps of the same images in one environment agree exactly (the seeds fix every draw), and
+    dumps of different image sets are refused with a message, not a traceback."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import pillow_build_pixels as pixels
+
+    for name, images in (("a", 3), ("b", 3), ("c", 2)):
+        pixels.dump(tmp_path / "src", tmp_path / f"{name}.npz", images)
+    pixels.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--out", str(tmp_path / "same.json")])
+    record = json.loads((tmp_path / "same.json").read_text())
+    assert record["images"] == 3 and record["a"] == record["b"] and record["decoded_identical"] == 1.0
+    for stage in ("crop", "augmented"):
+        assert record[stage]["max_levels"] == 0 and record[stage]["share_differing"] == 0.0
+    with pytest.raises(SystemExit, match="different images"):
+        pixels.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "c.npz")])

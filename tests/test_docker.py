@@ -109,7 +109,7 @@ def test_triton_cache_is_set_and_owned_by_the_user(parsed):
 
 def test_install_is_the_readme_command_and_keeps_torch(parsed):
     command = readme_setup_command()
-    runs = [args for keyword, args in parsed if keyword == "RUN" and "pip install" in args]
+    runs = [args for keyword, args in parsed if keyword == "RUN" and command in args]
     assert len(runs) == 1
     steps = [step.strip() for step in runs[0].split(";")]
     installs = [step for step in steps if re.match(r"(python3? -m )?pip3? install", step)]
@@ -121,6 +121,23 @@ def test_install_is_the_readme_command_and_keeps_torch(parsed):
     assert "diff" in after  # torchvision and Triton too
     for step in installs:  # no torch, torchvision or triton from the package index
         assert not {"torch", "torchvision", "triton"} & {re.split(r"[<>=!~\[ ]", w)[0] for w in shlex.split(step)}
+
+
+def test_pillow_simd_replaces_pillow_after_the_install(parsed):
+    """Pillow-SIMD is built after the README install (which would bring Pillow back), only after
+    Pillow is removed, at a pinned version, for AVX2, from headers the apt step installs; the build
+    fails unless PIL then is Pillow-SIMD, and a build argument keeps Pillow on other CPUs."""
+    runs = [args for keyword, args in parsed if keyword == "RUN"]
+    install = next(k for k, args in enumerate(runs) if readme_setup_command() in args)
+    simd = next(k for k, args in enumerate(runs) if "pillow-simd" in args)
+    assert simd > install
+    step = runs[simd]
+    assert step.index("pip uninstall -y pillow") < step.index("pip install")
+    assert re.search(r'CC="cc -mavx2" pip install --no-binary pillow-simd "pillow-simd==[\d.]+post\d+"', step)
+    assert "pillow_build()" in step and "exit 1" in step and '"${PILLOW_SIMD}" = 1' in step
+    assert build_args(parsed)["PILLOW_SIMD"] == "1"
+    apt = next(args for args in runs if "apt-get install" in args)
+    assert {"libjpeg-turbo8-dev", "zlib1g-dev"} <= set(apt.split())
 
 
 def console_scripts() -> dict[str, str]:

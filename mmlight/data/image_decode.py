@@ -20,6 +20,7 @@ plus a fourth when the batch is copied into shared memory for the main process. 
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import random
 import warnings
@@ -27,6 +28,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+import PIL
 from PIL import Image
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
@@ -37,6 +39,20 @@ from mmlight.data.on_device import draw_erasing
 
 IMAGE_KEYS = ("jpg", "jpeg", "png")
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg can decode at directly (Pillow ``draft``)
+
+
+def pillow_build() -> str:
+    """Which Pillow distribution provides ``PIL``: ``"Pillow-SIMD 12.1.1.post0"`` or ``"Pillow 13.0.0"``.
+
+    Pillow-SIMD (a drop-in fork with vectorised resampling) is installed under its own distribution
+    name; it is the one imported when that distribution's version is ``PIL.__version__``. It resizes
+    the random crop about 5x faster (BENCHMARKS.md, "Image loader"), so loader rates depend on it.
+    """
+    try:
+        simd = importlib.metadata.version("pillow-simd")
+    except importlib.metadata.PackageNotFoundError:
+        simd = None
+    return f"{'Pillow-SIMD' if simd == PIL.__version__ else 'Pillow'} {PIL.__version__}"
 
 
 class SplitTransform:

@@ -112,3 +112,27 @@ def test_a_transform_without_normalize_is_refused():
 
     with pytest.raises(ValueError, match="Normalize"):
         SplitTransform(tv.Compose([tv.CenterCrop(4), tv.ToTensor()]))
+
+
+def test_pillow_build_names_the_distribution_that_provides_pil(monkeypatch):
+    """Pillow-SIMD only when its distribution's version is the imported PIL's; otherwise stock Pillow."""
+    import importlib.metadata
+
+    import PIL
+
+    def installed(versions):
+        def version(name):
+            if name not in versions:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return versions[name]
+        return version
+
+    monkeypatch.setattr(PIL, "__version__", "12.1.1.post0")
+    monkeypatch.setattr(importlib.metadata, "version", installed({"pillow-simd": "12.1.1.post0"}))
+    assert image_decode.pillow_build() == "Pillow-SIMD 12.1.1.post0"
+    monkeypatch.setattr(importlib.metadata, "version", installed({}))
+    assert image_decode.pillow_build() == "Pillow 12.1.1.post0"
+    # a stale pillow-simd record beside a stock Pillow that was installed over it
+    monkeypatch.setattr(PIL, "__version__", "13.0.0")
+    monkeypatch.setattr(importlib.metadata, "version", installed({"pillow-simd": "12.1.1.post0", "pillow": "13.0.0"}))
+    assert image_decode.pillow_build() == "Pillow 13.0.0"
