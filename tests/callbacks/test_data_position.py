@@ -67,3 +67,30 @@ def test_only_states_with_a_position_get_lightnings_and_without_progress_they_st
     callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {"state_dict": {"combined_loader": states}}}})
     callback.on_train_start(SimpleNamespace(train_dataloader=loaders), None)
     assert [loader.loaded for loader in loaders] == states
+
+
+class LoadOnly:
+    """Has ``load_state_dict`` but no ``state_dict``: Lightning saves no state for it."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_only_fully_stateful_loaders_of_a_combined_loader_get_states_and_only_once():
+    """Lightning saves states for loaders with both ``state_dict`` and ``load_state_dict``; a
+    CombinedLoader's loaders are matched in its flattened order; the states are handed over once."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    first, load_only, plain, second = Loader(), LoadOnly(), [1, 2, 3], Loader()
+    combined = CombinedLoader({"a": first, "b": load_only, "c": plain, "d": second}, mode="max_size_cycle")
+    callback = DataPosition()
+    callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {
+        "state_dict": {"combined_loader": [{"position": 1}, {"position": 2}]}}}})
+    callback.on_train_start(SimpleNamespace(train_dataloader=combined), None)
+    assert (first.loaded, second.loaded, load_only.loaded) == ({"position": 1}, {"position": 2}, None)
+    first.loaded = second.loaded = None
+    callback.on_train_start(SimpleNamespace(train_dataloader=combined), None)  # e.g. a second fit() call
+    assert (first.loaded, second.loaded) == (None, None)

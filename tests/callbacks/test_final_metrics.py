@@ -121,6 +121,27 @@ def test_checkpoint_files_name_the_monitored_best_and_the_last(tmp_path):
     assert checkpoint_files(trainer)["best_score"] is None
 
 
+
+def test_a_forgotten_last_path_falls_back_to_the_last_file_on_disk(tmp_path):
+    """A run resumed at its end (or moved) has no ``last_model_path``: the ``last.ckpt`` file in the
+    callback's folder is named when it exists and the callback saves a last file, and only then."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    callback = ModelCheckpoint(dirpath=folder, save_last=True)
+    trainer = SimpleNamespace(checkpoint_callbacks=[callback])
+    assert callback.last_model_path == "" and checkpoint_files(trainer) == {}  # no file yet
+    (folder / "last.ckpt").write_bytes(b"x")
+    (folder / "last").write_bytes(b"x")  # not the name Lightning gives it
+    assert checkpoint_files(trainer) == {"last": str((folder / "last.ckpt").resolve())}
+    callback.save_last = False  # a callback that never saves a last file does not own one found there
+    assert checkpoint_files(trainer) == {}
+    callback.save_last, callback.dirpath = True, None  # no folder to look in (Lightning sets one at setup)
+    assert checkpoint_files(trainer) == {}
+    (folder / "last.ckpt").unlink()
+    (folder / "last.ckpt").mkdir()  # a folder of that name is not a checkpoint file
+    callback.dirpath = str(folder)
+    assert checkpoint_files(trainer) == {}
+
 def stand_in(fn, global_step=80, current_epoch=3, ckpt_path="/runs/last.ckpt"):
     return SimpleNamespace(state=SimpleNamespace(fn=fn), global_step=global_step, current_epoch=current_epoch,
                            ckpt_path=ckpt_path)

@@ -33,15 +33,17 @@ class Progress:
 
 
 def test_step_limited_runs_renew_the_description_after_every_batch(monkeypatch):
-    renewed_by_lightning = []  # Lightning's own update, with the trainer
-    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, trainer, *args: renewed_by_lightning.append(trainer))
+    renewed_by_lightning = []  # Lightning's own update, with every argument passed on as given
+    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, *args: renewed_by_lightning.append(args))
     for max_epochs, renewed in ((-1, True), (None, True), (40, False)):
         bar = StepProgressBar()
         bar._trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=100, global_step=42, current_epoch=3)
         bar.progress, bar.train_progress_bar_id = Progress(), 7
-        bar.on_train_batch_end(bar._trainer, None, None, None, 0)
+        module, outputs, batch = object(), {"loss": 1.0}, ("x", "y")
+        bar.on_train_batch_end(bar._trainer, module, outputs, batch, 5)
         want = [(7, {"description": "Epoch 3, step 42/100".ljust(len("Validation"))})] if renewed else []
-        assert bar.progress.updates == want and renewed_by_lightning[-1] is bar._trainer
+        assert bar.progress.updates == want
+        assert renewed_by_lightning[-1] == (bar._trainer, module, outputs, batch, 5)
     bar.progress = None  # no bar shown (e.g. not on rank 0): nothing to renew
     bar._trainer.max_epochs = -1
     bar.on_train_batch_end(bar._trainer, None, None, None, 0)
