@@ -1,6 +1,7 @@
 """DataWaitMonitor on a real (CPU) fit: a loader that sleeps more than the step warns once with
 the measured share; a step that sleeps more than the loader does not."""
 
+import re
 import time
 import warnings
 from types import SimpleNamespace
@@ -61,8 +62,19 @@ def test_fast_loader_is_quiet():
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="max_wait_share"):
-        DataWaitMonitor(max_wait_share=1.5)
+    """Each bound, at and just past its edge, with the value in the message; edge values inside are kept."""
+    for share in (0, 1, 1.5, -0.1):
+        with pytest.raises(ValueError, match=re.escape(f"max_wait_share must be in (0, 1), got {share}")):
+            DataWaitMonitor(max_wait_share=share)
+    for warmup, window in ((0, 5), (5, 0), (-1, 5)):
+        with pytest.raises(ValueError, match=re.escape(f"warmup and window must be >= 1, got {warmup} and {window}")):
+            DataWaitMonitor(warmup=warmup, window=window)
+    monitor = DataWaitMonitor(max_wait_share=0.999, warmup=1, window=1)
+    assert (monitor.max_wait_share, monitor.warmup, monitor.window) == (0.999, 1, 1)
+    default = DataWaitMonitor()
+    assert (default.max_wait_share, default.warmup, default.window) == (0.1, 20, 50)
+    assert (default.steps_seen, default.measured, default.wait_s, default.step_s, default.done) == (0, 0, 0.0, 0.0, False)
+    assert default.batch_ended_at is None and default.batch_started_at is None
 
 
 def drive(monkeypatch, datamodule, times, epoch_break=False):
