@@ -106,3 +106,83 @@ def test_sink_masking_changes_a_vit_forward_and_is_gone_afterwards():
         again = model(x)
     assert not torch.allclose(plain, masked, atol=1e-4)
     assert torch.allclose(plain, again, atol=1e-6)
+
+
+def observed_now():
+    """The (sites, observer) pair that attention calls are routed through at this moment, or None."""
+    import importlib
+
+    return importlib.import_module("mmlight.nn.attention")._OBSERVED.get()
+
+
+class StandInTrainer:
+    """``validate``/``test`` that report which observer was active during the call and which split ran,
+    as Lightning's return value: one dict of logged metrics (or none, ``empty``)."""
+
+    def __init__(self, metric: str, empty: bool = False):
+        self.metric, self.empty, self.calls = metric, empty, []
+
+    def _run(self, split, task, datamodule, verbose):
+        active = observed_now()
+        observer = active[1] if active else None
+        self.calls.append((split, observer, datamodule, verbose))
+        # one dict per evaluation loader; the first is the split's own
+        return [] if self.empty else [{f"{split}/{self.metric}": float(len(self.calls)), "other": 0.5},
+                                      {f"{split}/{self.metric}": -1.0}]
+
+    def validate(self, task, datamodule=None, verbose=True):
+        return self._run("val", task, datamodule, verbose)
+
+    def test(self, task, datamodule=None, verbose=True):
+        return self._run("test", task, datamodule, verbose)
+
+
+def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
+    """LM: the plain run, sink masking at 1, 5, 10, then l2 and streaming eviction at every ratio, each
+    evaluated once under its own observer (none afterwards); rows carry the task metric of that run."""
+    from mmlight.analysis.robustness import KEEP_RATIOS, SINK_LEVELS, num_robustness_runs, robustness_rows
+    from mmlight.models.transformer import TransformerConfig
+    from mmlight.tasks import LanguageModel
+
+    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=3,
+                                                 n_encoder_layers=0, max_positions=32))
+    trainer, ticks = StandInTrainer("ppl"), []
+    rows = robustness_rows(trainer, task, "the datamodule", "test", skip_layers=1, progress=ticks.append)
+    want = [("none", 0)] + [("sink_masking", k) for k in SINK_LEVELS] + [
+        (f"kv_{method}", r) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+    assert [(name, level) for name, level, _, _ in rows] == want
+    assert [(metric, value) for _, _, metric, value in rows] == [("ppl", float(i + 1)) for i in range(len(want))]
+    assert len(rows) == num_robustness_runs("lm") == 16 and ticks == [1] * 16
+    observers = [observer for _, observer, _, _ in trainer.calls]
+    assert observers[0] is None and all(split == "test" and dm == "the datamodule" and verbose is False
+                                        for split, _, dm, verbose in trainer.calls)
+    assert [o.k for o in observers[1:4]] == list(SINK_LEVELS)
+    evictions = observers[4:]
+    assert [(o.method, o.ratio, o.skip_layers) for o in evictions] == [
+        (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+    assert observed_now() is None  # nothing left observing after the runs
+
+
+def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
+    """Image and NMT tasks get the plain run and sink masking only, on the split asked for; NMT runs
+    beam search in validation and writes its files to a scratch folder; a run that logs no task
+    metric is an error naming what it logged."""
+    from mmlight.analysis.robustness import num_robustness_runs, robustness_rows
+    from mmlight.models import ViTConfig
+    from mmlight.models.transformer import TransformerConfig
+    from mmlight.tasks import ImageClassifier, Translator
+
+    image = ImageClassifier(model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3))
+    trainer = StandInTrainer("top1")
+    rows = robustness_rows(trainer, image, None, "val")
+    assert [r[:3] for r in rows] == [("none", 0, "top1"), ("sink_masking", 1, "top1"), ("sink_masking", 5, "top1"),
+                                     ("sink_masking", 10, "top1")]
+    assert len(rows) == num_robustness_runs("image") == num_robustness_runs("nmt") == 4
+    assert {split for split, *_ in trainer.calls} == {"val"}
+    translator = Translator(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
+                                              n_encoder_layers=1, max_positions=32))
+    assert translator.hparams.bleu_in_validation is False
+    assert [r[2] for r in robustness_rows(StandInTrainer("bleu"), translator, None, "val")] == ["bleu"] * 4
+    assert translator.hparams.bleu_in_validation is True and "mmlight-robustness-" in translator.hparams.output_dir
+    with pytest.raises(RuntimeError, match=r"the val run logged no val/top1 \(it logged \[\]\)"):
+        robustness_rows(StandInTrainer("top1", empty=True), image, None, "val")
