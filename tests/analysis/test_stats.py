@@ -119,9 +119,21 @@ def test_statistics_leave_attention_unobserved_afterwards():
     attn_module = importlib.import_module("mmlight.nn.attention")  # the module, not the function
 
     task = LanguageModel(model=tiny_config())
-    collect_statistics(task, [{"input": torch.randint(2, 20, (2, 5))}])
+    samples = []
+    collect_statistics(task, [{"input": torch.randint(2, 20, (2, 5))}, {"input": torch.randint(2, 20, (3, 5))}],
+                       progress=samples.append)
     assert attn_module._OBSERVED.get() is None
     assert task.model.training  # the mode is restored
+    assert samples == [2, 3]  # the progress bar advances by each batch's samples
+
+
+def test_layer_index_of_sites_and_blocks():
+    from mmlight.analysis.stats import layer_index
+
+    assert [layer_index(n) for n in ("blocks.0", "blocks.11.attn", "decoder.layers.3.self_attn",
+                                     "encoder.layers.12.self_attn")] == [0, 11, 3, 12]
+    with pytest.raises(ValueError, match="no layer index in 'head'"):
+        layer_index("head")
 
 
 def test_kind_of_sites():
