@@ -106,13 +106,15 @@ class MmlightCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
         given = config.get("model.init_args.model") or {}  # before the links replace them
+        defaults = model_config_defaults(_import(config.model.class_path))
         try:
             super().instantiate_classes()
         except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
             self.parser.error(str(err))
         for data_attribute, model_key in DATA_SIZES.items():
             value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
-            if value is not None and linked is not None and value != linked:
+            # the parsed config holds the dataclass default where nothing was given: not worth a word
+            if value is not None and value != defaults.get(model_key) and linked is not None and value != linked:
                 print(f"mmlight: model.{model_key}={value} was given, but the size is linked from the "
                       f"data: {model_key}={linked} is used")
 
@@ -144,13 +146,24 @@ class MmlightCLI(LightningCLI):
 DATA_SIZES = {"vocab_size": "vocab_size", "num_classes": "num_classes"}
 
 
+def model_config_class(model_class: type) -> type | None:
+    """The dataclass type of ``model_class``'s ``model`` argument, or None for a task without one."""
+    config_class = typing.get_type_hints(model_class.__init__).get("model")
+    return config_class if dataclasses.is_dataclass(config_class) else None
+
+
+def model_config_defaults(model_class: type) -> dict:
+    """Field name -> default of ``model_class``'s ``model`` config (fields without one left out)."""
+    config_class = model_config_class(model_class)
+    fields = dataclasses.fields(config_class) if config_class else ()
+    return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+
+
 def missing_data_sizes(model_class: type, data_class: type) -> list[str]:
     """The :data:`DATA_SIZES` attributes that ``model_class``'s ``model`` config needs and
     ``data_class`` does not define."""
-    config_class = typing.get_type_hints(model_class.__init__).get("model")
-    if not dataclasses.is_dataclass(config_class):
-        return []
-    keys = {f.name for f in dataclasses.fields(config_class)}
+    config_class = model_config_class(model_class)
+    keys = {f.name for f in dataclasses.fields(config_class)} if config_class else set()
     return [attr for attr, key in DATA_SIZES.items() if key in keys and not hasattr(data_class, attr)]
 
 

@@ -311,3 +311,110 @@ def test_main_closes_the_process_group_the_run_opened(monkeypatch):
     cli.main(["fit"])
     assert opened == [True] and not dist.is_initialized()
     cli.close_process_group()  # without a group: nothing to do, no error
+
+
+class NotAWeight:
+    """A pickled object that ``torch.load(weights_only=True)`` refuses to build."""
+
+
+@pytest.mark.parametrize("path", [None, "", "last", "best", "hpc", "registry", "registry:me/model:latest",
+                                  "s3://bucket/run/last.ckpt", "https://host/last.ckpt"])
+def test_check_checkpoint_file_leaves_special_values_and_urls_to_lightning(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # none of these names a file here
+    assert cli.check_checkpoint_file(path) is None
+
+
+def test_check_checkpoint_file_stops_on_a_missing_file_or_a_folder(tmp_path):
+    for path in (tmp_path / "none.ckpt", tmp_path):
+        with pytest.raises(SystemExit) as stop:
+            cli.check_checkpoint_file(str(path))
+        assert str(stop.value) == f"mmlight: --ckpt_path {path}: no such file"
+
+
+def test_check_checkpoint_file_stops_on_files_that_are_not_lightning_checkpoints(tmp_path):
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(SystemExit) as stop:
+        cli.check_checkpoint_file(str(text))
+    said = str(stop.value)
+    assert said.startswith(f"mmlight: --ckpt_path {text} is not a Lightning checkpoint (torch.load cannot read it: ")
+    assert "\n" not in said
+    unsafe = tmp_path / "unsafe.ckpt"  # loadable only by unpickling arbitrary objects
+    torch.save({"state_dict": {}, "extra": NotAWeight()}, unsafe)
+    with pytest.raises(SystemExit, match="cannot read it: UnpicklingError"):
+        cli.check_checkpoint_file(str(unsafe))
+    for name, content in (("weights.pt", {"weight": torch.zeros(2)}), ("list.pt", [torch.zeros(2)])):
+        torch.save(content, tmp_path / name)
+        with pytest.raises(SystemExit) as stop:
+            cli.check_checkpoint_file(str(tmp_path / name))
+        assert str(stop.value) == (f"mmlight: --ckpt_path {tmp_path / name} is not a Lightning checkpoint "
+                                   "(a torch file without the 'state_dict' entry Lightning writes)")
+
+
+def test_check_checkpoint_file_quotes_the_first_line_of_the_error_cut_at_200_characters(tmp_path, monkeypatch):
+    path = tmp_path / "x.ckpt"
+    path.write_bytes(b"x")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(ValueError("e" * 300 + "\nsecond line")))
+    with pytest.raises(SystemExit) as stop:
+        cli.check_checkpoint_file(str(path))
+    assert str(stop.value).endswith(f"(torch.load cannot read it: ValueError: {'e' * 200})")
+
+
+def test_check_checkpoint_file_accepts_a_checkpoint_and_reads_no_tensor(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, path)
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    assert cli.check_checkpoint_file(str(path)) is None
+    assert calls == [{"map_location": "cpu", "weights_only": True, "mmap": True}]  # mapped, on the CPU, no pickles
+
+
+LM = ROOT / "configs" / "quickstart" / "lm_multimax.yaml"
+
+
+def instantiated(args, capsys):
+    """The CLI with its classes built (no subcommand, no logger), and what it printed."""
+    built = cli.build_cli([*args, "--trainer.logger", "false"], run=False)
+    return built, capsys.readouterr().out
+
+
+def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_reported(capsys):
+    built, said = instantiated(["--config", str(DIGITS)], capsys)
+    assert built.model.hparams.model["num_classes"] == 10 == built.datamodule.num_classes  # not ViTConfig's 1000
+    assert "was given" not in said  # the config leaves num_classes to the link
+    built, said = instantiated(["--config", str(DIGITS), "--model.init_args.model.num_classes", "10"], capsys)
+    assert "was given" not in said  # given and equal to the data's
+    built, said = instantiated(["--config", str(DIGITS), "--model.init_args.model.num_classes", "7"], capsys)
+    assert built.model.hparams.model["num_classes"] == 10
+    assert ("mmlight: model.num_classes=7 was given, but the size is linked from the data: num_classes=10 is used"
+            in said.splitlines())
+    built, said = instantiated(["--config", str(LM), "--model.init_args.model.vocab_size", "5"], capsys)
+    vocab = built.datamodule.vocab_size
+    assert vocab != 5 and built.model.hparams.model["vocab_size"] == vocab
+    assert (f"mmlight: model.vocab_size=5 was given, but the size is linked from the data: vocab_size={vocab} is used"
+            in said.splitlines())
+
+
+def test_data_that_is_not_prepared_stops_with_the_parsers_message(capsys):
+    deit = ROOT / "configs" / "deit_small_multimax.yaml"
+    with pytest.raises(SystemExit) as stop:
+        cli.build_cli(["--config", str(deit), "--data.init_args.root", "/nonexistent/imagenet", "--trainer.logger",
+                       "false"], run=False)
+    assert stop.value.code == 2
+    assert "error: no shard set at /nonexistent/imagenet: expected /nonexistent/imagenet/_info.json" in capsys.readouterr().err
+
+
+def test_model_config_defaults_and_missing_data_sizes():
+    from mmlight.data import DigitsDataModule
+    from mmlight.tasks import ImageClassifier, LanguageModel
+
+    image = cli.model_config_defaults(ImageClassifier)
+    assert image["num_classes"] == 1000 and image["img_size"] == 224
+    lm = cli.model_config_defaults(LanguageModel)
+    assert "vocab_size" not in lm and lm["n_heads"] == 8  # a field without a default is left out
+    assert cli.model_config_defaults(SimpleNamespace) == {}  # no model config at all
+    assert cli.missing_data_sizes(ImageClassifier, DigitsDataModule) == []
+    assert cli.missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
+    assert cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
+    assert cli.missing_data_sizes(SimpleNamespace, object) == []
