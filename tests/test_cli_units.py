@@ -418,3 +418,33 @@ def test_model_config_defaults_and_missing_data_sizes():
     assert cli.missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
     assert cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
     assert cli.missing_data_sizes(SimpleNamespace, object) == []
+
+
+def test_a_misspelt_reweighting_or_a_data_without_a_needed_size_stops_at_parse_time(parse_only, capsys):
+    """Both errors name what is wrong before anything is built (exit status 2, the parser's error)."""
+    with pytest.raises(SystemExit) as stop:
+        parse_only(["fit", "--config", str(DIGITS), "--model.init_args.model.attention.name", "softmx"])
+    assert stop.value.code == 2
+    from mmlight.reweighting import available as available_reweightings
+
+    assert (f"error: model.init_args.model.attention.name: unknown reweighting 'softmx'; choose one of "
+            f"{available_reweightings()}") in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        parse_only(["fit", "--config", str(LM), "--data", "mmlight.data.DigitsDataModule"])
+    assert stop.value.code == 2
+    assert ("error: mmlight.tasks.LanguageModel takes vocab_size from its DataModule, but "
+            "mmlight.data.DigitsDataModule has no such attribute") in capsys.readouterr().err
+    assert parse_only(["fit", "--config", str(DIGITS)]).subcommand == "fit"  # the shipped config passes both checks
+
+
+def test_reweighting_names_finds_every_spec_at_any_depth():
+    """Specs are the nodes holding exactly ``name`` and ``options``, in dicts or Namespaces, at any depth."""
+    spec = {"name": "multimax", "options": {"order": 2}}
+    config = Namespace(init_args=Namespace(model={"attention": spec, "output": Namespace(name="softmax", options={}),
+                                                  "not_a_spec": {"name": "x"}, "depth": 3,
+                                                  "deeper": {"inner": {"attention": dict(spec, name="topk")}}}))
+    assert sorted(cli.reweighting_names(config)) == [
+        ("init_args.model.attention.name", "multimax"), ("init_args.model.deeper.inner.attention.name", "topk"),
+        ("init_args.model.output.name", "softmax")]
+    assert cli.reweighting_names(config, "model.")[0][0].startswith("model.init_args.")
+    assert cli.reweighting_names({"leaf": 1}) == [] and cli.reweighting_names(5) == []
