@@ -448,3 +448,20 @@ def test_reweighting_names_finds_every_spec_at_any_depth():
         ("init_args.model.output.name", "softmax")]
     assert cli.reweighting_names(config, "model.")[0][0].startswith("model.init_args.")
     assert cli.reweighting_names({"leaf": 1}) == [] and cli.reweighting_names(5) == []
+
+
+def test_a_missing_ckpt_path_stops_at_parse_time_for_every_subcommand(parse_only, tmp_path):
+    for subcommand in ("fit", "validate", "test"):
+        with pytest.raises(SystemExit) as stop:
+            parse_only([subcommand, "--config", str(DIGITS), "--ckpt_path", str(tmp_path / "gone.ckpt")])
+        assert str(stop.value) == f"mmlight: --ckpt_path {tmp_path / 'gone.ckpt'}: no such file"
+
+
+def test_the_cli_keeps_the_command_line_it_parsed(parse_only, monkeypatch):
+    """The arguments the --model.* overrides are taken from: a list or tuple as given, else sys.argv."""
+    args = ["validate", "--config", str(DIGITS), "--model.init_args.lr", "0.5"]
+    built = parse_only(args)
+    assert built.config.validate.model.init_args.lr == 0.5 and built._argv == args
+    assert parse_only(tuple(args))._argv == args
+    monkeypatch.setattr(sys, "argv", ["mmlight", *args])
+    assert parse_only(None)._argv == args
