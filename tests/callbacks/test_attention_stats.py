@@ -6,6 +6,9 @@ import importlib
 import os
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -228,3 +231,197 @@ def test_figures_at_the_end_go_to_every_tensorboard_at_the_step(tmp_path, monkey
     trainer.loggers = [CSVLogger(tmp_path)]  # no TensorBoard: nothing drawn
     callback.on_fit_end(trainer, None)
     assert drawn == []
+
+
+# --- the callback's own logic, on stand-in trainers (fast) -------------------------------------------
+
+attention_stats_module = importlib.import_module("mmlight.callbacks.attention_stats")
+
+
+class Recorder:
+    """A logger stand-in: every ``log_metrics`` call."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log_metrics(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+
+def stand_in_trainer(step=7, rank_zero=True, loggers=None):
+    return SimpleNamespace(global_step=step, is_global_zero=rank_zero, sanity_checking=False, current_epoch=2,
+                           loggers=[Recorder()] if loggers is None else loggers)
+
+
+def tiny_lm_and_batch():
+    torch.manual_seed(0)
+    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
+                                                 n_encoder_layers=0, max_positions=32, pad_id=1))
+    return task, {"input": torch.randint(2, 20, (3, 6)), "target": torch.randint(2, 20, (3, 6))}
+
+
+def test_defaults_and_argument_edges():
+    stats = AttentionStats()
+    assert (stats.every_n_epochs, stats.num_samples, stats.figures, stats.keep_bytes) == (10, 32, "every", 256 * 2**20)
+    assert stats.last is None and stats.validations == 0 and stats.batches == [] and stats._pending == []
+    edge = AttentionStats(every_n_epochs=1, num_samples=1, keep_mib=0)
+    assert (edge.num_samples, edge.keep_bytes) == (1, 0)
+    assert AttentionStats(keep_mib=3).keep_bytes == 3 * 1024 * 1024
+
+
+def test_sample_collection_stops_at_num_samples_without_empty_batches():
+    stats = AttentionStats(num_samples=4)
+    trainer = stand_in_trainer()
+    for i in range(4):
+        stats.on_validation_batch_start(trainer, None, (torch.full((3, 2), float(i)), torch.zeros(3)), i)
+    assert [b[0].shape[0] for b in stats.batches] == [3, 1]  # 3 + 1 = 4 samples, then nothing more
+    assert stats.batches[1][0].eq(1.0).all()  # the second batch's first sample
+
+
+def test_a_recording_is_due_every_k_validations_with_the_callbacks_settings(monkeypatch):
+    """Validations 0, 2, 4 record (every_n_epochs 2), each with the callback's settings and memory
+    bound; without TensorBoard no figures are asked for; the loop's own time is logged each time."""
+    calls = []
+
+    class FakeRecording:
+        blocks = {"blocks.0": 0.5}
+
+    def fake_record(module, batches, settings, keep_bytes):
+        calls.append((module, len(batches), settings, keep_bytes))
+        return FakeRecording()
+
+    monkeypatch.setattr(attention_stats_module, "record_statistics", fake_record)
+    submitted = []
+    stats = AttentionStats(every_n_epochs=2, keep_mib=1)
+    monkeypatch.setattr(stats, "_submit", lambda trainer, job, *args: submitted.append((job, args)))
+    stats.batches = [("x",)]
+    trainer = stand_in_trainer()
+    for _ in range(5):
+        stats.on_validation_epoch_start(trainer, "module")
+        before = time.perf_counter()
+        stats.on_validation_epoch_end(trainer, "module")
+        took = time.perf_counter() - before
+        for _, scalars in trainer.loggers[0].logged[-2:]:
+            for key in ("attention/validation_seconds", "attention/seconds"):
+                if key in scalars:
+                    assert 0 <= scalars[key] <= took + 1e-3
+    assert stats.validations == 5
+    assert calls == [("module", 1, stats.settings, 2**20)] * 3
+    assert [(job, args[1], args[2]) for job, args in submitted] == [(attention_stats_module.finish_recording, "epoch 2", None)] * 3
+
+
+def test_finish_recording_keeps_per_layer_values_and_times_itself():
+    from mmlight.analysis.stats import metric_rows, record_statistics
+
+    task, batch = tiny_lm_and_batch()
+    recording = record_statistics(task, [batch], keep_bytes=2**30)
+    before = time.perf_counter()
+    done = attention_stats_module.finish_recording(recording, "epoch 3", None)
+    took = time.perf_counter() - before
+    assert done["label"] == "epoch 3" and done["images"] == {}
+    layer_rows = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(done["stats"])
+                  if head is None}
+    scalars = dict(done["scalars"])
+    assert 0 <= scalars.pop("attention/reduce_seconds") <= took
+    assert scalars == {key: value for key, value in layer_rows.items() if value is not None}  # no per-head values
+    assert done["stats"]["sites"].keys() == collect_statistics(task, [batch])["sites"].keys()
+    padding = {"input": torch.ones(2, 6, dtype=torch.long), "target": torch.ones(2, 6, dtype=torch.long)}
+    empty = attention_stats_module.finish_recording(record_statistics(task, [padding]), "epoch 4", None)
+    assert any(value is None for _, _, _, value in metric_rows(empty["stats"]))  # no real query: nothing measured
+    assert None not in empty["scalars"].values()  # and nothing logged for it
+
+
+def test_redraw_draws_the_last_recording_again_and_sets_no_new_last():
+    task, batch = tiny_lm_and_batch()
+    stats = collect_statistics(task, [batch])
+    before = time.perf_counter()
+    done = attention_stats_module.redraw({"label": "epoch 9", "stats": stats}, {"epoch 9": {"blocks": stats["blocks"]}})
+    took = time.perf_counter() - before
+    assert done["label"] == "epoch 9" and done["stats"] is None
+    assert set(done["images"]) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
+    assert 0 < done["scalars"]["attention/figure_seconds"] <= took
+
+
+def finished(label, stats, scalars=None):
+    future = Future()
+    future.set_result({"label": label, "stats": stats, "scalars": scalars or {}, "images": {}})
+    return future
+
+
+def test_finished_results_are_logged_in_order_at_their_steps_and_remember_the_last_statistics():
+    stats = AttentionStats()
+    trainer = stand_in_trainer(step=50)
+    stats._pending = [(10, finished("epoch 0", {"s": 0}, {"a": 1.0})), (20, finished("epoch 1", None, {"b": 2.0}))]
+    stats._log_finished(trainer, wait=False)
+    assert trainer.loggers[0].logged == [(10, {"a": 1.0}), (20, {"b": 2.0})]
+    assert stats.last == {"label": "epoch 0", "stats": {"s": 0}}  # a redraw (stats None) does not replace it
+    blocked = Future()  # not done: without waiting, it and what follows stay pending
+    stats._pending = [(30, blocked), (40, finished("epoch 2", {"s": 2}))]
+    stats._log_finished(trainer, wait=False)
+    assert len(stats._pending) == 2 and len(trainer.loggers[0].logged) == 2
+
+
+def waiting_job(release: threading.Event, ran: list):
+    """A background job that waits (at most 2 s) to be released, noting its thread and whether it was."""
+    def job():
+        ran.append((threading.current_thread().name, release.wait(2.0)))
+        return {"label": "epoch 0", "stats": {"s": 1}, "scalars": {}, "images": {}}
+    return job
+
+
+def test_one_background_thread_runs_the_jobs_in_order():
+    """The second job cannot start while the first waits for it: one named worker thread."""
+    stats, trainer, ran = AttentionStats(), stand_in_trainer(), []
+    release = threading.Event()
+    stats._submit(trainer, waiting_job(release, ran))
+    stats._submit(trainer, lambda: (release.set(), {"label": "x", "stats": None, "scalars": {}, "images": {}})[1])
+    stats._log_finished(trainer, wait=True)
+    assert ran == [("attention-stats_0", False)]  # the first job timed out: the second ran only after it
+    stats.teardown(trainer, None, "fit")
+
+
+def test_the_loop_never_waits_for_the_background_thread_but_the_end_of_fit_does(tmp_path):
+    stats, ran = AttentionStats(figures="end"), []
+    trainer = stand_in_trainer(loggers=[Recorder(), TensorBoardLogger(tmp_path)])
+    release = threading.Event()
+    stats._submit(trainer, waiting_job(release, ran))
+    before = time.perf_counter()
+    stats.on_train_epoch_end(trainer, None)
+    stats._validation_start = time.perf_counter()
+    stats.on_validation_epoch_end(trainer, None)  # not due (no batches), but it logs what is finished
+    assert time.perf_counter() - before < 1.0 and len(stats._pending) == 1
+    release.set()
+    redraws = []
+    stats._submit = lambda trainer, job, *args: redraws.append((job, args))
+    stats.on_fit_end(trainer, None)  # waits for the recording, then redraws from it
+    assert stats.last == {"label": "epoch 0", "stats": {"s": 1}}
+    assert redraws == [(attention_stats_module.redraw, (stats.last, stats.similarity_history))]
+
+
+def test_the_end_of_the_run_waits_and_says_how_long(tmp_path):
+    stats, trainer, ran = AttentionStats(), stand_in_trainer(), []
+    release = threading.Event()
+    stats._submit(trainer, waiting_job(release, ran))
+    threading.Timer(0.2, release.set).start()
+    before = time.perf_counter()
+    stats.teardown(trainer, None, "fit")
+    took = time.perf_counter() - before
+    wait = trainer.loggers[0].logged[-1][1]["attention/final_wait_seconds"]
+    assert 0.1 < wait <= took and stats._worker is None and stats._pending == []
+
+
+def test_a_failed_run_cancels_what_waits_and_does_not_wait_for_what_runs():
+    stats, trainer, ran = AttentionStats(), stand_in_trainer(), []
+    release = threading.Event()
+    stats._submit(trainer, waiting_job(release, ran))
+    queued = []
+    stats._submit(trainer, lambda: queued.append(1))
+    second = stats._pending[1][1]
+    before = time.perf_counter()
+    stats.on_exception(trainer, None, RuntimeError("boom"))
+    assert time.perf_counter() - before < 1.0  # the running job is not waited for
+    assert second.cancelled() and stats._worker is None and stats._pending == []
+    release.set()
+    time.sleep(0.1)
+    assert queued == []
+    stats.on_exception(trainer, None, RuntimeError("again"))  # nothing running: nothing to do
