@@ -121,3 +121,25 @@ def test_the_gap_across_an_epoch_start_is_not_a_fetch_and_a_share_at_the_thresho
     assert (monitor.measured, monitor.wait_s, monitor.step_s, monitor.done) == (2, 2.0, 2.0, True)
     assert messages == []
     assert DataWaitMonitor().wait_share() == 0.0  # nothing measured yet
+
+
+def test_warmup_counts_every_step_and_short_steps_give_the_right_worker_count(monkeypatch):
+    """warmup 3: batches 0-2 untimed, 3 and 4 timed (the window); 0.125 s steps after 0.375 s waits
+    (binary fractions: exact sums): ceil(4 x 1.0 / 0.25) = 16 workers would keep up."""
+    import mmlight.callbacks.data_wait as data_wait
+
+    # the clock is read at the end of every batch, and at the start of a timed one
+    clock = iter([0.0, 0.125, 0.25, 0.625, 0.75, 1.125, 1.25])  # ends of 0-2; start, end of 3; start, end of 4
+    monkeypatch.setattr(data_wait.time, "perf_counter", lambda: next(clock))
+    monitor = DataWaitMonitor(max_wait_share=0.5, warmup=3, window=2)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_workers=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.on_fit_start(trainer, None)
+        monitor.on_train_epoch_start(trainer, None)
+        for i in range(5):
+            monitor.on_train_batch_start(trainer, None, None, i)
+            monitor.on_train_batch_end(trainer, None, None, None, i)
+    assert monitor.steps_seen == 5 and monitor.measured == 2
+    assert (monitor.wait_s, monitor.step_s) == (0.75, 0.25)
+    assert len(caught) == 1 and "With 4 workers per device now, about 16 would keep up" in str(caught[0].message)

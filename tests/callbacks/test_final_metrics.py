@@ -164,3 +164,32 @@ def test_a_resumed_fit_names_no_evaluated_checkpoint(tmp_path, capsys):
     assert record["checkpoint"] is None and record["checkpoints"] == {} and record["global_step"] == 80
     metrics._report(stand_in(TrainerFn.VALIDATING), "validate", str(tmp_path))
     assert json.loads((tmp_path / "final_metrics.json").read_text())["checkpoint"] == "/runs/last.ckpt"
+
+
+def test_summary_text_line_by_line():
+    """The printed summary, exactly: fresh values plain, stale ones marked, and the advice once."""
+    from mmlight.callbacks.final_metrics import summary
+
+    record = {"stage": "fit", "global_step": 40, "epoch": 3, "checkpoint": None, "metrics": {
+        "val/loss": {"value": 0.123456, "step": 40, "epoch": 3}, "val/top1": {"value": 91.5, "step": 30, "epoch": 2}}}
+    assert summary(record).split("\n") == [
+        "Final validation metrics (training ended at step 40, epoch 3):",
+        f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)",
+        f"  {'val/top1':<16} 91.5000   from step 30 (epoch 2)   <- not the final weights",
+        "  The last validation ran before the final step 40; `mmlight validate --ckpt_path <last.ckpt>` "
+        "evaluates the final weights."]
+    fresh = dict(record, metrics={"val/loss": record["metrics"]["val/loss"]})
+    assert summary(fresh).split("\n") == [
+        "Final validation metrics (training ended at step 40, epoch 3):", f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)"]
+    tested = {"stage": "test", "global_step": 40, "epoch": 3, "checkpoint": "/r/last.ckpt",
+              "metrics": {"test/bleu": {"value": 30.0, "step": 40, "epoch": 3}}}
+    assert summary(tested).split("\n")[0] == "Final test metrics (checkpoint /r/last.ckpt at step 40):"
+
+
+def test_write_json_makes_the_folders_and_leaves_no_temporary_file(tmp_path):
+    from mmlight.callbacks.final_metrics import write_json
+
+    path = tmp_path / "a" / "b" / "final_metrics.json"
+    write_json(path, {"stage": "fit", "metrics": {"x": 1}})
+    assert path.read_text() == '{\n "stage": "fit",\n "metrics": {\n  "x": 1\n }\n}\n'  # indent 1, one newline
+    assert sorted(p.name for p in path.parent.iterdir()) == ["final_metrics.json"]

@@ -86,3 +86,19 @@ def test_sigma_figure_layout_and_style():
     assert all(ax.get_legend() is None for ax in figure.axes[1:])
     single = monitor.figure({"output": MultiMax()})  # one panel: still a grid, not a bare Axes
     assert [ax.get_title() for ax in single.axes] == ["output"]
+
+
+def test_sigma_curves_are_computed_on_the_parameters_device():
+    """The curve's x values go to the device of the module's parameters (a GPU in training; here the
+    meta device stands in), and come back to the CPU to be drawn."""
+    seen = []
+
+    class OnMeta(torch.nn.Module):
+        ts = torch.empty(4, device="meta")
+
+        def modulate(self, x):
+            seen.append(x.device.type)
+            return torch.zeros(x.shape)  # what a GPU module's output is after .cpu()
+
+    figure = ReweightingMonitor(curve_range=(-1.0, 1.0)).figure({"blocks.0": OnMeta()})
+    assert seen == ["meta"] and len(figure.axes[0].lines) == 2
