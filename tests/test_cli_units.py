@@ -98,6 +98,11 @@ def test_before_fit_resumes_the_newest_checkpoint_for_ckpt_path_last(tmp_path, c
         os.utime(newest, (mtime, mtime))
     assert fit("last") == (str(newest), f"mmlight: --ckpt_path last -> {newest}\n")
     assert fit("given.ckpt") == ("given.ckpt", "")  # an explicit path is left alone
+    broken = tmp_path / "v2" / "last.ckpt"  # the newest resume point is unreadable: stop, naming it
+    broken.parent.mkdir()
+    broken.write_text("half a file")
+    with pytest.raises(SystemExit, match=f"--ckpt_path {broken} is not a Lightning checkpoint"):
+        fit("last")
 
 
 def slurm(monkeypatch, ntasks: str, nodes: str | None, job_name: str = "train", nodes_var="SLURM_JOB_NUM_NODES"):
@@ -379,7 +384,7 @@ def instantiated(args, capsys):
     return built, capsys.readouterr().out
 
 
-def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_reported(capsys):
+def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_reported(capsys, monkeypatch):
     built, said = instantiated(["--config", str(DIGITS)], capsys)
     assert built.model.hparams.model["num_classes"] == 10 == built.datamodule.num_classes  # not ViTConfig's 1000
     assert "was given" not in said  # the config leaves num_classes to the link
@@ -389,6 +394,11 @@ def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_repor
     assert built.model.hparams.model["num_classes"] == 10
     assert ("mmlight: model.num_classes=7 was given, but the size is linked from the data: num_classes=10 is used"
             in said.splitlines())
+    monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
+    built = cli.build_cli(["fit", "--config", str(DIGITS), "--model.init_args.model.num_classes", "7",
+                           "--trainer.logger", "false"])
+    assert built.subcommand == "fit" and built.model.hparams.model["num_classes"] == 10
+    assert "mmlight: model.num_classes=7 was given" in capsys.readouterr().out  # read from the subcommand's config
     built, said = instantiated(["--config", str(LM), "--model.init_args.model.vocab_size", "5"], capsys)
     vocab = built.datamodule.vocab_size
     assert vocab != 5 and built.model.hparams.model["vocab_size"] == vocab
@@ -418,6 +428,23 @@ def test_model_config_defaults_and_missing_data_sizes():
     assert cli.missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
     assert cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
     assert cli.missing_data_sizes(SimpleNamespace, object) == []
+
+
+    class TakesAModule:  # a task whose ``model`` is not a config dataclass
+        def __init__(self, model: torch.nn.Module):
+            self.model = model
+
+    assert cli.model_config_class(TakesAModule) is None and cli.model_config_defaults(TakesAModule) == {}
+    assert cli.missing_data_sizes(TakesAModule, object) == []
+
+
+def test_every_missing_size_is_named(parse_only, capsys, monkeypatch):
+    """Two sizes the model takes and the DataModule lacks are both named, comma-separated."""
+    monkeypatch.setattr(cli, "DATA_SIZES", {"vocab_size": "vocab_size", "pad_size": "pad_id"})
+    with pytest.raises(SystemExit):
+        parse_only(["fit", "--config", str(LM), "--data", "mmlight.data.DigitsDataModule"])
+    assert ("mmlight.tasks.LanguageModel takes vocab_size, pad_size from its DataModule, but "
+            "mmlight.data.DigitsDataModule has no such attribute") in capsys.readouterr().err
 
 
 def test_a_misspelt_reweighting_or_a_data_without_a_needed_size_stops_at_parse_time(parse_only, capsys):

@@ -234,6 +234,11 @@ def test_translator_training_loss_and_token_count():
     assert module.training_step(one, 0).item() == pytest.approx(single.item(), rel=1e-5)
     assert module.log.values["train/tokens"] == 1
     assert module.log.options["train/tokens"]["reduce_fx"] == "sum"
+    narrowed = src != PAD
+    narrowed[0, 2] = False  # the batch's own source mask is what the model sees, not one rebuilt from padding
+    masked = F.cross_entropy(module(src, tgt_in, narrowed)[keep].double(), tgt_out[keep], label_smoothing=0.1)
+    assert abs(masked.item() - want.item()) > 1e-4
+    assert module.training_step(dict(batch, src_mask=narrowed), 0).item() == pytest.approx(masked.item(), rel=1e-5)
 
 
 def test_data_with_another_padding_id_is_refused():
@@ -338,9 +343,10 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
         cosine_reference(peak, 1e-5, 20, 20, 21))
-    module.hparams.min_lr = 1.0  # a floor above the peak is the peak
+    module.hparams.min_lr = 1.0  # a floor above the peak is the peak: flat after the warm-up, never above it
+    module._trainer.max_epochs = 4
     configured = module.configure_optimizers()
-    assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21)[-1] == pytest.approx(peak)
+    assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21)[8:] == pytest.approx([peak] * 13)
     module._trainer.datamodule = SimpleNamespace()
     with pytest.raises(ValueError, match="^lr_reference_batch needs a datamodule with a batch_size attribute; set model.lr_reference_batch: null to use lr as given$"):
         module.configure_optimizers()
