@@ -7,8 +7,9 @@ rounds differently. Run ``dump`` once in each environment on the same JPEG files
     /path/to/simd-venv/bin/python benchmarks/pillow_build_pixels.py dump --src /tmp/pixels-src --out /tmp/simd.npz
     python benchmarks/pillow_build_pixels.py compare /tmp/pillow.npz /tmp/simd.npz
 
-``dump`` writes ``--images`` stand-in photographs (``bench_loader.photo_like``) to ``--src`` if it holds
-no JPEGs yet, so the second environment reads the first one's files. For each image ``i`` it seeds
+``dump`` writes ``--images`` stand-in photographs (``bench_loader.photo_like``) to ``--src`` when it is
+missing or empty (never into a folder that holds anything), so the second environment reads the first
+one's files. For each image ``i`` it seeds
 ``random``, NumPy and torch with ``i`` and records three uint8 arrays: the decoded image's checksum,
 the RandomResizedCrop alone (crop box drawn by timm, resized by Pillow) and the whole PIL part of the
 DeiT transform (crop, flip, RandAugment m9 mstd 0.5). Same seeds, so the same boxes and operations are
@@ -22,13 +23,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from lightning import seed_everything
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,27 +39,26 @@ from mmlight.data.image_decode import SplitTransform, pillow_build  # noqa: E402
 STAGES = ("crop", "augmented")
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def augment(path: Path, seed: int, split: SplitTransform) -> dict[str, np.ndarray | str]:
     """The decoded image's SHA-256 and the uint8 pixels after the crop alone and after the PIL ops."""
     image = Image.open(path).convert("RGB")
     decoded = hashlib.sha256(image.tobytes()).hexdigest()
-    seed_everything(seed)
+    seed_everything(seed, verbose=False)  # random, NumPy and torch
     crop = split.crop(image)
-    seed_everything(seed)  # the same box again, then flip and RandAugment on top of it
+    seed_everything(seed, verbose=False)  # the same box again, then flip and RandAugment on top of it
     augmented = split.pil_ops(split.crop(image))
     return {"decoded": decoded, "crop": np.asarray(crop), "augmented": np.asarray(augmented)}
 
 
 def dump(src: Path, out: Path, images: int) -> None:
-    if not list(src.glob("train/*/*.JPEG")):
+    if images < 1:
+        raise ValueError(f"--images must be >= 1, got {images}")
+    if not src.exists() or not any(src.iterdir()):  # never write stand-ins into a folder that holds anything
         write_fake_imagenet(src, images)
     files = sorted(src.glob("train/*/*.JPEG"))[:images]
+    if not files:
+        raise ValueError(f"no train/<wnid>/*.JPEG under {src} (give an ImageNet-layout folder, or an empty one "
+                         "for generated stand-ins)")
     split = SplitTransform(DEIT.build(train=True))
     rows = [augment(path, seed, split) for seed, path in enumerate(files)]
     np.savez_compressed(out, build=pillow_build(), files=np.array([str(p.relative_to(src)) for p in files]),
@@ -101,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     comparing.add_argument("second", type=Path)
     comparing.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.command == "dump":
-        dump(args.src, args.out, args.images)
-        return
     try:
+        if args.command == "dump":
+            dump(args.src, args.out, args.images)
+            return
         record = compare(args.first, args.second)
     except ValueError as error:
         raise SystemExit(f"pillow_build_pixels.py: {error}") from None

@@ -112,3 +112,10 @@ def test_pillow_build_pixels_same_build_twice_is_identical(tmp_path):
         assert record[stage]["max_levels"] == 0 and record[stage]["share_differing"] == 0.0
     with pytest.raises(SystemExit, match="different images"):
         pixels.main(["compare", str(tmp_path / "a.npz"), str(tmp_path / "c.npz")])
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("a user's folder")
+    with pytest.raises(SystemExit, match="no train/<wnid>/\\*.JPEG under"):
+        pixels.main(["dump", "--src", str(tmp_path / "other"), "--out", str(tmp_path / "d.npz")])
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]  # nothing written into it
+    with pytest.raises(SystemExit, match="--images must be >= 1, got 0"):
+        pixels.main(["dump", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "e.npz"), "--images", "0"])
