@@ -181,6 +181,10 @@ def test_summary_text_line_by_line():
     fresh = dict(record, metrics={"val/loss": record["metrics"]["val/loss"]})
     assert summary(fresh).split("\n") == [
         "Final validation metrics (training ended at step 40, epoch 3):", f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)"]
+    # a validation inside the last epoch (val_check_interval < 1) that ran before its final step is
+    # stale too: the step decides, not the epoch
+    mid_epoch = dict(record, metrics={"val/loss": {"value": 0.5, "step": 35, "epoch": 3}})
+    assert summary(mid_epoch).split("\n")[1] == f"  {'val/loss':<16} 0.5000   from step 35 (epoch 3)   <- not the final weights"
     tested = {"stage": "test", "global_step": 40, "epoch": 3, "checkpoint": "/r/last.ckpt",
               "metrics": {"test/bleu": {"value": 30.0, "step": 40, "epoch": 3}}}
     assert summary(tested).split("\n")[0] == "Final test metrics (checkpoint /r/last.ckpt at step 40):"

@@ -157,6 +157,39 @@ def test_a_new_stream_dataset_gives_epoch_0_from_its_first_batch():
     assert source.asked == [True]  # the only process is the one that reports unreadable shards
 
 
+
+@pytest.mark.parametrize("worker, reports", [(0, True), (1, False)])
+def test_only_loader_worker_0_reports_unreadable_shards(monkeypatch, worker, reports):
+    """Every worker reads the same shard headers: if all reported, one bad shard would be counted once
+    per worker. Worker ``w`` of 2 is simulated in-process; it still makes only its own batches."""
+    import mmlight.data.streaming as streaming
+
+    monkeypatch.setattr(streaming, "get_worker_info", lambda: SimpleNamespace(id=worker, num_workers=2))
+    source = DrawSource()
+    got = list(StreamDataset(source, steps=4, seed=3, rank=0))
+    draws = RankRandom(3, 0, 0).python("order")
+    assert got == [draws.randrange(10 ** 9) for _ in range(4)][worker::2]
+    assert source.asked == [reports]
+
+
+def test_seeded_rngs_seed_all_three_generators_from_both_words_and_restore_them():
+    """Inside the block, Python's generator is seeded with the 64-bit number made of both 32-bit words
+    of the entropy's SeedSequence, NumPy's with the first word and torch's with the 64-bit number;
+    after it, each generator continues where it was."""
+    from mmlight.data.streaming import seeded_rngs
+
+    words = [int(w) for w in np.random.SeedSequence([5, 1, 0, 4, 9]).generate_state(2, np.uint32)]
+    full = words[0] * 2 ** 32 + words[1]
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    before = random.Random(123).random(), np.random.RandomState(123).random_sample()  # the next draws outside
+    with seeded_rngs([5, 1, 0, 4, 9]):
+        inside = random.random(), float(np.random.random()), torch.rand(()).item()
+    assert inside[0] == random.Random(full).random()
+    assert inside[1] == np.random.RandomState(words[0]).random_sample()
+    assert inside[2] == torch.rand((), generator=torch.Generator().manual_seed(full)).item()
+    assert random.random() == before[0] and float(np.random.random()) == before[1]
+    assert torch.rand(()).item() == torch.rand((), generator=torch.Generator().manual_seed(123)).item()
+
 class WorkerDrawSource(DrawSource):
     """Materialises a unit as (unit, the loader worker that made it, a draw of each seeded global generator)."""
 
