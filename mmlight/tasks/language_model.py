@@ -49,7 +49,7 @@ class LanguageModel(SequenceTask):
         label_smoothing: float = 0.0,
         accuracy: bool = False,
     ):
-        super().__init__(lr, betas, eps, weight_decay, schedule, warmup_steps, min_lr, label_smoothing)
+        super().__init__(schedule, label_smoothing)
         self.save_hyperparameters()
         self.model = TransformerLM(model)
         if accuracy:

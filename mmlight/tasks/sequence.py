@@ -27,34 +27,26 @@ class SequenceTask(EvalStages, L.LightningModule):
     """Base of :class:`~mmlight.tasks.LanguageModel` and :class:`~mmlight.tasks.Translator`.
 
     Subclasses build ``self.model`` (a transformer whose ``config`` is a
-    :class:`~mmlight.models.TransformerConfig`) and feed :meth:`update_nll` in their evaluation steps.
+    :class:`~mmlight.models.TransformerConfig`), feed :meth:`update_nll` in their evaluation steps and
+    keep the optimiser recipe with ``save_hyperparameters()``; :meth:`configure_optimizers` reads it
+    from ``hparams``:
+
+    * ``lr``: peak learning rate; ``betas``, ``eps``: Adam's (fairseq recipes: 0.9, 0.98 and 1e-8);
+    * ``weight_decay``: decoupled, as fairseq's ``adam``; not applied to 1-D parameters or to the
+      reweighting parameters;
+    * ``schedule``: ``inverse_sqrt`` (fairseq's: linear warmup, then ``peak * sqrt(warmup / step)``) or
+      ``cosine`` (linear warmup, then cosine decay to ``min_lr`` at the last step);
+    * ``warmup_steps``: optimiser steps of linear warmup; ``min_lr``: the cosine schedule's floor;
+    * ``label_smoothing``: of the training loss (evaluation reports the plain NLL).
 
     Args:
-        lr: peak learning rate.
-        betas: Adam betas (fairseq recipes: 0.9, 0.98).
-        eps: Adam epsilon.
-        weight_decay: decoupled weight decay (as fairseq's ``adam``); not applied to 1-D parameters or
-            to the reweighting parameters.
-        schedule: ``inverse_sqrt`` (fairseq's: linear warmup, then ``peak * sqrt(warmup / step)``) or
-            ``cosine`` (linear warmup, then cosine decay to ``min_lr`` at the last step).
-        warmup_steps: optimiser steps of linear warmup.
-        min_lr: the floor of the cosine schedule (unused by ``inverse_sqrt``).
-        label_smoothing: label smoothing of the training loss (evaluation reports the plain NLL).
+        schedule: the subclass's ``schedule``, checked here before any work.
+        label_smoothing: the subclass's ``label_smoothing``, checked here.
     """
 
     model: nn.Module
 
-    def __init__(
-        self,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        schedule: Schedule,
-        warmup_steps: int,
-        min_lr: float,
-        label_smoothing: float,
-    ):
+    def __init__(self, schedule: Schedule, label_smoothing: float):
         super().__init__()
         if schedule not in ("inverse_sqrt", "cosine"):
             raise ValueError(f"schedule must be 'inverse_sqrt' or 'cosine', got {schedule!r}")

@@ -67,7 +67,7 @@ class Translator(SequenceTask):
         bleu_in_validation: bool = False,
         output_dir: str | None = None,
     ):
-        super().__init__(lr, betas, eps, weight_decay, schedule, warmup_steps, min_lr, label_smoothing)
+        super().__init__(schedule, label_smoothing)
         self.save_hyperparameters()
         self.model = TransformerSeq2Seq(model)
         # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI

@@ -72,3 +72,23 @@ def test_the_classifier_checks_too():
     classifier(3).on_load_checkpoint(checkpoint_of(classifier(3)))
     with pytest.raises(ValueError, match=r"^the checkpoint .* shapes differ: model.vit.head.bias \(4,\) vs \(3,\)"):
         classifier(3).on_load_checkpoint(checkpoint_of(classifier(4)))
+
+
+def test_hyperparameters_on_one_side_only_are_named_and_problems_are_joined_by_semicolons():
+    """A hyperparameter that only the checkpoint (or only the model) has differs too; two kinds of
+    problem are listed in one sentence, separated by "; "; without differing hyperparameters the
+    message ends at the full stop."""
+    module = lm()
+    theirs = checkpoint_of(module)
+    theirs["state_dict"] = dict(theirs["state_dict"], **{"model.extra": torch.zeros(1)})
+    theirs["state_dict"].pop("model.decoder.layers.0.ffn.fc1.bias")
+    theirs["hyper_parameters"] = dict(theirs["hyper_parameters"], old_option=3)
+    with pytest.raises(ValueError) as info:
+        check_checkpoint_matches(module, theirs)
+    assert str(info.value) == (
+        f"{PREFIX}1 parameter(s) missing from the checkpoint, e.g. ['model.decoder.layers.0.ffn.fc1.bias']; "
+        "1 unknown to this model, e.g. ['model.extra']. Hyperparameters that differ: ['old_option'].")
+    theirs["hyper_parameters"].pop("old_option")
+    with pytest.raises(ValueError) as info:
+        check_checkpoint_matches(module, theirs)
+    assert str(info.value).endswith("e.g. ['model.extra'].")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmlight.models import ReweightingSpec, TransformerConfig, ViTConfig
+from mmlight.models.beam_search import BeamSearchConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
 NUM_CLASSES = 7
@@ -134,15 +135,16 @@ def tiny_lm(**task) -> LanguageModel:
 
 
 def lm_batches(model: LanguageModel, seed: int = 0) -> list[dict]:
-    """Two batches whose targets are the model's own argmax on about half the positions, with masked
-    and padded targets, so that accuracy is strictly between 0 and 1."""
+    """Two batches whose targets are the model's own argmax on about 70% of the positions, with masked
+    and padded targets, so that accuracy is strictly between 0 and 1 and not 1/2 (where counting
+    the misses instead of the hits would give the same number)."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for b, t in ((2, 6), (3, 4)):
         inputs = torch.randint(2, V, (b, t), generator=gen)
         with torch.no_grad():
             predicted = model(inputs).argmax(-1)
-        target = torch.where(torch.rand(b, t, generator=gen) < 0.5, predicted, torch.randint(2, V, (b, t), generator=gen))
+        target = torch.where(torch.rand(b, t, generator=gen) < 0.7, predicted, torch.randint(2, V, (b, t), generator=gen))
         target[0, -1] = PAD
         mask = torch.rand(b, t, generator=gen) > 0.2
         batches.append({"input": inputs, "target": target, "loss_mask": mask})
@@ -170,7 +172,7 @@ def test_language_model_accuracy_loss_and_perplexity(stage):
     module.log = LogRecorder()
     batches = lm_batches(module)
     correct, count, nll = np_lm_reference(module, batches)
-    assert 0 < correct < count
+    assert 0 < correct < count and 2 * correct != count
     step, epoch_end = ((module.validation_step, module.on_validation_epoch_end) if stage == "val"
                        else (module.test_step, module.on_test_epoch_end))
     for repeat in range(2):  # totals are reset after each epoch
@@ -182,7 +184,27 @@ def test_language_model_accuracy_loss_and_perplexity(stage):
         assert logged[f"{stage}/tokens"] == count
         assert logged[f"{stage}/loss"] == pytest.approx(nll / count, rel=1e-5)
         assert logged[f"{stage}/ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
-    assert module.log.options[f"{stage}/ppl"]["prog_bar"] and not module.log.options[f"{stage}/loss"].get("prog_bar")
+    # every value is already summed over ranks: none is synced again
+    assert module.log.options == {f"{stage}/acc": {"prog_bar": True, "sync_dist": False},
+                                  f"{stage}/loss": {"sync_dist": False},
+                                  f"{stage}/ppl": {"prog_bar": True, "sync_dist": False},
+                                  f"{stage}/tokens": {"sync_dist": False}}
+
+
+def test_language_model_accuracy_of_an_epoch_with_one_scored_token_and_of_an_empty_one(caplog):
+    module = tiny_lm(accuracy=True)
+    module.log = LogRecorder()
+    batch = lm_batches(module)[0]
+    one = dict(batch, loss_mask=torch.zeros_like(batch["loss_mask"]))
+    one["loss_mask"][0, 0] = True
+    correct, count, _ = np_lm_reference(module, [one])
+    assert count == 1
+    module.validation_step(one, 0)
+    module.on_validation_epoch_end()
+    assert module.log.values["val/acc"] == correct and module.log.values["val/tokens"] == 1
+    module.log = LogRecorder()
+    module.on_validation_epoch_end()  # no scored token: no accuracy (not 0/0), no loss
+    assert module.log.values == {} and "no scored tokens" in caplog.text
 
 
 def test_language_model_without_accuracy_logs_no_accuracy(caplog):
@@ -363,3 +385,104 @@ def test_language_model_predict_step_scores_each_sequence():
         row = {k: v[b:b + 1] for k, v in batch.items()}
         correct, count, nll = np_lm_reference(module, [row])
         assert out["tokens"][b].item() == count and out["nll"][b].item() == pytest.approx(nll, rel=1e-5)
+
+
+def tiny_translator_task() -> Translator:
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=1,
+                               dropout=0.0, max_positions=16, pad_id=PAD)
+    return Translator(config).eval()
+
+
+def test_translator_evaluation_loss_is_padding_free_and_uses_the_batchs_masks():
+    """``val/loss`` of a padded batch equals the NLL of each sentence scored alone, without padding
+    (float64 cross-entropy of the task's own logits); the batch's source and target masks are the
+    ones used: a narrowed source mask changes the loss, a narrowed target mask scores only its targets."""
+    module = tiny_translator_task()
+    module.log = LogRecorder()
+    src = torch.tensor([[4, 5, 6, 2], [7, 8, 2, PAD]])
+    tgt_in = torch.tensor([[2, 4, 9], [2, 3, PAD]])
+    tgt_out = torch.tensor([[4, 9, 2], [3, 2, PAD]])
+    batch = {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out, "src_mask": src != PAD, "tgt_mask": tgt_out != PAD}
+
+    def alone_nll(s, t_in, t_out, src_mask=None) -> float:
+        with torch.no_grad():
+            logits = module(s[None], t_in[None], src_mask)[0].double()
+        return F.cross_entropy(logits, t_out, reduction="sum").item()
+
+    alone = alone_nll(src[0], tgt_in[0], tgt_out[0]) + alone_nll(src[1, :3], tgt_in[1, :2], tgt_out[1, :2])
+    module.validation_step(batch, 0)
+    module.on_validation_epoch_end()
+    assert module.log.values["val/tokens"] == 5
+    assert module.log.values["val/loss"] == pytest.approx(alone / 5, rel=1e-5)
+
+    narrowed = src != PAD
+    narrowed[0, 1] = False
+    want = (alone_nll(src[0], tgt_in[0], tgt_out[0], narrowed[:1])
+            + alone_nll(src[1, :3], tgt_in[1, :2], tgt_out[1, :2])) / 5
+    module.validation_step(dict(batch, src_mask=narrowed), 0)
+    module.on_validation_epoch_end()
+    assert abs(want - alone / 5) > 1e-4 and module.log.values["val/loss"] == pytest.approx(want, rel=1e-5)
+
+    only = torch.zeros_like(batch["tgt_mask"])
+    only[1, 0] = True  # one scored target
+    module.validation_step(dict(batch, tgt_mask=only), 0)
+    module.on_validation_epoch_end()
+    with torch.no_grad():
+        first = F.cross_entropy(module(src[1:2, :3], tgt_in[1:2, :1])[0].double(), tgt_out[1, :1]).item()
+    assert module.log.values["val/tokens"] == 1 and module.log.values["val/loss"] == pytest.approx(first, rel=1e-5)
+
+
+def test_optimizer_step_steps_the_optimiser_then_averages_the_weights():
+    """The EMA follows each optimiser step: after the first step it is a copy of the new weights,
+    after the second ``decay * ema + (1 - decay) * weights`` (SGD's step and the average written out)."""
+    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3),
+                             ema_decay=0.75)
+    weight = module.model.vit.head.weight
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    gradient = torch.full_like(weight, 0.2)
+
+    def closure():
+        weight.grad = gradient.clone()
+        return torch.zeros(())
+
+    start = weight.detach().clone()
+    module.optimizer_step(0, 0, optimizer, closure)
+    after_one = start - 0.5 * gradient
+    ema_weight = module.ema.module.vit.head.weight  # the averaged copy of module.model
+    assert torch.allclose(weight, after_one) and torch.allclose(ema_weight, after_one)
+    module.optimizer_step(0, 1, optimizer, closure)
+    after_two = after_one - 0.5 * gradient
+    assert torch.allclose(weight, after_two) and torch.allclose(ema_weight, 0.75 * after_one + 0.25 * after_two)
+
+
+def test_task_defaults_are_the_papers_recipes():
+    """The defaults a config leaves out are the recipes the paper follows: DeiT's (Touvron et al.,
+    2021: AdamW 5e-4 per 512 images, weight decay 0.05, 5 warm-up epochs, cosine to 1e-5, label
+    smoothing 0.1), fairseq's transformer_lm on WikiText-103 (Adam 0.9/0.98, eps 1e-8, 5e-4,
+    inverse_sqrt with 4,000 warm-up updates, weight decay 0.01, no smoothing) and fairseq's IWSLT14
+    de-en example (the same Adam and schedule, weight decay 1e-4, label smoothing 0.1)."""
+    import inspect
+
+    def defaults(cls) -> dict:
+        return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    assert defaults(ImageClassifier) == {
+        "model": ViTConfig(), "lr": 5e-4, "lr_reference_batch": 512, "weight_decay": 0.05, "betas": (0.9, 0.999),
+        "warmup_epochs": 5.0, "min_lr": 1e-5, "label_smoothing": 0.1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+        "mixup_switch_prob": 0.5, "ema_decay": None}
+    assert defaults(LanguageModel) == {
+        "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.01, "schedule": "inverse_sqrt",
+        "warmup_steps": 4000, "min_lr": 1e-5, "label_smoothing": 0.0, "accuracy": False}
+    translator = defaults(Translator)
+    assert translator.pop("beam") == BeamSearchConfig()
+    assert translator == {
+        "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 1e-4, "schedule": "inverse_sqrt",
+        "warmup_steps": 4000, "min_lr": 1e-9, "label_smoothing": 0.1, "bleu_in_validation": False, "output_dir": None}
+    # and they reach the optimiser: a task built without arguments uses them
+    module = LanguageModel(TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1))
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert (optimizer.defaults["betas"], optimizer.defaults["eps"]) == ((0.9, 0.98), 1e-8)
+    assert [g["initial_lr"] for g in optimizer.param_groups] == [5e-4, 5e-4]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]

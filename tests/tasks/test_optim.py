@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.reweighting import Reweighting
 from mmlight.tasks.optim import param_groups, warmup_cosine
 
 
@@ -53,3 +54,42 @@ def test_inverse_sqrt_with_one_warmup_step_and_refusing_none():
     assert lrs == pytest.approx([1.0, math.sqrt(1 / 2), math.sqrt(1 / 3), 0.5])
     with pytest.raises(ValueError, match="^inverse_sqrt needs warmup_steps >= 1, got 0$"):
         warmup_inverse_sqrt(opt, warmup_steps=0)
+
+
+class MixingReweighting(Reweighting):
+    """A reweighting with a 2-D parameter: every reweighting parameter is kept from decay, not only
+    the 1-D ones (decay would pull any of them toward plain softmax)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.eye(3))
+
+
+def test_every_reweighting_parameter_is_undecayed_and_frozen_parameters_are_left_out():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), MixingReweighting(), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # frozen first: the parameters after it still count
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in decay["params"]] == ["2.weight"]
+    assert [names[id(p)] for p in no_decay["params"]] == ["1.mix", "2.bias"]
+
+
+def lr_factors(warmup: int, total: int, steps: int, **kwargs) -> list[float]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, warmup_steps=warmup, total_steps=total, **kwargs)
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return seen
+
+
+def test_warmup_cosine_edges():
+    """No warm-up starts at the peak; the default floor is 0; a one-step decay goes from peak to floor."""
+    assert lr_factors(0, 4, 5) == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
+                                                 0.5 + 0.5 * math.cos(3 * math.pi / 4), 0.0])
+    # the warm-up reaches the peak at its last step; the cosine starts there (progress 0) and ends one later
+    assert lr_factors(2, 3, 4, min_lr_ratio=0.2) == pytest.approx([0.5, 1.0, 1.0, 0.2])
+    with pytest.raises(ValueError, match=r"^need 0 <= warmup_steps \(-1\) <= total_steps \(3\)$"):
+        lr_factors(-1, 3, 1)

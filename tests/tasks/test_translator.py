@@ -53,6 +53,17 @@ def test_bleu_matches_sacrebleu_and_the_definition():
         corpus_bleu(HYPS, REFS[:2], HYPS, REFS)
 
 
+
+def test_tokenised_bleu_does_not_warn_about_tokenised_text(caplog):
+    """fairseq's tokenised BLEU scores Moses-tokenised text on purpose: sacreBLEU's "forgot to
+    detokenize" warning (given when 100 or more lines end in " .") must not fill the log at every
+    validation. The detokenised score still warns on such text, as sacreBLEU does."""
+    hyps, refs = ["the cat sat on the mat ."] * 120, ["the cat sat on a mat ."] * 120
+    with caplog.at_level("WARNING", logger="sacrebleu"):
+        scores = corpus_bleu(["The cat sat on the mat."] * 120, ["The cat sat on a mat."] * 120, hyps, refs)
+    assert not [r for r in caplog.records if "detokenize" in r.getMessage()]
+    assert scores.bleu_tok == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", force=True).score)
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     data = ToyTranslationDataModule(cache_dir=str(tmp_path_factory.mktemp("toy")), train_size=200, valid_size=12,
