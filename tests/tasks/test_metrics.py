@@ -451,7 +451,7 @@ def test_optimizer_step_steps_the_optimiser_then_averages_the_weights():
     after_one = start - 0.5 * gradient
     ema_weight = module.ema.module.vit.head.weight  # the averaged copy of module.model
     assert torch.allclose(weight, after_one) and torch.allclose(ema_weight, after_one)
-    module.optimizer_step(0, 1, optimizer, closure)
+    module.optimizer_step(epoch=0, batch_idx=1, optimizer=optimizer, optimizer_closure=closure)  # by keyword too
     after_two = after_one - 0.5 * gradient
     assert torch.allclose(weight, after_two) and torch.allclose(ema_weight, 0.75 * after_one + 0.25 * after_two)
 
