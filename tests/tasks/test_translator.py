@@ -255,6 +255,17 @@ def test_other_ranks_score_the_same_and_write_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_rank_that_translated_nothing_still_scores_and_writes_the_others_rows(tmp_path, monkeypatch):
+    """Under DDP a rank may get no test batch and so never records a row: it must still take part in
+    the gather, and rank 0 writes every other rank's sentences."""
+    module, logged, rows = finished(tmp_path, monkeypatch, "test", [], [row(1), row(0)], output_dir=str(tmp_path / "o"))
+    module.translations.clear()  # as on a rank whose _generate never ran
+    module._finish_generation("test")
+    assert [r["id"] for r in rows] == [0, 1]
+    assert (tmp_path / "o" / "test.hyp").read_text() == ROWS[0][0] + "\n" + ROWS[1][0] + "\n"
+    assert logged["test/bleu"][0] == pytest.approx(sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]],
+                                                                         [[ROWS[0][2], ROWS[1][2]]]).score)
+
 def test_validation_logs_bleu_but_writes_no_files(tmp_path, monkeypatch):
     _, logged, _ = finished(tmp_path, monkeypatch, "val", [row(1), row(0)], None)
     assert logged["val/bleu"][0] == pytest.approx(
@@ -292,10 +303,12 @@ def test_generate_decodes_hypotheses_and_references_of_each_sentence(monkeypatch
     data = SimpleNamespace(decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist()))
     module._trainer = SimpleNamespace(datamodule=data)
     found = [torch.tensor([5, 6]), torch.tensor([7])]
-    monkeypatch.setattr(module, "translate", lambda src, src_mask: found)
+    masks = []
+    monkeypatch.setattr(module, "translate", lambda src, src_mask: masks.append(src_mask) or found)
     batch = {"ids": torch.tensor([9, 4]), "src": torch.zeros(2, 3), "src_mask": torch.ones(2, 3, dtype=torch.bool),
              "tgt_out": torch.tensor([[3, 4], [5, 2]])}
     rows = module._generate("test", batch)
+    assert len(masks) == 1 and masks[0] is batch["src_mask"]  # beam search sees the batch's padding
     assert rows == [{"id": 9, "hyp": "D[5, 6]", "hyp_tok": "T[5, 6]", "ref": "D[3, 4]", "ref_tok": "T[3, 4]"},
                     {"id": 4, "hyp": "D[7]", "hyp_tok": "T[7]", "ref": "D[5, 2]", "ref_tok": "T[5, 2]"}]
     assert module.predict_step(batch, 0) == [{k: r[k] for k in ("id", "hyp", "hyp_tok")} for r in rows]
