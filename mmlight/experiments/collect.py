@@ -134,7 +134,7 @@ def write_csv(path: Path, table: Table, results: list[CellResult]) -> None:
             paper, paper_std = paper_value(r.cell)
             per_seed = [fmt(v, 6) if v is not None else status for v, status in zip(r.values, r.statuses)]
             writer.writerow([r.cell.name, r.cell.row, r.cell.column, len(r.finished), fmt(r.mean, 6), fmt(r.std, 6),
-                             fmt(min(r.finished, default=None), 6) if r.finished else "",
+                             fmt(min(r.finished), 6) if r.finished else "",
                              fmt(max(r.finished), 6) if r.finished else "",
                              fmt(paper, 6), fmt(paper_std, 6), *per_seed])
 
