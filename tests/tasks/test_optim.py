@@ -8,6 +8,7 @@ import torch
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.reweighting import Reweighting
 from mmlight.tasks.optim import param_groups, warmup_cosine
+from tests.tasks.test_metrics import lrs
 
 
 def test_no_decay_on_1d_pos_embed_and_reweighting():
@@ -76,13 +77,7 @@ def test_every_reweighting_parameter_is_undecayed_and_frozen_parameters_are_left
 
 def lr_factors(warmup: int, total: int, steps: int, **kwargs) -> list[float]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = warmup_cosine(opt, warmup_steps=warmup, total_steps=total, **kwargs)
-    seen = []
-    for _ in range(steps):
-        seen.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return seen
+    return lrs(opt, warmup_cosine(opt, warmup_steps=warmup, total_steps=total, **kwargs), steps)
 
 
 def test_warmup_cosine_edges():
