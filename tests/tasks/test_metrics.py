@@ -275,6 +275,10 @@ def test_data_with_another_padding_id_is_refused():
     module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=None)
     module.setup("fit")
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V))  # no pad_id: nothing to compare
+    module.setup("fit")
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(pad_id=PAD))  # no vocab_size either
+    module.setup("fit")
 
 
 def lrs(optimizer, scheduler, steps: int) -> list[float]:
