@@ -120,12 +120,13 @@ class StandInTrainer:
     as Lightning's return value: one dict of logged metrics (or none, ``empty``)."""
 
     def __init__(self, metric: str, empty: bool = False):
-        self.metric, self.empty, self.calls = metric, empty, []
+        self.metric, self.empty, self.calls, self.tasks = metric, empty, [], []
 
     def _run(self, split, task, datamodule, verbose):
         active = observed_now()
         observer = active[1] if active else None
         self.calls.append((split, observer, datamodule, verbose))
+        self.tasks.append(task)
         # one dict per evaluation loader; the first is the split's own
         return [] if self.empty else [{f"{split}/{self.metric}": float(len(self.calls)), "other": 0.5},
                                       {f"{split}/{self.metric}": -1.0}]
@@ -157,6 +158,9 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     assert observers[0] is None and all(split == "test" and dm == "the datamodule" and verbose is False
                                         for split, _, dm, verbose in trainer.calls)
     assert [o.k for o in observers[1:4]] == list(SINK_LEVELS)
+    assert all(t is task for t in trainer.tasks)  # every run evaluates the task itself
+    sites = task.model.attention_sites()  # sink masking recomputes weights with the model's own functions
+    assert all(o.sites.keys() == sites.keys() and all(o.sites[n] is sites[n] for n in sites) for o in observers[1:4])
     evictions = observers[4:]
     assert [(o.method, o.ratio, o.skip_layers) for o in evictions] == [
         (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS]
@@ -183,6 +187,151 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
                                               n_encoder_layers=1, max_positions=32))
     assert translator.hparams.bleu_in_validation is False
     assert [r[2] for r in robustness_rows(StandInTrainer("bleu"), translator, None, "val")] == ["bleu"] * 4
-    assert translator.hparams.bleu_in_validation is True and "mmlight-robustness-" in translator.hparams.output_dir
+    from pathlib import Path
+
+    assert translator.hparams.bleu_in_validation is True
+    assert Path(translator.hparams.output_dir).name.startswith("mmlight-robustness-")
     with pytest.raises(RuntimeError, match=r"the val run logged no val/top1 \(it logged \[\]\)"):
         robustness_rows(StandInTrainer("top1", empty=True), image, None, "val")
+
+
+def brute_force_sinks(q, k, keep, n_sinks):
+    """The masked keys by a loop: softmax over each row's kept keys (scale 1/sqrt(head size)), each
+    key's weight times the row's number of kept keys summed over heads and rows, top n_sinks per sample."""
+    B, H, T, hs = q.shape
+    out = keep.clone()
+    for b in range(B):
+        relative = [0.0] * T
+        for h in range(H):
+            for i in range(T):
+                kept = [j for j in range(T) if keep[b, h, i, j]]
+                scores = [float(q[b, h, i] @ k[b, h, j]) / math.sqrt(hs) for j in kept]
+                top = max(scores, default=0.0)
+                z = sum(math.exp(s - top) for s in scores)
+                for j, s in zip(kept, scores):
+                    relative[j] += math.exp(s - top) / z * len(kept)
+        for j in sorted(range(T), key=lambda j: -relative[j])[:n_sinks]:
+            out[b, :, :, j] = False
+    return out
+
+
+@pytest.mark.parametrize("n_sinks", [1, 2, 3])
+def test_sink_masking_against_brute_force_under_a_causal_padded_mask(n_sinks):
+    """Random scores at a head size of 64 (where the 1/sqrt(hs) scale matters for which keys win, and
+    differs from 1/sqrt of any other dimension), causal rows and a padded sample: the masked keys are a
+    loop's top keys, masked for every query."""
+    torch.manual_seed(2)
+    B, H, T, hs = 3, 2, 6, 64
+    q, k = torch.randn(B, H, T, hs, dtype=torch.float64) * 2, torch.randn(B, H, T, hs, dtype=torch.float64) * 2
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[2, 4:] = False
+    mask = (causal_mask(T, T)[None] & real[:, None, :])[:, None]  # (B, 1, T, T)
+    got = SinkMasking({SITE: Softmax()}, k=n_sinks).edit_mask(SITE, q, k, mask)
+    assert got.shape == (B, H, T, T)
+    assert torch.equal(got, brute_force_sinks(q, k, mask.expand(B, H, T, T), n_sinks))
+
+
+def test_sink_masking_of_more_keys_than_there_are_masks_every_key():
+    q = k = torch.randn(1, 2, 4, 8)
+    got = SinkMasking({"blocks.0": Softmax()}, k=10).edit_mask("blocks.0", q, k, None)
+    assert got.shape == (1, 2, 4, 4) and not got.any()
+
+
+def test_eviction_of_a_decoding_step_with_a_cache():
+    """Two queries at positions 4 and 5 of 6 keys (bottom-right causal): query 4 has past keys 0..3 and
+    keeps ceil(0.5 * 4) = 2, query 5 has 0..4 and keeps 3; by hand, with key norms 5, 1, 4, 2, 3, 0.5."""
+    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5])
+    k = torch.zeros(1, 1, 6, 4)
+    k[0, 0, :, 0] = norms
+    q = torch.randn(1, 1, 2, 4)
+    mask = causal_mask(2, 6)
+    l2 = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, mask)
+    assert l2[0, 0].nonzero().tolist() == [[0, 1], [0, 3], [0, 4], [1, 1], [1, 3], [1, 4], [1, 5]]
+    streaming = KVEviction(0.5, "streaming", skip_layers=0).edit_mask(SITE, q, k, mask)
+    assert streaming[0, 0].nonzero().tolist() == [[0, 0], [0, 1], [0, 4], [1, 0], [1, 1], [1, 2], [1, 5]]
+
+
+def test_streaming_keeps_the_first_4_and_the_most_recent():
+    """One query with 10 past keys at r = 0.7: 7 kept, the first 4 (attention sinks) and the 3 newest."""
+    q, k = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 11, 4)
+    got = KVEviction(0.7, "streaming", skip_layers=0).edit_mask(SITE, q, k, None)
+    assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 7, 8, 9, 10]
+
+
+def test_eviction_defaults_and_the_ratio_bounds():
+    """Defaults: l2 from layer 2 on (docs/analysis.md); ratio 1 is allowed, anything above is not."""
+    evict = KVEviction(0.5)
+    assert (evict.method, evict.skip_layers) == ("l2", 2)
+    assert KVEviction(1.0).ratio == 1.0
+    with pytest.raises(ValueError, match=r"keep ratio must be in \(0, 1\], got 1.5"):
+        KVEviction(1.5)
+    with pytest.raises(ValueError, match=r"eviction method must be 'l2' or 'streaming', got 'random'"):
+        KVEviction(0.5, "random")
+
+
+def test_budget_rounds_up():
+    """ceil(r n): 0.5 * 3 = 1.5 -> 2, 0.3 * 10 = 3 (exactly, despite float noise) -> 3, 0.31 * 10 -> 4,
+    0.1 * 0 -> 0."""
+    assert budget(torch.tensor([3, 10, 10, 0]), 0.5).tolist() == [2, 5, 5, 0]
+    assert budget(torch.tensor([10]), 0.3).item() == 3 and budget(torch.tensor([10]), 0.31).item() == 4
+    assert budget(torch.tensor([10]), 0.9).item() == 9 and budget(torch.tensor([1]), 0.1).item() == 1
+
+
+def test_full_mask_expands_or_fills():
+    from mmlight.analysis.robustness import full_mask
+
+    q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 5, 8)
+    assert full_mask(q, k, None).shape == (2, 3, 4, 5) and full_mask(q, k, None).all()
+    mask = causal_mask(4, 5)
+    assert torch.equal(full_mask(q, k, mask), mask.expand(2, 3, 4, 5))
+
+
+def test_robustness_rows_evict_from_layer_2_by_default():
+    from mmlight.analysis.robustness import robustness_rows
+    from mmlight.models.transformer import TransformerConfig
+    from mmlight.tasks import LanguageModel
+
+    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
+                                                 n_encoder_layers=0, max_positions=32))
+    trainer = StandInTrainer("ppl")
+    robustness_rows(trainer, task, None, "val")
+    assert {observer.skip_layers for _, observer, _, _ in trainer.calls[4:]} == {2}
+    assert {split for split, *_ in trainer.calls} == {"val"}
+
+
+def test_interventions_build_their_masks_on_the_device_of_q_and_k():
+    """On "meta" tensors (standing in for CUDA ones without a GPU), any tensor made on the CPU by mistake
+    fails the comparison with the keys; the masks come back on q's device, with the call's shape."""
+    q, k = torch.randn(1, 2, 3, 4, device="meta"), torch.randn(1, 2, 5, 4, device="meta")
+    for method in ("l2", "streaming"):
+        got = KVEviction(0.5, method, skip_layers=0).edit_mask(SITE, q, k, None)
+        assert got.device.type == "meta" and got.shape == (1, 2, 3, 5)
+    got = SinkMasking({"blocks.0": Softmax()}, k=1).edit_mask("blocks.0", q, k[:, :, :3], None)
+    assert got.device.type == "meta" and got.shape == (1, 2, 3, 3)
+
+
+class BackendSpy(Softmax):
+    """Softmax that records the backend each call asks for (and computes the reference)."""
+
+    def __init__(self, backend):
+        super().__init__(backend=backend)
+        self.asked = []
+
+    def compute(self, scores, mask, backend):
+        self.asked.append(backend)
+        return super().compute(scores, mask, "reference")
+
+
+def test_sink_masking_computes_weights_with_the_site_backend():
+    spy = BackendSpy("compile")
+    q = k = torch.randn(1, 2, 4, 8)
+    SinkMasking({"blocks.0": spy}, k=1).edit_mask("blocks.0", q, k, None)
+    assert spy.asked == ["compile"]
+
+
+def test_l2_eviction_breaks_norm_ties_by_keeping_the_older_key():
+    """40 keys of equal norm (long enough for an unstable sort to reorder them): the query at position 39
+    keeps ceil(0.5 * 39) = 20 past keys, the first 20, as brute_force_l2's (norm, position) order says."""
+    q, k = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 40, 4)
+    got = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, None)
+    assert got[0, 0, 0].nonzero().flatten().tolist() == list(range(20)) + [39]

@@ -1,6 +1,10 @@
 """collect_statistics on tiny models of the three kinds against computations from weights recorded
 with record_attention and masks built here, independently of the observer."""
 
+import itertools
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +166,378 @@ def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded()
     bounded = record_statistics(task, batches, keep_bytes=1000)  # less than one layer's weights
     assert bounded.observer.kept_bytes <= 1000 and len(bounded.observer.sites) == 3
     assert bounded.finish() == want
+
+
+# ---- StatsObserver and summarize on hand-made attention calls, against loops over the rows ----
+
+ENC, DEC9, DEC10, CROSS = ("encoder.layers.0.self_attn", "decoder.layers.9.self_attn",
+                           "decoder.layers.10.self_attn", "decoder.layers.9.cross_attn")
+
+
+def synthetic_batch(gen, t_enc, t_dec, enc_real, dec_real):
+    """One batch of hand-made attention calls of a 2-sample, 2-head encoder-decoder: ``(site, q, k, keep,
+    weights)`` per call in model order, and the real query positions per stack. Keys are masked per head
+    (head 1 also loses key 1 everywhere, so some rows count for head 0 only); weights are random on the
+    kept keys with some exact zeros, zero elsewhere."""
+    B, H, hs = 2, 2, 3
+    enc_real, dec_real = torch.tensor(enc_real, dtype=torch.bool), torch.tensor(dec_real, dtype=torch.bool)
+
+    def call(site, tq, tk, keep):
+        keep = keep.clone()
+        keep[:, 1, :, 1] = False
+        w = torch.rand(B, H, tq, tk, generator=gen, dtype=torch.float64) ** 3
+        w[torch.rand(B, H, tq, tk, generator=gen) < 0.2] = 0.0
+        w[..., 0] += 1e-12  # every row with key 0 kept has a nonzero weight
+        w = torch.where(keep, w, 0.0)
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+        q = torch.randn(B, H, tq, hs, generator=gen, dtype=torch.float64)
+        k = torch.randn(B, H, tk, hs, generator=gen, dtype=torch.float64)
+        return site, q, k, keep, w
+
+    causal = torch.ones(t_dec, t_dec, dtype=torch.bool).tril()
+    enc_keep = enc_real[:, None, None, :].expand(B, H, t_enc, t_enc)
+    dec_keep = (causal & dec_real[:, None, :])[:, None].expand(B, H, t_dec, t_dec)
+    cross_keep = enc_real[:, None, None, :].expand(B, H, t_dec, t_enc)
+    calls = [call(ENC, t_enc, t_enc, enc_keep), call(DEC9, t_dec, t_dec, dec_keep),
+             call(CROSS, t_dec, t_enc, cross_keep), call(DEC10, t_dec, t_dec, dec_keep)]
+    return calls, {"encoder": enc_real, "decoder": dec_real}
+
+
+def synthetic_batches():
+    gen = torch.Generator().manual_seed(3)
+    # batch 1: encoder position 3 is padding in both samples (never attended), decoder sample 1 has one
+    # real token; batch 2 is longer on the decoder side and shorter on the encoder side
+    return [synthetic_batch(gen, 4, 3, [[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 1], [1, 0, 0]]),
+            synthetic_batch(gen, 3, 5, [[1, 1, 1], [1, 1, 1]], [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])]
+
+
+def observe(settings, batches):
+    """Feed the calls to a StatsObserver the way attention does (edit_mask, then record) and summarise."""
+    from mmlight.analysis.stats import StatsObserver, summarize
+
+    observer = StatsObserver(settings)
+    for calls, real in batches:
+        observer.query_keep = real
+        for site, q, k, keep, w in calls:
+            assert observer.edit_mask(site, q, k, keep) is keep  # the observer never changes the mask
+            observer.record(site, w, keep)
+        observer.end_batch()
+    observer.flush()
+    return summarize(observer, {"decoder.layers.9": {"token_similarity": 0.25}})
+
+
+def reference_statistics(settings, batches):
+    """Every per-site statistic by plain loops over (sample, head, query) rows in NumPy float64."""
+    from tests.analysis.test_metrics import naive_m_and_s
+
+    edges = np.logspace(-8, 0, 33)
+    per_site, rollout_tv = {}, {}
+    for calls, real in batches:
+        head_means = {}
+        for site, q, k, keep, w in calls:
+            stack = site.split(".")[0]
+            ref = per_site.setdefault(site, {"rows": {}, "entries": {}, "values": [], "incoming": {}, "Tk": 0})
+            q, k, keep, w = q.numpy(), k.numpy(), keep.numpy(), w.numpy()
+            ref["Tk"] = max(ref["Tk"], w.shape[-1])
+            x_all = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+            B, H, Tq, Tk = w.shape
+            counted_any = np.zeros((B, Tq), dtype=bool)
+            for b, h, i in itertools.product(range(B), range(H), range(Tq)):
+                kept = keep[b, h, i]
+                n = int(kept.sum())
+                if not real[stack][b, i] or n == 0:
+                    continue
+                counted_any[b, i] = True
+                p, x = w[b, h, i], x_all[b, h, i]
+                ent = -sum(v * math.log(v) for v in p if v > 0)
+                m, s = naive_m_and_s(x, p, kept, settings.eps_multimodality, settings.eps_sparsity)
+                row = {"entropy": ent, "normalized_entropy": ent / math.log(n) if n >= 2 else math.nan,
+                       "multimodality": m, "sparsity": s, "max_weight": p.max()}
+                for metric, value in row.items():
+                    ref["rows"].setdefault(metric, {0: [], 1: []})[h].append(value)
+                for j in np.flatnonzero(kept):
+                    ref["entries"].setdefault(h, []).append(p[j])
+                    ref["values"].append(p[j])
+                    raw, rel, seen = ref["incoming"].get(j, (0.0, 0.0, 0))
+                    ref["incoming"][j] = (raw + p[j], rel + p[j] * n, seen + 1)
+            if "cross" not in site:
+                head_means.setdefault(stack, []).append((site, w.mean(1), counted_any))
+        for stack, layers in head_means.items():  # rollout in layer order, per batch
+            rolled = None
+            for site, a, rows in sorted(layers, key=lambda t: int(t[0].split(".")[2])):
+                a_hat = (a + np.eye(a.shape[-1])) / (a.sum(-1, keepdims=True) + 1)
+                rolled = a_hat if rolled is None else a_hat @ rolled
+                tv = 0.5 * np.abs(rolled - a).sum(-1)
+                total, n = rollout_tv.get(site, (0.0, 0))
+                rollout_tv[site] = (total + tv[rows].sum(), n + int(rows.sum()))
+
+    want = {}
+    for site, ref in per_site.items():
+        heads, metrics = {}, {}
+        for metric, by_head in ref["rows"].items():
+            ok = {h: [v for v in vals if not math.isnan(v)] for h, vals in by_head.items()}
+            heads[metric] = [sum(ok[h]) / len(ok[h]) if ok[h] else None for h in (0, 1)]
+            pooled = ok[0] + ok[1]
+            metrics[metric] = sum(pooled) / len(pooled) if pooled else None
+        for metric, hit in (("frac_below_1e-3", lambda v: v < settings.near_zero), ("frac_zero", lambda v: v == 0)):
+            heads[metric] = [np.mean([hit(v) for v in ref["entries"][h]]) for h in (0, 1)]
+            pooled = ref["entries"][0] + ref["entries"][1]
+            metrics[metric] = np.mean([hit(v) for v in pooled])
+        values = np.array(ref["values"])
+        histogram = [int((values < 1e-8).sum()), *np.histogram(values[values >= 1e-8], bins=edges)[0].tolist()]
+        positions = ref["Tk"]  # the longest key length seen; unattended positions are None
+        raw = [ref["incoming"][j][0] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)]
+        rel = [ref["incoming"][j][1] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)]
+        known = [j for j in range(positions) if rel[j] is not None]
+        metrics["sink_ratio"] = sum(rel[j] > settings.sink_eps for j in known) / len(known)
+        total, n = rollout_tv.get(site, (0.0, 0))
+        metrics["rollout_discrepancy"] = total / n if n else None
+        top = sorted(known, key=lambda j: -rel[j])[: settings.top_sinks]
+        want[site] = {"heads": heads, "metrics": metrics, "histogram": histogram, "incoming_mean": raw,
+                      "incoming_relative": rel, "top_sinks": [(j, rel[j]) for j in top]}
+    return want
+
+
+def close(got, want):
+    """Equal up to float64 rounding, None where the reference has None (nested lists and dicts)."""
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(close(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(close(g, w) for g, w in zip(got, want))
+    if want is None:
+        return got is None
+    return got is not None and got == pytest.approx(float(want), rel=1e-9, abs=1e-15)
+
+
+def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
+    """Every statistic of summarize() for an encoder-decoder with padding, per-head masks, causal rows, a
+    one-key row, layers 9 and 10 (rolled out in numeric, not text, order) and batches of different lengths,
+    at thresholds other than the defaults, against reference_statistics' loops (the sums accumulate over
+    both batches; top_sinks=3 cuts the 4 and 5 positions)."""
+    from mmlight.analysis.stats import Settings
+
+    settings = Settings(eps_multimodality=0.1, eps_sparsity=-0.1, near_zero=0.05, sink_eps=1.0, top_sinks=3)
+    batches = synthetic_batches()
+    stats = observe(settings, batches)
+    want = reference_statistics(settings, batches)
+    assert stats["settings"] == {"eps_multimodality": 0.1, "eps_sparsity": -0.1, "near_zero": 0.05,
+                                 "sink_eps": 1.0, "top_sinks": 3}
+    assert stats["histogram_edges"] == pytest.approx(np.logspace(-8, 0, 33).tolist(), rel=1e-12)
+    assert stats["blocks"] == {"decoder.layers.9": {"token_similarity": 0.25}}
+    # ordered by stack, kind, then layer number
+    assert list(stats["sites"]) == [CROSS, DEC9, DEC10, ENC]
+    assert [(stats["sites"][s]["kind"], stats["sites"][s]["layer"]) for s in stats["sites"]] == [
+        ("cross", 9), ("decoder_self", 9), ("decoder_self", 10), ("encoder_self", 0)]
+    for site, entry in stats["sites"].items():
+        ref = want[site]
+        assert set(entry["heads"]) == set(HEAD_METRICS_REF) and close(entry["heads"], ref["heads"]), site
+        assert entry["metrics"].keys() == set(HEAD_METRICS_REF) | {"sink_ratio", "rollout_discrepancy"}
+        assert close(entry["metrics"], ref["metrics"]), site
+        assert entry["histogram"] == ref["histogram"], site
+        assert close(entry["incoming_mean"], ref["incoming_mean"]), site
+        assert close(entry["incoming_relative"], ref["incoming_relative"]), site
+        assert close([(t["position"], t["relative"]) for t in entry["top_sinks"]], ref["top_sinks"]), site
+    # what the reference found is not degenerate: real rollouts, a NaN position, both sides of sink_eps
+    assert stats["sites"][CROSS]["metrics"]["rollout_discrepancy"] is None
+    assert stats["sites"][DEC10]["metrics"]["rollout_discrepancy"] > 0
+    # (the unseen position 3 of the encoder ranks below positions 0..2, one of which is below 1)
+    assert stats["sites"][ENC]["incoming_mean"][3] is None and len(stats["sites"][ENC]["top_sinks"]) == 3
+    assert min(stats["sites"][ENC]["incoming_relative"][:3]) < 1
+    assert len(stats["sites"][DEC9]["top_sinks"]) == 3 and len(stats["sites"][DEC9]["incoming_mean"]) == 5
+    assert all(0 < stats["sites"][s]["metrics"]["sink_ratio"] < 1 for s in stats["sites"])
+
+
+HEAD_METRICS_REF = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
+                    "max_weight")
+
+
+def test_default_thresholds_are_the_documented_ones():
+    """docs/analysis.md: eps = 0 for M and S on the centred scores, 1e-3 for "near zero", eps = 3 for
+    sinks, the five top sinks."""
+    from dataclasses import asdict
+
+    from mmlight.analysis.stats import Settings
+
+    assert asdict(Settings()) == {"eps_multimodality": 0.0, "eps_sparsity": 0.0, "near_zero": 1e-3,
+                                  "sink_eps": 3.0, "top_sinks": 5}
+
+
+def test_rows_without_a_relevant_or_small_key_give_none():
+    """Thresholds no centred score reaches: no row has M or S, so every head's value and the layer's
+    are None (not NaN, not 0); the other metrics are unaffected."""
+    from mmlight.analysis.stats import Settings
+
+    stats = observe(Settings(eps_multimodality=100.0, eps_sparsity=-100.0), synthetic_batches())
+    for entry in stats["sites"].values():
+        for metric in ("multimodality", "sparsity"):
+            assert entry["heads"][metric] == [None, None] and entry["metrics"][metric] is None
+        assert None not in entry["heads"]["entropy"] and entry["metrics"]["entropy"] > 0
+
+
+def test_a_site_whose_every_query_is_padding_reports_none():
+    """No counted row: every mean is None, the histogram is empty, no position was seen (no sinks) and
+    the rollout has no row."""
+    from mmlight.analysis.stats import Settings, StatsObserver, summarize
+
+    observer = StatsObserver(Settings())
+    observer.query_keep = {"decoder": torch.zeros(1, 3, dtype=torch.bool)}
+    q = k = torch.randn(1, 2, 3, 4)
+    observer.edit_mask(DEC9, q, k, None)
+    observer.record(DEC9, torch.full((1, 2, 3, 3), 1 / 3), None)
+    observer.end_batch()
+    observer.flush()
+    entry = summarize(observer, {})["sites"][DEC9]
+    assert all(entry["heads"][m] == [None, None] and entry["metrics"][m] is None for m in HEAD_METRICS_REF)
+    assert entry["metrics"]["sink_ratio"] is None and entry["metrics"]["rollout_discrepancy"] is None
+    assert entry["histogram"] == [0] * 33 and entry["incoming_mean"] == [None] * 3 and entry["top_sinks"] == []
+
+
+def test_record_keeps_calls_until_their_bytes_exceed_keep_bytes():
+    """kept_bytes counts the weights, the mask, the scores and the query mask of each kept call
+    (float32 (2, 2, 3, 3): 144 bytes; bool (2, 1, 3, 3): 18; bool (2, 3): 6); a call that brings the
+    total to exactly keep_bytes waits, the next one flushes everything and resets the count."""
+    from mmlight.analysis.stats import Settings, StatsObserver
+
+    observer = StatsObserver(Settings(), keep_bytes=312)
+    observer.query_keep = {"decoder": torch.ones(2, 3, dtype=torch.bool)}
+    q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    keep, w = torch.ones(2, 1, 3, 3, dtype=torch.bool), torch.full((2, 2, 3, 3), 1 / 3)
+    observer.edit_mask(DEC9, q, k, keep)
+    observer.record(DEC9, w, keep)
+    assert observer.kept_bytes == 144 + 18 + 144 + 6 and observer.sites == {} and len(observer._kept) == 1
+    observer.edit_mask(DEC10, q, k, keep)
+    observer.record(DEC10, w, keep)
+    assert observer.kept_bytes == 0 and observer._kept == [] and list(observer.sites) == [DEC9, DEC10]
+    # a ViT site on a fresh observer: no mask and no query mask (every query real), weights and scores only
+    observer = StatsObserver(Settings(), keep_bytes=1000)
+    observer.edit_mask("blocks.0", q, k, None)
+    observer.record("blocks.0", w, None)
+    assert observer.kept_bytes == 288 and observer._kept[0][4] is None
+
+
+def test_metric_rows_of_a_hand_built_result():
+    """Per head, then the layer value, for each head metric in order; rollout_discrepancy and
+    sink_ratio only when known; then the blocks' token similarity."""
+    from mmlight.analysis.stats import HEAD_METRICS
+
+    assert HEAD_METRICS == HEAD_METRICS_REF
+    heads = {m: [i + 0.1, None] for i, m in enumerate(HEAD_METRICS)}
+    metrics = {m: i + 0.5 for i, m in enumerate(HEAD_METRICS)}
+    stats = {"sites": {"blocks.0": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": 0.25,
+                                                                 "sink_ratio": None}},
+                       "blocks.1": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": None,
+                                                                 "sink_ratio": 0.75}}},
+             "blocks": {"blocks.0": {"token_similarity": 0.3}, "blocks.1": {"token_similarity": None}}}
+    want = []
+    for site in ("blocks.0", "blocks.1"):
+        for i, m in enumerate(HEAD_METRICS_REF):
+            want += [(site, 0, m, i + 0.1), (site, 1, m, None), (site, None, m, i + 0.5)]
+        want.append(("blocks.0", None, "rollout_discrepancy", 0.25) if site == "blocks.0"
+                    else ("blocks.1", None, "sink_ratio", 0.75))
+    want += [("blocks.0", None, "token_similarity", 0.3), ("blocks.1", None, "token_similarity", None)]
+    assert metric_rows(stats) == want
+
+
+def manual_block_similarity(layers, run, valid):
+    """Per block: the mean over samples with >= 2 valid tokens of the mean cosine over pairs i != j of
+    valid tokens of the block's output, by forward hooks of the test's own and a loop over pairs (the
+    model runs unobserved here, on its fused attention path: equal to float32 rounding)."""
+    outputs = {}
+    handles = [layer.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out))
+               for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        run()
+    for h in handles:
+        h.remove()
+    result = {}
+    for i, out in outputs.items():
+        per_sample = []
+        for b in range(out.shape[0]):
+            idx = valid[b].nonzero().flatten().tolist()
+            pairs = [torch.cosine_similarity(out[b, s].double(), out[b, t].double(), dim=0).item()
+                     for s in idx for t in idx if s != t]
+            if pairs:
+                per_sample.append(sum(pairs) / len(pairs))
+        result[i] = sum(per_sample) / len(per_sample) if per_sample else None
+    return result
+
+
+def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
+    """LM blocks: padding tokens and one-token samples left out (a batch of only those gives None); the
+    translator's encoder blocks use the source mask, its decoder blocks the target padding. The model runs
+    in eval mode throughout (dropout off) and is back in training mode after."""
+    torch.manual_seed(0)
+    task = LanguageModel(model=tiny_config(dropout=0.5))
+    modes = []
+    task.model.register_forward_pre_hook(lambda m, a: modes.append(m.training))
+    tokens = torch.randint(2, 20, (3, 6))
+    tokens[1, 4:] = PAD
+    tokens[2, 1:] = PAD  # one real token: no pair
+    stats = collect_statistics(task, [{"input": tokens[:2]}, {"input": tokens[2:]}])  # summed over batches
+    assert modes == [False, False] and task.model.training
+    task.model.eval()
+    want = manual_block_similarity(task.model.decoder.layers, lambda: task.model(tokens), tokens != PAD)
+    assert stats["blocks"].keys() == {"decoder.layers.0", "decoder.layers.1"}
+    for i in (0, 1):
+        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(want[i], rel=1e-6)  # float32 forward passes
+    assert collect_statistics(task, [{"input": tokens[2:]}])["blocks"]["decoder.layers.0"] == {"token_similarity": None}
+
+    translator = Translator(model=tiny_config(n_encoder_layers=2)).eval()
+    src, tgt = torch.randint(2, 20, (2, 5)), torch.randint(2, 20, (2, 4))
+    src[0, 3:] = PAD
+    tgt[1, 2:] = PAD
+    stats = collect_statistics(translator, [{"src": src, "src_mask": src != PAD, "tgt_in": tgt}])
+    assert not translator.model.training
+    enc = manual_block_similarity(translator.model.encoder.layers,
+                                  lambda: translator.model(src, tgt, src != PAD), src != PAD)
+    dec = manual_block_similarity(translator.model.decoder.layers,
+                                  lambda: translator.model(src, tgt, src != PAD), tgt != PAD)
+    assert list(stats["blocks"]) == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1"]
+    for i in (0, 1):
+        assert stats["blocks"][f"encoder.layers.{i}"]["token_similarity"] == pytest.approx(enc[i], rel=1e-6)  # float32 forward passes
+        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(dec[i], rel=1e-6)  # float32 forward passes
+
+
+def test_one_counted_row_by_hand():
+    """One head, 3 keys, only the last query real: each key is seen once, so the incoming attention is
+    that row's weights (relative: times 3 keys); near_zero = 0.25 counts weights strictly below 0.25."""
+    from mmlight.analysis.stats import Settings, StatsObserver, summarize
+
+    observer = StatsObserver(Settings(near_zero=0.25))
+    observer.query_keep = {"decoder": torch.tensor([[False, False, True]])}
+    q = k = torch.randn(1, 1, 3, 4)
+    w = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.5, 0.25, 0.25]]]])
+    observer.edit_mask(DEC9, q, k, None)
+    observer.record(DEC9, w, None)
+    entry = summarize(observer, {})["sites"][DEC9]
+    assert entry["incoming_mean"] == [0.5, 0.25, 0.25] and entry["incoming_relative"] == [1.5, 0.75, 0.75]
+    assert entry["metrics"]["frac_below_1e-3"] == 0.0 and entry["metrics"]["max_weight"] == 0.5
+    assert entry["heads"]["entropy"] == [pytest.approx(1.5 * math.log(2))]
+
+
+def test_an_unseen_position_ranks_below_one_that_receives_zero_attention():
+    """Key 0 is masked for every query (unseen: no mean), key 1 is seen but gets weight 0 (relative 0),
+    key 2 gets everything: the two top sinks are 2 and 1, and the unseen key is never listed."""
+    from mmlight.analysis.stats import Settings, StatsObserver, summarize
+
+    observer = StatsObserver(Settings(top_sinks=2))
+    q = k = torch.randn(1, 1, 2, 4)
+    keep = torch.tensor([[[[False, True, True], [False, True, True]]]])
+    w = torch.tensor([[[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]])
+    observer.edit_mask("blocks.0", q, k[:, :, :1].expand(1, 1, 3, 4), keep)
+    observer.record("blocks.0", w, keep)
+    entry = summarize(observer, {})["sites"]["blocks.0"]
+    assert entry["incoming_relative"] == [None, 0.0, 2.0]
+    assert entry["top_sinks"] == [{"position": 2, "relative": 2.0}, {"position": 1, "relative": 0.0}]
+
+
+def test_vit_sites_are_listed_in_numeric_layer_order():
+    """blocks.10 comes after blocks.2 (numeric, not text, order) in the result, whatever the record order."""
+    from mmlight.analysis.stats import Settings, StatsObserver, summarize
+
+    observer = StatsObserver(Settings())
+    q = k = torch.randn(1, 1, 2, 4)
+    for site in ("blocks.10", "blocks.2"):
+        observer.edit_mask(site, q, k, None)
+        observer.record(site, torch.full((1, 1, 2, 2), 0.5), None)
+    assert list(summarize(observer, {})["sites"]) == ["blocks.2", "blocks.10"]
