@@ -95,6 +95,19 @@ def test_top5_is_top_k_of_all_classes_when_there_are_fewer():
         np_topk_hits(logits, y, 1).mean())
 
 
+def test_top5_counts_ranks_one_to_five_exactly():
+    """Seven samples whose label is the 1st, 2nd, ..., 7th highest score: top-1 is 1/7 and top-5 is
+    5/7 (a label ranked 6th must not count), as NumPy's ranking gives."""
+    module, images, *_ = classifier_with_fixed_logits(NUM_CLASSES)
+    logits = np.tile(-np.arange(NUM_CLASSES, dtype=np.float32), (NUM_CLASSES, 1))  # class c is ranked c + 1
+    module.model = FixedLogits(logits)
+    y = np.arange(NUM_CLASSES)  # so sample i's label is ranked i + 1
+    module.validation_step((images, torch.as_tensor(y)), 0)
+    module.on_validation_epoch_end()
+    assert np_topk_hits(logits, y, 5).mean() == pytest.approx(5 / 7)
+    assert module.log.values["val/top5"] == pytest.approx(5 / 7)
+    assert module.log.values["val/top1"] == pytest.approx(1 / 7)
+
 def test_no_ema_metric_without_ema():
     module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4))
     assert module.ema is None and sorted(module.eval_metrics["val"]) == ["loss", "top1", "top5"]

@@ -316,6 +316,14 @@ def test_generate_decodes_hypotheses_and_references_of_each_sentence(monkeypatch
     assert len(module.translations["predict"]) == 2
 
 
+def test_beam_settings_given_as_a_mapping_become_a_config():
+    """A checkpoint's hyperparameters and the CLI hand ``beam`` over as a plain mapping."""
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    module = Translator(config, beam={"beam_size": 7, "max_len_b": 11})
+    assert module.beam == BeamSearchConfig(beam_size=7, max_len_b=11)
+    given = BeamSearchConfig(beam_size=2)
+    assert Translator(config, beam=given).beam is given
+
 def test_only_test_generates_unless_bleu_in_validation():
     config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
     assert Translator(config)._generates("test") and not Translator(config)._generates("val")
