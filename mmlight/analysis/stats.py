@@ -69,7 +69,6 @@ def layer_index(name: str) -> int:
 class _SiteSums:
     """Running sums of one attention site."""
 
-    heads: int
     sums: dict = field(default_factory=dict)  # metric -> (nh,) float64 sums
     counts: dict = field(default_factory=dict)  # metric -> (nh,) float64 counts
     histogram: torch.Tensor = field(default_factory=lambda: torch.zeros(len(M.HIST_EDGES), dtype=torch.float64))
@@ -152,7 +151,7 @@ class StatsObserver(AttentionObserver):
         weights = weights.double()  # once here, not in every metric
         keys = M.attended(weights, keep)  # (B, nh, Tq, Tk)
         rows = M.counted_rows(keys, query_keep)  # (B, nh, Tq)
-        sums = self.sites.setdefault(site, _SiteSums(heads=weights.shape[1]))
+        sums = self.sites.setdefault(site, _SiteSums())
         nats, centred = M.entropy(weights), M.centred_scores(scores, keys)
         sums.add("entropy", nats, rows)
         sums.add("normalized_entropy", M.normalized_entropy(weights, keys, nats), rows)
