@@ -50,3 +50,13 @@ def test_a_datamodule_without_a_counter_is_ignored():
     trainer.datamodule = SimpleNamespace()  # no `skipped` attribute at all
     SkippedSamplesMonitor().on_validation_epoch_end(trainer, module)
     assert calls == []
+
+
+def test_the_count_is_made_on_the_modules_device():
+    """NCCL all-reduces only CUDA tensors: the count must be made on the module's device, not the CPU
+    ("meta" stands in for a GPU here: a tensor made there says so)."""
+    trainer, module, calls = stand_ins(4)
+    module.device = torch.device("meta")
+    SkippedSamplesMonitor().on_validation_epoch_end(trainer, module)
+    (name, value), options = calls[0]
+    assert name == "data/skipped_samples" and value.device == torch.device("meta") and value.shape == ()
