@@ -265,7 +265,7 @@ def check_slurm_tasks(trainer) -> None:
     otherwise wait forever at "initializing distributed" for processes that never start."""
     if not SLURMEnvironment.detect():
         return
-    ntasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    ntasks = int(os.environ["SLURM_NTASKS"])  # detect() is true only when it is set
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
     expected = trainer.num_devices * trainer.num_nodes
     if ntasks != expected or nodes != trainer.num_nodes:

@@ -233,6 +233,7 @@ def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypat
     assert 10 < bleu.score < 90 and 10 < bleu_tok.score < 90 and bleu.score != pytest.approx(bleu_tok.score)
     assert logged["test/bleu"][0] == pytest.approx(bleu.score) and logged["test/bleu"][1]["sync_dist"] is False
     assert logged["test/bleu_tok"][0] == pytest.approx(bleu_tok.score)
+    assert logged["test/bleu_tok"][1] == {"sync_dist": False}  # every rank scored every sentence already
     assert logged["test/bleu"][1]["prog_bar"] is True
     text = (out / "test.bleu.json").read_text()
     written = json.loads(text)
@@ -281,6 +282,15 @@ def test_predict_writes_hypotheses_only_to_the_log_dir(tmp_path, monkeypatch):
     assert (logs / "predict.hyp.tok").read_text() == "".join(ROWS[i][1] + "\n" for i in (0, 2, 4))
     assert sorted(p.name for p in logs.iterdir()) == ["predict.hyp", "predict.hyp.tok"]
 
+
+def test_without_an_output_dir_or_a_log_dir_the_files_go_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    module = Translator(config)
+    module._trainer = SimpleNamespace(is_global_zero=True, log_dir=None)  # a trainer with logger=False
+    module.translations["predict"] = [row(1, True), row(0, True)]
+    module._finish_generation("predict")
+    assert (tmp_path / "predict.hyp").read_text() == ROWS[0][0] + "\n" + ROWS[1][0] + "\n"
 
 def test_gather_to_all_is_the_identity_without_a_process_group(monkeypatch):
     from mmlight.tasks.translator import gather_to_all
