@@ -47,22 +47,27 @@ def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
             assert ATTENTION_KERNELS <= {r["kernel"] for r in compiled if r["origin"] == origin}, origin
 
 
-FORCED_SPILL = """
+# Below the forward kernel's ~125 registers, so it must spill. Not 64: the ptxas of Triton 3.9 refuses
+# to allocate the sm_90 wgmma pipeline in 64 registers at all ("Register allocation failed"), where
+# the ptxas of the Triton used before (torch 2.14's) spilled.
+FORCED_REGISTERS = 96
+FORCED_SPILL = f"MAX_REGISTERS = {FORCED_REGISTERS}" + """
 import json
 from mmlight.kernels import compile_check as C
 case = C.Case("attention", "bf16", n=197, head_dim=64)
 launch = next(l for l in C.launches_of(case, 90) if l.kernel.__name__ == "_forward_kernel")
-print(json.dumps(C.compile_launch(launch, case, 90, extra_options={"maxnreg": 64}).__dict__))
+print(json.dumps(C.compile_launch(launch, case, 90, extra_options={"maxnreg": MAX_REGISTERS}).__dict__))
 """
 
 
 @pytest.mark.slow
 def test_a_spilling_kernel_is_reported():
-    """The check sees spills: the forward kernel capped at 64 registers per thread must spill."""
+    """The check sees spills: the forward kernel capped below its register need must spill."""
     run = subprocess.run([sys.executable, "-c", FORCED_SPILL], env=compiled_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=600, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["registers"] <= 64 and result["spill_stores"] > 0
+    assert not any("does not compile" in p for p in result["problems"]), result["problems"]
+    assert result["registers"] <= FORCED_REGISTERS and result["spill_stores"] > 0
     assert any("spills" in p for p in result["problems"])
 
 
