@@ -356,14 +356,19 @@ def test_inverse_sqrt_schedule_of_the_sequence_tasks():
     assert seen == pytest.approx([1e-2 * n / 3 if n < 3 else 1e-2 * math.sqrt(3 / n) for n in range(1, 7)])
 
 
-def test_sequence_task_arguments_are_checked():
-    config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1)
+@pytest.mark.parametrize("task", [LanguageModel, Translator])
+def test_sequence_task_arguments_are_checked(task):
+    """Both tasks hand their own schedule and smoothing to the check (a misspelt schedule would
+    otherwise fall through to the cosine branch of configure_optimizers)."""
+    config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1,
+                               n_encoder_layers=int(task is Translator))
     with pytest.raises(ValueError, match="^schedule must be 'inverse_sqrt' or 'cosine', got 'linear'$"):
-        LanguageModel(config, schedule="linear")
+        task(config, schedule="linear")
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match=rf"^label_smoothing must be in \[0, 1\), got {bad}$"):
-            LanguageModel(config, label_smoothing=bad)
-    LanguageModel(config, label_smoothing=0.0)
+            task(config, label_smoothing=bad)
+    task(config, label_smoothing=0.0)
+    assert task(config, schedule="cosine").hparams.schedule == "cosine"
 
 
 def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
