@@ -71,6 +71,8 @@ _INTERPRETED = triton_interpreting()
 # of bf16 values are exact in fp32, so the result is what a GPU's bf16 dot with fp32
 # accumulation gives. Compiled kernels never take this branch.
 _WIDEN_BF16_DOT = tl.constexpr(_INTERPRETED)
+# The interpreter sums each score's products itself (see ``_scores``); compiled kernels use tl.dot.
+_SUM_SCORES_IN_ORDER = tl.constexpr(_INTERPRETED)
 
 # How tl.dot treats fp32 inputs on the GPU: TF32 tensor cores (10-bit mantissa inputs, fp32
 # accumulation), as fused attention kernels usually do. "ieee" (true fp32 FMA) and "tf32x3"
@@ -244,7 +246,23 @@ def _scores(a, b, scale, DOT_PRECISION: tl.constexpr):
     """Raw scaled scores ``scale * a b^T`` in fp32: (R, D) x (C, D) -> (R, C).
 
     ``(q, k)`` gives the (BLOCK_M, BLOCK_N) score tile, ``(k, q)`` its transpose.
+
+    The backward kernels rebuild ``p = exp(sigma(x) - m) / l`` with the forward's ``m`` and ``l``,
+    so every score must come out bit for bit as the forward computed it: an error ``e`` in a
+    recomputed ``x`` scales ``p`` by ``exp(sigma'(x) e)`` with no renormalisation to cancel it,
+    and sigma' reaches 10-30 with trained second-order parameters. Under the interpreter,
+    ``tl.dot`` is NumPy's matmul, whose BLAS picks its kernels (and so its rounding) by matrix
+    shape: the forward's (128, 64) tile, the dK/dV kernel's transposed (64, 16) one and the dQ
+    kernel's (64, 32) one gave scores one ulp apart, and the dV and sigma-parameter gradients lost
+    5-10x in accuracy against eager fp32 (NumPy 2.4 with OpenBLAS 0.3.31). So the interpreter sums
+    the D products of each score itself, in one order whatever the tile; a GPU's MMA accumulates
+    each output element over D in instruction order, independent of the tile's other sides.
     """
+    if _SUM_SCORES_IN_ORDER:
+        # (R, 1, D) * (1, C, D) -> (R, C, D), summed over D: the same sum for (q, k) and (k, q);
+        # bf16 products are exact in fp32, as in the GPU's dot
+        products = a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+        return tl.sum(products, axis=2) * scale
     return _dot(a, tl.trans(b), DOT_PRECISION) * scale
 
 
