@@ -1,5 +1,5 @@
 """Compile every Triton kernel specialisation for sm_80 (A100) and sm_90 (H100), without a GPU,
-and record registers, spills and shared memory (see :mod:`mmlight.kernels.compile_check`).
+and record registers, spills and shared memory (see `benchmarks/compile_check.py`).
 
     python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
     python benchmarks/compile_report.py --matrix shipped
@@ -26,7 +26,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from mmlight.kernels import compile_check  # noqa: E402
+import compile_check  # noqa: E402  (beside this script, which Python puts on sys.path)
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = ("rowwise", "attention", "cross_entropy")

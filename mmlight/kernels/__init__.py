@@ -7,12 +7,19 @@
 
 ``sigma.py`` holds the Triton form of sigma shared by all three. Every kernel is tested against the
 eager definition in :mod:`mmlight.reweighting`; on a machine without a GPU they run under
-``TRITON_INTERPRET=1``. Importing this package imports Triton, so the rest of mmlight imports it
-only when the ``triton`` backend is used.
+``TRITON_INTERPRET=1``. ``runtime.py`` says what they run on without importing Triton; the three
+functions are imported (and Triton with them) on first use, so that choosing a backend never
+needs Triton. This package imports nothing from the rest of mmlight.
 """
 
-from mmlight.kernels.attention import multimax_attention
-from mmlight.kernels.cross_entropy import multimax_cross_entropy
-from mmlight.kernels.rowwise import multimax_softmax
+import importlib
 
 __all__ = ["multimax_softmax", "multimax_attention", "multimax_cross_entropy"]
+
+_HOMES = {"multimax_softmax": "rowwise", "multimax_attention": "attention", "multimax_cross_entropy": "cross_entropy"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'mmlight.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mmlight.kernels.{_HOMES[name]}"), name)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from mmlight.reweighting.backend import TRITON_DTYPES, triton_interpreting
+from mmlight.kernels.runtime import TRITON_DTYPES, triton_interpreting
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,
@@ -107,7 +107,7 @@ def device_capability(device: torch.device) -> int:
     return OFFLINE_CAPABILITY.get()
 
 
-#: The capability whose tile sizes CPU tensors get: :mod:`mmlight.kernels.compile_check` sets it to
+#: The capability whose tile sizes CPU tensors get: :mod:`benchmarks/compile_check.py` sets it to
 #: the target it compiles for.
 OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
 
@@ -161,7 +161,7 @@ def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) ->
 
 
 # How the tile sizes above were chosen, without a GPU at hand: every kernel was compiled for sm_90
-# and sm_80 with the specialisations a real launch gets (mmlight.kernels.compile_check), and the
+# and sm_80 with the specialisations a real launch gets (benchmarks/compile_check.py), and the
 # largest tiles were kept that fit in 255 registers per thread without spills and with pipelined
 # (cp.async) K/V loads. They are not timed: tune them on the GPU.
 

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlight.reweighting.backend import TRITON_DTYPES
+from mmlight.kernels.runtime import TRITON_DTYPES
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlight.reweighting.backend import TRITON_DTYPES
+from mmlight.kernels.runtime import TRITON_DTYPES
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
     load_sigma_params,
@@ -44,7 +44,7 @@ from mmlight.kernels.sigma import (
 #: Longest row kept in registers by one program; longer rows take the online multi-block loop.
 #: 4096 fp32 values over 8 warps are 16 per thread, which the order-2 backward (scores, sigma,
 #: weights, gradient and the parameter terms per value) holds without spilling on sm_80 and sm_90
-#: (``python -m mmlight.kernels.compile_check``); wider single blocks spill.
+#: (``benchmarks/compile_check.py``); wider single blocks spill.
 MAX_SINGLE_BLOCK = 4096
 #: Column block of the multi-block loop.
 LONG_ROW_BLOCK = 4096

@@ -11,16 +11,15 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Literal, TypeVar, get_args
 
 import torch
 
+from mmlight.kernels.runtime import TRITON_DTYPES, triton_interpreting
+
 Backend = Literal["auto", "reference", "compile", "triton"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-#: Input dtypes the Triton kernels take (they compute in fp32 registers).
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_backend(backend: str) -> str:
@@ -28,11 +27,6 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     return backend
-
-
-def triton_interpreting() -> bool:
-    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, for tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_runs_on(tensor: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from mmlight.reweighting.backend import triton_interpreting
+from mmlight.kernels.runtime import triton_interpreting
 
 #: Shared memory a block may use (bytes, the opt-in maximum): A100 (sm_80) 163 KB, H100 (sm_90) 227 KB.
 SHARED_MEMORY_LIMITS = {80: 163 * 1024, 90: 227 * 1024}
