@@ -1,8 +1,11 @@
-"""The cluster logic of the ``mmlight`` CLI without a cluster or a training run: which checkpoint
-``--ckpt_path last`` resumes (files with set modification times), the SLURM run directory (SLURM's
-environment variables), the task-count check, the subcommand table and the checkpoint defaults."""
+"""The `mmlight` command without a cluster or a training run: the nine commands, their help and the
+nearest name for a misspelt one; which checkpoint ``--ckpt_path last`` resumes (files with set modification
+times), the SLURM run directory (SLURM's environment variables), the task-count check and the checkpoint
+defaults."""
 
+import functools
 import os
+import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -493,3 +496,85 @@ def test_the_cli_keeps_the_command_line_it_parsed(parse_only, monkeypatch):
     assert parse_only(tuple(args))._argv == args
     monkeypatch.setattr(sys, "argv", ["mmlight", *args])
     assert parse_only(None)._argv == args
+
+
+#: the commands a user can type, in the order ``mmlight --help`` lists them
+NINE = ["fit", "validate", "test", "predict", "prepare", "analyze", "sweep", "collect", "doctor"]
+
+
+def test_help_lists_every_command_with_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    listed = text.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[0] for line in listed] == NINE
+    assert all(len(line.split(maxsplit=1)[1]) > 10 for line in listed)  # a line saying what it does
+
+
+def test_no_command_shows_the_list_and_fails(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert all(f"\n  {name} " in err for name in NINE)
+
+
+@pytest.mark.parametrize("command", NINE)
+def test_every_command_has_its_own_help(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([command, "--help"])
+    assert stop.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and f" {command}" in out.splitlines()[0]
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Every command replaced by a recorder: what a test lets through is in the returned list."""
+    ran = []
+    monkeypatch.setattr(cli, "build_cli", lambda args: ran.append(("lightning", args)))
+    for name in cli.TOOLS:
+        monkeypatch.setitem(cli.TOOLS, name, cli.Tool("tests.test_cli_units:record_tool", name))
+    CALLS.clear()
+    yield ran
+    ran.extend(CALLS)
+
+
+@pytest.mark.parametrize("typed, meant", [("fitt", "fit"), ("tset", "test"), ("valdate", "validate"),
+                                          ("perdict", "predict"), ("prepair", "prepare"), ("analyse", "analyze"),
+                                          ("sweeps", "sweep"), ("colect", "collect"), ("docter", "doctor")])
+def test_a_misspelt_command_names_the_nearest_and_runs_nothing(typed, meant, nothing_runs, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([typed, "--config", "x.yaml"])
+    assert stop.value.code == 2
+    assert f"unknown command {typed!r}; did you mean {meant!r}?" in capsys.readouterr().err
+    assert nothing_runs == [] and CALLS == []
+
+
+def test_known_commands_and_leading_options_go_through(nothing_runs):
+    cli.main(["fit", "--config", "x.yaml"])
+    cli.main(["--config", "x.yaml", "validate"])  # LightningCLI's options before the command
+    cli.main(["doctor", "--quick"])
+    assert nothing_runs == [("lightning", ["fit", "--config", "x.yaml"]),
+                            ("lightning", ["--config", "x.yaml", "validate"])]
+    assert CALLS == [["--quick"]]
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The textbook recursion: the last characters deleted, inserted or matched (replaced)."""
+    @functools.cache
+    def d(i: int, j: int) -> int:
+        if min(i, j) == 0:
+            return max(i, j)
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+    return d(len(a), len(b))
+
+
+def test_edit_distance_is_levenshteins():
+    rng = random.Random(0)
+    words = ["", *("".join(rng.choice("abc") for _ in range(rng.randint(1, 7))) for _ in range(60))]
+    for a in words:
+        for b in words[:20]:
+            assert cli.edit_distance(a, b) == levenshtein(a, b), (a, b)
+    assert cli.edit_distance("kitten", "sitting") == 3
