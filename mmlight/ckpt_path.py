@@ -23,11 +23,14 @@ def check_checkpoint_file(path: str | None) -> None:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # anything torch.load raises on a file it cannot read
         reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
-                         f"(torch.load cannot read it: {reason})") from None
+        raise SystemExit(
+            f"mmlight: --ckpt_path {path} is not a Lightning checkpoint (torch.load cannot read it: {reason})"
+        ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
-                         "(a torch file without the 'state_dict' entry Lightning writes)")
+        raise SystemExit(
+            f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
+            "(a torch file without the 'state_dict' entry Lightning writes)"
+        )
 
 
 def newest_checkpoint(trainer) -> str | None:

@@ -25,10 +25,14 @@ class Tool(NamedTuple):
 
 
 TOOLS: dict[str, Tool] = {
-    "prepare": Tool("mmlight.data.prepare:main",
-                    "write a dataset's raw files as webdataset shards (imagenet, wikitext103, iwslt14, digits)"),
-    "analyze": Tool("mmlight.analysis.analyze:main",
-                    "attention statistics, figures and robustness of checkpoints on a config's data"),
+    "prepare": Tool(
+        "mmlight.data.prepare:main",
+        "write a dataset's raw files as webdataset shards (imagenet, wikitext103, iwslt14, digits)",
+    ),
+    "analyze": Tool(
+        "mmlight.analysis.analyze:main",
+        "attention statistics, figures and robustness of checkpoints on a config's data",
+    ),
     "sweep": Tool("mmlight.experiments.sweep:main", "run the cells and seeds of an experiment table"),
     "collect": Tool("mmlight.experiments.collect:main", "gather a table's final metrics into one results file"),
     "doctor": Tool("mmlight.doctor:main", "check the GPU, the Triton kernels and the image decoder on this machine"),
@@ -44,17 +48,19 @@ def overview() -> str:
     """The text of ``mmlight --help``."""
     width = max(map(len, commands()))
     lines = [f"  {name:<{width}}  {summary}" for name, summary in commands().items()]
-    return "\n".join([
-        "usage: mmlight [-c CONFIG] COMMAND [options]",
-        "",
-        "Attention reweighting (softmax, MultiMax, sparsemax, ...) as a PyTorch Lightning application.",
-        "",
-        "commands:",
-        *lines,
-        "",
-        "`mmlight COMMAND --help` shows a command's options. -c/--config and --print_config may also come",
-        "before fit, validate, test or predict, as in LightningCLI.",
-    ])
+    return "\n".join(
+        [
+            "usage: mmlight [-c CONFIG] COMMAND [options]",
+            "",
+            "Attention reweighting (softmax, MultiMax, sparsemax, ...) as a PyTorch Lightning application.",
+            "",
+            "commands:",
+            *lines,
+            "",
+            "`mmlight COMMAND --help` shows a command's options. -c/--config and --print_config may also come",
+            "before fit, validate, test or predict, as in LightningCLI.",
+        ]
+    )
 
 
 def nearest(word: str, names: list[str]) -> str:
@@ -75,8 +81,10 @@ def edit_distance(a: str, b: str) -> int:
 
 def unknown_command(word: str) -> NoReturn:
     """Stop (exit status 2) naming the nearest command; nothing has run."""
-    sys.stderr.write(f"mmlight: unknown command {word!r}; did you mean {nearest(word, list(commands()))!r}?\n"
-                     "Run `mmlight --help` for the list of commands.\n")
+    sys.stderr.write(
+        f"mmlight: unknown command {word!r}; did you mean {nearest(word, list(commands()))!r}?\n"
+        "Run `mmlight --help` for the list of commands.\n"
+    )
     raise SystemExit(2)
 
 

@@ -139,7 +139,8 @@ class MmlightCLI(LightningCLI):
         config = self.config.get(self.subcommand, self.config)
         for key, name in reweighting_names(config.model):
             if name not in available_reweightings():
-                self.parser.error(f"model.{key}: unknown reweighting {name!r}; choose one of {available_reweightings()}")
+                self.parser.error(f"model.{key}: unknown reweighting {name!r}; "
+                                  f"choose one of {available_reweightings()}")
         missing = missing_data_sizes(_import(config.model.class_path), _import(config.data.class_path))
         if missing:
             self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "

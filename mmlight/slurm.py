@@ -45,4 +45,5 @@ def check_slurm_tasks(trainer) -> None:
         raise SystemExit(
             f"mmlight: SLURM started {ntasks} task(s) on {nodes} node(s), but the trainer expects "
             f"devices={trainer.num_devices} x num_nodes={trainer.num_nodes} = {expected} process(es). "
-            "Make --ntasks-per-node equal --trainer.devices and --nodes equal --trainer.num_nodes.")
+            "Make --ntasks-per-node equal --trainer.devices and --nodes equal --trainer.num_nodes."
+        )

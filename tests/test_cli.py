@@ -253,8 +253,8 @@ def test_linked_sizes_replace_a_given_one_and_say_so(tmp_path, capsys):
 
 
 def test_a_task_whose_data_lacks_a_size_stops_before_building(capsys):
-    from mmlight.lightning_cli import missing_data_sizes
     from mmlight.data import DigitsDataModule, RecallDataModule, ToyTranslationDataModule, WikiTextDataModule
+    from mmlight.lightning_cli import missing_data_sizes
     from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
     assert missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]

@@ -17,9 +17,17 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from mmlight import cli, ckpt_path, lightning_cli
+from mmlight import ckpt_path, cli, lightning_cli
+from mmlight.callbacks import (
+    DataPosition,
+    DataWaitMonitor,
+    FinalMetrics,
+    ReweightingMonitor,
+    SkippedSamplesMonitor,
+    StepProgressBar,
+    StepSeed,
+)
 from mmlight.slurm import check_slurm_tasks, name_slurm_run, run_dir
-from mmlight.callbacks import DataPosition, DataWaitMonitor, FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor, StepProgressBar, StepSeed
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"

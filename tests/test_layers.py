@@ -111,8 +111,12 @@ def external_imports(module: str) -> set[str]:
 
 def container_of(module: str) -> tuple[int, str] | None:
     """``(layer index, container)`` of ``module``: its longest declared container, or None."""
-    matches = [(len(c), i, c) for i, layer in enumerate(LAYERS) for c in layer
-               if module == c or (c != "mmlight" and module.startswith(c + "."))]
+    matches = [
+        (len(c), i, c)
+        for i, layer in enumerate(LAYERS)
+        for c in layer
+        if module == c or (c != "mmlight" and module.startswith(c + "."))
+    ]
     return max(matches)[1:] if matches else None
 
 
@@ -142,9 +146,16 @@ def later():
     from mmlight.callbacks.step_seed import StepSeed
 '''
     names = imported_names(source, "mmlight.data.text", is_package=False)
-    assert {"mmlight.data.prepare.iwslt", "mmlight.reweighting.backend", "mmlight.reweighting.build",
-            "mmlight.data.sibling", "mmlight.tasks", "mmlight.doctor", "mmlight.callbacks.step_seed",
-            "mmlight.data.prepare.wikitext"} <= names
+    assert {
+        "mmlight.data.prepare.iwslt",
+        "mmlight.reweighting.backend",
+        "mmlight.reweighting.build",
+        "mmlight.data.sibling",
+        "mmlight.tasks",
+        "mmlight.doctor",
+        "mmlight.callbacks.step_seed",
+        "mmlight.data.prepare.wikitext",
+    } <= names
     assert "mmlight.cli" not in names and "mmlight is fine" not in names
     assert imported_names("from . import x", "mmlight.data", is_package=True) >= {"mmlight.data.x"}
     assert resolve("mmlight.reweighting.build") == "mmlight.reweighting"
@@ -155,9 +166,12 @@ def later():
 
 
 def test_the_checker_finds_an_upward_and_a_sideways_import():
-    graph = {"mmlight.nn.attention": {"mmlight.tasks.stages"}, "mmlight.models.vit": {"mmlight.data.shards"},
-             "mmlight.tasks.optim": {"mmlight.tasks.stages", "mmlight.reweighting"},
-             "mmlight.analysis.analyze": {"mmlight.lightning_cli", "mmlight.analysis.stats"}}
+    graph = {
+        "mmlight.nn.attention": {"mmlight.tasks.stages"},
+        "mmlight.models.vit": {"mmlight.data.shards"},
+        "mmlight.tasks.optim": {"mmlight.tasks.stages", "mmlight.reweighting"},
+        "mmlight.analysis.analyze": {"mmlight.lightning_cli", "mmlight.analysis.stats"},
+    }
     assert violations(graph) == [
         "mmlight.nn.attention (layer 3) imports mmlight.tasks.stages (layer 5, mmlight.tasks)",
         "mmlight.models.vit (layer 4) imports mmlight.data.shards (layer 4, mmlight.data)",
@@ -181,7 +195,8 @@ def test_kernels_import_nothing_from_the_rest_of_mmlight():
 
 def test_analysis_does_not_import_the_command():
     assert {m: imports()[m] & {"mmlight.cli"} for m in modules() if m.startswith("mmlight.analysis")} == {
-        m: set() for m in modules() if m.startswith("mmlight.analysis")}
+        m: set() for m in modules() if m.startswith("mmlight.analysis")
+    }
 
 
 def test_the_runtime_never_imports_the_preparers_benchmarks_or_tools():
@@ -218,7 +233,7 @@ def test_the_module_graph_has_no_cycle():
     on_path, done = [], set()
 
     def visit(module):
-        assert module not in on_path, f"import cycle: {' -> '.join(on_path[on_path.index(module):] + [module])}"
+        assert module not in on_path, f"import cycle: {' -> '.join(on_path[on_path.index(module) :] + [module])}"
         if module in done:
             return
         on_path.append(module)
@@ -232,12 +247,18 @@ def test_the_module_graph_has_no_cycle():
         visit(module)
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/flex.py (a benchmark's peer) and kernels/compile_check.py "
-                                       "(a build check) still live in the runtime package")
+@pytest.mark.xfail(
+    strict=True,
+    reason="kernels/flex.py (a benchmark's peer) and kernels/compile_check.py "
+    "(a build check) still live in the runtime package",
+)
 def test_every_module_is_used_by_the_runtime():
     """The package holds what the `mmlight` command, the configs and the public packages use; code used
     only by benchmarks or build checks lives beside them."""
-    config_classes = {resolve(name) for path in (REPO / "configs").rglob("*.yaml")
-                      for name in re.findall(r"mmlight(?:\.\w+)+", path.read_text(encoding="utf-8"))}
+    config_classes = {
+        resolve(name)
+        for path in (REPO / "configs").rglob("*.yaml")
+        for name in re.findall(r"mmlight(?:\.\w+)+", path.read_text(encoding="utf-8"))
+    }
     packages = {m for m, path in modules().items() if path.name == "__init__.py"}
     assert sorted(set(modules()) - reached_from({"mmlight.cli", *packages, *config_classes} - {None})) == []

@@ -12,6 +12,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mmlight.analysis.metrics import cdf_from_histogram
@@ -29,9 +30,8 @@ def new_figure(figsize: tuple[float, float]):
     return Figure(figsize=figsize)
 
 
-def to_image(fig) -> "numpy.ndarray":
+def to_image(fig) -> np.ndarray:
     """The rendered figure as an ``(H, W, 3)`` uint8 array (what TensorBoard's ``add_image`` takes)."""
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)
@@ -68,7 +68,7 @@ def save(fig, out: Path, name: str) -> str:
 def by_kind(stats: dict, metric: str) -> dict[str, tuple[list[int], list[float]]]:
     """``{kind: (layers, values)}`` of a per-layer site metric, None values left out."""
     found: dict[str, tuple[list[int], list[float]]] = {}
-    for site, entry in stats["sites"].items():
+    for entry in stats["sites"].values():
         value = entry["metrics"].get(metric)
         if value is not None:
             xs, ys = found.setdefault(entry["kind"], ([], []))

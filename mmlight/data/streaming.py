@@ -25,8 +25,9 @@ import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterable, Iterator
 from itertools import islice
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import lightning as L
 import numpy as np
