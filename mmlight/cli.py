@@ -91,16 +91,20 @@ def unknown_command(word: str) -> NoReturn:
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``mmlight`` console script; ``args`` lets tests call it in-process."""
     argv = sys.argv[1:] if args is None else args
-    first = argv[0] if isinstance(argv, (list, tuple)) and argv else None
-    if first in TOOLS:
-        module, function = TOOLS[first].target.split(":")
+    is_list = isinstance(argv, (list, tuple))  # LightningCLI also takes a dict or a Namespace of arguments
+    command = argv[0] if is_list and argv else None
+    if command in TOOLS:
+        module, function = TOOLS[command].target.split(":")
         getattr(importlib.import_module(module), function)(list(argv[1:]))
         return
-    if (first is None and isinstance(argv, (list, tuple))) or first in ("-h", "--help"):
-        print(overview(), file=sys.stdout if first else sys.stderr)
-        raise SystemExit(0 if first else 2)
-    if first is not None and not first.startswith("-") and first not in TRAINER_COMMANDS:
-        unknown_command(first)
+    if command in ("-h", "--help"):
+        print(overview())
+        raise SystemExit(0)
+    if is_list and not argv:
+        print(overview(), file=sys.stderr)
+        raise SystemExit(2)
+    if command and not command.startswith("-") and command not in TRAINER_COMMANDS:
+        unknown_command(command)  # options first (-c CONFIG fit) are LightningCLI's to read
     build_cli(args)
     close_process_group()
 
