@@ -1,313 +1,110 @@
-"""The ``mmlight`` command: a LightningCLI with ``fit``, ``validate``, ``test`` and ``predict``,
-plus ``mmlight prepare <dataset> --src RAW --out SHARDS`` (see :mod:`mmlight.data.prepare`).
+"""The ``mmlight`` command: nine commands, each with ``--help``.
 
-Model and data are given in subclass mode, so a config names them by ``class_path``::
-
-    model:
-      class_path: mmlight.tasks.ImageClassifier
-    data:
-      class_path: mmlight.data.DigitsDataModule
+``fit``, ``validate``, ``test`` and ``predict`` are the LightningCLI of :mod:`mmlight.lightning_cli`;
+``prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor`` are tools with parsers of their own
+(:data:`TOOLS`), imported only when named. ``mmlight --help`` lists all nine; a misspelt command stops
+with the nearest name, exit status 2, before anything runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import os
 import sys
-import typing
-from pathlib import Path
+from typing import NamedTuple, NoReturn
 
-from lightning import LightningDataModule, LightningModule
-from jsonargparse import Namespace, lazy_instance
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType
 
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.loggers import TensorBoardLogger
-
-# Imported so that their classes are known to the parser by their short names too.
-import mmlight.data  # noqa: F401
-import mmlight.tasks  # noqa: F401
-from mmlight.reweighting import available as available_reweightings
-from mmlight.callbacks import (DataPosition, DataWaitMonitor, FinalMetrics, LastCheckpoint, ReweightingMonitor,
-                               SkippedSamplesMonitor, StepProgressBar, StepSeed)
+from mmlight.lightning_cli import TRAINER_COMMANDS, build_cli
 
 
-def trainer_defaults() -> dict:
-    """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
-    ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
-    the count of skipped corrupt samples, a one-time warning when the step waits on the data loader,
-    the final metrics printed, the per-step seeding of dropout and mixup
-    (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
-    (:class:`~mmlight.callbacks.DataPosition`)."""
-    return {
-        "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
-        "callbacks": [
-            lazy_instance(StepProgressBar),
-            lazy_instance(LearningRateMonitor, logging_interval="step"),
-            lazy_instance(ReweightingMonitor),
-            lazy_instance(SkippedSamplesMonitor),
-            lazy_instance(DataWaitMonitor),
-            lazy_instance(FinalMetrics),
-            lazy_instance(StepSeed),
-            lazy_instance(DataPosition),
-        ],
-    }
+class Tool(NamedTuple):
+    """A command outside LightningCLI."""
+
+    target: str  #: ``module:function``, called with the rest of the command line
+    summary: str  #: the line ``mmlight --help`` shows
 
 
-class MmlightCLI(LightningCLI):
-    """LightningCLI plus what a cluster run needs.
-
-    * ``last_checkpoint`` (``last.ckpt`` every N steps and at epoch ends, written atomically) and
-      ``best_checkpoint`` (best by a validation metric) are config groups of their own;
-    * under SLURM the TensorBoard version is ``slurm-<job id>``, and the trainer's root directory is
-      that run directory, so a requeued job (same id) finds its checkpoints there;
-    * ``--ckpt_path last`` resumes from the newest of ``last.ckpt`` and Lightning's
-      ``hpc_ckpt_*.ckpt`` (written on SLURM's warning signal) of any version of the run's name,
-      and starts fresh when there is none;
-    * a ``--ckpt_path`` file that is missing or not a Lightning checkpoint stops the run at once,
-      naming the file;
-    * SLURM task counts that disagree with ``devices x num_nodes`` stop the run at once;
-    * with ``--ckpt_path``, Lightning rebuilds the model from the checkpoint's hyperparameters, which
-      would silently override the command line; ``--model.*`` options given on the command line
-      (e.g. ``--model.init_args.beam.beam_size 10`` for ``test``) are applied after them;
-    * sizes the data defines are linked into the model when the data is instantiated (see
-      :data:`DATA_SIZES`), so a config works on any prepared data without editing.
-    """
-
-    def parse_arguments(self, parser, args) -> None:
-        self._argv = list(sys.argv[1:] if args is None else args) if isinstance(args, (list, tuple, type(None))) else []
-        super().parse_arguments(parser, args)
-
-    def _parse_ckpt_path(self) -> None:
-        subcommand = self.config.get("subcommand")
-        if subcommand:
-            check_checkpoint_file(self.config[subcommand].get("ckpt_path"))
-        super()._parse_ckpt_path()
-        subcommand = self.config.get("subcommand")
-        overrides = model_options(getattr(self, "_argv", []))
-        if subcommand and overrides and self.config[subcommand].get("ckpt_path"):
-            self.config = self.parser.parse_args([subcommand, *overrides], namespace=self.config)
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
-        parser.set_defaults({"last_checkpoint.save_last": True, "last_checkpoint.save_top_k": 0,
-                             "last_checkpoint.every_n_train_steps": 1000})
-        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
-        parser.set_defaults({"best_checkpoint.monitor": "val/top1", "best_checkpoint.mode": "max",
-                             "best_checkpoint.filename": "best-{epoch}-{step}", "best_checkpoint.save_top_k": 1,
-                             "best_checkpoint.auto_insert_metric_name": False})
-        for data_attribute, model_key in DATA_SIZES.items():
-            # skipped when the DataModule has no such attribute (missing_data_sizes checks it is not needed)
-            parser.link_arguments(f"data.{data_attribute}", f"model.init_args.model.{model_key}",
-                                  apply_on="instantiate")
-
-    def instantiate_classes(self) -> None:
-        config = self.config.get(self.subcommand, self.config)
-        given = config.get("model.init_args.model") or {}  # before the links replace them
-        defaults = model_config_defaults(_import(config.model.class_path))
-        try:
-            super().instantiate_classes()
-        except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
-            self.parser.error(str(err))
-        for data_attribute, model_key in DATA_SIZES.items():
-            value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
-            # the parsed config holds the dataclass default where nothing was given: not worth a word
-            if value is not None and value != defaults.get(model_key) and linked is not None and value != linked:
-                print(f"mmlight: model.{model_key}={value} was given, but the size is linked from the "
-                      f"data: {model_key}={linked} is used")
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config.get(self.subcommand, self.config)
-        for key, name in reweighting_names(config.model):
-            if name not in available_reweightings():
-                self.parser.error(f"model.{key}: unknown reweighting {name!r}; choose one of {available_reweightings()}")
-        missing = missing_data_sizes(_import(config.model.class_path), _import(config.data.class_path))
-        if missing:
-            self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
-                              f"{config.data.class_path} has no such attribute")
-        name_slurm_run(config, self.subcommand)
-
-    def before_fit(self) -> None:
-        check_slurm_tasks(self.trainer)
-        config = self.config[self.subcommand]
-        if config.get("ckpt_path") == "last":
-            config_init = self.config_init[self.subcommand]
-            config_init["ckpt_path"] = newest_checkpoint(self.trainer)
-            check_checkpoint_file(config_init["ckpt_path"])
-            print(f"mmlight: --ckpt_path last -> {config_init['ckpt_path'] or 'no checkpoint yet, starting fresh'}")
+TOOLS: dict[str, Tool] = {
+    "prepare": Tool(
+        "mmlight.data.prepare:main",
+        "write a dataset's raw files as webdataset shards (imagenet, wikitext103, iwslt14, digits)",
+    ),
+    "analyze": Tool(
+        "mmlight.analysis.analyze:main",
+        "attention statistics, figures and robustness of checkpoints on a config's data",
+    ),
+    "sweep": Tool("mmlight.experiments.sweep:main", "run the cells and seeds of an experiment table"),
+    "collect": Tool("mmlight.experiments.collect:main", "gather a table's final metrics into one results file"),
+    "doctor": Tool("mmlight.doctor:main", "check the GPU, the Triton kernels and the image decoder on this machine"),
+}
 
 
-#: DataModule attribute -> the model config key it sets (``model.init_args.model.<key>``), read once the
-#: DataModule exists. A link is skipped when the DataModule has no such attribute or the task's model
-#: config no such key, so each task takes the sizes it has: the LM and the translator the vocabulary,
-#: the image classifier the class count.
-DATA_SIZES = {"vocab_size": "vocab_size", "num_classes": "num_classes"}
+def commands() -> dict[str, str]:
+    """Every command, in the order ``mmlight --help`` lists them -> its one line."""
+    return {**TRAINER_COMMANDS, **{name: tool.summary for name, tool in TOOLS.items()}}
 
 
-def model_config_class(model_class: type) -> type | None:
-    """The dataclass type of ``model_class``'s ``model`` argument, or None for a task without one."""
-    config_class = typing.get_type_hints(model_class.__init__).get("model")
-    return config_class if dataclasses.is_dataclass(config_class) else None
-
-
-def model_config_defaults(model_class: type) -> dict:
-    """Field name -> default of ``model_class``'s ``model`` config (fields without one left out)."""
-    config_class = model_config_class(model_class)
-    fields = dataclasses.fields(config_class) if config_class else ()
-    return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-
-
-def missing_data_sizes(model_class: type, data_class: type) -> list[str]:
-    """The :data:`DATA_SIZES` attributes that ``model_class``'s ``model`` config needs and
-    ``data_class`` does not define."""
-    config_class = model_config_class(model_class)
-    keys = {f.name for f in dataclasses.fields(config_class)} if config_class else set()
-    return [attr for attr, key in DATA_SIZES.items() if key in keys and not hasattr(data_class, attr)]
-
-
-def _import(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-#: ``--ckpt_path`` values that Lightning resolves itself
-SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
-
-
-def check_checkpoint_file(path: str | None) -> None:
-    """Stop before any work when ``--ckpt_path`` names a local file that is missing or is not a
-    Lightning checkpoint (torch.load would fail later with e.g. "Unsupported operand 103"). Special
-    values (``last``, ``best``, ...) and remote URLs are left to Lightning."""
-    if not path or path in SPECIAL_CKPT_PATHS or path.startswith("registry:") or "://" in path:
-        return
-    import torch
-
-    if not Path(path).is_file():
-        raise SystemExit(f"mmlight: --ckpt_path {path}: no such file")
-    try:  # memory-mapped: the tensors are not read
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # anything torch.load raises on a file it cannot read
-        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
-                         f"(torch.load cannot read it: {type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise SystemExit(f"mmlight: --ckpt_path {path} is not a Lightning checkpoint "
-                         "(a torch file without the 'state_dict' entry Lightning writes)")
-
-
-def name_slurm_run(config, subcommand: str) -> None:
-    """Under SLURM, ``fit`` logs to version ``slurm-<job id>`` and uses that run directory as the
-    trainer's root, where Lightning writes ``hpc_ckpt_*.ckpt``: a requeued job (same id) finds them.
-    A version or root directory given by the user is kept."""
-    job_id = os.environ.get("SLURM_JOB_ID")
-    logger = config.trainer.get("logger")
-    if job_id and subcommand == "fit" and getattr(logger, "init_args", None) is not None:
-        if logger.init_args.get("version") is None:
-            logger.init_args.version = f"slurm-{job_id}"
-        if config.trainer.get("default_root_dir") is None:
-            config.trainer.default_root_dir = str(run_dir(logger.init_args))
-
-
-def reweighting_names(config, prefix: str = "") -> list[tuple[str, str]]:
-    """``(key, name)`` of every reweighting spec (a ``{name, options}`` entry) in a parsed config,
-    so that a misspelt function stops the run at parse time, naming its key."""
-    found = []
-    for key, value in _entries(config).items():
-        fields = _entries(value)
-        if set(fields) == {"name", "options"}:
-            found.append((f"{prefix}{key}.name", fields["name"]))
-        elif fields:
-            found += reweighting_names(value, f"{prefix}{key}.")
-    return found
-
-
-def _entries(value) -> dict:
-    """The keys of a config node (a jsonargparse Namespace or a dict); {} for a leaf."""
-    return vars(value) if isinstance(value, Namespace) else value if isinstance(value, dict) else {}
-
-
-def model_options(argv: list[str]) -> list[str]:
-    """The ``--model.*`` options of a command line (``--model.x=1`` or ``--model.x 1``)."""
-    picked = []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--model."):
-            picked += [arg] if "=" in arg or i + 1 == len(argv) else [arg, argv[i + 1]]
-    return picked
-
-
-def run_dir(logger_args) -> Path:
-    """``save_dir/name/version`` of a TensorBoard logger's arguments."""
-    return Path(logger_args.get("save_dir") or ".") / (logger_args.get("name") or "") / str(logger_args.get("version"))
-
-
-def newest_checkpoint(trainer) -> str | None:
-    """The most recently written resume point of this run, or None.
-
-    With a logger, that is any ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` under the run's name (every
-    version; under SLURM the trainer's root directory is one of them), plus the ``hpc_ckpt_*.ckpt``
-    that Lightning writes directly into the root directory. Only without a logger is the root
-    directory searched recursively: it defaults to the working directory, where other runs'
-    checkpoints may live.
-    """
-    root = Path(trainer.default_root_dir)
-    patterns = ("**/last*.ckpt", "**/hpc_ckpt_*.ckpt")
-    if trainer.logger is not None and trainer.logger.log_dir is not None:
-        searches = [(Path(trainer.logger.log_dir).parent, patterns), (root, ("hpc_ckpt_*.ckpt",))]
-    else:
-        searches = [(root, patterns)]
-    found = {p for folder, globs in searches if folder.is_dir() for pattern in globs for p in folder.glob(pattern)}
-    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
-
-
-def check_slurm_tasks(trainer) -> None:
-    """Under SLURM, stop when the job's task counts do not match the trainer: Lightning would
-    otherwise wait forever at "initializing distributed" for processes that never start."""
-    if not SLURMEnvironment.detect():
-        return
-    ntasks = int(os.environ["SLURM_NTASKS"])  # detect() is true only when it is set
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
-    expected = trainer.num_devices * trainer.num_nodes
-    if ntasks != expected or nodes != trainer.num_nodes:
-        raise SystemExit(
-            f"mmlight: SLURM started {ntasks} task(s) on {nodes} node(s), but the trainer expects "
-            f"devices={trainer.num_devices} x num_nodes={trainer.num_nodes} = {expected} process(es). "
-            "Make --ntasks-per-node equal --trainer.devices and --nodes equal --trainer.num_nodes.")
-
-
-def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
-    """Parse ``args`` (``sys.argv`` by default), build model, data and trainer, and run the subcommand."""
-    return MmlightCLI(
-        model_class=LightningModule,
-        datamodule_class=LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},  # a requeued job rewrites its config.yaml
-        trainer_defaults=trainer_defaults(),
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
+def overview() -> str:
+    """The text of ``mmlight --help``."""
+    width = max(map(len, commands()))
+    lines = [f"  {name:<{width}}  {summary}" for name, summary in commands().items()]
+    return "\n".join(
+        [
+            "usage: mmlight [-c CONFIG] COMMAND [options]",
+            "",
+            "Attention reweighting (softmax, MultiMax, sparsemax, ...) as a PyTorch Lightning application.",
+            "",
+            "commands:",
+            *lines,
+            "",
+            "`mmlight COMMAND --help` shows a command's options. -c/--config and --print_config may also come",
+            "before fit, validate, test or predict, as in LightningCLI.",
+        ]
     )
 
 
-#: Subcommands outside LightningCLI: name -> ``module:function``, called with the remaining argv.
-TOOLS: dict[str, str] = {
-    "prepare": "mmlight.data.prepare:main",
-    "analyze": "mmlight.analysis.analyze:main",
-    "doctor": "mmlight.doctor:main",
-    "sweep": "mmlight.experiments.sweep:main",
-    "collect": "mmlight.experiments.collect:main",
-}
+def nearest(word: str, names: list[str]) -> str:
+    """The name with the fewest single-character insertions, deletions and substitutions from ``word``
+    (the first such name on a tie)."""
+    return min(names, key=lambda name: edit_distance(word, name))
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance between ``a`` and ``b``, one row of the table at a time."""
+    row = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, start=1):
+        previous, row[0] = row[0], i
+        for j, char_b in enumerate(b, start=1):
+            previous, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, previous + (char_a != char_b))
+    return row[-1]
+
+
+def unknown_command(word: str) -> NoReturn:
+    """Stop (exit status 2) naming the nearest command; nothing has run."""
+    sys.stderr.write(
+        f"mmlight: unknown command {word!r}; did you mean {nearest(word, list(commands()))!r}?\n"
+        "Run `mmlight --help` for the list of commands.\n"
+    )
+    raise SystemExit(2)
 
 
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``mmlight`` console script; ``args`` lets tests call it in-process."""
     argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, list) and argv[:1] and argv[0] in TOOLS:
-        module, function = TOOLS[argv[0]].split(":")
-        getattr(importlib.import_module(module), function)(argv[1:])
+    is_list = isinstance(argv, (list, tuple))  # LightningCLI also takes a dict or a Namespace of arguments
+    command = argv[0] if is_list and argv else None
+    if command in TOOLS:
+        module, function = TOOLS[command].target.split(":")
+        getattr(importlib.import_module(module), function)(list(argv[1:]))
         return
+    if command in ("-h", "--help"):
+        print(overview())
+        raise SystemExit(0)
+    if is_list and not argv:
+        print(overview(), file=sys.stderr)
+        raise SystemExit(2)
+    if command and not command.startswith("-") and command not in TRAINER_COMMANDS:
+        unknown_command(command)  # options first (-c CONFIG fit) are LightningCLI's to read
     build_cli(args)
     close_process_group()
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from mmlight.cli import build_cli, main
+from mmlight.cli import main
+from mmlight.lightning_cli import build_cli
 from tests.text_fixtures import FIXTURE_BATCHES, vocab_size, write_text_shard_sets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,8 +253,8 @@ def test_linked_sizes_replace_a_given_one_and_say_so(tmp_path, capsys):
 
 
 def test_a_task_whose_data_lacks_a_size_stops_before_building(capsys):
-    from mmlight.cli import missing_data_sizes
     from mmlight.data import DigitsDataModule, RecallDataModule, ToyTranslationDataModule, WikiTextDataModule
+    from mmlight.lightning_cli import missing_data_sizes
     from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
     assert missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
@@ -277,7 +278,7 @@ def test_unprepared_data_stops_with_the_file_it_expected(tmp_path, capsys):
 
 
 def test_model_options_of_a_command_line():
-    from mmlight.cli import model_options
+    from mmlight.lightning_cli import model_options
 
     argv = ["test", "--config", "c.yaml", "--model.init_args.beam.beam_size", "10", "--ckpt_path", "x.ckpt",
             "--model.init_args.output_dir=out", "--trainer.devices", "1"]

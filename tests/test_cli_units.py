@@ -1,8 +1,11 @@
-"""The cluster logic of the ``mmlight`` CLI without a cluster or a training run: which checkpoint
-``--ckpt_path last`` resumes (files with set modification times), the SLURM run directory (SLURM's
-environment variables), the task-count check, the subcommand table and the checkpoint defaults."""
+"""The `mmlight` command without a cluster or a training run: the nine commands, their help and the
+nearest name for a misspelt one; which checkpoint ``--ckpt_path last`` resumes (files with set modification
+times), the SLURM run directory (SLURM's environment variables), the task-count check and the checkpoint
+defaults."""
 
+import functools
 import os
+import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,8 +17,17 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from mmlight import cli
-from mmlight.callbacks import DataPosition, DataWaitMonitor, FinalMetrics, ReweightingMonitor, SkippedSamplesMonitor, StepProgressBar, StepSeed
+from mmlight import ckpt_path, cli, lightning_cli
+from mmlight.callbacks import (
+    DataPosition,
+    DataWaitMonitor,
+    FinalMetrics,
+    ReweightingMonitor,
+    SkippedSamplesMonitor,
+    StepProgressBar,
+    StepSeed,
+)
+from mmlight.slurm import check_slurm_tasks, name_slurm_run, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -50,14 +62,14 @@ def test_newest_checkpoint_is_the_most_recently_written_of_any_version(tmp_path)
     touch(run / "version_2" / "checkpoints" / "best-0-5.ckpt", 9000)  # not a resume point
     touch(run / "version_2" / "checkpoints" / "epoch=0.ckpt", 9000)
     trainer = trainer_at(tmp_path / "elsewhere", log_dir=run / "version_3")  # the new run's version
-    assert cli.newest_checkpoint(trainer) == str(newest)
+    assert ckpt_path.newest_checkpoint(trainer) == str(newest)
     # Lightning's hpc_ckpt_*.ckpt (SLURM's warning signal) in the root directory, once it is newer
     hpc = touch(tmp_path / "elsewhere" / "hpc_ckpt_2.ckpt", 2500)
-    assert cli.newest_checkpoint(trainer) == str(newest)
+    assert ckpt_path.newest_checkpoint(trainer) == str(newest)
     os.utime(hpc, (4000, 4000))
-    assert cli.newest_checkpoint(trainer) == str(hpc)
+    assert ckpt_path.newest_checkpoint(trainer) == str(hpc)
     os.utime(run / "version_0" / "checkpoints" / "last.ckpt", (5000, 5000))  # oldest name, newest file
-    assert cli.newest_checkpoint(trainer) == str(run / "version_0" / "checkpoints" / "last.ckpt")
+    assert ckpt_path.newest_checkpoint(trainer) == str(run / "version_0" / "checkpoints" / "last.ckpt")
 
 
 def test_newest_checkpoint_never_takes_another_runs_checkpoint_under_the_root(tmp_path):
@@ -66,20 +78,20 @@ def test_newest_checkpoint_never_takes_another_runs_checkpoint_under_the_root(tm
     other = touch(tmp_path / "runs" / "other_run" / "version_0" / "checkpoints" / "last.ckpt", 9000)
     mine = touch(tmp_path / "runs" / "mine" / "version_0" / "checkpoints" / "last.ckpt", 1000)
     trainer = trainer_at(tmp_path, log_dir=tmp_path / "runs" / "mine" / "version_1")
-    assert cli.newest_checkpoint(trainer) == str(mine)
+    assert ckpt_path.newest_checkpoint(trainer) == str(mine)
     touch(tmp_path / "sub" / "hpc_ckpt_3.ckpt", 9500)  # not written by Lightning for this root
-    assert cli.newest_checkpoint(trainer) == str(mine)
+    assert ckpt_path.newest_checkpoint(trainer) == str(mine)
     hpc = touch(tmp_path / "hpc_ckpt_1.ckpt", 2000)
-    assert cli.newest_checkpoint(trainer) == str(hpc)
-    assert cli.newest_checkpoint(trainer_at(tmp_path)) == str(other.parent.parent.parent.parent.parent / "sub" / "hpc_ckpt_3.ckpt")
+    assert ckpt_path.newest_checkpoint(trainer) == str(hpc)
+    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path)) == str(other.parent.parent.parent.parent.parent / "sub" / "hpc_ckpt_3.ckpt")
 
 
 def test_newest_checkpoint_searches_the_root_without_a_logger_and_finds_none_in_an_empty_run(tmp_path):
-    assert cli.newest_checkpoint(trainer_at(tmp_path / "missing")) is None
-    assert cli.newest_checkpoint(trainer_at(tmp_path, log_dir=tmp_path / "runs" / "x" / "version_0")) is None
+    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path / "missing")) is None
+    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path, log_dir=tmp_path / "runs" / "x" / "version_0")) is None
     hpc = touch(tmp_path / "slurm-9" / "hpc_ckpt_1.ckpt", 100)
-    assert cli.newest_checkpoint(trainer_at(tmp_path)) == str(hpc)
-    assert cli.newest_checkpoint(SimpleNamespace(default_root_dir=str(tmp_path),
+    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path)) == str(hpc)
+    assert ckpt_path.newest_checkpoint(SimpleNamespace(default_root_dir=str(tmp_path),
                                                  logger=SimpleNamespace(log_dir=None))) == str(hpc)
 
 
@@ -87,7 +99,7 @@ def test_before_fit_resumes_the_newest_checkpoint_for_ckpt_path_last(tmp_path, c
     def fit(ckpt_path):
         stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=1, num_nodes=1), subcommand="fit",
                                    config={"fit": {"ckpt_path": ckpt_path}}, config_init={"fit": {"ckpt_path": ckpt_path}})
-        cli.MmlightCLI.before_fit(stand_in)
+        lightning_cli.MmlightCLI.before_fit(stand_in)
         return stand_in.config_init["fit"]["ckpt_path"], capsys.readouterr().out
 
     assert fit("last") == (None, "mmlight: --ckpt_path last -> no checkpoint yet, starting fresh\n")
@@ -119,7 +131,7 @@ def slurm(monkeypatch, ntasks: str, nodes: str | None, job_name: str = "train", 
 ])
 def test_matching_slurm_task_counts_pass(monkeypatch, ntasks, nodes, nodes_var, devices, num_nodes):
     slurm(monkeypatch, ntasks, nodes, nodes_var=nodes_var)
-    cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+    check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
 
 
 @pytest.mark.parametrize("ntasks, nodes, devices, num_nodes, said", [
@@ -130,20 +142,20 @@ def test_matching_slurm_task_counts_pass(monkeypatch, ntasks, nodes, nodes_var, 
 def test_mismatched_slurm_task_counts_stop_the_run(monkeypatch, ntasks, nodes, devices, num_nodes, said):
     slurm(monkeypatch, ntasks, nodes)
     with pytest.raises(SystemExit) as exit_info:
-        cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+        check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
     assert str(exit_info.value) == (f"mmlight: SLURM started {said}. Make --ntasks-per-node equal --trainer.devices "
                                     "and --nodes equal --trainer.num_nodes.")
     monkeypatch.setenv("SLURM_NNODES", "7")  # SLURM_JOB_NUM_NODES wins over the older name
     if nodes is not None:
         with pytest.raises(SystemExit, match=f"on {nodes} node"):
-            cli.check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
+            check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
 
 
 def test_no_task_check_outside_slurm_or_in_an_interactive_allocation(monkeypatch):
     wrong = SimpleNamespace(num_devices=8, num_nodes=4)
-    cli.check_slurm_tasks(wrong)  # no SLURM variables at all
+    check_slurm_tasks(wrong)  # no SLURM variables at all
     slurm(monkeypatch, "1", "1", job_name="interactive")  # Lightning does not take this for a SLURM launch
-    cli.check_slurm_tasks(wrong)
+    check_slurm_tasks(wrong)
 
 
 def fit_config(version=None, default_root_dir=None, logger=True) -> Namespace:
@@ -153,7 +165,7 @@ def fit_config(version=None, default_root_dir=None, logger=True) -> Namespace:
 
 
 def instantiate(config: Namespace, subcommand: str = "fit") -> Namespace:
-    cli.name_slurm_run(config[subcommand], subcommand)
+    name_slurm_run(config[subcommand], subcommand)
     return config[subcommand].trainer
 
 
@@ -179,14 +191,14 @@ def test_no_run_directory_outside_slurm():
 
 
 def test_run_dir_of_logger_arguments():
-    assert cli.run_dir({"save_dir": "runs", "name": "lm", "version": "slurm-1"}) == Path("runs/lm/slurm-1")
-    assert cli.run_dir({"save_dir": None, "name": None, "version": 3}) == Path("3")
+    assert run_dir({"save_dir": "runs", "name": "lm", "version": "slurm-1"}) == Path("runs/lm/slurm-1")
+    assert run_dir({"save_dir": None, "name": None, "version": 3}) == Path("3")
 
 
 def test_model_options_of_a_command_line_edges():
-    assert cli.model_options([]) == []
-    assert cli.model_options(["fit", "--model.init_args.lr"]) == ["--model.init_args.lr"]  # last, no value
-    assert cli.model_options(["--model.a=1", "--model.b", "2", "--data.c", "3"]) == ["--model.a=1", "--model.b", "2"]
+    assert lightning_cli.model_options([]) == []
+    assert lightning_cli.model_options(["fit", "--model.init_args.lr"]) == ["--model.init_args.lr"]  # last, no value
+    assert lightning_cli.model_options(["--model.a=1", "--model.b", "2", "--data.c", "3"]) == ["--model.a=1", "--model.b", "2"]
 
 
 CALLS = []
@@ -197,18 +209,18 @@ def record_tool(argv):
 
 
 def test_tools_table_dispatches_the_rest_of_the_command_line(monkeypatch):
-    monkeypatch.setitem(cli.TOOLS, "probe", "tests.test_cli_units:record_tool")
+    monkeypatch.setitem(cli.TOOLS, "probe", cli.Tool("tests.test_cli_units:record_tool", "a probe"))
     CALLS.clear()
     cli.main(["probe", "--src", "raw", "x"])
     assert CALLS == [["--src", "raw", "x"]]
     from mmlight.data.prepare import main as prepare_main
 
-    module, function = cli.TOOLS["prepare"].split(":")
+    module, function = cli.TOOLS["prepare"].target.split(":")
     assert getattr(__import__(module, fromlist=[function]), function) is prepare_main
 
 
 def test_trainer_defaults():
-    defaults = cli.trainer_defaults()
+    defaults = lightning_cli.trainer_defaults()
     logger = defaults["logger"]
     assert isinstance(logger, TensorBoardLogger) and logger._lazy_kwargs == {"save_dir": "runs", "name": "mmlight"}
     callbacks = defaults["callbacks"]
@@ -234,10 +246,10 @@ def test_checkpoint_groups_and_their_defaults(capsys):
 @pytest.fixture
 def parse_only(monkeypatch):
     """build_cli that parses (and runs the hooks before instantiation) but builds and runs nothing."""
-    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
-    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
-    monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)
-    return lambda args: cli.build_cli(args)
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)
+    return lambda args: lightning_cli.build_cli(args)
 
 
 def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, parse_only, monkeypatch):
@@ -272,12 +284,12 @@ def test_how_the_cli_is_built(parse_only):
     assert built.auto_configure_optimizers is False and built.seed_everything_default == 0
     assert built.subcommand == "fit" and built.config.fit.model.class_path == "mmlight.tasks.ImageClassifier"
     callbacks = built.trainer_defaults["callbacks"]  # given to the Trainer when it is built
-    assert [type(c).__name__ for c in callbacks] == [type(c).__name__ for c in cli.trainer_defaults()["callbacks"]]
+    assert [type(c).__name__ for c in callbacks] == [type(c).__name__ for c in lightning_cli.trainer_defaults()["callbacks"]]
     assert isinstance(built.trainer_defaults["logger"], TensorBoardLogger)
 
 
 def test_main_reads_sys_argv(monkeypatch):
-    monkeypatch.setitem(cli.TOOLS, "probe", "tests.test_cli_units:record_tool")
+    monkeypatch.setitem(cli.TOOLS, "probe", cli.Tool("tests.test_cli_units:record_tool", "a probe"))
     monkeypatch.setattr(sys, "argv", ["mmlight", "probe", "--x", "1"])
     CALLS.clear()
     cli.main()
@@ -289,14 +301,14 @@ def test_before_fit_checks_the_slurm_task_counts(tmp_path, monkeypatch):
     stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=2, num_nodes=1), subcommand="fit",
                                config={"fit": {"ckpt_path": None}}, config_init={"fit": {"ckpt_path": None}})
     with pytest.raises(SystemExit, match="SLURM started 1 task"):
-        cli.MmlightCLI.before_fit(stand_in)
+        lightning_cli.MmlightCLI.before_fit(stand_in)
 
 
 def test_without_a_subcommand_the_whole_config_is_the_subcommands(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "5")
-    monkeypatch.setattr(cli.MmlightCLI, "instantiate_classes", lambda self: None)
-    monkeypatch.setattr(cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
-    built = cli.build_cli(["--config", str(DIGITS)], run=False)  # LightningCLI(run=False): no subcommand
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "after_instantiate_classes", lambda self: None)
+    built = lightning_cli.build_cli(["--config", str(DIGITS)], run=False)  # LightningCLI(run=False): no subcommand
     assert built.subcommand is None
     assert built.config.trainer.logger.init_args.version is None  # only fit names a run
 
@@ -326,13 +338,13 @@ class NotAWeight:
                                   "s3://bucket/run/last.ckpt", "https://host/last.ckpt"])
 def test_check_checkpoint_file_leaves_special_values_and_urls_to_lightning(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # none of these names a file here
-    assert cli.check_checkpoint_file(path) is None
+    assert ckpt_path.check_checkpoint_file(path) is None
 
 
 def test_check_checkpoint_file_stops_on_a_missing_file_or_a_folder(tmp_path):
     for path in (tmp_path / "none.ckpt", tmp_path):
         with pytest.raises(SystemExit) as stop:
-            cli.check_checkpoint_file(str(path))
+            ckpt_path.check_checkpoint_file(str(path))
         assert str(stop.value) == f"mmlight: --ckpt_path {path}: no such file"
 
 
@@ -340,18 +352,18 @@ def test_check_checkpoint_file_stops_on_files_that_are_not_lightning_checkpoints
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint\n")
     with pytest.raises(SystemExit) as stop:
-        cli.check_checkpoint_file(str(text))
+        ckpt_path.check_checkpoint_file(str(text))
     said = str(stop.value)
     assert said.startswith(f"mmlight: --ckpt_path {text} is not a Lightning checkpoint (torch.load cannot read it: ")
     assert "\n" not in said
     unsafe = tmp_path / "unsafe.ckpt"  # loadable only by unpickling arbitrary objects
     torch.save({"state_dict": {}, "extra": NotAWeight()}, unsafe)
     with pytest.raises(SystemExit, match="cannot read it: UnpicklingError"):
-        cli.check_checkpoint_file(str(unsafe))
+        ckpt_path.check_checkpoint_file(str(unsafe))
     for name, content in (("weights.pt", {"weight": torch.zeros(2)}), ("list.pt", [torch.zeros(2)])):
         torch.save(content, tmp_path / name)
         with pytest.raises(SystemExit) as stop:
-            cli.check_checkpoint_file(str(tmp_path / name))
+            ckpt_path.check_checkpoint_file(str(tmp_path / name))
         assert str(stop.value) == (f"mmlight: --ckpt_path {tmp_path / name} is not a Lightning checkpoint "
                                    "(a torch file without the 'state_dict' entry Lightning writes)")
 
@@ -361,7 +373,7 @@ def test_check_checkpoint_file_quotes_the_first_line_of_the_error_cut_at_200_cha
     path.write_bytes(b"x")
     monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(ValueError("e" * 300 + "\nsecond line")))
     with pytest.raises(SystemExit) as stop:
-        cli.check_checkpoint_file(str(path))
+        ckpt_path.check_checkpoint_file(str(path))
     assert str(stop.value).endswith(f"(torch.load cannot read it: ValueError: {'e' * 200})")
 
 
@@ -371,7 +383,7 @@ def test_check_checkpoint_file_accepts_a_checkpoint_and_reads_no_tensor(tmp_path
     calls = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
-    assert cli.check_checkpoint_file(str(path)) is None
+    assert ckpt_path.check_checkpoint_file(str(path)) is None
     assert calls == [{"map_location": "cpu", "weights_only": True, "mmap": True}]  # mapped, on the CPU, no pickles
 
 
@@ -380,7 +392,7 @@ LM = ROOT / "configs" / "quickstart" / "lm_multimax.yaml"
 
 def instantiated(args, capsys):
     """The CLI with its classes built (no subcommand, no logger), and what it printed."""
-    built = cli.build_cli([*args, "--trainer.logger", "false"], run=False)
+    built = lightning_cli.build_cli([*args, "--trainer.logger", "false"], run=False)
     return built, capsys.readouterr().out
 
 
@@ -394,8 +406,8 @@ def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_repor
     assert built.model.hparams.model["num_classes"] == 10
     assert ("mmlight: model.num_classes=7 was given, but the size is linked from the data: num_classes=10 is used"
             in said.splitlines())
-    monkeypatch.setattr(cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
-    built = cli.build_cli(["fit", "--config", str(DIGITS), "--model.init_args.model.num_classes", "7",
+    monkeypatch.setattr(lightning_cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
+    built = lightning_cli.build_cli(["fit", "--config", str(DIGITS), "--model.init_args.model.num_classes", "7",
                            "--trainer.logger", "false"])
     assert built.subcommand == "fit" and built.model.hparams.model["num_classes"] == 10
     assert "mmlight: model.num_classes=7 was given" in capsys.readouterr().out  # read from the subcommand's config
@@ -409,7 +421,7 @@ def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_repor
 def test_data_that_is_not_prepared_stops_with_the_parsers_message(capsys):
     deit = ROOT / "configs" / "deit_small_multimax.yaml"
     with pytest.raises(SystemExit) as stop:
-        cli.build_cli(["--config", str(deit), "--data.init_args.root", "/nonexistent/imagenet", "--trainer.logger",
+        lightning_cli.build_cli(["--config", str(deit), "--data.init_args.root", "/nonexistent/imagenet", "--trainer.logger",
                        "false"], run=False)
     assert stop.value.code == 2
     assert "error: no shard set at /nonexistent/imagenet: expected /nonexistent/imagenet/_info.json" in capsys.readouterr().err
@@ -419,28 +431,28 @@ def test_model_config_defaults_and_missing_data_sizes():
     from mmlight.data import DigitsDataModule
     from mmlight.tasks import ImageClassifier, LanguageModel
 
-    image = cli.model_config_defaults(ImageClassifier)
+    image = lightning_cli.model_config_defaults(ImageClassifier)
     assert image["num_classes"] == 1000 and image["img_size"] == 224
-    lm = cli.model_config_defaults(LanguageModel)
+    lm = lightning_cli.model_config_defaults(LanguageModel)
     assert "vocab_size" not in lm and lm["n_heads"] == 8  # a field without a default is left out
-    assert cli.model_config_defaults(SimpleNamespace) == {}  # no model config at all
-    assert cli.missing_data_sizes(ImageClassifier, DigitsDataModule) == []
-    assert cli.missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
-    assert cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
-    assert cli.missing_data_sizes(SimpleNamespace, object) == []
+    assert lightning_cli.model_config_defaults(SimpleNamespace) == {}  # no model config at all
+    assert lightning_cli.missing_data_sizes(ImageClassifier, DigitsDataModule) == []
+    assert lightning_cli.missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
+    assert lightning_cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
+    assert lightning_cli.missing_data_sizes(SimpleNamespace, object) == []
 
 
     class TakesAModule:  # a task whose ``model`` is not a config dataclass
         def __init__(self, model: torch.nn.Module):
             self.model = model
 
-    assert cli.model_config_class(TakesAModule) is None and cli.model_config_defaults(TakesAModule) == {}
-    assert cli.missing_data_sizes(TakesAModule, object) == []
+    assert lightning_cli.model_config_class(TakesAModule) is None and lightning_cli.model_config_defaults(TakesAModule) == {}
+    assert lightning_cli.missing_data_sizes(TakesAModule, object) == []
 
 
 def test_every_missing_size_is_named(parse_only, capsys, monkeypatch):
     """Two sizes the model takes and the DataModule lacks are both named, comma-separated."""
-    monkeypatch.setattr(cli, "DATA_SIZES", {"vocab_size": "vocab_size", "pad_size": "pad_id"})
+    monkeypatch.setattr(lightning_cli, "DATA_SIZES", {"vocab_size": "vocab_size", "pad_size": "pad_id"})
     with pytest.raises(SystemExit):
         parse_only(["fit", "--config", str(LM), "--data", "mmlight.data.DigitsDataModule"])
     assert ("mmlight.tasks.LanguageModel takes vocab_size, pad_size from its DataModule, but "
@@ -470,11 +482,11 @@ def test_reweighting_names_finds_every_spec_at_any_depth():
     config = Namespace(init_args=Namespace(model={"attention": spec, "output": Namespace(name="softmax", options={}),
                                                   "not_a_spec": {"name": "x"}, "depth": 3,
                                                   "deeper": {"inner": {"attention": dict(spec, name="topk")}}}))
-    assert sorted(cli.reweighting_names(config)) == [
+    assert sorted(lightning_cli.reweighting_names(config)) == [
         ("init_args.model.attention.name", "multimax"), ("init_args.model.deeper.inner.attention.name", "topk"),
         ("init_args.model.output.name", "softmax")]
-    assert cli.reweighting_names(config, "model.")[0][0].startswith("model.init_args.")
-    assert cli.reweighting_names({"leaf": 1}) == [] and cli.reweighting_names(5) == []
+    assert lightning_cli.reweighting_names(config, "model.")[0][0].startswith("model.init_args.")
+    assert lightning_cli.reweighting_names({"leaf": 1}) == [] and lightning_cli.reweighting_names(5) == []
 
 
 def test_a_missing_ckpt_path_stops_at_parse_time_for_every_subcommand(parse_only, tmp_path):
@@ -492,3 +504,85 @@ def test_the_cli_keeps_the_command_line_it_parsed(parse_only, monkeypatch):
     assert parse_only(tuple(args))._argv == args
     monkeypatch.setattr(sys, "argv", ["mmlight", *args])
     assert parse_only(None)._argv == args
+
+
+#: the commands a user can type, in the order ``mmlight --help`` lists them
+NINE = ["fit", "validate", "test", "predict", "prepare", "analyze", "sweep", "collect", "doctor"]
+
+
+def test_help_lists_every_command_with_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    listed = text.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[0] for line in listed] == NINE
+    assert all(len(line.split(maxsplit=1)[1]) > 10 for line in listed)  # a line saying what it does
+
+
+def test_no_command_shows_the_list_and_fails(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert all(f"\n  {name} " in err for name in NINE)
+
+
+@pytest.mark.parametrize("command", NINE)
+def test_every_command_has_its_own_help(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([command, "--help"])
+    assert stop.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and f" {command}" in out.splitlines()[0]
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Every command replaced by a recorder: what a test lets through is in the returned list."""
+    ran = []
+    monkeypatch.setattr(cli, "build_cli", lambda args: ran.append(("lightning", args)))
+    for name in cli.TOOLS:
+        monkeypatch.setitem(cli.TOOLS, name, cli.Tool("tests.test_cli_units:record_tool", name))
+    CALLS.clear()
+    yield ran
+    ran.extend(CALLS)
+
+
+@pytest.mark.parametrize("typed, meant", [("fitt", "fit"), ("tset", "test"), ("valdate", "validate"),
+                                          ("perdict", "predict"), ("prepair", "prepare"), ("analyse", "analyze"),
+                                          ("sweeps", "sweep"), ("colect", "collect"), ("docter", "doctor")])
+def test_a_misspelt_command_names_the_nearest_and_runs_nothing(typed, meant, nothing_runs, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main([typed, "--config", "x.yaml"])
+    assert stop.value.code == 2
+    assert f"unknown command {typed!r}; did you mean {meant!r}?" in capsys.readouterr().err
+    assert nothing_runs == [] and CALLS == []
+
+
+def test_known_commands_and_leading_options_go_through(nothing_runs):
+    cli.main(["fit", "--config", "x.yaml"])
+    cli.main(["--config", "x.yaml", "validate"])  # LightningCLI's options before the command
+    cli.main(["doctor", "--quick"])
+    assert nothing_runs == [("lightning", ["fit", "--config", "x.yaml"]),
+                            ("lightning", ["--config", "x.yaml", "validate"])]
+    assert CALLS == [["--quick"]]
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The textbook recursion: the last characters deleted, inserted or matched (replaced)."""
+    @functools.cache
+    def d(i: int, j: int) -> int:
+        if min(i, j) == 0:
+            return max(i, j)
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+    return d(len(a), len(b))
+
+
+def test_edit_distance_is_levenshteins():
+    rng = random.Random(0)
+    words = ["", *("".join(rng.choice("abc") for _ in range(rng.randint(1, 7))) for _ in range(60))]
+    for a in words:
+        for b in words[:20]:
+            assert cli.edit_distance(a, b) == levenshtein(a, b), (a, b)
+    assert cli.edit_distance("kitten", "sitting") == 3

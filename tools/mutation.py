@@ -61,9 +61,10 @@ MODULES: dict[str, Module] = {
         "tests/data/test_streaming.py", "tests/data/test_shard_datamodule.py", "tests/data/test_shards.py",
         "tests/data/test_skips.py")),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
-    "cli": Module(("mmlight/cli.py",), ("tests/test_cli_units.py", *_node_ids(
-        "tests/test_cli.py", "test_model_options_of_a_command_line", "test_bad_config_stops_before_work",
-        "test_missing_config_file", "test_backend_is_a_config_key"))),
+    "cli": Module(("mmlight/cli.py", "mmlight/lightning_cli.py", "mmlight/ckpt_path.py", "mmlight/slurm.py"), (
+        "tests/test_cli_units.py", *_node_ids(
+            "tests/test_cli.py", "test_model_options_of_a_command_line", "test_bad_config_stops_before_work",
+            "test_missing_config_file", "test_backend_is_a_config_key"))),
     # every callback's test file; test_callbacks.py's training run with the monitor is left out (the unit
     # tests of test_reweighting_monitor.py cover the same logic), and so is attention_stats' DDP subprocess.
     "callbacks": Module(("mmlight/callbacks/*",), tuple(f"tests/callbacks/test_{name}.py" for name in (

@@ -176,7 +176,7 @@ def analyze(argv: list[str]) -> None:
 
 def checked_inputs(args: argparse.Namespace, rest: list[str]):
     """Config, checkpoints and samples, each checked before any work: ``(cli, labels, tasks, batches)``."""
-    from mmlight.cli import build_cli
+    from mmlight.lightning_cli import build_cli
 
     argv0, sys.argv = sys.argv, sys.argv[:1]  # the CLI parses `rest` only (and would warn about both)
     try:

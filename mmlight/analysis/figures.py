@@ -12,8 +12,10 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from mmlight.analysis.metrics import cdf_from_histogram
 from mmlight.analysis.stats import kind_of, layer_index, stack_of
 
 PER_LAYER = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
@@ -28,9 +30,8 @@ def new_figure(figsize: tuple[float, float]):
     return Figure(figsize=figsize)
 
 
-def to_image(fig) -> "numpy.ndarray":
+def to_image(fig) -> np.ndarray:
     """The rendered figure as an ``(H, W, 3)`` uint8 array (what TensorBoard's ``add_image`` takes)."""
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)
@@ -67,7 +68,7 @@ def save(fig, out: Path, name: str) -> str:
 def by_kind(stats: dict, metric: str) -> dict[str, tuple[list[int], list[float]]]:
     """``{kind: (layers, values)}`` of a per-layer site metric, None values left out."""
     found: dict[str, tuple[list[int], list[float]]] = {}
-    for site, entry in stats["sites"].items():
+    for entry in stats["sites"].values():
         value = entry["metrics"].get(metric)
         if value is not None:
             xs, ys = found.setdefault(entry["kind"], ([], []))
@@ -92,6 +93,18 @@ def similarity_figure(results: dict[str, dict]):
     return fig
 
 
+def plot_weight_histogram(ax, edges: list[float], counts: list[int], label: str, cdf: bool) -> None:
+    """One line of :func:`~mmlight.analysis.metrics.weight_histogram` counts on ``ax``: the fraction of
+    the weights below each edge (``cdf``), or the count per bin at the bin's geometric centre on a log
+    scale (bin 0, the weights below 1e-8, is not drawn)."""
+    edges, counts = torch.tensor(edges), torch.tensor(counts)
+    if cdf:
+        ax.plot(edges, cdf_from_histogram(counts), label=label)
+    else:
+        ax.plot((edges[:-1] * edges[1:]).sqrt(), counts[1:].clamp_min(0.5), label=label)
+        ax.set_yscale("log")
+
+
 def histogram_figure(results: dict[str, dict], cdf: bool = False):
     """Figure 5 (log-log histogram of the weights per layer) or Figure 8 (their CDF)."""
     sites = list(next(iter(results.values()))["sites"])
@@ -101,14 +114,7 @@ def histogram_figure(results: dict[str, dict], cdf: bool = False):
             entry = stats["sites"].get(site)
             if entry is None:
                 continue
-            edges = torch.tensor(stats["histogram_edges"])
-            counts = torch.tensor(entry["histogram"])
-            if cdf:
-                ax.plot(edges, counts.cumsum(0) / counts.sum().clamp_min(1), label=label)
-            else:
-                centres = (edges[:-1] * edges[1:]).sqrt()
-                ax.plot(centres, counts[1:].clamp_min(0.5), label=label)  # bin 0 (below 1e-8) is not drawn
-                ax.set_yscale("log")
+            plot_weight_histogram(ax, stats["histogram_edges"], entry["histogram"], label, cdf)
         ax.set_xscale("log")
         ax.set(title=site, xlabel="attention weight", ylabel="fraction below" if cdf else "count")
         ax.legend(fontsize=6)
@@ -120,14 +126,8 @@ def layers_figure(stats: dict, cdf: bool = False):
     form the training callback draws."""
     fig = new_figure((4.5, 3.2))
     ax = fig.subplots()
-    edges = torch.tensor(stats["histogram_edges"])
     for site, entry in stats["sites"].items():
-        counts = torch.tensor(entry["histogram"])
-        if cdf:
-            ax.plot(edges, counts.cumsum(0) / counts.sum().clamp_min(1), label=site)
-        else:
-            ax.plot((edges[:-1] * edges[1:]).sqrt(), counts[1:].clamp_min(0.5), label=site)
-            ax.set_yscale("log")
+        plot_weight_histogram(ax, stats["histogram_edges"], entry["histogram"], site, cdf)
     ax.set_xscale("log")
     ax.set(xlabel="attention weight", ylabel="fraction below" if cdf else "count")
     ax.legend(fontsize=6)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
-import numpy as np
-import torch
 from lightning.pytorch.callbacks import Callback
 
-from mmlight.data.streaming import run_seed
+from mmlight.data.streaming import run_seed, seed_global_generators
 
 
 class StepSeed(Callback):
@@ -21,8 +17,4 @@ class StepSeed(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         entropy = [run_seed(), trainer.current_epoch, batch_idx, trainer.global_rank]
-        words = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
-        seed = int(words[0]) << 32 | int(words[1])
-        random.seed(seed)
-        np.random.seed(int(words[0]))
-        torch.manual_seed(seed)
+        seed_global_generators(entropy, every_device=True)

@@ -25,8 +25,9 @@ import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterable, Iterator
 from itertools import islice
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -82,16 +83,28 @@ class RankRandom:
         return np.random.default_rng(self.entropy(purpose, per_rank=per_rank))
 
 
+def seed_global_generators(entropy: list[int], every_device: bool = False) -> None:
+    """Seed Python's, NumPy's and torch's global generators from the two 32-bit words of
+    ``SeedSequence(entropy)``: Python's and torch's with the 64-bit number they make, NumPy's (whose
+    global seed takes 32 bits) with the first.
+
+    Args:
+        entropy: the position the draws belong to, e.g. ``[seed, epoch, rank, purpose, unit]``.
+        every_device: also seed every GPU's generator (``torch.manual_seed``); else torch's CPU one only.
+    """
+    high, low = (int(word) for word in np.random.SeedSequence(entropy).generate_state(2, np.uint32))
+    random.seed(high << 32 | low)
+    np.random.seed(high)
+    (torch.manual_seed if every_device else torch.random.default_generator.manual_seed)(high << 32 | low)
+
+
 @contextlib.contextmanager
 def seeded_rngs(entropy: list[int]):
     """Seed Python's, NumPy's and torch's CPU global generators from ``entropy`` for the block, then
     put back the states they had: the transforms inside draw from those globals (timm's crops and
     RandAugment from ``random`` and ``np.random``, flips and erasing from torch)."""
     saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    words = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
-    random.seed(int(words[0]) << 32 | int(words[1]))
-    np.random.seed(int(words[0]))
-    torch.random.default_generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+    seed_global_generators(entropy)
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ name and the generic tests cover it (see docs/architecture.md, "How to extend").
 
 import importlib
 import pkgutil
+import sys
 
 from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.fused import FusedOps
@@ -20,8 +21,10 @@ from mmlight.reweighting.softmax import Softmax
 from mmlight.reweighting.sparse import Entmax15, EvSoftmax, Sparsemax, TopK
 from mmlight.reweighting.spec import ReweightingSpec
 
+# The modules the lines above did not import, so that a new file's ``@register`` runs with the package.
 for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+    if f"{__name__}.{_module.name}" not in sys.modules:
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "Reweighting", "ReweightingSpec", "FusedOps", "build", "register", "available",

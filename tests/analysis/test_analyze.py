@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmlight.cli import build_cli, main
+from mmlight.cli import main
+from mmlight.lightning_cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ROOT / "configs" / "quickstart"

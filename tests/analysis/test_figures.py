@@ -26,3 +26,27 @@ def test_grad_cam_on_gap_and_cls_heads(pool):
     heat = grad_cam_map(model, torch.randn(1, 1, 8, 8))
     assert heat.shape == (8, 8)
     assert torch.isfinite(heat).all() and heat.min() >= 0 and heat.max() <= 1
+
+
+@pytest.mark.parametrize("cdf", [False, True])
+def test_weight_histograms_draw_the_counts_of_each_site(cdf):
+    """Figure 5 plots each bin's count (at least 0.5, for the log axis) at the geometric centre of its
+    edges; Figure 8 the fraction of weights below each edge: cumulative counts over the total, by hand."""
+    import numpy as np
+
+    from mmlight.analysis.figures import histogram_figure, layers_figure
+
+    edges = [1e-3, 1e-2, 1e-1, 1.0]
+    counts = {"blocks.0": [2, 0, 3, 1], "blocks.1": [0, 4, 4, 0]}
+    stats = {"histogram_edges": edges, "sites": {site: {"histogram": c} for site, c in counts.items()}}
+    for fig in (histogram_figure({"run": stats}, cdf=cdf), layers_figure(stats, cdf=cdf)):
+        lines = [line for ax in fig.axes for line in ax.get_lines()]
+        assert len(lines) == 2
+        for line, c in zip(lines, counts.values()):
+            if cdf:
+                want_x, want_y = edges, np.cumsum(c) / sum(c)
+            else:
+                want_x = [(a * b) ** 0.5 for a, b in zip(edges, edges[1:])]
+                want_y = [max(n, 0.5) for n in c[1:]]
+            np.testing.assert_allclose(line.get_xdata(), want_x, rtol=1e-6)
+            np.testing.assert_allclose(line.get_ydata(), want_y, rtol=1e-6)

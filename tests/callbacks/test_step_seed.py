@@ -33,3 +33,19 @@ def test_generators_are_seeded_from_the_seed_sequence_of_the_position(monkeypatc
     want = (random.Random(seed).random(), float(np.random.RandomState(int(high)).rand()),
             float(torch.rand(1, generator=torch.Generator().manual_seed(seed))))
     assert draws(3, 1, 5, 2, monkeypatch)[:3] == want
+
+
+def test_every_gpu_is_seeded_with_the_same_number(monkeypatch):
+    """Dropout on a GPU draws from that device's generator: StepSeed seeds all of them (torch.manual_seed
+    calls torch.cuda.manual_seed_all), with the number the CPU generator gets; the loaders' per-unit
+    seeding (every_device=False) leaves them alone."""
+    from mmlight.data.streaming import seed_global_generators
+
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    high, low = np.random.SeedSequence([3, 1, 5, 2]).generate_state(2, np.uint32)
+    draws(3, 1, 5, 2, monkeypatch)
+    assert seeded == [int(high) * 2 ** 32 + int(low)]
+    seed_global_generators([3, 1, 5, 2])
+    assert len(seeded) == 1

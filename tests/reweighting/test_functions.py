@@ -191,7 +191,7 @@ def test_empty_batch(name):
 def lm_fast_dev_run(tmp_path, name: str, options: str = "{}"):
     """One training and one validation step of the recall LM quick start with ``name`` in every
     attention layer, set from the command line as a user would."""
-    from mmlight.cli import build_cli
+    from mmlight.lightning_cli import build_cli
 
     config = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
     return build_cli(["fit", "--config", str(config), "--trainer.fast_dev_run", "1",

@@ -5,7 +5,7 @@ layout, writes shards through :func:`mmlight.data.shard_writer.write_shards` (pa
 idempotent, resumable, bad items counted and logged) and finally ``_info.json``.
 
 Preparers import the runtime data modules (shard writer, vocabularies, tokenisers); runtime modules
-never import a preparer (``tests/data/test_layering.py`` checks it).
+never import a preparer (``tests/test_layers.py`` checks it).
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import Callable
-
-Preparer = Callable[[Path | None, Path, int], dict]
 
 #: dataset name -> module that defines ``prepare(src, out, workers)``; imported on use.
 DATASETS = {
