@@ -189,7 +189,7 @@ def flex_candidate(q, k, v, causal: bool, module: MultiMax) -> Callable[[], torc
     """Compiled FlexAttention with MultiMax as its ``score_mod`` (learnable captured parameters)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from mmlight.kernels.flex import causal_block_mask, flex_multimax_attention
+    from flex_multimax import causal_block_mask, flex_multimax_attention  # beside this script
 
     flex = torch.compile(flex_attention)
     n = q.shape[2]

@@ -188,7 +188,6 @@ def test_imports_go_down_the_layers():
     assert violations({m: imports()[m] for m in modules() if container_of(m)[1] != "mmlight.kernels"}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="kernels still import reweighting.backend")
 def test_kernels_import_nothing_from_the_rest_of_mmlight():
     assert violations({m: imports()[m] for m in modules() if container_of(m)[1] == "mmlight.kernels"}) == []
 
@@ -247,11 +246,6 @@ def test_the_module_graph_has_no_cycle():
         visit(module)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/flex.py (a benchmark's peer) and kernels/compile_check.py "
-    "(a build check) still live in the runtime package",
-)
 def test_every_module_is_used_by_the_runtime():
     """The package holds what the `mmlight` command, the configs and the public packages use; code used
     only by benchmarks or build checks lives beside them."""

@@ -12,14 +12,20 @@ functions are imported (and Triton with them) on first use, so that choosing a b
 needs Triton. This package imports nothing from the rest of mmlight.
 """
 
-import importlib
-
 __all__ = ["multimax_softmax", "multimax_attention", "multimax_cross_entropy"]
-
-_HOMES = {"multimax_softmax": "rowwise", "multimax_attention": "attention", "multimax_cross_entropy": "cross_entropy"}
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'mmlight.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"mmlight.kernels.{_HOMES[name]}"), name)
+    if name == "multimax_softmax":
+        from mmlight.kernels.rowwise import multimax_softmax
+
+        return multimax_softmax
+    if name == "multimax_attention":
+        from mmlight.kernels.attention import multimax_attention
+
+        return multimax_attention
+    if name == "multimax_cross_entropy":
+        from mmlight.kernels.cross_entropy import multimax_cross_entropy
+
+        return multimax_cross_entropy
+    raise AttributeError(f"module 'mmlight.kernels' has no attribute {name!r}")
