@@ -27,6 +27,7 @@ from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
 from mmlight.analysis.robustness import robustness_rows, robustness_runs
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
+from mmlight.nn.attention import network_of
 from mmlight.tasks.protocol import check_analysed_task
 
 #: Trainer settings of the config that the evaluation runs keep (the rest is analysis-specific).
@@ -94,7 +95,7 @@ def load_checkpoint(task_class, path: Path):
 
 def check_fits_data(task, datamodule, path: Path) -> None:
     """Refuse a checkpoint whose vocabulary or number of classes is not the data's."""
-    config = task.model.config
+    config = getattr(network_of(task), "config", None)  # a network without a config declares no sizes
     for attr in ("vocab_size", "num_classes"):
         data_value, model_value = getattr(datamodule, attr, None), getattr(config, attr, None)
         if data_value is not None and model_value is not None and data_value != model_value:
