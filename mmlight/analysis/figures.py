@@ -272,11 +272,11 @@ def grad_cam_map(model, image: torch.Tensor, layer, prefix: int, grid_hw: tuple[
 
 def grad_cam(task, inputs, label: str, out: Path) -> str:
     """Figure 6: Grad-CAM over the input image of the task's ``example_inputs``."""
-    image = inputs.image
-    was_training = task.model.training
-    task.model.eval()
-    heat = grad_cam_map(task.model, image, inputs.cam_layer, inputs.prefix, inputs.patch_grid)
-    task.model.train(was_training)
+    image, network = inputs.image, network_of(task)
+    was_training = network.training
+    network.eval()
+    heat = grad_cam_map(network, image, inputs.cam_layer, inputs.prefix, inputs.patch_grid)
+    network.train(was_training)
     fig = new_figure((5, 2.6))
     ax = fig.subplots(1, 2)
     ax[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")

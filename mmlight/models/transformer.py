@@ -18,7 +18,7 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn.attention import attention
-from mmlight.nn.sites import AttentionSite, Block, sites_by_name
+from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
 
@@ -558,8 +558,7 @@ class _OutputHead(nn.Module):
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
         """The reweighting module of every attention site, plus ``output`` when the output layer is MultiMax."""
-        output = {"output": self.output} if self.output is not None else {}
-        return {**{name: site.module for name, site in self.attention_sites().items()}, **output}
+        return reweighting_modules(self.attention_sites(), self.output)
 
     def blocks(self) -> list[Block]:
         """The encoder layers (if any), then the decoder layers, in depth order."""

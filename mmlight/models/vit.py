@@ -14,7 +14,7 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn import ReweightedAttention
-from mmlight.nn.sites import AttentionSite, Block, sites_by_name
+from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
 
@@ -100,8 +100,7 @@ class ReweightedViT(nn.Module):
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
         """The reweighting module of every attention site, plus ``output`` when the logits are modulated."""
-        output = {"output": self.output} if self.output is not None else {}
-        return {**{name: site.module for name, site in self.attention_sites().items()}, **output}
+        return reweighting_modules(self.attention_sites(), self.output)
 
     def blocks(self) -> list[Block]:
         """The transformer blocks in depth order; their CLS token (if any) is a prefix, not a patch."""

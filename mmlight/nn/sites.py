@@ -61,6 +61,12 @@ class Block:
     prefix: int = 0
 
 
+def reweighting_modules(sites: dict[str, AttentionSite], output: nn.Module | None) -> dict[str, nn.Module]:
+    """A network's ``reweighting_sites()``: each site's reweighting module by name, plus ``output``
+    (the modulation of the logits) when there is one."""
+    return {**{name: site.module for name, site in sites.items()}, **({"output": output} if output is not None else {})}
+
+
 def sites_by_name(sites: list[AttentionSite]) -> dict[str, AttentionSite]:
     """``{site.name: site}`` in the given order; a duplicate name is an error."""
     named = {site.name: site for site in sites}

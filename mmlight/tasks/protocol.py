@@ -43,7 +43,7 @@ class ExampleInputs:
 
     Args:
         tokens: per stack, the token ids ``(B, T)`` at its positions (labelled with the data's vocabulary).
-        image: the images ``(B, C, H, W)`` that ``task.model`` maps to class scores.
+        image: the images ``(B, C, H, W)`` that the task's network maps to class scores.
         patch_grid: ``(rows, cols)`` of the image's patches, row-major after ``prefix`` tokens.
         prefix: tokens before the patches (a CLS token).
         cam_layer: the layer Grad-CAM reads (its output is ``(B, prefix + rows * cols, d)``).

@@ -18,7 +18,7 @@ from torch import nn
 
 from mmlight.cli import main
 from mmlight.nn import attention, record_attention
-from mmlight.nn.sites import AttentionSite, Block
+from mmlight.nn.sites import AttentionSite, Block, reweighting_modules
 from mmlight.reweighting import ReweightingSpec
 from mmlight.tasks.protocol import AnalysedTask, ExampleInputs, TaskMetric, check_analysed_task
 
@@ -64,7 +64,7 @@ class ToyNet(nn.Module):
                 for i, (name, look) in enumerate(self.looks.items())}
 
     def reweighting_sites(self) -> dict:
-        return {name: site.module for name, site in self.attention_sites().items()}
+        return reweighting_modules(self.attention_sites(), None)
 
     def blocks(self) -> list[Block]:
         return [Block(name, "tokens", i, look) for i, (name, look) in enumerate(self.looks.items())]
@@ -230,7 +230,8 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     labels = torch.stack([s["label"] for s in val])
 
     # the callback's last recording (after the last epoch: the checkpoint's weights), on the first 10 samples
-    events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.tfevents*"))), size_guidance={"scalars": 0})
+    event_file = next((tmp_path / "runs").rglob("events.out.tfevents*"))
+    events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
     events.Reload()
     with torch.no_grad(), record_attention(task) as recorder:
         task.model(tokens[:10])
