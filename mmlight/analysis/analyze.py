@@ -24,9 +24,11 @@ from pathlib import Path
 import lightning as L
 
 from mmlight.analysis import figures
-from mmlight.analysis.robustness import num_robustness_runs, robustness_rows
+from mmlight.analysis.batches import first_samples
+from mmlight.analysis.robustness import robustness_rows, robustness_runs
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
-from mmlight.analysis.tasks import first_samples, task_kind
+from mmlight.nn.attention import network_of
+from mmlight.tasks.protocol import check_analysed_task
 
 #: Trainer settings of the config that the evaluation runs keep (the rest is analysis-specific).
 TRAINER_KEYS = ("accelerator", "precision", "limit_val_batches", "limit_test_batches", "deterministic")
@@ -93,7 +95,7 @@ def load_checkpoint(task_class, path: Path):
 
 def check_fits_data(task, datamodule, path: Path) -> None:
     """Refuse a checkpoint whose vocabulary or number of classes is not the data's."""
-    config = task.model.config
+    config = getattr(network_of(task), "config", None)  # a network without a config declares no sizes
     for attr in ("vocab_size", "num_classes"):
         data_value, model_value = getattr(datamodule, attr, None), getattr(config, attr, None)
         if data_value is not None and model_value is not None and data_value != model_value:
@@ -149,8 +151,9 @@ def analyze(argv: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(sink_eps=args.sink_eps)
-    kind, vocab = task_kind(tasks[0]), vocabulary(cli.datamodule)
-    total = len(tasks) * (args.num_samples + (num_robustness_runs(kind) if args.robustness else 0))
+    vocab = vocabulary(cli.datamodule)
+    runs = len(robustness_runs(tasks[0], args.kv_skip_layers)) if args.robustness else 0
+    total = len(tasks) * (args.num_samples + runs)
     results, robustness, example_files = {}, [], []
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
         for label, task in zip(labels, tasks):
@@ -183,19 +186,22 @@ def checked_inputs(args: argparse.Namespace, rest: list[str]):
         cli = build_cli(rest, run=False)
     finally:
         sys.argv = argv0
+    try:
+        check_analysed_task(cli.model)
+    except TypeError as err:
+        raise AnalyzeError(str(err)) from err
     paths = [Path(p) for p in args.ckpt_path]
     tasks = [load_checkpoint(type(cli.model), p) for p in paths]
     loader = eval_loader(cli.datamodule, args.split)  # prepares the data, which the checks below read
     for task, path in zip(tasks, paths):
         check_fits_data(task, cli.datamodule, path)
-    if args.query_patch is not None and task_kind(tasks[0]) == "image":
-        grid = tasks[0].model.vit.patch_embed.grid_size
-        if not 0 <= args.query_patch < grid[0] * grid[1]:
-            raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {args.query_patch}")
     try:
         batches = first_samples(loader, args.num_samples, args.split)
     except ValueError as err:
         raise AnalyzeError(str(err)) from err
+    grid = tasks[0].example_inputs(batches[0]).patch_grid  # None for a task without an image
+    if args.query_patch is not None and grid is not None and not 0 <= args.query_patch < grid[0] * grid[1]:
+        raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {args.query_patch}")
     return cli, run_labels(paths), tasks, batches
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmlight.analysis.batches import map_batch
 from mmlight.analysis.metrics import cdf_from_histogram
-from mmlight.analysis.stats import kind_of, layer_index, stack_of
+from mmlight.nn.attention import network_of, record_attention
 
 PER_LAYER = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
              "max_weight", "sink_ratio", "rollout_discrepancy")
@@ -79,12 +80,12 @@ def by_kind(stats: dict, metric: str) -> dict[str, tuple[list[int], list[float]]
 
 def similarity_figure(results: dict[str, dict]):
     """Figure 4: token similarity at each block's output against depth, one line per run (or epoch)."""
-    stacks = sorted({stack_of(b) for stats in results.values() for b in stats["blocks"]})
+    stacks = sorted({e["stack"] for stats in results.values() for e in stats["blocks"].values()})
     fig, axes = grid(len(stacks), cols=3)
     for ax, stack in zip(axes, stacks):
         for label, stats in results.items():
-            points = sorted((layer_index(b), e["token_similarity"]) for b, e in stats["blocks"].items()
-                            if stack_of(b) == stack and e["token_similarity"] is not None)
+            points = sorted((e["layer"], e["token_similarity"]) for e in stats["blocks"].values()
+                            if e["stack"] == stack and e["token_similarity"] is not None)
             if points:
                 ax.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=label)
         ax.set(title=f"{stack}: token similarity", xlabel="layer", ylabel="mean pairwise cosine")
@@ -199,45 +200,45 @@ def robustness(rows: list[tuple], out: Path) -> str:
 
 
 def examples(task, batch, label: str, out: Path, query_patch: int | None = None, vocab=None) -> list[str]:
-    """The per-example figures of one checkpoint on the first sample of ``batch``."""
-    from mmlight.analysis.tasks import map_batch, task_kind
-
+    """The per-example figures of one checkpoint on the first sample of ``batch``: attention maps and
+    Grad-CAM when the task's example inputs are an image, text heat maps otherwise."""
     one = map_batch(batch, lambda t: t[:1].to(task.device))
-    kind = task_kind(task)
-    if kind == "image":
-        return [attention_map(task, one[0], label, out, query_patch), grad_cam(task, one[0], label, out)]
-    return text_heatmaps(task, one, label, out, vocab)
+    inputs = task.example_inputs(one)
+    if inputs.image is not None:
+        return [attention_map(task, one, inputs, label, out, query_patch), grad_cam(task, inputs, label, out)]
+    return text_heatmaps(task, one, inputs, label, out, vocab)
 
 
 @torch.no_grad()
 def recorded(task, batch) -> dict:
-    """``{site: (nh, Tq, Tk)}`` head weights of one teacher-forced pass on a one-sample batch."""
-    from mmlight.analysis.tasks import teacher_forced
-    from mmlight.nn.attention import record_attention
-
-    was_training = task.model.training
-    task.model.eval()
+    """``{site record: (nh, Tq, Tk)}`` head weights of one teacher-forced pass on a one-sample batch."""
+    network = network_of(task)
+    was_training = network.training
+    network.eval()
     with record_attention(task) as recorder:
-        teacher_forced(task, batch)
-    task.model.train(was_training)
-    return {site: recorder[site][0].weights[0].float().cpu() for site in recorder.sites()}
+        task.teacher_forced(batch)
+    network.train(was_training)
+    return {recorder.site(name): recorder[name][0].weights[0].float().cpu() for name in recorder.sites()}
 
 
-def attention_map(task, image: torch.Tensor, label: str, out: Path, query_patch: int | None) -> str:
-    """Figure 7: per layer and head, the attention of one query patch over the patch grid."""
-    vit = task.model.vit
-    weights = recorded(task, (image, None))
-    prefix, grid_hw = vit.num_prefix_tokens, vit.patch_embed.grid_size
+def attention_map(task, batch, inputs, label: str, out: Path, query_patch: int | None) -> str:
+    """Figure 7: per layer and head, the attention of one query patch over the patch grid.
+
+    Args:
+        batch: a one-sample batch; ``inputs`` is the task's ``example_inputs`` of it.
+    """
+    weights = recorded(task, batch)
+    image, prefix, grid_hw = inputs.image, inputs.prefix, inputs.patch_grid
     n = grid_hw[0] * grid_hw[1]
     query = n // 2 + grid_hw[1] // 2 if query_patch is None else query_patch  # checked by analyze
-    sites = sorted(weights, key=layer_index)
+    sites = sorted(weights, key=lambda site: site.layer)
     heads = weights[sites[0]].shape[0]
     fig = new_figure((2.1 * (heads + 1), 2.1 * len(sites)))
     axes = fig.subplots(len(sites), heads + 1, squeeze=False)
     for row, site in zip(axes, sites):
         row[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
         qy, qx = divmod(query, grid_hw[1])
-        row[0].set_title(f"{site}", fontsize=8)
+        row[0].set_title(site.name, fontsize=8)
         for h in range(heads):
             attn = weights[site][h, prefix + query, prefix:].reshape(grid_hw)
             row[h + 1].imshow(attn, cmap="viridis")
@@ -259,22 +260,23 @@ def vit_reshape(prefix: int, grid_hw: tuple[int, int]):
     return reshape
 
 
-def grad_cam_map(model, image: torch.Tensor) -> torch.Tensor:
-    """Grad-CAM ``(H, W)`` in [0, 1] of the predicted class, at the last block's first norm."""
+def grad_cam_map(model, image: torch.Tensor, layer, prefix: int, grid_hw: tuple[int, int]) -> torch.Tensor:
+    """Grad-CAM ``(H, W)`` in [0, 1] of the class ``model`` predicts for ``image`` ``(1, C, H, W)``, at
+    ``layer``, whose output tokens are ``prefix`` tokens and a row-major ``grid_hw`` of patches."""
     from pytorch_grad_cam import GradCAM
 
-    vit = model.vit
-    with torch.enable_grad(), GradCAM(model=model, target_layers=[vit.blocks[-1].norm1],
-                                      reshape_transform=vit_reshape(vit.num_prefix_tokens, vit.patch_embed.grid_size)) as cam:
+    with torch.enable_grad(), GradCAM(model=model, target_layers=[layer],
+                                      reshape_transform=vit_reshape(prefix, grid_hw)) as cam:
         return torch.from_numpy(cam(input_tensor=image.float(), targets=None)[0])
 
 
-def grad_cam(task, image: torch.Tensor, label: str, out: Path) -> str:
-    """Figure 6: Grad-CAM over the input image."""
-    was_training = task.model.training
-    task.model.eval()
-    heat = grad_cam_map(task.model, image)
-    task.model.train(was_training)
+def grad_cam(task, inputs, label: str, out: Path) -> str:
+    """Figure 6: Grad-CAM over the input image of the task's ``example_inputs``."""
+    image, network = inputs.image, network_of(task)
+    was_training = network.training
+    network.eval()
+    heat = grad_cam_map(network, image, inputs.cam_layer, inputs.prefix, inputs.patch_grid)
+    network.train(was_training)
     fig = new_figure((5, 2.6))
     ax = fig.subplots(1, 2)
     ax[0].imshow(image[0].float().mean(0).cpu(), cmap="gray")
@@ -286,24 +288,21 @@ def grad_cam(task, image: torch.Tensor, label: str, out: Path) -> str:
     return save(fig, out, f"fig6_gradcam_{safe(label)}.png")
 
 
-#: Whose positions the queries and the keys of each text attention kind are.
-STACKS = {"decoder_self": ("decoder", "decoder"), "encoder_self": ("encoder", "encoder"), "cross": ("decoder", "encoder")}
+def text_heatmaps(task, batch, inputs, label: str, out: Path, vocab=None) -> list[str]:
+    """Head-averaged attention of one sequence per layer, one figure per attention kind (for a
+    translation model: encoder self, decoder self, and the cross-attention alignment).
 
-
-def text_heatmaps(task, batch, label: str, out: Path, vocab=None) -> list[str]:
-    """Head-averaged attention of one sequence per layer; for a translation model one figure per
-    attention kind (encoder self, decoder self, and the cross-attention alignment)."""
-    from mmlight.analysis.tasks import query_keep
-
+    Args:
+        batch: a one-sample batch; ``inputs`` is the task's ``example_inputs`` of it.
+    """
     weights = recorded(task, batch)
-    keep = {stack: None if m is None else m[0].cpu() for stack, m in query_keep(task, batch).items()}
-    tokens = {"decoder": batch["input"][0] if "input" in batch else batch["tgt_in"][0],
-              "encoder": batch.get("src", [None])[0]}
+    keep = {stack: None if m is None else m[0].cpu() for stack, m in task.query_keep(batch).items()}
+    tokens = {stack: ids[0] for stack, ids in inputs.tokens.items()}
     written = []
-    for kind in dict.fromkeys(kind_of(s) for s in weights):
-        sites = sorted((s for s in weights if kind_of(s) == kind), key=layer_index)
+    for kind in dict.fromkeys(site.kind for site in weights):
+        sites = sorted((site for site in weights if site.kind == kind), key=lambda site: site.layer)
         fig, axes = grid(len(sites), cols=3, size=(4.2, 3.8))
-        q_stack, k_stack = STACKS[kind]
+        q_stack, k_stack = sites[0].stack, sites[0].keys_from
         for ax, site in zip(axes, sites):
             q_ok, k_ok = keep.get(q_stack), keep.get(k_stack)
             attn = weights[site].mean(0)
@@ -312,8 +311,10 @@ def text_heatmaps(task, batch, label: str, out: Path, vocab=None) -> list[str]:
             if k_ok is not None:
                 attn = attn[:, k_ok]
             ax.imshow(attn, cmap="viridis", aspect="auto")
-            ax.set(title=site, xlabel=f"key ({k_stack})", ylabel=f"query ({q_stack})")
+            ax.set(title=site.name, xlabel=f"key ({k_stack})", ylabel=f"query ({q_stack})")
             for axis, stack, ok in ((ax.set_xticks, k_stack, k_ok), (ax.set_yticks, q_stack, q_ok)):
+                if stack not in tokens:  # the task names no tokens for this stack: no tick labels
+                    continue
                 ids = tokens[stack] if ok is None else tokens[stack][ok.to(tokens[stack].device)]
                 if len(ids) <= 40:
                     names = [vocab[i] if vocab is not None and i < len(vocab) else str(i) for i in ids.tolist()]

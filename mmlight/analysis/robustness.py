@@ -1,10 +1,13 @@
 """Interventions on attention at evaluation, as :class:`AttentionObserver` mask edits, and the runs
 that evaluate a task under each (the Devoto thesis protocol).
 
+Which interventions apply, the metric and what its evaluation needs come from the task
+(:class:`~mmlight.tasks.protocol.AnalysedTask`):
+
 * :class:`SinkMasking`: in every self-attention layer, the ``k`` keys that receive the most
   attention in that call (per sample; relative to the uniform share, summed over heads and queries)
   are masked for every query.
-* :class:`KVEviction`: in the language model's self-attention from layer ``skip_layers`` on, each
+* :class:`KVEviction`: in the causal decoder self-attention from layer ``skip_layers`` on, each
   query keeps its own key and ``ceil(r * n)`` of its ``n`` past keys: those of **lowest** L2 norm
   (``l2``, Devoto et al. 2024) or the first 4 plus the most recent (``streaming``, StreamingLLM).
   Evaluated teacher-forced, this is what each token sees with a cache compressed to that budget.
@@ -14,13 +17,13 @@ from __future__ import annotations
 
 import math
 import tempfile
+from pathlib import Path
 
 import torch
 
 from mmlight.analysis import metrics as M
-from mmlight.analysis.stats import kind_of, layer_index
-from mmlight.analysis.tasks import TASK_METRIC, task_kind
 from mmlight.nn.attention import AttentionObserver, explicit_weights, observe_attention
+from mmlight.tasks.protocol import check_analysed_task
 
 SINK_LEVELS = (1, 5, 10)
 KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)
@@ -39,22 +42,21 @@ def budget(n: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 class SinkMasking(AttentionObserver):
-    """Mask the top-``k`` sink keys of each sample in every self-attention layer.
+    """Mask the top-``k`` sink keys of each sample in every self-attention layer (the weights the
+    sinks are chosen from are computed with the site's own reweighting module).
 
     Args:
-        sites: the model's ``attention_sites()`` (the reweighting of each site computes the weights
-            the sinks are chosen from).
         k: keys masked per sample and layer.
     """
 
-    def __init__(self, sites: dict, k: int):
-        self.sites, self.k = sites, k
+    def __init__(self, k: int):
+        self.k = k
 
     def edit_mask(self, site, q, k, mask):
-        if kind_of(site) == "cross":
+        if site.keys_from != site.stack:  # cross-attention: its keys are another stack's positions
             return mask
         keys = full_mask(q, k, mask)  # (B, nh, Tq, Tk)
-        reweight = self.sites[site]
+        reweight = site.module
         weights = explicit_weights(q, k, reweight, keys, q.shape[-1] ** -0.5, reweight.backend)
         _, relative, _ = M.incoming_attention(weights, keys, keys.any(-1))  # (B, Tk)
         top = relative.topk(min(self.k, relative.shape[1]), dim=-1).indices  # (B, k)
@@ -63,7 +65,7 @@ class SinkMasking(AttentionObserver):
 
 
 class KVEviction(AttentionObserver):
-    """Evict past keys in the LM's decoder self-attention (see the module docstring).
+    """Evict past keys in causal decoder self-attention (see the module docstring).
 
     Args:
         ratio: keep ratio ``r`` of the past keys.
@@ -79,7 +81,7 @@ class KVEviction(AttentionObserver):
         self.ratio, self.method, self.skip_layers = ratio, method, skip_layers
 
     def edit_mask(self, site, q, k, mask):
-        if kind_of(site) != "decoder_self" or layer_index(site) < self.skip_layers:
+        if site.kind != "decoder_self" or site.layer < self.skip_layers:
             return mask
         keys = full_mask(q, k, mask)  # (B, nh, Tq, Tk)
         q_len, k_len = q.shape[2], k.shape[2]
@@ -100,7 +102,8 @@ class KVEviction(AttentionObserver):
 
 
 def evaluate(trainer, task, datamodule, split: str, observer: AttentionObserver | None) -> dict[str, float]:
-    """Run ``trainer.validate``/``trainer.test`` on the whole split, under ``observer`` if given."""
+    """Run ``trainer.validate``/``trainer.test`` on the whole split, under ``observer`` if given (inside
+    the task's ``metric_evaluation``, which the caller enters)."""
     run = trainer.validate if split == "val" else trainer.test
     if observer is None:
         results = run(task, datamodule=datamodule, verbose=False)
@@ -113,32 +116,37 @@ def evaluate(trainer, task, datamodule, split: str, observer: AttentionObserver 
 def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2, progress=None) -> list[tuple]:
     """``(intervention, level, metric, value)`` rows of every intervention that applies to ``task``.
 
-    ``none`` (level 0) is the plain evaluation; sink masking at ``k`` in :data:`SINK_LEVELS`; for a
-    language model also KV eviction (``kv_l2`` and ``kv_streaming``) at each ratio in :data:`KEEP_RATIOS`.
+    ``none`` (level 0) is the plain evaluation; then the task's ``interventions``: sink masking at ``k``
+    in :data:`SINK_LEVELS`, KV eviction (``kv_l2`` and ``kv_streaming``) at each ratio in :data:`KEEP_RATIOS`.
+    The metric is the task's ``task_metric``, evaluated inside its ``metric_evaluation`` (whose files go
+    to a scratch folder that is deleted afterwards).
     """
-    kind = task_kind(task)
-    metric = f"{split}/{TASK_METRIC[kind][0]}"
-    if kind == "nmt":  # BLEU needs beam search in validation too; test's hypothesis files are not kept
-        task.hparams.bleu_in_validation = True
-        scratch = tempfile.TemporaryDirectory(prefix="mmlight-robustness-")
-        task.hparams.output_dir = scratch.name
-    runs: list[tuple[str, float, AttentionObserver | None]] = [("none", 0, None)]
-    sites = task.model.attention_sites()
-    runs += [("sink_masking", k, SinkMasking(sites, k)) for k in SINK_LEVELS]
-    if kind == "lm":
-        for method in ("l2", "streaming"):
-            runs += [(f"kv_{method}", r, KVEviction(r, method, skip_layers)) for r in KEEP_RATIOS]
+    name = task.task_metric.name
+    metric = f"{split}/{name}"
     rows = []
-    for intervention, level, observer in runs:
-        results = evaluate(trainer, task, datamodule, split, observer)
-        if metric not in results:
-            raise RuntimeError(f"the {split} run logged no {metric} (it logged {sorted(results)})")
-        rows.append((intervention, level, TASK_METRIC[kind][0], results[metric]))
-        if progress is not None:
-            progress(1)
+    with tempfile.TemporaryDirectory(prefix="mmlight-robustness-") as scratch, \
+            task.metric_evaluation(split, Path(scratch)):
+        for intervention, level, observer in robustness_runs(task, skip_layers):
+            results = evaluate(trainer, task, datamodule, split, observer)
+            if metric not in results:
+                raise RuntimeError(f"the {split} run logged no {metric} (it logged {sorted(results)})")
+            rows.append((intervention, level, name, results[metric]))
+            if progress is not None:
+                progress(1)
     return rows
 
 
-def num_robustness_runs(kind: str) -> int:
-    """How many evaluations :func:`robustness_rows` makes for a task kind (for the progress bar)."""
-    return 1 + len(SINK_LEVELS) + (2 * len(KEEP_RATIOS) if kind == "lm" else 0)
+def robustness_runs(task, skip_layers: int = 2) -> list[tuple[str, float, AttentionObserver | None]]:
+    """``(intervention, level, observer)`` of every evaluation :func:`robustness_rows` makes for ``task``."""
+    check_analysed_task(task)
+    unknown = set(task.interventions) - {"sink_masking", "kv_eviction"}
+    if unknown:
+        raise ValueError(f"{type(task).__name__}.interventions names unknown interventions {sorted(unknown)}; "
+                         "known: sink_masking, kv_eviction")
+    runs: list[tuple[str, float, AttentionObserver | None]] = [("none", 0, None)]
+    if "sink_masking" in task.interventions:
+        runs += [("sink_masking", k, SinkMasking(k)) for k in SINK_LEVELS]
+    if "kv_eviction" in task.interventions:
+        for method in ("l2", "streaming"):
+            runs += [(f"kv_{method}", r, KVEviction(r, method, skip_layers)) for r in KEEP_RATIOS]
+    return runs

@@ -9,14 +9,15 @@ batch), plus forward hooks on the blocks for the token similarity. The result is
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from mmlight.analysis import metrics as M
-from mmlight.analysis.tasks import batch_size, map_batch, query_keep, task_kind, teacher_forced
-from mmlight.nn.attention import AttentionObserver, observe_attention
+from mmlight.analysis.batches import batch_size, map_batch
+from mmlight.nn.attention import AttentionObserver, network_of, observe_attention
+from mmlight.nn.sites import AttentionSite
+from mmlight.tasks.protocol import check_analysed_task
 
 #: The per-head metrics (one value per head, plus their mean as the per-layer value).
 HEAD_METRICS = ("entropy", "normalized_entropy", "multimodality", "sparsity",
@@ -45,30 +46,11 @@ class Settings:
     top_sinks: int = 5
 
 
-def stack_of(site: str) -> str:
-    """``blocks`` (ViT), ``encoder`` or ``decoder``: whose positions a site's queries are."""
-    return site.split(".", 1)[0]
-
-
-def kind_of(site: str) -> str:
-    """``self`` (ViT), ``encoder_self``, ``decoder_self`` or ``cross``: reported separately."""
-    if site.endswith("cross_attn"):
-        return "cross"
-    return "self" if site.startswith("blocks") else f"{stack_of(site)}_self"
-
-
-def layer_index(name: str) -> int:
-    """The layer number in a site or block name (``decoder.layers.3.self_attn`` -> 3)."""
-    found = re.search(r"(?:blocks|layers)\.(\d+)", name)
-    if found is None:
-        raise ValueError(f"no layer index in {name!r}")
-    return int(found.group(1))
-
-
 @dataclass
 class _SiteSums:
     """Running sums of one attention site."""
 
+    site: AttentionSite
     sums: dict = field(default_factory=dict)  # metric -> (nh,) float64 sums
     counts: dict = field(default_factory=dict)  # metric -> (nh,) float64 counts
     histogram: torch.Tensor = field(default_factory=lambda: torch.zeros(len(M.HIST_EDGES), dtype=torch.float64))
@@ -123,11 +105,11 @@ class StatsObserver(AttentionObserver):
 
     def edit_mask(self, site, q, k, mask):
         # The scores the reweighting sees (the models use the default scale hs ** -0.5); M and S need them.
-        self._scores[site] = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, Tq, Tk)
+        self._scores[site.name] = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, Tq, Tk)
         return mask
 
     def record(self, site, weights, keep) -> None:
-        call = (site, weights.detach(), keep, self._scores.pop(site), self.query_keep.get(stack_of(site)))
+        call = (site, weights.detach(), keep, self._scores.pop(site.name), self.query_keep.get(site.stack))
         self._kept.append(call)
         self.kept_bytes += sum(t.numel() * t.element_size() for t in call[1:] if torch.is_tensor(t))
         if self.kept_bytes > self.keep_bytes:
@@ -151,7 +133,7 @@ class StatsObserver(AttentionObserver):
         weights = weights.double()  # once here, not in every metric
         keys = M.attended(weights, keep)  # (B, nh, Tq, Tk)
         rows = M.counted_rows(keys, query_keep)  # (B, nh, Tq)
-        sums = self.sites.setdefault(site, _SiteSums())
+        sums = self.sites.setdefault(site.name, _SiteSums(site))
         nats, centred = M.entropy(weights), M.centred_scores(scores, keys)
         sums.add("entropy", nats, rows)
         sums.add("normalized_entropy", M.normalized_entropy(weights, keys, nats), rows)
@@ -163,47 +145,43 @@ class StatsObserver(AttentionObserver):
         sums.add_fraction("frac_zero", weights == 0, counted)
         sums.histogram += M.weight_histogram(weights[counted])
         sums.add_incoming(*M.incoming_attention(weights, keys, rows))
-        if kind_of(site) != "cross":  # rollout runs through the self-attention stacks only
-            self._head_mean[site] = (weights.mean(1), rows.any(1))  # (B, T, T), (B, T)
+        if site.keys_from == site.stack:  # rollout runs through the self-attention stacks only
+            self._head_mean[site.name] = (site, weights.mean(1), rows.any(1))  # site, (B, T, T), (B, T)
 
     def _roll_out(self) -> None:
         """Roll out each self-attention stack of the batch through its layers and add the discrepancies."""
-        stacks: dict[str, list[str]] = {}
-        for site in sorted(self._head_mean, key=layer_index):
-            stacks.setdefault(stack_of(site), []).append(site)
-        for sites in stacks.values():
-            rolled = M.rollout([self._head_mean[site][0] for site in sites])
-            for site, r in zip(sites, rolled):
-                single, rows = self._head_mean[site]
+        stacks: dict[str, list[tuple]] = {}
+        for entry in sorted(self._head_mean.values(), key=lambda entry: entry[0].layer):
+            stacks.setdefault(entry[0].stack, []).append(entry)
+        for entries in stacks.values():
+            rolled = M.rollout([single for _, single, _ in entries])
+            for (site, single, rows), r in zip(entries, rolled):
                 total, n = M.rollout_discrepancy(r, single, rows)
-                self.sites[site].discrepancy[0] += total
-                self.sites[site].discrepancy[1] += n
+                self.sites[site.name].discrepancy[0] += total
+                self.sites[site.name].discrepancy[1] += n
         self._head_mean.clear()
 
 
 class BlockSimilarity:
-    """Forward hooks on a model's blocks: token similarity at each block's output.
+    """Forward hooks on a network's ``blocks()``: token similarity at each block's output.
 
     Args:
-        model: the task's model.
+        network: the task's network (see :func:`~mmlight.nn.attention.network_of`).
         query_keep: a callable returning the current ``{stack: (B, T) mask}``.
     """
 
-    def __init__(self, model, query_keep):
+    def __init__(self, network, query_keep):
         self.sums: dict[str, list] = {}
-        self._handles = []
-        for name, block, prefix in blocks_of(model):
-            self._handles.append(block.register_forward_hook(self._hook(name, prefix, query_keep)))
+        self.blocks = {block.name: block for block in network.blocks()}
+        self._handles = [block.module.register_forward_hook(self._hook(block, query_keep))
+                         for block in self.blocks.values()]
 
-    def _hook(self, name, prefix, query_keep):
-        stack = stack_of(name)
-
+    def _hook(self, block, query_keep):
         def hook(module, args, output):
-            tokens = output[:, prefix:]  # ViT: patch tokens only
-            valid = query_keep().get(stack)
-            sim = M.token_similarity(tokens, valid)
+            tokens = output[:, block.prefix:]  # (B, T, d): input positions only (no CLS token)
+            sim = M.token_similarity(tokens, query_keep().get(block.stack))
             ok = ~torch.isnan(sim)
-            total = self.sums.setdefault(name, [0.0, 0])
+            total = self.sums.setdefault(block.name, [0.0, 0])
             total[0] += float(sim[ok].sum())
             total[1] += int(ok.sum())
 
@@ -214,20 +192,9 @@ class BlockSimilarity:
             handle.remove()
 
     def summary(self) -> dict:
-        """``{block: {"token_similarity": mean over samples, or None}}``."""
-        return {name: {"token_similarity": total / n if n else None} for name, (total, n) in self.sums.items()}
-
-
-def blocks_of(model) -> list[tuple[str, torch.nn.Module, int]]:
-    """``(name, block, prefix tokens to drop)`` for every transformer block: ``blocks.{i}`` of a ViT
-    (dropping its CLS token, if any), ``encoder.layers.{i}`` and ``decoder.layers.{i}``."""
-    if hasattr(model, "vit"):
-        return [(f"blocks.{i}", b, model.vit.num_prefix_tokens) for i, b in enumerate(model.vit.blocks)]
-    found = []
-    for stack in ("encoder", "decoder"):
-        if hasattr(model, stack):
-            found += [(f"{stack}.layers.{i}", layer, 0) for i, layer in enumerate(getattr(model, stack).layers)]
-    return found
+        """``{block: {"token_similarity": mean over samples or None, "stack", "layer"}}``."""
+        return {name: {"token_similarity": total / n if n else None, "stack": self.blocks[name].stack,
+                       "layer": self.blocks[name].layer} for name, (total, n) in self.sums.items()}
 
 
 @dataclass
@@ -250,33 +217,34 @@ def record_statistics(task, batches: list, settings: Settings = Settings(), prog
     of attention unreduced for :meth:`Recording.finish`.
 
     Args:
-        task: an mmlight task (its ``.model`` is run in eval mode; the mode is restored after).
+        task: a task with the members of :class:`~mmlight.tasks.protocol.AnalysedTask` (its network
+            is run in eval mode; the mode is restored after).
         batches: CPU batches; moved to the task's device one at a time.
         settings: the thresholds.
         progress: optional callable ``progress(num_samples_done)`` after each batch.
         keep_bytes: how much recorded attention may wait for :meth:`Recording.finish` (0: reduce
             after every batch).
     """
-    task_kind(task)  # a clear error for an unsupported task
-    model, device = task.model, task.device
-    was_training = model.training
+    check_analysed_task(task)  # a clear error for a task that lacks a member
+    network, device = network_of(task), task.device
+    was_training = network.training
     if was_training:  # the callback records in validation, already in eval mode: skip the module walk
-        model.eval()
+        network.eval()
     observer = StatsObserver(settings, keep_bytes)
-    similarity = BlockSimilarity(model, lambda: observer.query_keep)
+    similarity = BlockSimilarity(network, lambda: observer.query_keep)
     try:
         with observe_attention(task, observer):
             for batch in batches:
                 batch = map_batch(batch, lambda t: t.to(device))
-                observer.query_keep = query_keep(task, batch)
-                teacher_forced(task, batch)
+                observer.query_keep = task.query_keep(batch)
+                task.teacher_forced(batch)
                 observer.end_batch()
                 if progress is not None:
                     progress(batch_size(batch))
     finally:
         similarity.remove()
         if was_training:
-            model.train()
+            network.train()
     return Recording(observer, similarity.summary())
 
 
@@ -295,8 +263,8 @@ def summarize(observer: StatsObserver, blocks: dict) -> dict:
     token similarity."""
     settings = observer.settings
     sites = {}
-    for site in sorted(observer.sites, key=lambda s: (s.split(".")[0], kind_of(s), layer_index(s))):
-        sums = observer.sites[site]
+    for sums in sorted(observer.sites.values(), key=lambda sums: (sums.site.stack, sums.site.kind, sums.site.layer)):
+        site = sums.site.name
         heads = {m: (sums.sums[m] / sums.counts[m]).tolist() for m in HEAD_METRICS}
         heads = {m: [None if math.isnan(v) else v for v in vals] for m, vals in heads.items()}
         layer = {m: pooled(sums.sums[m], sums.counts[m]) for m in HEAD_METRICS}
@@ -309,8 +277,8 @@ def summarize(observer: StatsObserver, blocks: dict) -> dict:
         layer["rollout_discrepancy"] = total / n if n else None
         order = torch.argsort(torch.nan_to_num(relative, nan=-1.0), descending=True)[: settings.top_sinks]
         sites[site] = {
-            "kind": kind_of(site),
-            "layer": layer_index(site),
+            "kind": sums.site.kind,
+            "layer": sums.site.layer,
             "heads": heads,
             "metrics": layer,
             "histogram": sums.histogram.tolist(),

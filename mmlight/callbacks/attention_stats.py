@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
@@ -9,8 +10,10 @@ from typing import Literal
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from mmlight.analysis.batches import batch_size, map_batch
 from mmlight.analysis.stats import Recording, Settings, metric_rows, record_statistics
-from mmlight.analysis.tasks import batch_size, map_batch
+
+log = logging.getLogger(__name__)
 
 
 class AttentionStats(L.Callback):
@@ -151,7 +154,17 @@ class AttentionStats(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.validations = state_dict.get("validations", 0)
-        self.similarity_history = state_dict.get("similarity_history", {})
+        history = state_dict.get("similarity_history", {})
+        self.similarity_history = {label: entry for label, entry in history.items() if _has_depths(entry)}
+        dropped = len(history) - len(self.similarity_history)
+        if dropped:
+            log.warning("AttentionStats: %d recorded epoch(s) of the checkpoint name no stack and layer per block "
+                        "(written by an older mmlight); the token-similarity figure leaves them out", dropped)
+
+
+def _has_depths(entry: dict) -> bool:
+    """Whether a recorded epoch's blocks carry their stack and layer (what the similarity figure plots)."""
+    return all("stack" in block and "layer" in block for block in entry.get("blocks", {}).values())
 
 
 def _has_tensorboard(trainer) -> bool:

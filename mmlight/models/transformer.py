@@ -18,6 +18,7 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn.attention import attention
+from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
 
@@ -538,15 +539,32 @@ class _OutputHead(nn.Module):
         if config.output_multimax:
             self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
 
-    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
-        """The reweighting module of every attention layer by its module path, the stable name
-        that monitoring and analysis report (``encoder.layers.0.self_attn``,
-        ``decoder.layers.1.cross_attn``, ...); encoder first, then decoder."""
-        return {name: m.reweight for name, m in self.named_modules() if isinstance(m, MultiHeadAttention)}
+    def attention_sites(self) -> dict[str, AttentionSite]:
+        """Each attention layer as a typed record by its module path, the stable name that monitoring
+        and analysis report (``encoder.layers.0.self_attn``, ``decoder.layers.1.cross_attn``, ...);
+        encoder first, then decoder, each layer's self-attention before its cross-attention."""
+        sites = []
+        encoder = getattr(self, "encoder", None)
+        for i, layer in enumerate([] if encoder is None else encoder.layers):
+            sites.append(AttentionSite(f"encoder.layers.{i}.self_attn", "encoder_self", "encoder", i,
+                                       layer.self_attn.reweight))
+        for i, layer in enumerate(self.decoder.layers):
+            sites.append(AttentionSite(f"decoder.layers.{i}.self_attn", "decoder_self", "decoder", i,
+                                       layer.self_attn.reweight))
+            if layer.cross_attn is not None:
+                sites.append(AttentionSite(f"decoder.layers.{i}.cross_attn", "cross", "decoder", i,
+                                           layer.cross_attn.reweight, key_stack="encoder"))
+        return sites_by_name(sites)
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
-        """:meth:`attention_sites`, plus ``output`` when the output layer is MultiMax."""
-        return {**self.attention_sites(), **({"output": self.output} if self.output is not None else {})}
+        """The reweighting module of every attention site, plus ``output`` when the output layer is MultiMax."""
+        return reweighting_modules(self.attention_sites(), self.output)
+
+    def blocks(self) -> list[Block]:
+        """The encoder layers (if any), then the decoder layers, in depth order."""
+        stacks = {"encoder": getattr(self, "encoder", None), "decoder": self.decoder}
+        return [Block(f"{name}.layers.{i}", name, i, layer)
+                for name, stack in stacks.items() if stack is not None for i, layer in enumerate(stack.layers)]
 
     def new_cache(self) -> DecoderCache:
         """An empty incremental-decoding cache (its batch size is set by the first step)."""

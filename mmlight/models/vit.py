@@ -14,6 +14,7 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn import ReweightedAttention
+from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
 
@@ -91,14 +92,20 @@ class ReweightedViT(nn.Module):
             self.output = reweighting.MultiMax(order=config.output_multimax_order, terms=config.output_multimax_terms,
                                                backend=config.backend)
 
-    def attention_sites(self) -> dict[str, reweighting.Reweighting]:
-        """The reweighting module of each attention layer by its stable name (``blocks.<i>``), in
-        depth order: the names that monitoring and attention analysis report."""
-        return {f"blocks.{i}": block.attn.reweight for i, block in enumerate(self.vit.blocks)}
+    def attention_sites(self) -> dict[str, AttentionSite]:
+        """Each attention layer as a typed record, by its stable name (``blocks.<i>``), in depth order:
+        the names that monitoring and attention analysis report."""
+        return sites_by_name([AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight)
+                              for i, block in enumerate(self.vit.blocks)])
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
-        """:meth:`attention_sites`, plus ``output`` when the logits are modulated."""
-        return {**self.attention_sites(), **({"output": self.output} if self.output is not None else {})}
+        """The reweighting module of every attention site, plus ``output`` when the logits are modulated."""
+        return reweighting_modules(self.attention_sites(), self.output)
+
+    def blocks(self) -> list[Block]:
+        """The transformer blocks in depth order; their CLS token (if any) is a prefix, not a patch."""
+        prefix = self.vit.num_prefix_tokens
+        return [Block(f"blocks.{i}", "blocks", i, block, prefix) for i, block in enumerate(self.vit.blocks)]
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters to exclude from weight decay besides 1-D ones (timm's convention)."""

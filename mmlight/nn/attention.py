@@ -3,8 +3,9 @@ between a fused kernel and the explicit path is made here and nowhere else.
 
 It is also the one observation point: inside :func:`observe_attention` (or
 :func:`record_attention`), every attention call of the observed model takes the explicit path and
-shows its weights, and its mask, to an :class:`AttentionObserver`, keyed by the model's stable site
-names. The models do not know about it, and outside the context the fused paths are unchanged.
+shows its weights, and its mask, to an :class:`AttentionObserver`, with the layer's typed
+:class:`~mmlight.nn.sites.AttentionSite` record. The models do not know about it, and outside the
+context the fused paths are unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 
 from mmlight.reweighting import Reweighting, Softmax
+from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting.backend import Backend, check_backend, resolve_backend, run_fused
 
 
@@ -48,12 +50,12 @@ class AttentionObserver:
     :meth:`record` to collect weights.
     """
 
-    def edit_mask(self, site: str, q: torch.Tensor, k: torch.Tensor,
+    def edit_mask(self, site: AttentionSite, q: torch.Tensor, k: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor | None:
         """The mask this call uses (default: ``mask`` unchanged).
 
         Args:
-            site: the layer's stable name (``blocks.3``, ``decoder.layers.1.cross_attn``).
+            site: the layer (its name, kind, stack, depth and reweighting module).
             q: queries ``(B, nh, Tq, hs)``.
             k: keys ``(B, nh, Tk, hs)``.
             mask: bool, broadcastable to ``(B, nh, Tq, Tk)``, True = attend, with the causal mask
@@ -61,11 +63,11 @@ class AttentionObserver:
         """
         return mask
 
-    def record(self, site: str, weights: torch.Tensor, keep: torch.Tensor | None) -> None:
+    def record(self, site: AttentionSite, weights: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Called with each call's weights.
 
         Args:
-            site: the layer's stable name.
+            site: the layer, as for :meth:`edit_mask`.
             weights: ``(B, nh, Tq, Tk)`` reweighted probabilities before dropout, 0 where masked.
             keep: the bool mask used (broadcastable to ``weights``), or None = every key.
         """
@@ -80,15 +82,22 @@ class RecordedAttention(NamedTuple):
 
 
 class AttentionRecorder(AttentionObserver):
-    """Keeps every call's weights, detached: ``recorder[site]`` is a list with one
-    :class:`RecordedAttention` per call (incremental decoding calls a layer once per step)."""
+    """Keeps every call's weights, detached: ``recorder[name]`` is a list with one
+    :class:`RecordedAttention` per call of the site of that name (incremental decoding calls a layer
+    once per step); ``recorder.site(name)`` is its record."""
 
     def __init__(self):
         self.calls: dict[str, list[RecordedAttention]] = {}
+        self._sites: dict[str, AttentionSite] = {}
 
     def record(self, site, weights, keep):
-        self.calls.setdefault(site, []).append(
+        self._sites[site.name] = site
+        self.calls.setdefault(site.name, []).append(
             RecordedAttention(weights.detach(), None if keep is None else keep.detach()))
+
+    def site(self, name: str) -> AttentionSite:
+        """The record of a site seen under ``name``."""
+        return self._sites[name]
 
     def __getitem__(self, site: str) -> list[RecordedAttention]:
         return self.calls[site]
@@ -98,8 +107,8 @@ class AttentionRecorder(AttentionObserver):
         return list(self.calls)
 
 
-# (id of a reweighting module -> site name, observer) while observe_attention is active.
-_OBSERVED: contextvars.ContextVar[tuple[dict[int, str], AttentionObserver] | None] = \
+# (id of a reweighting module -> its site, observer) while observe_attention is active.
+_OBSERVED: contextvars.ContextVar[tuple[dict[int, AttentionSite], AttentionObserver] | None] = \
     contextvars.ContextVar("mmlight_observed_attention", default=None)
 
 
@@ -120,7 +129,7 @@ def observe_attention(model: torch.nn.Module, observer: AttentionObserver) -> It
         model: a model with ``attention_sites()``, or a task holding one as ``.model``.
         observer: sees each call's mask (and may narrow it) and weights.
     """
-    sites = {id(m): name for name, m in network_of(model).attention_sites().items()}
+    sites = {id(site.module): site for site in network_of(model).attention_sites().values()}
     token = _OBSERVED.set((sites, observer))
     try:
         yield observer

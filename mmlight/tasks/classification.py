@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import lightning as L
 import torch
@@ -17,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.tasks.checkpoint import check_checkpoint_matches
 from mmlight.tasks.optim import param_groups, warmup_cosine
+from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.stages import EvalStages
 
 
@@ -39,6 +41,9 @@ class ImageClassifier(EvalStages, L.LightningModule):
         ema_decay: if set, keep an exponential moving average of the weights and also report its
             validation accuracy as ``val/ema_top1``.
     """
+
+    task_metric = TaskMetric("top1", higher_is_better=True)
+    interventions = ("sink_masking",)
 
     def __init__(
         self,
@@ -138,6 +143,21 @@ class ImageClassifier(EvalStages, L.LightningModule):
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         probs = torch.softmax(self(images).float(), dim=-1)
         return {"probs": probs, "pred": probs.argmax(dim=-1)}
+
+    # ------------------------------------------------------------------ attention analysis
+    def teacher_forced(self, batch) -> None:
+        self.model(batch[0])
+
+    def query_keep(self, batch) -> dict[str, torch.Tensor | None]:
+        return {}  # every patch is a real position
+
+    def example_inputs(self, batch) -> ExampleInputs:
+        vit = self.model.vit
+        return ExampleInputs(image=batch[0], patch_grid=tuple(vit.patch_embed.grid_size),
+                             prefix=vit.num_prefix_tokens, cam_layer=vit.blocks[-1].norm1)
+
+    def metric_evaluation(self, split: str, scratch):
+        return nullcontext()  # validate and test both log top1 and write nothing
 
     def configure_optimizers(self):
         hp = self.hparams

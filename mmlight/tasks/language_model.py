@@ -3,11 +3,14 @@ swappable attention reweighting and an optional MultiMax output layer."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torchmetrics import SumMetric
 from torch import nn
 
 from mmlight.models.transformer import TransformerConfig, TransformerLM
+from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
 
 
@@ -35,6 +38,9 @@ class LanguageModel(SequenceTask):
             (argmax). It materialises the logits of the scored positions, so leave it off for a
             267k-word vocabulary; the associative-recall quick start turns it on.
     """
+
+    task_metric = TaskMetric("ppl", higher_is_better=False)
+    interventions = ("sink_masking", "kv_eviction")
 
     def __init__(
         self,
@@ -90,3 +96,16 @@ class LanguageModel(SequenceTask):
         rows = [self.model.summed_loss(hidden[b:b + 1], batch["target"][b:b + 1], batch["loss_mask"][b:b + 1])
                 for b in range(hidden.shape[0])]
         return {"nll": torch.stack([nll for nll, _ in rows]), "tokens": torch.stack([n for _, n in rows])}
+
+    # ------------------------------------------------------------------ attention analysis
+    def teacher_forced(self, batch) -> None:
+        self.model(batch["input"])
+
+    def query_keep(self, batch) -> dict[str, torch.Tensor | None]:
+        return {"decoder": batch["input"] != self.config.pad_id}
+
+    def example_inputs(self, batch) -> ExampleInputs:
+        return ExampleInputs(tokens={"decoder": batch["input"]})
+
+    def metric_evaluation(self, split: str, scratch):
+        return nullcontext()  # validate and test both log ppl and write nothing

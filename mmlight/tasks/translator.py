@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
+from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,9 @@ class Translator(SequenceTask):
         output_dir: folder for the hypotheses files; None = the run's log directory.
     """
 
+    task_metric = TaskMetric("bleu", higher_is_better=True)
+    interventions = ("sink_masking",)
+
     def __init__(
         self,
         model: TransformerConfig,
@@ -73,6 +79,8 @@ class Translator(SequenceTask):
         # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI
         self.beam = beam if isinstance(beam, BeamSearchConfig) else BeamSearchConfig(**beam)
         self.translations: dict[str, list[dict]] = {}
+        # read by evaluation (not from hparams), so that generation_settings() can change them for a while
+        self.bleu_in_validation, self.output_dir = bleu_in_validation, output_dir
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token scores ``(B, T, V)`` of the decoder inputs ``tgt_in`` given ``src``."""
@@ -125,7 +133,7 @@ class Translator(SequenceTask):
                 log.info("%s BLEU %.2f (%s); tokenised BLEU %.2f (%s)", stage, scores.bleu, scores.signature,
                          scores.bleu_tok, scores.signature_tok)
         if stage in ("test", "predict"):
-            out = Path(self.hparams.output_dir or self.trainer.log_dir or ".")  # log_dir broadcasts: all ranks
+            out = Path(self.output_dir or self.trainer.log_dir or ".")  # log_dir broadcasts: all ranks
             if self.trainer.is_global_zero:
                 self._write(out, stage, files, scores)
         return rows
@@ -140,7 +148,18 @@ class Translator(SequenceTask):
 
     # ------------------------------------------------------------------ stages
     def _generates(self, stage: str) -> bool:
-        return stage == "test" or self.hparams.bleu_in_validation
+        return stage == "test" or self.bleu_in_validation
+
+    @contextmanager
+    def generation_settings(self, bleu_in_validation: bool, output_dir: str | None) -> Iterator[None]:
+        """Evaluate with these settings (see the class arguments) inside the context; the constructor's
+        apply again after it, and the hyperparameters are never changed."""
+        saved = self.bleu_in_validation, self.output_dir
+        self.bleu_in_validation, self.output_dir = bleu_in_validation, output_dir
+        try:
+            yield
+        finally:
+            self.bleu_in_validation, self.output_dir = saved
 
     def _eval_step(self, stage: str, batch) -> None:
         hidden = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
@@ -153,6 +172,20 @@ class Translator(SequenceTask):
         self.log_perplexity(stage)
         if self._generates(stage):
             self._finish_generation(stage)
+
+    # ------------------------------------------------------------------ attention analysis
+    def teacher_forced(self, batch) -> None:
+        self.model(batch["src"], batch["tgt_in"], batch["src_mask"])
+
+    def query_keep(self, batch) -> dict[str, torch.Tensor | None]:
+        return {"encoder": batch["src_mask"], "decoder": batch["tgt_in"] != self.config.pad_id}
+
+    def example_inputs(self, batch) -> ExampleInputs:
+        return ExampleInputs(tokens={"encoder": batch["src"], "decoder": batch["tgt_in"]})
+
+    def metric_evaluation(self, split: str, scratch):
+        # BLEU needs beam search in validation too; a test run's hypotheses files go to the scratch folder
+        return self.generation_settings(bleu_in_validation=True, output_dir=str(scratch))
 
     def predict_step(self, batch, batch_idx):
         """``[{"id", "hyp", "hyp_tok"}, ...]`` for the batch's sentences."""

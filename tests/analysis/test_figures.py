@@ -23,7 +23,8 @@ def test_grad_cam_on_gap_and_cls_heads(pool):
     torch.manual_seed(0)
     model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
                                     global_pool=pool)).eval()
-    heat = grad_cam_map(model, torch.randn(1, 1, 8, 8))
+    vit = model.vit
+    heat = grad_cam_map(model, torch.randn(1, 1, 8, 8), vit.blocks[-1].norm1, vit.num_prefix_tokens, (4, 4))
     assert heat.shape == (8, 8)
     assert torch.isfinite(heat).all() and heat.min() >= 0 and heat.max() <= 1
 

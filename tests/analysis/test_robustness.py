@@ -7,9 +7,21 @@ import torch
 
 from mmlight.analysis.robustness import KVEviction, SinkMasking, budget
 from mmlight.nn.attention import causal_mask, observe_attention
+from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Softmax
 
-SITE = "decoder.layers.3.self_attn"
+SITE = AttentionSite("decoder.layers.3.self_attn", "decoder_self", "decoder", 3, Softmax())
+
+
+def vit_site(module=None) -> AttentionSite:
+    """A ViT block's site with ``module`` (a softmax by default) as its reweighting."""
+    return AttentionSite("blocks.0", "self", "blocks", 0, Softmax() if module is None else module)
+
+
+def decoder_site(layer: int, kind: str = "decoder_self") -> AttentionSite:
+    """The site of a decoder layer's self- or cross-attention."""
+    name = f"decoder.layers.{layer}.{'cross_attn' if kind == 'cross' else 'self_attn'}"
+    return AttentionSite(name, kind, "decoder", layer, Softmax(), key_stack="encoder" if kind == "cross" else None)
 
 
 def brute_force_l2(k, keep, ratio):
@@ -62,9 +74,9 @@ def test_eviction_skips_the_first_layers_and_other_kinds():
     q = k = torch.randn(1, 1, 5, 4)
     mask = causal_mask(5, 5)
     evict = KVEviction(0.1, "l2", skip_layers=2)
-    assert evict.edit_mask("decoder.layers.1.self_attn", q, k, mask) is mask
-    assert evict.edit_mask("decoder.layers.0.cross_attn", q, k, mask) is mask
-    assert evict.edit_mask("decoder.layers.2.self_attn", q, k, mask).sum() < mask.sum()
+    assert evict.edit_mask(decoder_site(1), q, k, mask) is mask
+    assert evict.edit_mask(decoder_site(0, "cross"), q, k, mask) is mask
+    assert evict.edit_mask(decoder_site(2), q, k, mask).sum() < mask.sum()
 
 
 def test_budget_has_no_float_noise():
@@ -87,11 +99,11 @@ def test_sink_masking_masks_a_hand_built_sink():
     k = torch.randn(2, 2, T, 4) * 0.1
     k[0, :, 5] = q[0].mean(1) * 50  # every query of sample 0 scores key 5 highest
     k[1, :, 2] = q[1].mean(1) * 50
-    masking = SinkMasking({"blocks.0": Softmax()}, k=1)
-    got = masking.edit_mask("blocks.0", q, k, None)  # (B, nh, T, T)
+    masking = SinkMasking(k=1)
+    got = masking.edit_mask(vit_site(), q, k, None)  # (B, nh, T, T)
     assert (~got[0, :, :, 5]).all() and (~got[1, :, :, 2]).all()
     assert got.sum() == 2 * 2 * T * (T - 1)
-    assert masking.edit_mask("decoder.layers.0.cross_attn", q, k, None) is None
+    assert masking.edit_mask(decoder_site(0, "cross"), q, k, None) is None
 
 
 def test_sink_masking_changes_a_vit_forward_and_is_gone_afterwards():
@@ -101,7 +113,7 @@ def test_sink_masking_changes_a_vit_forward_and_is_gone_afterwards():
     x = torch.randn(2, 1, 8, 8)
     with torch.no_grad():
         plain = model(x)
-        with observe_attention(model, SinkMasking(model.attention_sites(), k=5)):
+        with observe_attention(model, SinkMasking(k=5)):
             masked = model(x)
         again = model(x)
     assert not torch.allclose(plain, masked, atol=1e-4)
@@ -120,13 +132,14 @@ class StandInTrainer:
     as Lightning's return value: one dict of logged metrics (or none, ``empty``)."""
 
     def __init__(self, metric: str, empty: bool = False):
-        self.metric, self.empty, self.calls, self.tasks = metric, empty, [], []
+        self.metric, self.empty, self.calls, self.tasks, self.settings = metric, empty, [], [], []
 
     def _run(self, split, task, datamodule, verbose):
         active = observed_now()
         observer = active[1] if active else None
         self.calls.append((split, observer, datamodule, verbose))
         self.tasks.append(task)
+        self.settings.append((getattr(task, "bleu_in_validation", None), getattr(task, "output_dir", None)))
         # one dict per evaluation loader; the first is the split's own
         return [] if self.empty else [{f"{split}/{self.metric}": float(len(self.calls)), "other": 0.5},
                                       {f"{split}/{self.metric}": -1.0}]
@@ -141,7 +154,7 @@ class StandInTrainer:
 def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     """LM: the plain run, sink masking at 1, 5, 10, then l2 and streaming eviction at every ratio, each
     evaluated once under its own observer (none afterwards); rows carry the task metric of that run."""
-    from mmlight.analysis.robustness import KEEP_RATIOS, SINK_LEVELS, num_robustness_runs, robustness_rows
+    from mmlight.analysis.robustness import KEEP_RATIOS, SINK_LEVELS, robustness_rows, robustness_runs
     from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import LanguageModel
 
@@ -153,14 +166,12 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
         (f"kv_{method}", r) for method in ("l2", "streaming") for r in KEEP_RATIOS]
     assert [(name, level) for name, level, _, _ in rows] == want
     assert [(metric, value) for _, _, metric, value in rows] == [("ppl", float(i + 1)) for i in range(len(want))]
-    assert len(rows) == num_robustness_runs("lm") == 16 and ticks == [1] * 16
+    assert len(rows) == len(robustness_runs(task, skip_layers=1)) == 16 and ticks == [1] * 16
     observers = [observer for _, observer, _, _ in trainer.calls]
     assert observers[0] is None and all(split == "test" and dm == "the datamodule" and verbose is False
                                         for split, _, dm, verbose in trainer.calls)
     assert [o.k for o in observers[1:4]] == list(SINK_LEVELS)
     assert all(t is task for t in trainer.tasks)  # every run evaluates the task itself
-    sites = task.model.attention_sites()  # sink masking recomputes weights with the model's own functions
-    assert all(o.sites.keys() == sites.keys() and all(o.sites[n] is sites[n] for n in sites) for o in observers[1:4])
     evictions = observers[4:]
     assert [(o.method, o.ratio, o.skip_layers) for o in evictions] == [
         (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS]
@@ -169,9 +180,9 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
 
 def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
     """Image and NMT tasks get the plain run and sink masking only, on the split asked for; NMT runs
-    beam search in validation and writes its files to a scratch folder; a run that logs no task
-    metric is an error naming what it logged."""
-    from mmlight.analysis.robustness import num_robustness_runs, robustness_rows
+    beam search in validation and writes its files to a scratch folder, for the runs only and without
+    touching its hyperparameters; a run that logs no task metric is an error naming what it logged."""
+    from mmlight.analysis.robustness import robustness_rows, robustness_runs
     from mmlight.models import ViTConfig
     from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import ImageClassifier, Translator
@@ -181,16 +192,20 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
     rows = robustness_rows(trainer, image, None, "val")
     assert [r[:3] for r in rows] == [("none", 0, "top1"), ("sink_masking", 1, "top1"), ("sink_masking", 5, "top1"),
                                      ("sink_masking", 10, "top1")]
-    assert len(rows) == num_robustness_runs("image") == num_robustness_runs("nmt") == 4
-    assert {split for split, *_ in trainer.calls} == {"val"}
     translator = Translator(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
                                               n_encoder_layers=1, max_positions=32))
+    assert len(rows) == len(robustness_runs(image)) == len(robustness_runs(translator)) == 4
+    assert {split for split, *_ in trainer.calls} == {"val"}
     assert translator.hparams.bleu_in_validation is False
-    assert [r[2] for r in robustness_rows(StandInTrainer("bleu"), translator, None, "val")] == ["bleu"] * 4
+    bleu = StandInTrainer("bleu")
+    assert [r[2] for r in robustness_rows(bleu, translator, None, "val")] == ["bleu"] * 4
     from pathlib import Path
 
-    assert translator.hparams.bleu_in_validation is True
-    assert Path(translator.hparams.output_dir).name.startswith("mmlight-robustness-")
+    scratch = {Path(output_dir) for _, output_dir in bleu.settings}
+    assert {generates for generates, _ in bleu.settings} == {True} and len(scratch) == 1
+    assert next(iter(scratch)).name.startswith("mmlight-robustness-") and not next(iter(scratch)).exists()
+    assert (translator.bleu_in_validation, translator.output_dir) == (False, None)  # the constructor's again
+    assert (translator.hparams.bleu_in_validation, translator.hparams.output_dir) == (False, None)
     with pytest.raises(RuntimeError, match=r"the val run logged no val/top1 \(it logged \[\]\)"):
         robustness_rows(StandInTrainer("top1", empty=True), image, None, "val")
 
@@ -226,14 +241,14 @@ def test_sink_masking_against_brute_force_under_a_causal_padded_mask(n_sinks):
     real = torch.ones(B, T, dtype=torch.bool)
     real[2, 4:] = False
     mask = (causal_mask(T, T)[None] & real[:, None, :])[:, None]  # (B, 1, T, T)
-    got = SinkMasking({SITE: Softmax()}, k=n_sinks).edit_mask(SITE, q, k, mask)
+    got = SinkMasking(k=n_sinks).edit_mask(SITE, q, k, mask)
     assert got.shape == (B, H, T, T)
     assert torch.equal(got, brute_force_sinks(q, k, mask.expand(B, H, T, T), n_sinks))
 
 
 def test_sink_masking_of_more_keys_than_there_are_masks_every_key():
     q = k = torch.randn(1, 2, 4, 8)
-    got = SinkMasking({"blocks.0": Softmax()}, k=10).edit_mask("blocks.0", q, k, None)
+    got = SinkMasking(k=10).edit_mask(vit_site(), q, k, None)
     assert got.shape == (1, 2, 4, 4) and not got.any()
 
 
@@ -306,7 +321,7 @@ def test_interventions_build_their_masks_on_the_device_of_q_and_k():
     for method in ("l2", "streaming"):
         got = KVEviction(0.5, method, skip_layers=0).edit_mask(SITE, q, k, None)
         assert got.device.type == "meta" and got.shape == (1, 2, 3, 5)
-    got = SinkMasking({"blocks.0": Softmax()}, k=1).edit_mask("blocks.0", q, k[:, :, :3], None)
+    got = SinkMasking(k=1).edit_mask(vit_site(), q, k[:, :, :3], None)
     assert got.device.type == "meta" and got.shape == (1, 2, 3, 3)
 
 
@@ -325,7 +340,7 @@ class BackendSpy(Softmax):
 def test_sink_masking_computes_weights_with_the_site_backend():
     spy = BackendSpy("compile")
     q = k = torch.randn(1, 2, 4, 8)
-    SinkMasking({"blocks.0": spy}, k=1).edit_mask("blocks.0", q, k, None)
+    SinkMasking(k=1).edit_mask(vit_site(spy), q, k, None)
     assert spy.asked == ["compile"]
 
 

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from mmlight.analysis.stats import collect_statistics, kind_of, metric_rows
+from mmlight.analysis.stats import collect_statistics, metric_rows
 from mmlight.models import ViTConfig
 from mmlight.models.transformer import TransformerConfig
 from mmlight.nn.attention import record_attention
-from mmlight.reweighting import ReweightingSpec
+from mmlight.nn.sites import AttentionSite
+from mmlight.reweighting import ReweightingSpec, Softmax
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
 PAD = 1
@@ -131,20 +132,6 @@ def test_statistics_leave_attention_unobserved_afterwards():
     assert samples == [2, 3]  # the progress bar advances by each batch's samples
 
 
-def test_layer_index_of_sites_and_blocks():
-    from mmlight.analysis.stats import layer_index
-
-    assert [layer_index(n) for n in ("blocks.0", "blocks.11.attn", "decoder.layers.3.self_attn",
-                                     "encoder.layers.12.self_attn")] == [0, 11, 3, 12]
-    with pytest.raises(ValueError, match="no layer index in 'head'"):
-        layer_index("head")
-
-
-def test_kind_of_sites():
-    assert [kind_of(s) for s in ("blocks.0", "encoder.layers.1.self_attn", "decoder.layers.0.self_attn",
-                                 "decoder.layers.2.cross_attn")] == ["self", "encoder_self", "decoder_self", "cross"]
-
-
 def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded():
     """record_statistics may leave the reduction for later (the training callback finishes it on a
     background thread): the result equals the batch-by-batch one, and past keep_bytes it reduces at once."""
@@ -172,6 +159,12 @@ def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded()
 
 ENC, DEC9, DEC10, CROSS = ("encoder.layers.0.self_attn", "decoder.layers.9.self_attn",
                            "decoder.layers.10.self_attn", "decoder.layers.9.cross_attn")
+#: The records a model would give these sites (and three ViT blocks): what the observer is called with.
+SITES = {ENC: AttentionSite(ENC, "encoder_self", "encoder", 0, Softmax()),
+         DEC9: AttentionSite(DEC9, "decoder_self", "decoder", 9, Softmax()),
+         DEC10: AttentionSite(DEC10, "decoder_self", "decoder", 10, Softmax()),
+         CROSS: AttentionSite(CROSS, "cross", "decoder", 9, Softmax(), key_stack="encoder"),
+         **{f"blocks.{i}": AttentionSite(f"blocks.{i}", "self", "blocks", i, Softmax()) for i in (0, 2, 10)}}
 
 
 def synthetic_batch(gen, t_enc, t_dec, enc_real, dec_real):
@@ -219,8 +212,8 @@ def observe(settings, batches):
     for calls, real in batches:
         observer.query_keep = real
         for site, q, k, keep, w in calls:
-            assert observer.edit_mask(site, q, k, keep) is keep  # the observer never changes the mask
-            observer.record(site, w, keep)
+            assert observer.edit_mask(SITES[site], q, k, keep) is keep  # the observer never changes the mask
+            observer.record(SITES[site], w, keep)
         observer.end_batch()
     observer.flush()
     return summarize(observer, {"decoder.layers.9": {"token_similarity": 0.25}})
@@ -382,8 +375,8 @@ def test_a_site_whose_every_query_is_padding_reports_none():
     observer = StatsObserver(Settings())
     observer.query_keep = {"decoder": torch.zeros(1, 3, dtype=torch.bool)}
     q = k = torch.randn(1, 2, 3, 4)
-    observer.edit_mask(DEC9, q, k, None)
-    observer.record(DEC9, torch.full((1, 2, 3, 3), 1 / 3), None)
+    observer.edit_mask(SITES[DEC9], q, k, None)
+    observer.record(SITES[DEC9], torch.full((1, 2, 3, 3), 1 / 3), None)
     observer.end_batch()
     observer.flush()
     entry = summarize(observer, {})["sites"][DEC9]
@@ -402,16 +395,16 @@ def test_record_keeps_calls_until_their_bytes_exceed_keep_bytes():
     observer.query_keep = {"decoder": torch.ones(2, 3, dtype=torch.bool)}
     q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
     keep, w = torch.ones(2, 1, 3, 3, dtype=torch.bool), torch.full((2, 2, 3, 3), 1 / 3)
-    observer.edit_mask(DEC9, q, k, keep)
-    observer.record(DEC9, w, keep)
+    observer.edit_mask(SITES[DEC9], q, k, keep)
+    observer.record(SITES[DEC9], w, keep)
     assert observer.kept_bytes == 144 + 18 + 144 + 6 and observer.sites == {} and len(observer._kept) == 1
-    observer.edit_mask(DEC10, q, k, keep)
-    observer.record(DEC10, w, keep)
+    observer.edit_mask(SITES[DEC10], q, k, keep)
+    observer.record(SITES[DEC10], w, keep)
     assert observer.kept_bytes == 0 and observer._kept == [] and list(observer.sites) == [DEC9, DEC10]
     # a ViT site on a fresh observer: no mask and no query mask (every query real), weights and scores only
     observer = StatsObserver(Settings(), keep_bytes=1000)
-    observer.edit_mask("blocks.0", q, k, None)
-    observer.record("blocks.0", w, None)
+    observer.edit_mask(SITES["blocks.0"], q, k, None)
+    observer.record(SITES["blocks.0"], w, None)
     assert observer.kept_bytes == 288 and observer._kept[0][4] is None
 
 
@@ -480,7 +473,8 @@ def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
     assert stats["blocks"].keys() == {"decoder.layers.0", "decoder.layers.1"}
     for i in (0, 1):
         assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(want[i], rel=1e-6)  # float32 forward passes
-    assert collect_statistics(task, [{"input": tokens[2:]}])["blocks"]["decoder.layers.0"] == {"token_similarity": None}
+    padded = collect_statistics(task, [{"input": tokens[2:]}])["blocks"]["decoder.layers.0"]
+    assert padded == {"token_similarity": None, "stack": "decoder", "layer": 0}
 
     translator = Translator(model=tiny_config(n_encoder_layers=2)).eval()
     src, tgt = torch.randint(2, 20, (2, 5)), torch.randint(2, 20, (2, 4))
@@ -507,8 +501,8 @@ def test_one_counted_row_by_hand():
     observer.query_keep = {"decoder": torch.tensor([[False, False, True]])}
     q = k = torch.randn(1, 1, 3, 4)
     w = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.5, 0.25, 0.25]]]])
-    observer.edit_mask(DEC9, q, k, None)
-    observer.record(DEC9, w, None)
+    observer.edit_mask(SITES[DEC9], q, k, None)
+    observer.record(SITES[DEC9], w, None)
     entry = summarize(observer, {})["sites"][DEC9]
     assert entry["incoming_mean"] == [0.5, 0.25, 0.25] and entry["incoming_relative"] == [1.5, 0.75, 0.75]
     assert entry["metrics"]["frac_below_1e-3"] == 0.0 and entry["metrics"]["max_weight"] == 0.5
@@ -524,8 +518,8 @@ def test_an_unseen_position_ranks_below_one_that_receives_zero_attention():
     q = k = torch.randn(1, 1, 2, 4)
     keep = torch.tensor([[[[False, True, True], [False, True, True]]]])
     w = torch.tensor([[[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]]])
-    observer.edit_mask("blocks.0", q, k[:, :, :1].expand(1, 1, 3, 4), keep)
-    observer.record("blocks.0", w, keep)
+    observer.edit_mask(SITES["blocks.0"], q, k[:, :, :1].expand(1, 1, 3, 4), keep)
+    observer.record(SITES["blocks.0"], w, keep)
     entry = summarize(observer, {})["sites"]["blocks.0"]
     assert entry["incoming_relative"] == [None, 0.0, 2.0]
     assert entry["top_sinks"] == [{"position": 2, "relative": 2.0}, {"position": 1, "relative": 0.0}]
@@ -538,6 +532,6 @@ def test_vit_sites_are_listed_in_numeric_layer_order():
     observer = StatsObserver(Settings())
     q = k = torch.randn(1, 1, 2, 4)
     for site in ("blocks.10", "blocks.2"):
-        observer.edit_mask(site, q, k, None)
-        observer.record(site, torch.full((1, 1, 2, 2), 0.5), None)
+        observer.edit_mask(SITES[site], q, k, None)
+        observer.record(SITES[site], torch.full((1, 1, 2, 2), 0.5), None)
     assert list(summarize(observer, {})["sites"]) == ["blocks.2", "blocks.10"]

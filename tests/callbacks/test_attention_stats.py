@@ -163,9 +163,10 @@ def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
     assert {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"} <= set(acc.Tags()["images"])
 
 
-def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_afresh():
-    """A resumed run keeps counting validations (every k-th records) and draws every recorded epoch."""
-    history = {"epoch 0": {"blocks": {"decoder.layers.0": {"token_similarity": 0.5}}}}
+def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_afresh(caplog):
+    """A resumed run keeps counting validations (every k-th records) and draws every recorded epoch;
+    epochs recorded before blocks carried their stack and layer are left out, with a warning."""
+    history = {"epoch 0": {"blocks": {"decoder.layers.0": {"token_similarity": 0.5, "stack": "decoder", "layer": 0}}}}
     recorded = AttentionStats()
     recorded.validations, recorded.similarity_history = 5, history
     assert recorded.state_dict() == {"validations": 5, "similarity_history": history}
@@ -174,6 +175,10 @@ def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_a
     assert (resumed.validations, resumed.similarity_history) == (5, history)
     resumed.load_state_dict({})  # a checkpoint written without this callback
     assert (resumed.validations, resumed.similarity_history) == (0, {})
+    old = {"epoch 1": {"blocks": {"decoder.layers.0": {"token_similarity": 0.4}}}}
+    resumed.load_state_dict({"validations": 7, "similarity_history": {**old, **history}})
+    assert (resumed.validations, resumed.similarity_history) == (7, history)
+    assert "1 recorded epoch(s) of the checkpoint name no stack and layer" in caplog.text
 
 
 class Board(TensorBoardLogger):

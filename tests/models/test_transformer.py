@@ -386,9 +386,16 @@ def test_each_attention_layer_gets_its_own_reweighting_and_backend():
     assert list(sites) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
                            "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
                            "decoder.layers.1.self_attn", "decoder.layers.1.cross_attn"]
-    assert sites["decoder.layers.1.cross_attn"] is model.decoder.layers[1].cross_attn.reweight
+    assert [(s.kind, s.stack, s.layer, s.keys_from) for s in sites.values()] == [
+        ("encoder_self", "encoder", 0, "encoder"), ("encoder_self", "encoder", 1, "encoder"),
+        ("decoder_self", "decoder", 0, "decoder"), ("cross", "decoder", 0, "encoder"),
+        ("decoder_self", "decoder", 1, "decoder"), ("cross", "decoder", 1, "encoder")]
+    assert sites["decoder.layers.1.cross_attn"].module is model.decoder.layers[1].cross_attn.reweight
     assert model.reweighting_sites()["output"] is model.output
-    layers = list(sites.values())
+    assert [(b.name, b.stack, b.layer, b.prefix) for b in model.blocks()] == [
+        (f"{stack}.layers.{i}", stack, i, 0) for stack in ("encoder", "decoder") for i in (0, 1)]
+    assert all(b.module is model.encoder.layers[b.layer] for b in model.blocks()[:2])
+    layers = [s.module for s in sites.values()]
     assert len(layers) == 2 + 2 * 2 and len({id(m) for m in layers}) == 6
     assert all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
     modules = [m for m in model.modules() if isinstance(m, reweighting.Reweighting)]

@@ -24,8 +24,10 @@ def test_each_layer_gets_its_own_reweighting():
     model = ReweightedViT(micro(attention=ReweightingSpec("multimax", {"order": 1})))
     sites = model.attention_sites()
     assert list(sites) == [f"blocks.{i}" for i in range(4)]
-    layers = list(sites.values())
-    assert all(sites[f"blocks.{i}"] is model.vit.blocks[i].attn.reweight for i in range(4))
+    assert [(s.name, s.kind, s.stack, s.layer, s.keys_from) for s in sites.values()] == [
+        (f"blocks.{i}", "self", "blocks", i, "blocks") for i in range(4)]
+    layers = [s.module for s in sites.values()]
+    assert all(sites[f"blocks.{i}"].module is model.vit.blocks[i].attn.reweight for i in range(4))
     assert len(layers) == 4 and all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
     assert len({id(m.ts) for m in layers}) == 4
     assert model.output is None
@@ -42,6 +44,10 @@ def test_head_pooling(pool, has_cls):
     model = ReweightedViT(micro(global_pool=pool))
     assert (model.vit.cls_token is not None) == has_cls
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    # the blocks' records: a CLS token is a prefix that the token similarity leaves out
+    assert [(b.name, b.stack, b.layer, b.prefix) for b in model.blocks()] == [
+        (f"blocks.{i}", "blocks", i, int(has_cls)) for i in range(4)]
+    assert all(b.module is model.vit.blocks[b.layer] for b in model.blocks())
 
 
 def test_softmax_model_uses_fused_path(monkeypatch):
@@ -120,7 +126,7 @@ def test_the_config_reaches_timm():
     assert vit.global_pool == "avg" and vit.cls_token is None
     # stochastic depth rises linearly to drop_path_rate at the last block
     assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3) and vit.blocks[1].drop_path1.drop_prob == pytest.approx(0.1)
-    assert all(m.backend == "compile" for m in model.attention_sites().values())
+    assert all(s.module.backend == "compile" for s in model.attention_sites().values())
     assert (model.output.order, model.output.backend) == (1, "compile")
     assert model.no_weight_decay() == {f"vit.{name}" for name in vit.no_weight_decay()} and "vit.pos_embed" in model.no_weight_decay()
 

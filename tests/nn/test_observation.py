@@ -51,7 +51,7 @@ def test_vit_records_every_block_as_computed_by_hand():
                        attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="reference")
     model = ReweightedViT(config).eval()
     with torch.no_grad():
-        for m in model.attention_sites().values():
+        for m in (site.module for site in model.attention_sites().values()):
             m.ranges.copy_(torch.tensor([-0.5, 0.6, -1.0, 1.2]))
             m.ts.copy_(torch.tensor([0.3, -0.25, 0.1, 0.05]))
     images = torch.randn(3, 1, 8, 8)
@@ -125,15 +125,15 @@ class DropFirstKey(AttentionObserver):
         self.site, self.sites_seen = site, []
 
     def edit_mask(self, site, q, k, mask):
-        self.sites_seen.append(site)
-        if site != self.site:
+        self.sites_seen.append((site.name, site.kind, site.layer))
+        if site.name != self.site:
             return mask
         keep = torch.ones(k.shape[-2], dtype=torch.bool, device=k.device)
         keep[0] = False
         return keep if mask is None else mask & keep
 
     def record(self, site, weights, keep):
-        if site == self.site:
+        if site.name == self.site:
             self.weights = weights
 
 
@@ -144,7 +144,8 @@ def test_an_observer_can_narrow_the_mask():
     observer = DropFirstKey("decoder.layers.1.self_attn")
     with observe_attention(model, observer):
         edited = model(tokens)
-    assert observer.sites_seen == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
+    assert observer.sites_seen == [("decoder.layers.0.self_attn", "decoder_self", 0),
+                                   ("decoder.layers.1.self_attn", "decoder_self", 1)]
     assert (observer.weights[..., 0] == 0).all()
     assert observer.weights[:, :, 0].sum() == 0  # query 0 saw only key 0: now an empty row
     torch.testing.assert_close(observer.weights[:, :, 1:].sum(-1), torch.ones(2, 2, 5))

@@ -205,7 +205,7 @@ def test_fast_dev_run_of_a_model_using_it(name, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["mmlight"])
     cli = lm_fast_dev_run(tmp_path, name)
     assert cli.trainer.global_step == 1 and torch.isfinite(cli.trainer.callback_metrics["train/loss"])
-    layers = cli.model.model.attention_sites().values()
+    layers = [site.module for site in cli.model.model.attention_sites().values()]
     assert all(type(m) is _REGISTRY[name] for m in layers)
 
 
@@ -240,7 +240,7 @@ def test_a_function_registered_in_one_place_runs_through_a_config(cube_power, tm
     model trains, and its output equals the formula computed here."""
     monkeypatch.setattr(sys, "argv", ["mmlight"])
     cli = lm_fast_dev_run(tmp_path, "cube_power_test", "{width: 3.0}")
-    layers = list(cli.model.model.attention_sites().values())
+    layers = [site.module for site in cli.model.model.attention_sites().values()]
     assert len(layers) == 2 and all(isinstance(m, cube_power) for m in layers)
     assert cli.trainer.global_step == 1
     module = layers[0]

@@ -1,0 +1,40 @@
+"""Batches as the analysis handles them, whatever the task: their size, a map over their tensors and
+the first samples of a split. What a task's batches mean is the task's to say
+(:class:`mmlight.tasks.protocol.AnalysedTask`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_size(batch) -> int:
+    """Samples in a batch (a tuple/list whose first item is a tensor, or a dict of tensors)."""
+    first = batch[0] if isinstance(batch, (tuple, list)) else next(v for v in batch.values() if torch.is_tensor(v))
+    return int(first.shape[0])
+
+
+def map_batch(batch, fn):
+    """Apply ``fn`` to every tensor of a (nested) batch of tuples, lists and dicts."""
+    if torch.is_tensor(batch):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_batch(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_batch(v, fn) for v in batch)
+    return batch
+
+
+def first_samples(loader, num_samples: int, split: str) -> list:
+    """The first ``num_samples`` samples of ``loader`` as a list of batches (the last one cut), on the
+    CPU. Raises a ``ValueError`` naming the split's size when it holds fewer."""
+    taken, seen = [], 0
+    for batch in loader:
+        n = batch_size(batch)
+        if n == 0:
+            continue
+        keep = min(n, num_samples - seen)
+        taken.append(map_batch(batch, lambda t: t[:keep].cpu()))
+        seen += keep
+        if seen == num_samples:
+            return taken
+    raise ValueError(f"--num_samples {num_samples} is larger than the {split} split, which has {seen} samples")
