@@ -155,7 +155,8 @@ def attention(
 
     Three paths, chosen here and nowhere else:
 
-    * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels);
+    * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels); also
+      softmax of the scores times a per-query factor (Scalable-Softmax), as SDPA on scaled queries;
     * a function whose :meth:`~mmlight.reweighting.Reweighting.fused` operations include attention
       for these inputs (MultiMax), on the ``triton`` backend, no dropout and at most a key-padding
       mask: a fused kernel that never materialises the ``(Tq, Tk)`` scores;
@@ -168,7 +169,8 @@ def attention(
         v: values ``(B, nh, Tk, hv)``.
         reweight: the reweighting module applied to the scores.
         mask: optional boolean mask broadcastable to ``(B, nh, Tq, Tk)``, True = attend.
-        is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`).
+        is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`); required by
+            a causal-only function (stick-breaking).
         dropout_p: dropout on the attention weights (pass 0 in eval mode).
         scale: score scale, ``hs ** -0.5`` by default.
         backend: overrides ``reweight.backend`` for this call.

@@ -76,5 +76,5 @@ def test_monitored_alpha_per_head_and_options():
 
 @pytest.mark.slow
 def test_compile_backend_matches_reference():
-    module = alpha_entmax().float()
+    module = reweighting.build("alpha_entmax", num_heads=3, n_iter=8)  # 8 bisection steps: a shorter graph
     ref.check_compile_backend(module, torch.randn(2, 3, 5, 5) * 3, torch.rand(2, 1, 5, 5) > 0.3)
