@@ -47,7 +47,8 @@ def median_step(config: str, name: str, steps: int, warmup: int, runs: str) -> f
     from mmlight.cli import build_cli
 
     args = ["--config", config, "--model.init_args.model.attention", json.dumps({"name": name, "options": {}}),
-            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", runs,
+            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+            "--trainer.logger.init_args.save_dir", runs,
             "--trainer.default_root_dir", runs]
     cli = build_cli(args, run=False)
     timer = StepTimer()

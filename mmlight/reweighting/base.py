@@ -3,8 +3,8 @@
 Every function maps scores ``(..., K)`` to non-negative weights over the last dimension: on the
 simplex for most, with a sum below one (or unconstrained) for those that may attend to nothing
 (:attr:`Reweighting.row_mass`). Masked-out positions (``mask == False``) and ``-inf`` scores get
-weight exactly 0; a row with nothing left gets all zeros, never NaN. The work is done in at least float32 (bf16/fp16 inputs are upcast and
-the result cast back), float64 inputs stay float64.
+weight exactly 0; a row with nothing left gets all zeros, never NaN. The work is done in at least
+float32 (bf16/fp16 inputs are upcast and the result cast back), float64 inputs stay float64.
 """
 
 from __future__ import annotations
