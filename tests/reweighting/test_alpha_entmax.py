@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mmlight import reweighting
+from mmlight.callbacks.reweighting_monitor import monitored_scalars
 from tests.reweighting import references as ref
 
 ALPHAS = [1.2, 1.5, 1.9]  # one per head
@@ -69,6 +70,8 @@ def test_monitored_alpha_per_head_and_options():
     module = reweighting.build("alpha_entmax", num_heads=4)
     alpha = module.monitored()["alpha"]
     assert alpha.shape == (4,) and torch.allclose(alpha, torch.tensor(1.5))
+    logged = monitored_scalars({"blocks.0": module})  # what ReweightingMonitor logs
+    assert logged == pytest.approx({f"reweighting/blocks.0/alpha_{h}": 1.5 for h in range(4)})
     assert reweighting.build("alpha_entmax", learnable=False).monitored() == {}
     with pytest.raises(ValueError, match="init must lie in"):
         reweighting.build("alpha_entmax", init=2.0)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from mmlight import reweighting
+from mmlight.callbacks.reweighting_monitor import monitored_scalars
 from mmlight.models.transformer import TransformerConfig, TransformerLM
 from mmlight.nn import attention, causal_mask
 from mmlight.reweighting import ReweightingSpec
@@ -101,6 +102,8 @@ def test_models_learn_one_scale_per_head_and_monitor_it():
     module = TransformerLM(config).attention_sites()["decoder.layers.0.self_attn"]
     assert module.s.shape == (4,) and torch.allclose(module.s, torch.tensor(0.43))
     assert set(module.monitored()) == {"s"}
+    logged = monitored_scalars({"decoder.layers.0.self_attn": module})  # what ReweightingMonitor logs
+    assert logged == pytest.approx({f"reweighting/decoder.layers.0.self_attn/s_{h}": 0.43 for h in range(4)})
     fixed = ReweightingSpec("ssmax", {"num_heads": 1, "learnable": False}).build(num_heads=4)
     assert fixed.s.shape == (1,) and fixed.monitored() == {}
 
