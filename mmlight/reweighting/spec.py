@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting
-from mmlight.reweighting.registry import _REGISTRY, available, build
+from mmlight.reweighting.registry import available, build, options_of, registered
 
 
 @dataclass
@@ -45,11 +44,11 @@ class ReweightingSpec:
         """
         if "backend" in self.options:
             raise ValueError("set the backend with the model's `backend` key, not in the reweighting options")
-        cls = _REGISTRY[self.name]
+        cls = registered(self.name)
         if cls.causal_only and not causal:
             raise ValueError(f"reweighting {self.name!r} attends only to earlier keys and needs causal attention; "
                              f"the {site} is not causal (use it in decoder self-attention only)")
         options = dict(self.options)
-        if num_heads is not None and "num_heads" in inspect.signature(cls.__init__).parameters:
+        if num_heads is not None and "num_heads" in options_of(cls):
             options.setdefault("num_heads", num_heads)
         return build(self.name, backend=backend, **options)
