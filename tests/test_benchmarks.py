@@ -119,3 +119,22 @@ def test_pillow_build_pixels_same_build_twice_is_identical(tmp_path):
     assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]  # nothing written into it
     with pytest.raises(SystemExit, match="--images must be >= 1, got 0"):
         pixels.main(["dump", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "e.npz"), "--images", "0"])
+
+
+@pytest.mark.slow
+def test_reweighting_step_time_records_each_round_and_the_median_ratio(tmp_path):
+    """Two functions, two rounds of 3 steps on the recall LM: every round has both medians, and each
+    ratio is the median over rounds of the function's median over softmax's in the same round."""
+    import statistics
+
+    out = tmp_path / "steps.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reweighting_step_time.py"),
+                    str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"), "--functions", "softmax", "sigmoid",
+                    "--steps", "3", "--warmup", "1", "--rounds", "2", "--out", str(out)],
+                   check=True, capture_output=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    record = json.loads(out.read_text())
+    assert record["steps"] == 3 and len(record["rounds"]) == 2
+    assert all(set(r) == {"softmax", "sigmoid"} and min(r.values()) > 0 for r in record["rounds"])
+    assert record["median_ratio_to_softmax"]["softmax"] == 1.0
+    want = statistics.median(r["sigmoid"] / r["softmax"] for r in record["rounds"])
+    assert record["median_ratio_to_softmax"]["sigmoid"] == pytest.approx(want, rel=1e-12)

@@ -44,6 +44,12 @@ def counted_rows(keys: torch.Tensor, query_keep: torch.Tensor | None = None) -> 
     return rows
 
 
+def renormalised(weights: torch.Tensor, mass: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """Each row's weights divided by their sum ``mass`` ``(B, nh, Tq)`` where ``given`` (the row has
+    mass), zeros elsewhere: the distribution over keys of a function whose weights need not sum to 1."""
+    return torch.where(given[..., None], weights / torch.where(given, mass, 1.0)[..., None], 0.0)
+
+
 def entropy(weights: torch.Tensor) -> torch.Tensor:
     """Shannon entropy per row in nats ``(B, nh, Tq)`` (``0 log 0 = 0``; masked weights are 0)."""
     return paper.entropy(weights.double())
@@ -119,7 +125,9 @@ def incoming_attention(weights: torch.Tensor, keys: torch.Tensor, rows: torch.Te
 
     Returns ``(raw, relative, seen)``, each ``(B, Tk)``: the summed weights; the summed weights times
     the row's number of attended keys (1 per row under uniform attention, so the mean of ``relative``
-    over a row's keys is exactly 1); and how many (head, row) pairs attended the key. ``raw / seen``
+    over a row's keys is the row's mass: 1 on the simplex, less for a row that attends partly to
+    nothing); and how many (head, row) pairs attended the key. The weights are taken as given, not
+    renormalised, so a sink is a key that receives mass actually given. ``raw / seen``
     is the mean incoming attention, ``relative / seen`` the same as a multiple of the uniform share.
     """
     w = torch.where(keys & rows[..., None], weights.double(), 0.0)  # (B, nh, Tq, Tk)

@@ -21,9 +21,9 @@ from mmlight.tasks.protocol import check_analysed_task
 
 #: The per-head metrics (one value per head, plus their mean as the per-layer value).
 HEAD_METRICS = ("entropy", "normalized_entropy", "multimodality", "sparsity",
-                "frac_below_1e-3", "frac_zero", "max_weight")
+                "frac_below_1e-3", "frac_zero", "max_weight", "null_mass", "frac_zero_mass")
 #: Per-layer-only metrics.
-LAYER_METRICS = ("token_similarity", "rollout_discrepancy", "sink_ratio")
+LAYER_METRICS = ("token_similarity", "rollout_discrepancy", "sink_ratio", "zero_mass_rows")
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Settings:
         sink_eps: a key position is a sink when its mean incoming attention exceeds ``sink_eps``
             times the uniform share (ratio form; the mean share over a row's keys is 1).
         top_sinks: how many top sink positions are listed per layer.
+        zero_mass: a row whose weights sum to at most this attends to nothing: it counts in the null
+            mass and in ``frac_zero_mass``, not in entropy, M and S (defined on the renormalised weights).
     """
 
     eps_multimodality: float = 0.0
@@ -44,6 +46,7 @@ class Settings:
     near_zero: float = 1e-3
     sink_eps: float = 3.0
     top_sinks: int = 5
+    zero_mass: float = 1e-9
 
 
 @dataclass
@@ -134,11 +137,17 @@ class StatsObserver(AttentionObserver):
         keys = M.attended(weights, keep)  # (B, nh, Tq, Tk)
         rows = M.counted_rows(keys, query_keep)  # (B, nh, Tq)
         sums = self.sites.setdefault(site.name, _SiteSums(site))
-        nats, centred = M.entropy(weights), M.centred_scores(scores, keys)
-        sums.add("entropy", nats, rows)
-        sums.add("normalized_entropy", M.normalized_entropy(weights, keys, nats), rows)
-        sums.add("multimodality", M.multimodality(scores, weights, keys, s.eps_multimodality, centred), rows)
-        sums.add("sparsity", M.sparsity(scores, weights, keys, s.eps_sparsity, centred), rows)
+        mass = weights.sum(-1)  # (B, nh, Tq): 1 on the simplex, less (or, for sigmoid, more) otherwise
+        given = mass > s.zero_mass
+        sums.add("null_mass", 1.0 - mass, rows)
+        sums.add("frac_zero_mass", (~given).double(), rows)
+        # the shape of a row's distribution: on its renormalised weights, where it has any mass
+        shaped, p = rows & given, M.renormalised(weights, mass, given)
+        nats, centred = M.entropy(p), M.centred_scores(scores, keys)
+        sums.add("entropy", nats, shaped)
+        sums.add("normalized_entropy", M.normalized_entropy(p, keys, nats), shaped)
+        sums.add("multimodality", M.multimodality(scores, p, keys, s.eps_multimodality, centred), shaped)
+        sums.add("sparsity", M.sparsity(scores, p, keys, s.eps_sparsity, centred), shaped)
         sums.add("max_weight", M.row_max(weights).double(), rows)
         counted = keys & rows[..., None]
         sums.add_fraction("frac_below_1e-3", weights < s.near_zero, counted)
@@ -275,6 +284,7 @@ def summarize(observer: StatsObserver, blocks: dict) -> dict:
         layer["sink_ratio"] = None if math.isnan(ratio) else ratio
         total, n = sums.discrepancy
         layer["rollout_discrepancy"] = total / n if n else None
+        layer["zero_mass_rows"] = int(sums.sums["frac_zero_mass"].sum())
         order = torch.argsort(torch.nan_to_num(relative, nan=-1.0), descending=True)[: settings.top_sinks]
         sites[site] = {
             "kind": sums.site.kind,
@@ -307,7 +317,7 @@ def metric_rows(stats: dict) -> list[tuple[str, int | None, str, float | None]]:
         for metric in HEAD_METRICS:
             rows += [(site, h, metric, v) for h, v in enumerate(entry["heads"][metric])]
             rows.append((site, None, metric, entry["metrics"][metric]))
-        rows += [(site, None, m, entry["metrics"][m]) for m in ("rollout_discrepancy", "sink_ratio")
-                 if entry["metrics"][m] is not None]
+        rows += [(site, None, m, entry["metrics"][m]) for m in ("rollout_discrepancy", "sink_ratio", "zero_mass_rows")
+                 if entry["metrics"].get(m) is not None]
     rows += [(block, None, "token_similarity", entry["token_similarity"]) for block, entry in stats["blocks"].items()]
     return rows

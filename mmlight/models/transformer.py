@@ -346,7 +346,8 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = config
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.attention.build(c.backend), c.attention_dropout)
+        reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="encoder self-attention")
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
         self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)
@@ -368,12 +369,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig, cross: bool):
         super().__init__()
         c = config
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, c.attention.build(c.backend), c.attention_dropout)
+        reweight = c.attention.build(c.backend, c.n_heads, causal=True, site="decoder self-attention")
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout)
         self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.cross_attn = self.cross_block = None
         if cross:
-            self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, c.attention.build(c.backend),
-                                                 c.attention_dropout, cross=True)
+            reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="cross-attention")
+            self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, cross=True)
             self.cross_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
         self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)

@@ -86,7 +86,8 @@ class ReweightedViT(nn.Module):
             attn_layer=ReweightedAttention,
         )
         for block in self.vit.blocks:
-            block.attn.reweight = config.attention.build(config.backend)
+            block.attn.reweight = config.attention.build(config.backend, num_heads, causal=False,
+                                                         site="ViT self-attention")
         self.output = None
         if config.output_multimax:
             self.output = reweighting.MultiMax(order=config.output_multimax_order, terms=config.output_multimax_terms,

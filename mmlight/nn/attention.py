@@ -164,7 +164,8 @@ def attention(
 
     Three paths, chosen here and nowhere else:
 
-    * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels);
+    * softmax with a fixed temperature: PyTorch's fused SDPA (flash / memory-efficient kernels); also
+      softmax of the scores times a per-query factor (Scalable-Softmax), as SDPA on scaled queries;
     * a function whose :meth:`~mmlight.reweighting.Reweighting.fused` operations include attention
       for these inputs (MultiMax), on the ``triton`` backend, no dropout and at most a key-padding
       mask: a fused kernel that never materialises the ``(Tq, Tk)`` scores;
@@ -177,7 +178,8 @@ def attention(
         v: values ``(B, nh, Tk, hv)``.
         reweight: the reweighting module applied to the scores.
         mask: optional boolean mask broadcastable to ``(B, nh, Tq, Tk)``, True = attend.
-        is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`).
+        is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`); required by
+            a causal-only function (stick-breaking).
         dropout_p: dropout on the attention weights (pass 0 in eval mode).
         scale: score scale, ``hs ** -0.5`` by default.
         backend: overrides ``reweight.backend`` for this call.
@@ -188,6 +190,9 @@ def attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
     backend = check_backend(backend or reweight.backend)
+    if reweight.causal_only and not is_causal:
+        raise ValueError(f"{type(reweight).__name__} weighs keys by their position before the query and needs "
+                         "is_causal=True")
     observed = _OBSERVED.get()
     if observed is not None and id(reweight) in observed[0]:
         site, observer = observed[0][id(reweight)], observed[1]
@@ -206,26 +211,48 @@ def attention(
             if y is not None:
                 return y
 
-    if is_causal and (mask is not None or q_len != k_len or reweight.sdpa_scale is None):
+    softmax_of_scaled = reweight.sdpa_scale is not None or reweight.scales_queries
+    if is_causal and (mask is not None or q_len != k_len or not softmax_of_scaled):
         mask = with_causal(mask, q_len, k_len, q.device)
         is_causal = False
 
     if reweight.sdpa_scale is not None:
         # Fused path (flash / memory-efficient kernels): plain softmax with a fixed temperature.
-        if mask is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale * reweight.sdpa_scale
-            )
-        # SDPA returns NaN for a query with no key: let such rows see every key, then zero them.
-        has_key = mask.any(dim=-1, keepdim=True)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p, scale=scale * reweight.sdpa_scale
-        )
-        return y * has_key
+        return _sdpa(q, k, v, mask, is_causal, dropout_p, scale * reweight.sdpa_scale)
+    if reweight.scales_queries:
+        # softmax(c_i * s_ij) for a factor c_i per query row (Scalable-Softmax): SDPA on queries c_i * q_i.
+        q_scale = reweight.query_scale(keys_seen(mask, is_causal, q_len, k_len, q.device))  # (B|1, nh|1, Tq, 1)
+        return _sdpa(q * q_scale.to(q.dtype), k, v, mask, is_causal, dropout_p, scale)
 
     probs = explicit_weights(q, k, reweight, mask, scale, backend)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return probs @ v  # (B, nh, Tq, hv)
+
+
+def _sdpa(q, k, v, mask, is_causal, dropout_p, scale) -> torch.Tensor:
+    """PyTorch's fused SDPA, with a zero output (not NaN) for a query that sees no key."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    # SDPA returns NaN for a query with no key: let such rows see every key, then zero them.
+    has_key = mask.any(dim=-1, keepdim=True)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p, scale=scale)
+    return y * has_key
+
+
+def keys_seen(mask: torch.Tensor | None, is_causal: bool, q_len: int, k_len: int, device) -> torch.Tensor:
+    """How many keys each query attends to, ``(B|1, nh|1, Tq, 1)`` (4-D whatever the mask's rank).
+
+    Args:
+        mask: bool, broadcastable to ``(B, nh, Tq, Tk)``, with any causal mask folded in; None = all.
+        is_causal: (with ``mask`` None) SDPA's top-left causal mask, query ``i`` seeing ``i + 1`` keys.
+    """
+    if mask is not None:
+        counts = mask.sum(dim=-1, keepdim=True)
+        counts = counts.reshape((1,) * (4 - counts.dim()) + tuple(counts.shape))
+        return counts.expand(*counts.shape[:2], q_len, 1)
+    if is_causal:
+        return torch.arange(1, q_len + 1, device=device).view(1, 1, q_len, 1)
+    return torch.full((1, 1, q_len, 1), k_len, device=device)
 
 
 def with_causal(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:

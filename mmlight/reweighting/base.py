@@ -1,12 +1,15 @@
 """Shared masking logic for every reweighting function.
 
-Every function maps scores ``(..., K)`` to weights on the simplex over the last dimension. Masked-out
-positions (``mask == False``) and ``-inf`` scores get weight exactly 0; a row with nothing left
-gets all zeros, never NaN. The work is done in at least float32 (bf16/fp16 inputs are upcast and
-the result cast back), float64 inputs stay float64.
+Every function maps scores ``(..., K)`` to non-negative weights over the last dimension: on the
+simplex for most, with a sum below one (or unconstrained) for those that may attend to nothing
+(:attr:`Reweighting.row_mass`). Masked-out positions (``mask == False``) and ``-inf`` scores get
+weight exactly 0; a row with nothing left gets all zeros, never NaN. The work is done in at least
+float32 (bf16/fp16 inputs are upcast and the result cast back), float64 inputs stay float64.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -18,6 +21,10 @@ from mmlight.reweighting.fused import FusedOps
 # fp32, and every sparse map used here (sparsemax, entmax-1.5, top-k) zeroes anything more than a
 # few units below the maximum, so the masked entries get exactly 0 without any -inf arithmetic.
 MASKED_GAP = 1e4
+
+#: What a row's weights sum to: ``one`` (the simplex), ``at_most_one`` (the rest, ``1 - sum``, is the
+#: row's null mass) or ``unbounded`` (each weight in [0, 1], the sum unconstrained: sigmoid attention).
+RowMass = Literal["one", "at_most_one", "unbounded"]
 
 
 def keep_positions(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -46,6 +53,20 @@ def shift_and_fill(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x - row_max, -MASKED_GAP)
 
 
+def per_head(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-head parameter ``(nh,)`` shaped to broadcast against scores ``x`` ``(..., nh, Tq, Tk)``.
+
+    One value (``nh == 1``) broadcasts against any shape; otherwise ``x`` must have ``nh`` heads (or
+    one, to be broadcast).
+    """
+    if values.numel() == 1:
+        return values.reshape(())
+    if x.dim() < 3 or x.shape[-3] not in (1, values.numel()):
+        raise ValueError(f"a parameter with {values.numel()} heads needs scores (..., {values.numel()}, Tq, Tk), "
+                         f"got shape {tuple(x.shape)}")
+    return values.view(-1, 1, 1)
+
+
 class Reweighting(nn.Module):
     """Base class: ``forward(scores, mask=None)`` returns weights over the last dimension.
 
@@ -62,6 +83,14 @@ class Reweighting(nn.Module):
 
     #: True when the function is plain softmax with a fixed scale, which fused SDPA kernels compute.
     sdpa_scale: float | None = None
+    #: True when the function is softmax of the scores times a per-query factor, :meth:`query_scale`,
+    #: so that SDPA computes it on scaled queries (Scalable-Softmax).
+    scales_queries: bool = False
+    #: What every row with a kept entry sums to; the generic tests and the analysis read it.
+    row_mass: RowMass = "one"
+    #: True when the weights depend on the keys' positions before the query (stick-breaking): the
+    #: function refuses non-causal attention when a model is built.
+    causal_only: bool = False
 
     def __init__(self, backend: Backend = "auto"):
         super().__init__()
@@ -77,9 +106,23 @@ class Reweighting(nn.Module):
         instead of its logarithm)."""
         return {name: p for name, p in self.named_parameters(recurse=False) if p.requires_grad}
 
+    def query_scale(self, n_keys: torch.Tensor) -> torch.Tensor:
+        """With :attr:`scales_queries`: the factor of each query's scores, ``(..., nh|1, Tq, 1)``, for
+        ``n_keys`` ``(..., Tq, 1)``, the number of keys each query sees."""
+        raise NotImplementedError(f"{type(self).__name__} does not scale queries")
+
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise map applied to the (finite, fp32) scores before masking. Identity here."""
         return x
+
+    def weights(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Weights for transformed fp32 scores ``x`` ``(..., K)``, finite, 0 outside ``keep``.
+
+        Here: shift by the row maximum over ``keep`` (:func:`shift_and_fill`) and :meth:`normalize`.
+        Functions that are not invariant to a shift of the scores, or need the row's size, override
+        this instead; the output is zeroed outside ``keep`` after.
+        """
+        return self.normalize(shift_and_fill(x, keep), keep)
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Map finite fp32 scores ``(..., K)``, max-shifted over ``keep``, to the simplex.
@@ -113,6 +156,5 @@ class Reweighting(nn.Module):
         # -inf scores are masked positions: give the transform a finite stand-in so that
         # sigma(-inf) = -inf + t * inf = NaN never happens.
         x = torch.where(keep, scores.to(torch.promote_types(scores.dtype, torch.float32)), 0.0)
-        x = shift_and_fill(self.transform(x), keep)
-        probs = self.normalize(x, keep)
+        probs = self.weights(self.transform(x), keep)
         return torch.where(keep, probs, 0.0).to(scores.dtype)

@@ -242,10 +242,14 @@ def reference_statistics(settings, batches):
                     continue
                 counted_any[b, i] = True
                 p, x = w[b, h, i], x_all[b, h, i]
-                ent = -sum(v * math.log(v) for v in p if v > 0)
-                m, s = naive_m_and_s(x, p, kept, settings.eps_multimodality, settings.eps_sparsity)
-                row = {"entropy": ent, "normalized_entropy": ent / math.log(n) if n >= 2 else math.nan,
-                       "multimodality": m, "sparsity": s, "max_weight": p.max()}
+                mass = p.sum()
+                row = {"max_weight": p.max(), "null_mass": 1 - mass,
+                       "frac_zero_mass": float(mass <= settings.zero_mass)}
+                if mass > settings.zero_mass:  # the shape of the distribution, on the renormalised weights
+                    ent = -sum(v / mass * math.log(v / mass) for v in p if v > 0)
+                    m, s = naive_m_and_s(x, p / mass, kept, settings.eps_multimodality, settings.eps_sparsity)
+                    row.update({"entropy": ent, "normalized_entropy": ent / math.log(n) if n >= 2 else math.nan,
+                                "multimodality": m, "sparsity": s})
                 for metric, value in row.items():
                     ref["rows"].setdefault(metric, {0: [], 1: []})[h].append(value)
                 for j in np.flatnonzero(kept):
@@ -285,6 +289,7 @@ def reference_statistics(settings, batches):
         metrics["sink_ratio"] = sum(rel[j] > settings.sink_eps for j in known) / len(known)
         total, n = rollout_tv.get(site, (0.0, 0))
         metrics["rollout_discrepancy"] = total / n if n else None
+        metrics["zero_mass_rows"] = int(sum(sum(by_head) for by_head in ref["rows"]["frac_zero_mass"].values()))
         top = sorted(known, key=lambda j: -rel[j])[: settings.top_sinks]
         want[site] = {"heads": heads, "metrics": metrics, "histogram": histogram, "incoming_mean": raw,
                       "incoming_relative": rel, "top_sinks": [(j, rel[j]) for j in top]}
@@ -314,7 +319,7 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
     stats = observe(settings, batches)
     want = reference_statistics(settings, batches)
     assert stats["settings"] == {"eps_multimodality": 0.1, "eps_sparsity": -0.1, "near_zero": 0.05,
-                                 "sink_eps": 1.0, "top_sinks": 3}
+                                 "sink_eps": 1.0, "top_sinks": 3, "zero_mass": 1e-9}
     assert stats["histogram_edges"] == pytest.approx(np.logspace(-8, 0, 33).tolist(), rel=1e-12)
     assert stats["blocks"] == {"decoder.layers.9": {"token_similarity": 0.25}}
     # ordered by stack, kind, then layer number
@@ -324,7 +329,8 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
     for site, entry in stats["sites"].items():
         ref = want[site]
         assert set(entry["heads"]) == set(HEAD_METRICS_REF) and close(entry["heads"], ref["heads"]), site
-        assert entry["metrics"].keys() == set(HEAD_METRICS_REF) | {"sink_ratio", "rollout_discrepancy"}
+        layer_only = {"sink_ratio", "rollout_discrepancy", "zero_mass_rows"}
+        assert entry["metrics"].keys() == set(HEAD_METRICS_REF) | layer_only
         assert close(entry["metrics"], ref["metrics"]), site
         assert entry["histogram"] == ref["histogram"], site
         assert close(entry["incoming_mean"], ref["incoming_mean"]), site
@@ -341,7 +347,7 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
 
 
 HEAD_METRICS_REF = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
-                    "max_weight")
+                    "max_weight", "null_mass", "frac_zero_mass")
 
 
 def test_default_thresholds_are_the_documented_ones():
@@ -352,7 +358,7 @@ def test_default_thresholds_are_the_documented_ones():
     from mmlight.analysis.stats import Settings
 
     assert asdict(Settings()) == {"eps_multimodality": 0.0, "eps_sparsity": 0.0, "near_zero": 1e-3,
-                                  "sink_eps": 3.0, "top_sinks": 5}
+                                  "sink_eps": 3.0, "top_sinks": 5, "zero_mass": 1e-9}
 
 
 def test_rows_without_a_relevant_or_small_key_give_none():
@@ -535,3 +541,66 @@ def test_vit_sites_are_listed_in_numeric_layer_order():
         observer.edit_mask(SITES[site], q, k, None)
         observer.record(SITES[site], torch.full((1, 1, 2, 2), 0.5), None)
     assert list(summarize(observer, {})["sites"]) == ["blocks.2", "blocks.10"]
+
+
+def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
+    """Rows with mass below 1 (softmax1, softpick, stick-breaking): the null mass 1 - sum(w) per head and
+    layer, zero-mass rows counted apart and left out of entropy, M and S, which describe the renormalised
+    weights; sinks from the mass actually given (renormalising would make key 0 a sink at sink_eps 1.2)."""
+    from mmlight.analysis.stats import Settings, StatsObserver, summarize
+    from tests.analysis.test_metrics import naive_m_and_s
+
+    w = torch.tensor([[[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.2, 0.2, 0.2]],  # head 0: masses 0.75, 0, 0.6
+                      [[0.6, 0.2, 0.2], [0.9, 0.0, 0.0], [0.1, 0.1, 0.1]]],  # head 1: masses 1, 0.9, 0.3
+                     dtype=torch.float64)[None]  # (1, 2, 3, 3)
+    q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    observer = StatsObserver(Settings(sink_eps=1.2))
+    observer.edit_mask("blocks.0", q, k, None)
+    observer.record("blocks.0", w, None)
+    observer.end_batch()
+    observer.flush()
+    entry = summarize(observer, {})["sites"]["blocks.0"]
+
+    assert entry["heads"]["null_mass"] == pytest.approx([(0.25 + 1 + 0.4) / 3, (0 + 0.1 + 0.7) / 3], abs=1e-15)
+    assert entry["metrics"]["null_mass"] == pytest.approx((0.25 + 1 + 0.4 + 0 + 0.1 + 0.7) / 6, abs=1e-15)
+    assert entry["heads"]["frac_zero_mass"] == [pytest.approx(1 / 3), 0.0]
+    assert entry["metrics"]["zero_mass_rows"] == 1
+    # renormalised: head 0 rows (2/3, 1/3, 0) and uniform; head 1 rows (.6, .2, .2), (1, 0, 0) and uniform
+    ln3 = math.log(3)
+    head0 = [ln3 - 2 / 3 * math.log(2), ln3]
+    head1 = [-(0.6 * math.log(0.6) + 0.4 * math.log(0.2)), 0.0, ln3]
+    assert entry["heads"]["entropy"] == pytest.approx([sum(head0) / 2, sum(head1) / 3], abs=1e-12)
+    assert entry["metrics"]["entropy"] == pytest.approx((sum(head0) + sum(head1)) / 5, abs=1e-12)
+    assert entry["heads"]["normalized_entropy"] == pytest.approx([sum(head0) / 2 / ln3, sum(head1) / 3 / ln3])
+    x = (q @ k.transpose(-2, -1) / 2).numpy()[0]  # the scores edit_mask computes (hs ** -0.5 = 1/2)
+    kept = np.ones(3, dtype=bool)
+    for metric, index in (("multimodality", 0), ("sparsity", 1)):
+        want = []
+        for h, rows in ((0, (0, 2)), (1, (0, 1, 2))):
+            p = w[0, h].numpy()
+            values = [naive_m_and_s(x[h, i], p[i] / p[i].sum(), kept, 0.0, 0.0)[index] for i in rows]
+            values = [v for v in values if not math.isnan(v)]
+            want.append(sum(values) / len(values) if values else None)
+        assert close(entry["heads"][metric], want), metric
+    # incoming attention from the given weights: key j receives sum_w * 3 keys / 6 (head, row) pairs
+    assert entry["incoming_relative"] == pytest.approx([2.3 * 3 / 6, 0.75 * 3 / 6, 0.5 * 3 / 6])
+    assert entry["metrics"]["sink_ratio"] == 0.0
+    assert entry["heads"]["max_weight"] == pytest.approx([(0.5 + 0 + 0.2) / 3, (0.6 + 0.9 + 0.1) / 3])
+
+
+def test_stick_breaking_lm_reports_its_first_queries_as_zero_mass_rows():
+    """A stick-breaking LM: every first query attends to nothing (null mass 1), the others give
+    mass below 1; the callback's rows carry null_mass per layer."""
+    torch.manual_seed(0)
+    task = LanguageModel(model=tiny_config(attention=ReweightingSpec("stickbreaking")))
+    tokens = torch.randint(2, 20, (3, 6))
+    stats = collect_statistics(task, [{"input": tokens}])
+    with record_attention(task) as recorder:
+        task.model.eval()
+        task.model(tokens)
+    for site, entry in stats["sites"].items():
+        mass = recorder[site][0].weights.double().sum(-1)  # (B, nh, T)
+        assert entry["metrics"]["zero_mass_rows"] == int((mass <= 1e-9).sum()) >= 3 * 2
+        assert entry["heads"]["null_mass"] == pytest.approx((1 - mass).mean((0, 2)).tolist(), rel=1e-9)
+    rows = {(layer, metric) for layer, head, metric, _ in metric_rows(stats) if head is None}
+    assert ("decoder.layers.1.self_attn", "null_mass") in rows

@@ -67,6 +67,22 @@ def generic(name):
     return module.eval()
 
 
+def check_row_mass(module, p, keep):
+    """Weights ``p`` are non-negative, 0 outside ``keep``, and each row's sum is what the function
+    declares (:attr:`~mmlight.reweighting.Reweighting.row_mass`): 1 on the simplex, within [0, 1] for
+    a function that may attend to nothing, and each weight within [0, 1] when the sum is unbounded.
+    A row with nothing kept sums to 0 whatever the function."""
+    assert (p[~keep] == 0).all() and (p >= 0).all() and (p <= 1 + 1e-12).all()
+    sums, any_kept = p.sum(-1), keep.any(-1)
+    assert (sums[~any_kept] == 0).all()
+    if module.row_mass == "one":
+        torch.testing.assert_close(sums, any_kept.to(sums.dtype), atol=1e-9, rtol=0)
+    elif module.row_mass == "at_most_one":
+        assert (sums <= 1 + 1e-9).all()
+    else:
+        assert module.row_mass == "unbounded"
+
+
 def test_registry_names():
     assert set(REFERENCED) <= set(NAMES)
     assert NAMES == sorted(_REGISTRY)
@@ -106,9 +122,7 @@ def test_masks_inf_and_fully_masked_rows(name):
     scores[2, 1] = float("-inf")  # every score -inf
     p = module(scores, mask)
     keep = mask.expand_as(scores) & (scores != float("-inf"))
-    assert (p[~keep] == 0).all() and (p >= 0).all()
-    sums = p.sum(-1)
-    torch.testing.assert_close(sums, keep.any(-1).double(), atol=1e-9, rtol=0)
+    check_row_mass(module, p, keep)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -121,10 +135,13 @@ def test_simplex_monotone_and_equivariant(name, data):
     scores = torch.tensor(values, dtype=torch.float64)
     mask = torch.tensor(keep)
     module = generic(name).double()
+    if module.causal_only:
+        # weights by position (so neither monotone nor equivariant): every query of a causal square
+        scores, mask = scores.expand(k, k), mask & torch.ones(k, k, dtype=torch.bool).tril()
+        check_row_mass(module, module(scores, mask), mask)
+        return
     p = module(scores, mask)
-
-    assert (p >= 0).all() and (p[~mask] == 0).all()
-    assert p.sum().item() == pytest.approx(1.0 if mask.any() else 0.0, abs=1e-9)
+    check_row_mass(module, p, mask)
     # monotone: among kept entries, a larger score never gets a smaller weight
     s, w = scores[mask], p[mask]
     order = torch.argsort(s)

@@ -1,0 +1,83 @@
+"""α-entmax with a learned α per head (Correia, Niculae & Martins 2019) against a float64 bisection."""
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight import reweighting
+from mmlight.callbacks.reweighting_monitor import monitored_scalars
+from tests.reweighting import references as ref
+
+ALPHAS = [1.2, 1.5, 1.9]  # one per head
+
+
+def entmax_formula(z, alpha, iters=200):
+    """``p_i = [(α - 1) z_i - τ]_+ ^ (1 / (α - 1))`` with τ found by bisection so that the p sum to 1."""
+    z = (alpha - 1) * z
+    lo, hi = z.max() - 1.0, z.max()  # at τ = max - 1 the largest term alone is 1; at τ = max all are 0
+
+    def total(tau):
+        return (np.maximum(z - tau, 0) ** (1 / (alpha - 1))).sum()
+
+    for _ in range(iters):
+        lo, hi = ((lo + hi) / 2, hi) if total((lo + hi) / 2) >= 1 else (lo, (lo + hi) / 2)
+    p = np.maximum(z - (lo + hi) / 2, 0) ** (1 / (alpha - 1))
+    return p / p.sum()
+
+
+def alpha_entmax(alphas=ALPHAS):
+    module = reweighting.build("alpha_entmax", num_heads=len(alphas)).double()
+    with torch.no_grad():  # α = 1 + sigmoid(a)
+        module.alpha_logit.copy_(torch.logit(torch.tensor(alphas, dtype=torch.float64) - 1))
+    return module
+
+
+def test_matches_bisection_per_head_with_masks():
+    scores = torch.randn(2, 3, 4, 7, dtype=torch.float64) * 2
+    mask = torch.rand(2, 1, 1, 7) > 0.3
+    mask[0] = False
+    scores[1, 2, 3, 0] = float("-inf")
+    got = alpha_entmax()(scores, mask).detach().numpy()
+    for h, alpha in enumerate(ALPHAS):
+        want = ref.apply_masked(lambda z: entmax_formula(z, alpha), scores[:, h].numpy(), mask[:, 0].numpy())
+        np.testing.assert_allclose(got[:, h], want, atol=1e-9)
+    assert (got[0] == 0).all()
+
+
+def test_alpha_two_is_sparsemax_and_one_and_a_half_is_entmax15():
+    scores = torch.randn(6, 9, dtype=torch.float64) * 2
+    for alpha, row_fn in ((1.5, ref.entmax15), (2.0 - 1e-12, ref.sparsemax)):
+        got = alpha_entmax([alpha])(scores).detach().numpy()
+        np.testing.assert_allclose(got, np.stack([row_fn(z) for z in scores.numpy()]), atol=1e-6)
+
+
+def test_gradient_in_alpha_against_finite_differences_of_the_bisection():
+    scores = torch.randn(3, 8, dtype=torch.float64) * 2
+    direction = torch.randn(3, 8, dtype=torch.float64)
+    module = alpha_entmax([1.4])
+    (module(scores) * direction).sum().backward()
+    logit, h = module.alpha_logit.item(), 1e-6
+
+    def loss(a):
+        alpha = 1 + 1 / (1 + np.exp(-a))
+        return (np.stack([entmax_formula(z, alpha) for z in scores.numpy()]) * direction.numpy()).sum()
+
+    numeric = (loss(logit + h) - loss(logit - h)) / (2 * h)
+    assert module.alpha_logit.grad.item() == pytest.approx(numeric, rel=1e-4, abs=1e-7)
+
+
+def test_monitored_alpha_per_head_and_options():
+    module = reweighting.build("alpha_entmax", num_heads=4)
+    alpha = module.monitored()["alpha"]
+    assert alpha.shape == (4,) and torch.allclose(alpha, torch.tensor(1.5))
+    logged = monitored_scalars({"blocks.0": module})  # what ReweightingMonitor logs
+    assert logged == pytest.approx({f"reweighting/blocks.0/alpha_{h}": 1.5 for h in range(4)})
+    assert reweighting.build("alpha_entmax", learnable=False).monitored() == {}
+    with pytest.raises(ValueError, match="init must lie in"):
+        reweighting.build("alpha_entmax", init=2.0)
+
+
+@pytest.mark.slow
+def test_compile_backend_matches_reference():
+    module = reweighting.build("alpha_entmax", num_heads=3, n_iter=8)  # 8 bisection steps: a shorter graph
+    ref.check_compile_backend(module, torch.randn(2, 3, 5, 5) * 3, torch.rand(2, 1, 5, 5) > 0.3)
