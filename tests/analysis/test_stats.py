@@ -555,8 +555,8 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
                      dtype=torch.float64)[None]  # (1, 2, 3, 3)
     q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 3, 4, dtype=torch.float64)
     observer = StatsObserver(Settings(sink_eps=1.2))
-    observer.edit_mask("blocks.0", q, k, None)
-    observer.record("blocks.0", w, None)
+    observer.edit_mask(SITES["blocks.0"], q, k, None)
+    observer.record(SITES["blocks.0"], w, None)
     observer.end_batch()
     observer.flush()
     entry = summarize(observer, {})["sites"]["blocks.0"]

@@ -59,6 +59,7 @@ def make(name):
 def generic(name):
     """Any registered function with its default options, its parameters (if any) moved away from
     their initial values by fixed noise, so that parameter-dependent terms take part."""
+    torch.manual_seed(0)  # the same initial parameters on every call (hypothesis calls it once per example)
     module = reweighting.build(name)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -99,7 +99,7 @@ def test_half_precision_through_sdpa_is_finite():
 def test_models_learn_one_scale_per_head_and_monitor_it():
     config = TransformerConfig(vocab_size=11, d_model=16, n_heads=4, ffn_dim=16, n_layers=1, max_positions=8,
                                attention=ReweightingSpec("ssmax"))
-    module = TransformerLM(config).attention_sites()["decoder.layers.0.self_attn"]
+    module = TransformerLM(config).attention_sites()["decoder.layers.0.self_attn"].module
     assert module.s.shape == (4,) and torch.allclose(module.s, torch.tensor(0.43))
     assert set(module.monitored()) == {"s"}
     logged = monitored_scalars({"decoder.layers.0.self_attn": module})  # what ReweightingMonitor logs

@@ -74,7 +74,7 @@ def test_refuses_non_causal_layers_when_the_model_is_built():
     spec = ReweightingSpec("stickbreaking")
     base = {"vocab_size": 11, "d_model": 16, "n_heads": 2, "ffn_dim": 16, "n_layers": 1, "max_positions": 8}
     model = TransformerLM(TransformerConfig(**base, attention=spec))  # decoder-only: causal everywhere
-    assert all(m.causal_only for m in model.attention_sites().values())
+    assert all(site.module.causal_only for site in model.attention_sites().values())
     with pytest.raises(ValueError, match="encoder self-attention is not causal"):
         TransformerSeq2Seq(TransformerConfig(**base, n_encoder_layers=1, attention=spec))
     with pytest.raises(ValueError, match="ViT self-attention is not causal"):
