@@ -113,8 +113,8 @@ def debootstrap_base() -> None:
 
 
 @pytest.fixture(scope="module")
-def images() -> dict:
-    """The stand-in base and mmlight built on it; build times (s) and image sizes (bytes)."""
+def torch_base() -> dict:
+    """The stand-in for NGC: the Debian base, then docker/torch-base.Dockerfile; build times (s)."""
     reason = buildah_unavailable()
     if reason:
         pytest.skip(f"buildah cannot run: {reason}")
@@ -124,6 +124,13 @@ def images() -> dict:
         debootstrap_base()
         figures["debootstrap_s"] = time.monotonic() - start
     figures["torch_base_s"], _ = build(DOCKER / "torch-base.Dockerfile", TORCH_BASE, {"PYTHON_IMAGE": DEBIAN})
+    return figures
+
+
+@pytest.fixture(scope="module")
+def images(torch_base) -> dict:
+    """mmlight built on the stand-in; build times (s), image sizes and the mmlight layers (bytes)."""
+    figures = dict(torch_base)
     figures["mmlight_s"], figures["build_log"] = build(
         DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)})
     figures["sizes"] = {name: sum(size for _, size in layers(name)) for name in (DEBIAN, TORCH_BASE, IMAGE)}
@@ -315,11 +322,11 @@ FAKE_OLD_TORCH = "; ".join([
     "meta = pathlib.Path(importlib.metadata.distribution('torch')._path) / 'METADATA'",
     "meta.write_text(re.sub('(?m)^Version: .*$', 'Version: 2.3.0', meta.read_text(), count=1))",
     "version = pathlib.Path(torch.__file__).with_name('version.py')",
-    "version.write_text(re.sub('(?m)^__version__ = .*$', \"__version__ = '2.3.0'\", version.read_text()))",
+    "version.write_text(re.sub('(?m)^__version__ = .*$', '__version__ = ' + repr('2.3.0'), version.read_text()))",
 ])
 
 
-def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
+def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path):
     """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's torch>=2.4:
     pip would replace it, and the guard fails the build with its message."""
     containerfile = tmp_path / "Containerfile"
