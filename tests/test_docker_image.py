@@ -101,9 +101,10 @@ def debootstrap_base() -> None:
     container = buildah("from", "scratch").stdout.strip()
     try:
         root = buildah("mount", container).stdout.strip()
-        subprocess.run(["nice", "-n", "10", "debootstrap", "--variant=minbase",
-                        "--include=python3,python3-venv,ca-certificates", "bookworm", root,
-                        "http://deb.debian.org/debian"], check=True, capture_output=True, timeout=900)
+        argv = ["nice", "-n", "10", "debootstrap", "--variant=minbase",
+                "--include=python3,python3-venv,ca-certificates", "bookworm", root, "http://deb.debian.org/debian"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+        assert result.returncode == 0, f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(Path(root) / cache, ignore_errors=True)
         buildah("config", "--cmd", "/bin/bash", container)
@@ -150,7 +151,8 @@ def container(images):
 
 
 @pytest.fixture(scope="module")
-def entrypoint() -> list[str]:
+def entrypoint(images) -> list[str]:
+    """The image's ENTRYPOINT, which ``buildah run`` does not apply by itself."""
     config = json.loads(buildah("inspect", "--type", "image", IMAGE).stdout)["Docker"]["config"]
     return config["Entrypoint"]
 
@@ -317,13 +319,13 @@ def test_user_cannot_write_outside_its_own_folders(container):
     assert len(refused) == len(system) + 1  # site-packages too
 
 
-FAKE_OLD_TORCH = "; ".join([
-    "import importlib.metadata, pathlib, re, torch",
-    "meta = pathlib.Path(importlib.metadata.distribution('torch')._path) / 'METADATA'",
-    "meta.write_text(re.sub('(?m)^Version: .*$', 'Version: 2.3.0', meta.read_text(), count=1))",
-    "version = pathlib.Path(torch.__file__).with_name('version.py')",
-    "version.write_text(re.sub('(?m)^__version__ = .*$', '__version__ = ' + repr('2.3.0'), version.read_text()))",
-])
+FAKE_OLD_TORCH = (  # one line of Python for `python -c "..."` in a RUN step
+    "import importlib.metadata, pathlib, re, torch; "
+    "meta = pathlib.Path(importlib.metadata.distribution('torch')._path) / 'METADATA'; "
+    "meta.write_text(re.sub('(?m)^Version: .*$', 'Version: 2.3.0', meta.read_text(), count=1)); "
+    "version = pathlib.Path(torch.__file__).with_name('version.py'); "
+    "version.write_text(re.sub('(?m)^__version__ = .*$', '__version__ = ' + repr('2.3.0'), version.read_text()))"
+)
 
 
 def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path):
