@@ -196,8 +196,8 @@ def test_readme_shows_the_docker_commands():
 
 
 def test_pip_cache_is_a_build_mount_never_a_layer(parsed):
-    """Every RUN that calls pip mounts its cache (BuildKit, Podman and buildah keep it between builds,
-    so torch's wheels are downloaded once), and nothing turns pip's cache on inside a layer."""
+    """Every RUN that calls pip mounts its cache (BuildKit, Podman and buildah keep it between builds),
+    so that pip's cache is never written into a layer."""
     pip_runs = [args for keyword, args in parsed if keyword == "RUN" and "pip install" in args]
     assert len(pip_runs) == 2
     assert all(args.startswith("--mount=type=cache,target=/root/.cache/pip ") for args in pip_runs)
