@@ -208,7 +208,7 @@ def test_pillow_simd_replaced_pillow(container):
 
 
 def owned_files(folder: Path) -> list[Path]:
-    files = [path for path in folder.rglob("*")]
+    files = list(folder.rglob("*"))
     assert files, f"nothing was written under {folder}"
     wrong = [path for path in files if (path.stat().st_uid, path.stat().st_gid) != (UID, GID)]
     assert not wrong, f"not owned by {UID}:{GID}: {wrong}"
