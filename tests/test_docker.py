@@ -67,13 +67,31 @@ def test_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_base_is_ngc_pytorch(parsed):
+def expand(text: str, values: dict[str, str]) -> str:
+    """${NAME} replaced by its value, repeatedly (a default may name another argument)."""
+    while (expanded := re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text)) != text:
+        text = expanded
+    return text
+
+
+def test_base_is_a_build_argument_with_ngc_pytorch_as_default(parsed):
     froms = [args for keyword, args in parsed if keyword == "FROM"]
-    assert len(froms) == 1
-    image = froms[0].split()[0]
-    for name, value in build_args(parsed).items():
-        image = image.replace(f"${{{name}}}", value)
+    assert froms == ["${BASE_IMAGE}"]
+    image = expand(froms[0], build_args(parsed))
     assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", image), image
+    # ARGs before FROM are the only ones FROM can read
+    keywords = [keyword for keyword, _ in parsed]
+    assert keywords[:keywords.index("FROM")] == ["ARG", "ARG"]
+
+
+def test_torch_base_pins_what_it_installs_as_ngc_does():
+    """docker/torch-base.Dockerfile (the CPU image's base and the tests' stand-in for NGC) writes
+    /etc/pip/constraint.txt from what pip installed and points PIP_CONSTRAINT at it."""
+    base = instructions((ROOT / "docker" / "torch-base.Dockerfile").read_text())
+    install = next(args for keyword, args in base if keyword == "RUN" and "torch torchvision" in args)
+    assert install.index("pip install") < install.index("> /etc/pip/constraint.txt")
+    assert "grep -iE '^(torch|torchvision|triton)=='" in install
+    assert ("ENV", "PIP_CONSTRAINT=/etc/pip/constraint.txt") in base
 
 
 def test_runs_as_non_root_before_entrypoint(parsed):
@@ -83,7 +101,7 @@ def test_runs_as_non_root_before_entrypoint(parsed):
     assert users[-1] < keywords.index("ENTRYPOINT")
     user = parsed[users[-1]][1].split(":")[0]
     defaults = build_args(parsed)
-    user = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], user)
+    user = expand(user, defaults)
     assert user not in {"root", "0"}, user
     useradd = next(args for keyword, args in parsed if keyword == "RUN" and "useradd" in args)
     assert '--uid "${UID}"' in useradd and '--gid "${GID}"' in useradd and int(defaults["UID"]) != 0
@@ -137,7 +155,10 @@ def test_pillow_simd_replaces_pillow_after_the_install(parsed):
     assert "pillow_build()" in step and "exit 1" in step and '"${PILLOW_SIMD}" = 1' in step
     assert build_args(parsed)["PILLOW_SIMD"] == "1"
     apt = next(args for args in runs if "apt-get install" in args)
-    assert {"libjpeg-turbo8-dev", "zlib1g-dev"} <= set(apt.split())
+    # names both Ubuntu (NGC) and Debian have: libjpeg-dev is libjpeg-turbo on both; a compiler and
+    # the Python headers, which NGC has and a Debian base lacks
+    assert {"libjpeg-dev", "zlib1g-dev", "gcc", "libc6-dev", "python3-dev"} <= set(apt.split())
+    assert "libjpeg-turbo8-dev" not in apt
 
 
 def console_scripts() -> dict[str, str]:
@@ -172,3 +193,11 @@ def test_readme_shows_the_docker_commands():
     assert "-v /path/to/data:/data" in section and "--data.init_args.root /data/imagenet" in section
     assert "apptainer build mmlight.sif" in section and "srun apptainer exec --nv" in section
     assert "scontrol" in section
+
+
+def test_pip_cache_is_a_build_mount_never_a_layer(parsed):
+    """Every RUN that calls pip mounts its cache (BuildKit, Podman and buildah keep it between builds),
+    so that pip's cache is never written into a layer."""
+    pip_runs = [args for keyword, args in parsed if keyword == "RUN" and "pip install" in args]
+    assert len(pip_runs) == 2
+    assert all(args.startswith("--mount=type=cache,target=/root/.cache/pip ") for args in pip_runs)

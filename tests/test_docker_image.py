@@ -1,0 +1,348 @@
+"""docker/Dockerfile built and run with buildah, on a stand-in for NGC's PyTorch image.
+
+The stand-in is Debian 12 from debootstrap, then docker/torch-base.Dockerfile on it (torch and
+torchvision from PyPI, pinned in /etc/pip/constraint.txt as NGC pins its own). docker/Dockerfile is
+built on it unchanged apart from the base argument, and run with ``buildah run`` (chroot isolation)
+as the image's own user. Skips, saying why, where buildah or debootstrap is missing or cannot work
+(not root, no mount); .ci/run installs both from Debian's packages. docs/docker.md has the figures.
+
+The images are kept under ``localhost/mmlight-test/`` so that buildah's layer cache makes a rerun
+quick; the Debian base is reused when present (``buildah rmi`` it to rebuild from Debian).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+PREFIX = "localhost/mmlight-test"
+DEBIAN = f"{PREFIX}/debian-python:bookworm"
+TORCH_BASE = f"{PREFIX}/torch-base"
+IMAGE = f"{PREFIX}/mmlight"
+GUARD_BASE = f"{PREFIX}/torch-too-old"
+# Not 1000 (the default), so that the build arguments visibly reach the user and the files it writes.
+UID, GID = 2345, 2346
+# Builds reach the package indexes through this machine's TLS proxy when there is one; its CA bundle
+# is mounted into every build step (harmless where there is no proxy).
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+QUICKSTART = "configs/quickstart/digits_multimax.yaml"
+RUNS = "/opt/mmlight/runs"
+ENV = {**os.environ, "BUILDAH_ISOLATION": "chroot"}  # the OCI runtimes cannot set rlimits here
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def buildah(*args: str, check: bool = True, timeout: float = 120, nice: bool = False) -> subprocess.CompletedProcess:
+    argv = (["nice", "-n", "10"] if nice else []) + ["buildah", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}"
+                             f"\n{result.stderr[-4000:]}")
+    return result
+
+
+def buildah_unavailable() -> str | None:
+    """Why buildah cannot build and run images here, or None when it can."""
+    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (Debian: apt-get install buildah debootstrap, as .ci/run does)"
+    if os.geteuid() != 0:
+        return "debootstrap and buildah's chroot isolation need root (CI runs as root)"
+    probe = buildah("from", "scratch", check=False)
+    if probe.returncode != 0:
+        return f"buildah cannot create a container here: {probe.stderr.strip()}"
+    container = probe.stdout.strip()
+    try:
+        mounted = buildah("mount", container, check=False)
+        if mounted.returncode != 0:
+            return f"buildah cannot mount a container's file system here: {mounted.stderr.strip()}"
+    finally:
+        buildah("rm", container, check=False)
+    return None
+
+
+def image_exists(name: str) -> bool:
+    return buildah("images", "--quiet", name, check=False).returncode == 0
+
+
+def layers(name: str) -> list[tuple[str, int]]:
+    """(the step that made it, bytes uncompressed) of each layer of a local image, bottom first."""
+    info = json.loads(buildah("inspect", "--type", "image", name).stdout)
+    sizes = [layer["size"] for layer in json.loads(info["Manifest"])["layers"]]
+    steps = [entry.get("created_by", "") for entry in info["Docker"].get("history", [])
+             if not entry.get("empty_layer")]
+    steps = [""] * (len(sizes) - len(steps)) + steps[-len(sizes):]  # a committed rootfs may have none
+    return list(zip(steps, sizes))
+
+
+def build(containerfile: Path, tag: str, build_args: dict[str, str], check: bool = True) -> tuple[float, str]:
+    """``buildah bud`` in Docker's image format (OCI drops SHELL); returns (seconds, output)."""
+    args = ["bud", "--format", "docker", "--layers", "--force-rm", "-f", str(containerfile), "-t", tag]
+    for name, value in build_args.items():
+        args += ["--build-arg", f"{name}={value}"]
+    if CA_BUNDLE.is_file():
+        args += ["-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro"]
+    start = time.monotonic()
+    result = buildah(*args, str(ROOT), check=check, timeout=1500, nice=True)
+    return time.monotonic() - start, result.stdout + result.stderr
+
+
+def debootstrap_base() -> None:
+    """Debian 12 with Python 3.11 and venv, committed as a local image (no registry needed)."""
+    container = buildah("from", "scratch").stdout.strip()
+    try:
+        root = buildah("mount", container).stdout.strip()
+        argv = ["nice", "-n", "10", "debootstrap", "--variant=minbase",
+                "--include=python3,python3-venv,ca-certificates", "bookworm", root, "http://deb.debian.org/debian"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+        assert result.returncode == 0, f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            shutil.rmtree(Path(root) / cache, ignore_errors=True)
+        buildah("config", "--cmd", "/bin/bash", container)
+        buildah("commit", container, DEBIAN, timeout=600)
+    finally:
+        buildah("rm", container, check=False)
+
+
+@pytest.fixture(scope="module")
+def torch_base() -> dict:
+    """The stand-in for NGC: the Debian base, then docker/torch-base.Dockerfile; build times (s)."""
+    reason = buildah_unavailable()
+    if reason:
+        pytest.skip(f"buildah cannot run: {reason}")
+    figures: dict = {}
+    if not image_exists(DEBIAN):
+        start = time.monotonic()
+        debootstrap_base()
+        figures["debootstrap_s"] = time.monotonic() - start
+    figures["torch_base_s"], _ = build(DOCKER / "torch-base.Dockerfile", TORCH_BASE, {"PYTHON_IMAGE": DEBIAN})
+    return figures
+
+
+@pytest.fixture(scope="module")
+def images(torch_base) -> dict:
+    """mmlight built on the stand-in; build times (s), image sizes and the mmlight layers (bytes)."""
+    figures = dict(torch_base)
+    figures["mmlight_s"], figures["build_log"] = build(
+        DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)})
+    figures["sizes"] = {name: sum(size for _, size in layers(name)) for name in (DEBIAN, TORCH_BASE, IMAGE)}
+    base_layers = len(layers(TORCH_BASE))
+    figures["mmlight_layers"] = [(step[-100:], size) for step, size in layers(IMAGE)[base_layers:]]
+    print(json.dumps({k: v for k, v in figures.items() if k != "build_log"}, indent=1))
+    return figures
+
+
+@pytest.fixture(scope="module")
+def container(images):
+    name = "mmlight-test-run"
+    buildah("rm", name, check=False)
+    buildah("from", "--name", name, IMAGE)
+    yield name
+    buildah("rm", name, check=False)
+
+
+@pytest.fixture(scope="module")
+def entrypoint(images) -> list[str]:
+    """The image's ENTRYPOINT, which ``buildah run`` does not apply by itself."""
+    config = json.loads(buildah("inspect", "--type", "image", IMAGE).stdout)["Docker"]["config"]
+    return config["Entrypoint"]
+
+
+def run_argv(container: str, argv: list[str], runs: Path | None = None) -> list[str]:
+    volume = ["--volume", f"{runs}:{RUNS}"] if runs else []
+    return ["buildah", "run", *volume, container, "--", *argv]
+
+
+def run(container: str, argv: list[str], runs: Path | None = None, timeout: float = 600):
+    return subprocess.run(run_argv(container, argv, runs), capture_output=True, text=True, env=ENV,
+                          timeout=timeout, check=False)
+
+
+@pytest.fixture()
+def runs(tmp_path) -> Path:
+    """A host folder for the container's runs/, owned by the image's user as a user's own would be."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    os.chown(folder, UID, GID)
+    return folder
+
+
+def test_build_installs_mmlight_on_the_stand_in_base(images):
+    """The build passed the torch guard (versions unchanged) and its own Pillow-SIMD check."""
+    log = images["build_log"]
+    assert "+ diff -u /tmp/image-torch.txt /tmp/installed-torch.txt" in log and "PIL is Pillow-SIMD" in log
+    sizes = images["sizes"]
+    assert sizes[DEBIAN] < sizes[TORCH_BASE] < sizes[IMAGE]
+
+
+def test_default_user_is_the_build_arguments_ids(container):
+    result = run(container, ["python", "-c", "import os; print(os.getuid(), os.getgid(), os.getcwd())"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(UID), str(GID), "/opt/mmlight"]
+
+
+def test_help_and_doctor_through_the_entrypoint(container, entrypoint):
+    assert entrypoint == ["tini", "--", "mmlight"]
+    helped = run(container, [*entrypoint, "--help"])
+    assert helped.returncode == 0, helped.stderr
+    assert "fit" in helped.stdout
+    doctor = run(container, [*entrypoint, "doctor"])
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "VERDICT: no GPU here." in doctor.stdout
+
+
+def test_pillow_simd_replaced_pillow(container):
+    script = "from mmlight.data.image_decode import pillow_build; print(pillow_build())"
+    result = run(container, ["python", "-c", script])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Pillow-SIMD"), result.stdout
+
+
+def owned_files(folder: Path) -> list[Path]:
+    files = list(folder.rglob("*"))
+    assert files, f"nothing was written under {folder}"
+    wrong = [path for path in files if (path.stat().st_uid, path.stat().st_gid) != (UID, GID)]
+    assert not wrong, f"not owned by {UID}:{GID}: {wrong}"
+    return files
+
+
+def scalar_tags(events: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events.parent))
+    accumulator.Reload()
+    return accumulator.Tags()["scalars"]
+
+
+def test_quick_start_writes_to_the_mounted_folder(container, entrypoint, runs):
+    import torch
+
+    result = run(container, [*entrypoint, "fit", "--config", QUICKSTART, "--trainer.max_epochs", "1"], runs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    files = owned_files(runs)
+    checkpoints = [path for path in files if path.suffix == ".ckpt"]
+    events = [path for path in files if path.name.startswith("events.out.tfevents")]
+    assert checkpoints and events, files
+    assert torch.load(checkpoints[0], map_location="cpu", weights_only=False)["epoch"] == 0
+    assert any(tag.startswith("train/") for tag in scalar_tags(events[0]))
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of every process below pid, from /proc."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        parent = int(text[text.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append((int(stat.parent.name), name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_sigterm_through_tini_stops_training_cleanly(container, entrypoint, runs):
+    """SIGTERM to tini (what ``docker stop`` sends to PID 1) reaches Lightning, which stops the run
+    at the next step and tears down; the files already written stay readable."""
+    import torch
+
+    argv = [*entrypoint, "fit", "--config", QUICKSTART, "--trainer.max_epochs", "100"]
+    process = subprocess.Popen(run_argv(container, argv, runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=ENV)
+    try:
+        wait_for(lambda: list(runs.rglob("*.ckpt")) or process.poll() is not None, 300, "the first checkpoint")
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        tini = [pid for pid, name in descendants(process.pid) if name == "tini"]
+        assert len(tini) == 1, descendants(process.pid)
+        os.kill(tini[0], signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert "Received SIGTERM" in output and "Traceback" not in output, output[-3000:]
+    files = owned_files(runs)
+    for checkpoint in (path for path in files if path.suffix == ".ckpt"):
+        assert "state_dict" in torch.load(checkpoint, map_location="cpu", weights_only=False)
+    events = [path for path in files if path.name.startswith("events.out.tfevents")]
+    assert events and any(tag.startswith("train/") for tag in scalar_tags(events[0]))
+
+
+WRITE_PROBE = """
+import json, os, sys, sysconfig
+places = {p: None for p in sys.argv[1:] + [sysconfig.get_paths()["purelib"]]}
+for place in places:
+    try:
+        with open(os.path.join(place, ".write-probe"), "w"):
+            pass
+        os.remove(os.path.join(place, ".write-probe"))
+        places[place] = "written"
+    except OSError as error:
+        places[place] = error.strerror
+print(json.dumps(places))
+"""
+
+
+def test_user_cannot_write_outside_its_own_folders(container):
+    own = ["/opt/mmlight", "/home/mmlight", "/home/mmlight/.triton/cache", "/tmp"]
+    system = ["/", "/etc", "/usr", "/usr/local/bin", "/opt", "/opt/venv", "/opt/venv/bin", "/root", "/var"]
+    result = run(container, ["python", "-c", WRITE_PROBE, *own, *system])
+    assert result.returncode == 0, result.stderr
+    places = json.loads(result.stdout)
+    assert {place: places[place] for place in own} == {place: "written" for place in own}
+    refused = {place: outcome for place, outcome in places.items() if place not in own}
+    assert all(outcome != "written" for outcome in refused.values()), refused
+    assert len(refused) == len(system) + 1  # site-packages too
+
+
+FAKE_OLD_TORCH = (  # one line of Python for `python -c "..."` in a RUN step
+    "import importlib.metadata, pathlib, re, torch; "
+    "meta = pathlib.Path(importlib.metadata.distribution('torch')._path) / 'METADATA'; "
+    "meta.write_text(re.sub('(?m)^Version: .*$', 'Version: 2.3.0', meta.read_text(), count=1)); "
+    "version = pathlib.Path(torch.__file__).with_name('version.py'); "
+    "version.write_text(re.sub('(?m)^__version__ = .*$', '__version__ = ' + repr('2.3.0'), version.read_text()))"
+)
+
+
+def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path):
+    """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's torch>=2.4:
+    pip would replace it, and the guard fails the build with its message."""
+    containerfile = tmp_path / "Containerfile"
+    containerfile.write_text(f'FROM {TORCH_BASE}\nENV PIP_CONSTRAINT=\n'
+                             f'RUN rm /etc/pip/constraint.txt && python -c "{FAKE_OLD_TORCH}"\n')
+    build(containerfile, GUARD_BASE, {})
+    probe = buildah("from", GUARD_BASE).stdout.strip()
+    try:
+        faked = buildah("run", probe, "--", "python", "-c", "import torch; print(torch.__version__)").stdout
+        assert faked.split() == ["2.3.0"]
+        _, log = build(DOCKER / "Dockerfile", f"{PREFIX}/guard-must-fail",
+                       {"BASE_IMAGE": GUARD_BASE, "UID": str(UID), "GID": str(GID)}, check=False)
+        assert "pip install replaced the image's torch 2.3.0 with" in log, log[-4000:]
+        assert not image_exists(f"{PREFIX}/guard-must-fail")
+    finally:
+        buildah("rm", probe, check=False)
+        buildah("rmi", "--force", GUARD_BASE, check=False)
