@@ -45,7 +45,7 @@ def fenced_blocks(path: Path) -> list[tuple[str, str]]:
 
 def shell_commands(text: str) -> list[str]:
     """The commands of a shell block: continuation lines joined, comments and blank lines dropped."""
-    joined = re.sub(r"\\\n\s*", " ", text)
+    joined = re.sub(r"\s*\\\n\s*", " ", text)
     commands = []
     for line in joined.splitlines():
         line = re.sub(r"(^|\s)#.*$", "", line).strip()
