@@ -55,8 +55,13 @@ def shell_commands(text: str) -> list[str]:
 
 
 def doc_commands() -> list[tuple[str, str]]:
-    return [(path.relative_to(ROOT).as_posix(), command) for path in DOCS
-            for language, text in fenced_blocks(path) if language in SHELL for command in shell_commands(text)]
+    return [
+        (path.relative_to(ROOT).as_posix(), command)
+        for path in DOCS
+        for language, text in fenced_blocks(path)
+        if language in SHELL
+        for command in shell_commands(text)
+    ]
 
 
 COMMANDS = doc_commands()
@@ -79,7 +84,7 @@ def words(command: str) -> list[str]:
 
 def options(tokens: list[str]) -> list[str]:
     """The long options a command line uses (before a bare ``--``), without values and synopsis brackets."""
-    tokens = tokens[:tokens.index("--")] if "--" in tokens else tokens
+    tokens = tokens[: tokens.index("--")] if "--" in tokens else tokens
     names = (re.split(r"[=+\[\]]", t.strip("[]"))[0] for t in tokens if t.strip("[").startswith("--"))
     return [n for n in names if n and "*" not in n]
 
@@ -148,7 +153,7 @@ def check_sbatch(tokens: list[str], command: str) -> None:
     scripts = [t for t in tokens[1:] if t.endswith(".sh")]
     assert len(scripts) == 1 and (ROOT / scripts[0]).is_file(), f"{command!r}: no script"
     subprocess.run(["bash", "-n", str(ROOT / scripts[0])], check=True)
-    after = tokens[tokens.index(scripts[0]) + 1:]
+    after = tokens[tokens.index(scripts[0]) + 1 :]
     config = next((a for a in after if a.endswith(".yaml")), None)
     if config is not None:
         assert (ROOT / config).is_file(), f"{command!r}: no config {config}"
@@ -167,7 +172,7 @@ def check_container(tokens: list[str], command: str, capsys) -> None:
     else:
         assert action in ("run", "exec") and "mmlight" in tokens[2:], command
         image = max(i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight.sif") and i + 1 < len(tokens))
-        inside = tokens[image + 1:]
+        inside = tokens[image + 1 :]
         inside = inside if inside[0] == "mmlight" else ["mmlight", *inside]  # the image's entrypoint is mmlight
         check_mmlight(inside, command, capsys)
 
@@ -217,11 +222,15 @@ def test_command_is_covered(doc, command, capsys):
 def test_the_docs_have_commands_and_untagged_blocks_are_shell():
     """The extraction finds the README's commands; blocks that are not shell say what they are."""
     readme = [c for d, c in COMMANDS if d == "README.md"]
-    assert "pip install -e \".[dev]\"" in readme and "mmlight fit --config configs/quickstart/digits_multimax.yaml" in readme
+    assert 'pip install -e ".[dev]"' in readme
+    assert "mmlight fit --config configs/quickstart/digits_multimax.yaml" in readme
     assert sum(c.startswith("mmlight ") for c in readme) >= 10
     assert shell_commands("a \\\n  b  # c\n\n# d\ne") == ["a b", "e"]
     assert options(["mmlight", "x", "[--num_samples", "N]", "--a=1", "--b+=c", "--data.*", "--", "--late"]) == [
-        "--num_samples", "--a", "--b"]
+        "--num_samples",
+        "--a",
+        "--b",
+    ]
 
 
 def slurm_cluster_answers() -> bool:
@@ -246,8 +255,7 @@ def test_sbatch_test_only(doc, command):
         pytest.skip(f"{command!r} names a partition or account placeholder")
     script = next(i for i, t in enumerate(tokens) if t.endswith(".sh"))
     argv = ["sbatch", "--test-only", *tokens[1:script], *TEST_CLUSTER, *tokens[script:]]
-    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60,
-                            env={**os.environ, **env})
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60, env={**os.environ, **env})
     assert result.returncode == 0, f"{' '.join(argv)}:\n{result.stderr}"
 
 

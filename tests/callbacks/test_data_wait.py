@@ -93,7 +93,8 @@ def test_bad_arguments_are_refused():
     assert (monitor.max_wait_share, monitor.warmup, monitor.window) == (0.999, 1, 1)
     default = DataWaitMonitor()
     assert (default.max_wait_share, default.warmup, default.window) == (0.1, 20, 50)
-    assert (default.steps_seen, default.measured, default.wait_s, default.step_s, default.done) == (0, 0, 0.0, 0.0, False)
+    counters = (default.steps_seen, default.measured, default.wait_s, default.step_s, default.done)
+    assert counters == (0, 0, 0.0, 0.0, False)
     assert default.batch_ended_at is None and default.batch_started_at is None
 
 
