@@ -9,7 +9,7 @@ under RandAugment) to the same JPEGs. Measured side by side in one run, alternat
 * ``ImageFolder``: ``torchvision.datasets.ImageFolder`` + the timm transform + ``DataLoader``;
   with repeated augmentation through a sampler that yields each index 3 times in a row (DeiT's
   ``RASampler`` on one rank), so every copy is decoded again, as in DeiT;
-* ``shards, per-copy decode``: mmlight's pipeline before issue 16 (each copy decoded and
+* ``shards, per-copy decode``: mmlight's earlier pipeline (each copy decoded and
   transformed by the timm transform, ``torch.stack`` collation), rebuilt here as the baseline;
 * ``shards``: ``ImageShardDataModule(normalize_on_device=False)`` (mmlight.data.image_decode):
   crop box drawn first, JPEG decoded at reduced size (``draft``), one decode per
@@ -249,7 +249,7 @@ def shard_loader(shards: Path, batch_size: int, workers: int, copies: int, draft
 
 
 class PerCopyStream(ImageStream):
-    """mmlight's training stream before issue 16, kept here as the baseline: each copy repeated as a
+    """mmlight's earlier training stream, kept here as the baseline: each copy repeated as a
     reference before the shuffle buffer, then read, decoded and put through the timm transform on
     its own (per-sample float tensors, ``torch.stack``)."""
 

@@ -293,7 +293,7 @@ def shipped_cases() -> list[Case]:
 
 
 def full_matrix() -> list[Case]:
-    """Every kernel family across dtypes, masks and shapes (issue 15's matrix).
+    """Every kernel family across dtypes, masks and shapes (the full matrix).
 
     Row-wise: short (197) and long (267,744) rows, orders 0, 1, 2, masked or not. Attention: head
     dims 16-128, causal or not, key padding or not, order 2 (the models send plain softmax to SDPA,

@@ -6,6 +6,7 @@ BENCHMARKS.md, one table per op and shape, with the device and versions in the h
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -46,10 +47,13 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(paths: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="JSON-lines files written by bench_multimax.py")
+    paths = parser.parse_args(argv).paths
     records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
     sys.stdout.write(render(records))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

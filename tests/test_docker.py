@@ -1,5 +1,5 @@
 """docker/Dockerfile, checked without a Docker engine: hadolint (when installed), a parse of its
-instructions, the entrypoint it names, and the README's Docker commands."""
+instructions, the entrypoint it names, and the Docker commands of the README and docs/cluster.md."""
 
 import importlib
 import json
@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 README = ROOT / "README.md"
+CLUSTER_DOC = ROOT / "docs" / "cluster.md"
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -43,8 +44,8 @@ def parsed() -> list[tuple[str, str]]:
 
 
 def readme_setup_command() -> str:
-    """The pip command of the README's Set-up section."""
-    section = README.read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    """The pip command of the README's Install section."""
+    section = README.read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     commands = [line.strip() for line in section.splitlines() if line.strip().startswith("pip install")]
     assert len(commands) == 1, commands
     return commands[0]
@@ -183,10 +184,13 @@ def test_entrypoint_resolves_to_the_console_script():
     assert "fit" in result.stdout
 
 
-def test_readme_shows_the_docker_commands():
+def test_readme_and_cluster_doc_show_the_docker_commands():
     readme = README.read_text()
-    assert "## Docker" in readme, "the Docker section is not in README.md yet"
-    section = readme.split("## Docker", 1)[1]
+    assert "docker build -f docker/Dockerfile -t mmlight ." in readme
+    assert "docker run --gpus all --ipc=host" in readme and "docs/cluster.md" in readme
+    guide = CLUSTER_DOC.read_text()
+    assert "## Docker" in guide, "the Docker section is not in docs/cluster.md"
+    section = guide.split("## Docker", 1)[1]
     assert "docker build -f docker/Dockerfile -t mmlight ." in section
     assert "docker run --gpus all --ipc=host" in section
     assert "mmlight fit --config configs/quickstart/digits_multimax.yaml" in section

@@ -80,11 +80,11 @@ MODULES: dict[str, Module] = {
     "transformer": Module(("mmlight/models/transformer.py",), (
         "tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
                           keyword="not triton"),
-    # issue 17's standard for new code: the attention statistics and the robustness interventions
+    # new code is held to the fast-test standard: the attention statistics and the robustness interventions
     "analysis": Module(("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"), (
         "tests/analysis/test_metrics.py", "tests/analysis/test_stats.py", "tests/analysis/test_robustness.py",
         "tests/analysis/test_analyze.py")),
-    # issue 17's standard for new code: table files, sweeps and collection (the slow end-to-end sweep
+    # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
     # is left out by the "not slow" marker; its fast twins are in test_collect.py and test_table.py)
     "experiments": Module(("mmlight/experiments/*",), (
         "tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py")),

@@ -1,22 +1,26 @@
-"""Warns once, early in ``fit``, when the training step waits on the data loader (too few loader
-workers or CPUs for the accelerator's rate)."""
+"""Warns once, early in ``fit``, when the training step waits on the data loader: on an accelerator,
+too few loader workers or CPUs to feed it; on the CPU, loader workers that do not keep up. Training on
+the CPU with the batches loaded in the training process (``num_workers: 0``, as the quick starts do)
+has nothing to wait on: loading is part of the step's work on the same cores, and nothing is said."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
+log = logging.getLogger(__name__)
+
 
 class DataWaitMonitor(L.Callback):
     """Times the gap between one training batch's end and the next one's start (the loader fetch,
     plus the copy to the device) against the step itself, over ``window`` steps after ``warmup``
     steps (worker start-up, first compilations), once per ``fit``. When the wait exceeds
-    ``max_wait_share`` of the time, warns on rank 0 with the measured figures and the number of
-    loader workers that would keep up at this rate. Costs two clock reads per step in the window and
-    nothing after it.
+    ``max_wait_share`` of the time, warns on rank 0 with the measured figures and advice that fits the
+    run (see :func:`advice`). Costs two clock reads per step in the window and nothing after it.
 
     Args:
         max_wait_share: tolerated fraction of time spent waiting on data.
@@ -80,14 +84,45 @@ class DataWaitMonitor(L.Callback):
         if share <= self.max_wait_share:
             return
         measured = self.measured
+        figures = (f"The training step waited on the data loader for {share:.0%} of the time over {measured} steps "
+                   f"(fetch {1e3 * self.wait_s / measured:.1f} ms, step {1e3 * self.step_s / measured:.1f} ms "
+                   f"per batch; threshold {self.max_wait_share:.0%})")
         workers = getattr(trainer.datamodule, "num_workers", None) if trainer.datamodule is not None else None
-        advice = ""
-        if workers:  # the loader delivers a batch per (wait + step); keeping up means one per step
-            needed = math.ceil(workers * (self.wait_s + self.step_s) / max(self.step_s, 1e-9))
-            advice = f" With {workers} workers per device now, about {needed} would keep up (data.num_workers, and as many CPUs per task)."
-        rank_zero_warn(
-            f"The training step waited on the data loader for {share:.0%} of the time over {measured} steps "
-            f"(fetch {1e3 * self.wait_s / measured:.1f} ms, step {1e3 * self.step_s / measured:.1f} ms per batch; "
-            f"threshold {self.max_wait_share:.0%}): the input pipeline, not the accelerator, sets the speed."
-            f"{advice} See BENCHMARKS.md, 'Image loader', for the cores one GPU needs."
-        )
+        text = advice(device_kind(trainer), workers, self.wait_s, self.step_s)
+        if text is None:
+            log.debug("%s; the batches are loaded in the training process on the CPU, so this is not a wait.", figures)
+            return
+        rank_zero_warn(f"{figures}: {text}")
+
+
+def device_kind(trainer) -> str:
+    """``"cpu"``, ``"cuda"`` or another accelerator's device type, from the strategy's root device."""
+    strategy = getattr(trainer, "strategy", None)
+    device = getattr(strategy, "root_device", None)
+    return device.type if device is not None else "cpu"
+
+
+def advice(device: str, workers: int | None, wait_s: float, step_s: float) -> str | None:
+    """What to do about a loader that the step waits on, for a run on ``device`` with ``workers``
+    loader workers (None: the DataModule does not say). None where nothing applies: on the CPU with
+    in-process loading (or no worker count), the "wait" is the step's own loading work, on the cores
+    the step would use anyway."""
+    # the loader delivers a batch per (wait + step); keeping up means one batch per step
+    needed = math.ceil(workers * (wait_s + step_s) / max(step_s, 1e-9)) if workers else None
+    if device == "cpu":
+        if not workers:
+            return None
+        return (f"the loader ({workers} workers) does not keep up with the step. On the CPU the workers share the "
+                f"cores with it: about {needed} would keep up, if the machine has cores to spare (data.num_workers).")
+    accelerator = "GPU" if device == "cuda" else f"accelerator ({device})"
+    if workers == 0:
+        return (f"the batches are loaded in the training process (data.num_workers 0), and the {accelerator} idles "
+                f"meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during "
+                f"the step.")
+    text = f"the input pipeline, not the {accelerator}, sets the speed."
+    if workers:
+        text += (f" With {workers} workers per device now, about {needed} would keep up "
+                 f"(data.num_workers, and as many CPUs per task).")
+    if device == "cuda":
+        text += " See BENCHMARKS.md, 'Image loader', for the cores one GPU needs."
+    return text

@@ -1,9 +1,12 @@
-"""DataWaitMonitor on a real (CPU) fit: a loader that sleeps more than the step warns once with
-the measured share; a step that sleeps more than the loader does not."""
+"""DataWaitMonitor on a real (CPU) fit: a loader worker that sleeps more than the step warns once with
+the measured share; a step that sleeps more than the loader does not. The advice fits the run: GPUs and
+loader workers are named only where they apply, and CPU training with in-process loading is quiet."""
 
 import re
+import sys
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 from mmlight.callbacks import DataWaitMonitor
+from mmlight.cli import build_cli
 
 
 class SleepyData(torch.utils.data.Dataset):
@@ -39,14 +43,22 @@ class SleepyStep(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(fetch_s: float, step_s: float) -> tuple[DataWaitMonitor, list[str]]:
+class SleepyDataModule(L.LightningDataModule):
+    def __init__(self, sleep_s: float, num_workers: int):
+        super().__init__()
+        self.sleep_s, self.num_workers = sleep_s, num_workers
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(SleepyData(self.sleep_s), batch_size=1, num_workers=self.num_workers)
+
+
+def fit(fetch_s: float, step_s: float, num_workers: int = 1) -> tuple[DataWaitMonitor, list[str]]:
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=2, window=5)
     trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
-    loader = torch.utils.data.DataLoader(SleepyData(fetch_s), batch_size=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(SleepyStep(step_s), loader)
+        trainer.fit(SleepyStep(step_s), datamodule=SleepyDataModule(fetch_s, num_workers))
     return monitor, [str(w.message) for w in caught if "waited on the data loader" in str(w.message)]
 
 
@@ -54,6 +66,13 @@ def test_slow_loader_warns_once_with_the_measured_share():
     monitor, messages = fit(fetch_s=0.03, step_s=0.0)
     assert monitor.measured == 5 and monitor.wait_share() > 0.8  # 30 ms fetch against a ~1 ms step
     assert len(messages) == 1 and f"{monitor.wait_share():.0%} of the time over 5 steps" in messages[0]
+    assert "the loader (1 workers) does not keep up" in messages[0] and "GPU" not in messages[0]
+
+
+def test_cpu_training_with_in_process_loading_is_quiet():
+    """The same slow fetch in the training process on the CPU: loading is the step's own work, not a wait."""
+    monitor, messages = fit(fetch_s=0.03, step_s=0.0, num_workers=0)
+    assert monitor.measured == 5 and monitor.wait_share() > 0.8 and messages == []
 
 
 def test_fast_loader_is_quiet():
@@ -74,19 +93,21 @@ def test_bad_arguments_are_refused():
     assert (monitor.max_wait_share, monitor.warmup, monitor.window) == (0.999, 1, 1)
     default = DataWaitMonitor()
     assert (default.max_wait_share, default.warmup, default.window) == (0.1, 20, 50)
-    assert (default.steps_seen, default.measured, default.wait_s, default.step_s, default.done) == (0, 0, 0.0, 0.0, False)
+    counters = (default.steps_seen, default.measured, default.wait_s, default.step_s, default.done)
+    assert counters == (0, 0, 0.0, 0.0, False)
     assert default.batch_ended_at is None and default.batch_started_at is None
 
 
-def drive(monkeypatch, datamodule, times, epoch_break=False):
-    """The hooks of four training batches on a clock that reads ``times`` (start and end of each batch);
-    ``epoch_break``: a new epoch starts before the second batch. Returns the monitor and its warnings."""
+def drive(monkeypatch, datamodule, times, epoch_break=False, device="cuda"):
+    """The hooks of four training batches on a clock that reads ``times`` (start and end of each batch)
+    of a run on ``device``; ``epoch_break``: a new epoch starts before the second batch. Returns the
+    monitor and its warnings."""
     import mmlight.callbacks.data_wait as data_wait
 
     clock = iter(times)
     monkeypatch.setattr(data_wait.time, "perf_counter", lambda: next(clock))
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=1, window=2)
-    trainer = SimpleNamespace(datamodule=datamodule)
+    trainer = SimpleNamespace(datamodule=datamodule, strategy=SimpleNamespace(root_device=torch.device(device)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor.on_fit_start(trainer, None)
@@ -107,13 +128,36 @@ def test_the_warning_gives_the_measured_figures_and_the_workers_that_would_keep_
     assert (monitor.measured, monitor.wait_s, monitor.step_s, monitor.wait_share()) == (2, 6.0, 2.0, 0.75)
     assert messages == [
         "The training step waited on the data loader for 75% of the time over 2 steps (fetch 3000.0 ms, step "
-        "1000.0 ms per batch; threshold 50%): the input pipeline, not the accelerator, sets the speed. With 2 "
+        "1000.0 ms per batch; threshold 50%): the input pipeline, not the GPU, sets the speed. With 2 "
         "workers per device now, about 8 would keep up (data.num_workers, and as many CPUs per task). See "
         "BENCHMARKS.md, 'Image loader', for the cores one GPU needs."]
-    for datamodule in (None, SimpleNamespace(num_workers=0), SimpleNamespace()):  # no worker advice
+    for datamodule in (None, SimpleNamespace()):  # no worker count: no worker advice
         _, messages = drive(monkeypatch, datamodule, [1.0, 4.0, 5.0, 8.0, 9.0])
-        assert len(messages) == 1 and messages[0].endswith("sets the speed. See BENCHMARKS.md, 'Image loader', "
-                                                           "for the cores one GPU needs.")
+        assert len(messages) == 1 and messages[0].endswith("threshold 50%): the input pipeline, not the GPU, sets the "
+                                                           "speed. See BENCHMARKS.md, 'Image loader', for the cores "
+                                                           "one GPU needs.")
+
+
+def test_the_advice_names_gpus_and_workers_only_where_they_apply(monkeypatch):
+    """Same clock as above (75% waiting): in-process loading on a GPU asks for workers; another accelerator
+    is named by its device type, without the GPU figures; the CPU names neither GPUs nor BENCHMARKS.md, and
+    with in-process loading (or no worker count) says nothing."""
+    times = [1.0, 4.0, 5.0, 8.0, 9.0]
+    _, messages = drive(monkeypatch, SimpleNamespace(num_workers=0), times)
+    assert len(messages) == 1 and messages[0].endswith(
+        "threshold 50%): the batches are loaded in the training process (data.num_workers 0), and the GPU idles "
+        "meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during the step.")
+    _, messages = drive(monkeypatch, SimpleNamespace(num_workers=2), times, device="mps")
+    assert len(messages) == 1 and messages[0].endswith(
+        "the input pipeline, not the accelerator (mps), sets the speed. With 2 workers per device now, about 8 "
+        "would keep up (data.num_workers, and as many CPUs per task).")
+    _, messages = drive(monkeypatch, SimpleNamespace(num_workers=2), times, device="cpu")
+    assert len(messages) == 1 and messages[0].endswith(
+        "threshold 50%): the loader (2 workers) does not keep up with the step. On the CPU the workers share the "
+        "cores with it: about 8 would keep up, if the machine has cores to spare (data.num_workers).")
+    for datamodule in (None, SimpleNamespace(num_workers=0), SimpleNamespace()):
+        monitor, messages = drive(monkeypatch, datamodule, times, device="cpu")
+        assert monitor.wait_share() == 0.75 and messages == []
 
 
 def test_the_gap_across_an_epoch_start_is_not_a_fetch_and_a_share_at_the_threshold_is_quiet(monkeypatch):
@@ -133,7 +177,8 @@ def test_warmup_counts_every_step_and_short_steps_give_the_right_worker_count(mo
     clock = iter([0.0, 0.125, 0.25, 0.625, 0.75, 1.125, 1.25])  # ends of 0-2; start, end of 3; start, end of 4
     monkeypatch.setattr(data_wait.time, "perf_counter", lambda: next(clock))
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=3, window=2)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_workers=4))
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_workers=4),
+                              strategy=SimpleNamespace(root_device=torch.device("cuda")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor.on_fit_start(trainer, None)
@@ -144,3 +189,37 @@ def test_warmup_counts_every_step_and_short_steps_give_the_right_worker_count(mo
     assert monitor.steps_seen == 5 and monitor.measured == 2
     assert (monitor.wait_s, monitor.step_s) == (0.75, 0.25)
     assert len(caught) == 1 and "With 4 workers per device now, about 16 would keep up" in str(caught[0].message)
+
+
+QUICKSTARTS = sorted((Path(__file__).resolve().parents[2] / "configs" / "quickstart").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache for the generated data sets of the quick starts (written on first use)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", QUICKSTARTS, ids=lambda p: p.name)
+def test_no_loader_warning_on_the_quick_starts_as_shipped(config, cache_dir, tmp_path, monkeypatch):
+    """The first steps of each quick start, as shipped (its loader settings untouched), with a second
+    monitor that measures from the second step and holds a 0.01% threshold: the loading share is above
+    it, so only the rule for in-process loading on the CPU keeps the run quiet. Validation is left out."""
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+    task = config.stem.split("_")[0]
+    cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = build_cli(["fit", "--config", str(config), "--trainer.max_steps", "4",
+                         "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(tmp_path),
+                         "--trainer.logger.init_args.save_dir", str(tmp_path), *cache,
+                         "--trainer.callbacks+=mmlight.callbacks.DataWaitMonitor",
+                         "--trainer.callbacks.max_wait_share", "0.0001", "--trainer.callbacks.warmup", "1",
+                         "--trainer.callbacks.window", "2"])
+    monitors = [c for c in cli.trainer.callbacks if isinstance(c, DataWaitMonitor)]
+    assert sorted(m.max_wait_share for m in monitors) == [0.0001, 0.1]  # this test's and the shipped one
+    [strict] = [m for m in monitors if m.max_wait_share == 0.0001]
+    assert strict.done and strict.measured == 2 and strict.wait_share() > strict.max_wait_share
+    assert cli.datamodule.num_workers == 0 and cli.trainer.strategy.root_device.type == "cpu"
+    assert [str(w.message) for w in caught if "waited on the data loader" in str(w.message)] == []

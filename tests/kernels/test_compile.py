@@ -1,5 +1,5 @@
 """Every kernel specialisation the shipped configs launch compiles for sm_80 (A100) and sm_90
-(H100), without spills and within shared memory, on a machine without a GPU (issue 15).
+(H100), without spills and within shared memory, on a machine without a GPU.
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this process has the interpreter
 on, which replaces the compiled kernels). The full matrix is ``benchmarks/compile_report.py``.

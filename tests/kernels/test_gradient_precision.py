@@ -1,4 +1,4 @@
-"""Gradient accuracy of the kernels against float64, side by side with eager fp32 (issue 15).
+"""Gradient accuracy of the kernels against float64, side by side with eager fp32.
 
 MultiMax's sigma can reach |sigma(x)| ~ 50-500 with trained parameters. A backward pass that
 rebuilds the weights as ``exp(s - lse)`` from an fp32 log-sum-exp then scales a whole row of

@@ -1,4 +1,4 @@
-"""``auto`` never breaks a run: a Triton kernel that fails is replaced by ``compile`` (issue 15).
+"""``auto`` never breaks a run: a Triton kernel that fails is replaced by ``compile``.
 
 Without a GPU ``auto`` never picks the kernels, so these tests make it pick them (``resolve_backend``
 patched where it is called) and make the kernels fail; ``torch.compile`` is replaced by the identity

@@ -1,0 +1,269 @@
+"""The docs stay true: every fenced shell command of README.md, docs/*.md and BENCHMARKS.md is covered.
+
+A fenced block with no language (or ``sh``, ``bash``, ``shell``, ``console``) holds shell commands; other
+blocks name their language (``text``, ``yaml``, ``python``, ...). Each command is checked by the rule of
+its program, and a program without a rule fails, so a new command cannot go untested:
+
+* ``mmlight fit|validate|test|predict``: the config and the options on the line are parsed with
+  ``--print_config`` (``--ckpt_path`` left out: running from a checkpoint is ``tests/test_cli.py``'s);
+* the other ``mmlight`` commands, ``python benchmarks/*.py``, ``python tools/*.py``, ``tensorboard``:
+  ``--help`` exits 0 and names every option the line uses (and the dataset of ``mmlight prepare``);
+* ``sbatch``: the script exists and ``bash -n`` parses it; ``sbatch --test-only`` submits it where a
+  SLURM cluster answers (``test_sbatch_test_only``, which skips otherwise);
+* ``docker``/``podman``/``apptainer``/``srun``: the Dockerfile exists and the ``mmlight`` command run in
+  the image is checked as above (the image itself: ``tests/test_docker.py``);
+* ``pip install``: the extras exist in pyproject.toml; ``pytest``: the paths exist; ``mkdir``: nothing.
+
+The README's Python blocks are run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
+SHELL = {"", "sh", "bash", "shell", "console"}
+FENCE = re.compile(r"^```(\S*)\n(.*?)^```", re.S | re.M)
+TRAINER_COMMANDS = {"fit", "validate", "test", "predict"}
+IMAGE_ROOT = "/opt/mmlight/"  # the repository's place in the Docker image
+
+
+def fenced_blocks(path: Path) -> list[tuple[str, str]]:
+    """(language, text) of every fenced block of a Markdown file."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(path.read_text())]
+
+
+def shell_commands(text: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\s*\\\n\s*", " ", text)
+    commands = []
+    for line in joined.splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", line).strip()
+        if line:
+            commands.append(line)
+    return commands
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    return [
+        (path.relative_to(ROOT).as_posix(), command)
+        for path in DOCS
+        for language, text in fenced_blocks(path)
+        if language in SHELL
+        for command in shell_commands(text)
+    ]
+
+
+COMMANDS = doc_commands()
+
+
+def split_env(command: str) -> tuple[dict[str, str], list[str]]:
+    """The leading ``VAR=value`` assignments of a command, and its words after them. ``$s``-style shell
+    variables read 0 (the loop variable of a documented ``for s in 0 1 2``)."""
+    tokens = shlex.split(re.sub(r"\$\{?\w+\}?", "0", command))
+    env = {}
+    while tokens and re.fullmatch(r"[A-Za-z_]\w*=.*", tokens[0]):
+        name, value = tokens.pop(0).split("=", 1)
+        env[name] = value
+    return env, tokens
+
+
+def words(command: str) -> list[str]:
+    return split_env(command)[1]
+
+
+def options(tokens: list[str]) -> list[str]:
+    """The long options a command line uses (before a bare ``--``), without values and synopsis brackets."""
+    tokens = tokens[: tokens.index("--")] if "--" in tokens else tokens
+    names = (re.split(r"[=+\[\]]", t.strip("[]"))[0] for t in tokens if t.strip("[").startswith("--"))
+    return [n for n in names if n and "*" not in n]
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    """LightningCLI warns when it gets args while sys.argv holds pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+
+
+def mmlight_exit(args: list[str], capsys) -> tuple[int, str]:
+    from mmlight.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out = capsys.readouterr()
+    return exit_info.value.code or 0, out.out + out.err
+
+
+@functools.cache
+def script_help(program: tuple[str, ...]) -> str:
+    result = subprocess.run([*program, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, f"{' '.join(program)} --help failed: {result.stderr[-2000:]}"
+    return result.stdout
+
+
+def check_help_names(help_text: str, tokens: list[str], command: str) -> None:
+    missing = [o for o in options(tokens) if not re.search(re.escape(o) + r"\b", help_text)]
+    assert not missing, f"{command!r} uses options its --help does not name: {missing}"
+
+
+def without_ckpt_path(args: list[str]) -> list[str]:
+    """The arguments without ``--ckpt_path`` and the checkpoint paths after it."""
+    if "--ckpt_path" not in args:
+        return args
+    i = args.index("--ckpt_path")
+    j = i + 1
+    while j < len(args) and not args[j].startswith("--"):
+        j += 1
+    return args[:i] + args[j:]
+
+
+def check_mmlight(tokens: list[str], command: str, capsys) -> None:
+    assert len(tokens) > 1, f"{command!r}: no mmlight command"
+    sub, args = tokens[1], [a.removeprefix(IMAGE_ROOT) for a in tokens[2:]]
+    if sub in TRAINER_COMMANDS:
+        code, out = mmlight_exit([sub, *without_ckpt_path(args), "--print_config"], capsys)
+        assert code == 0, f"{command!r} does not parse:\n{out[-3000:]}"
+        assert "class_path: mmlight.tasks." in out
+        return
+    code, out = mmlight_exit([sub, "--help"], capsys)
+    assert code == 0, f"mmlight {sub} --help failed:\n{out[-3000:]}"
+    check_help_names(out, args, command)
+    if sub == "prepare":
+        dataset = next(a for a in args if not a.startswith("-"))
+        assert re.search(rf"\b{dataset}\b", out), f"{command!r}: mmlight prepare does not know {dataset!r}"
+
+
+def check_python(tokens: list[str], command: str) -> None:
+    script = ROOT / tokens[1]
+    assert script.parent.name in ("benchmarks", "tools") and script.is_file(), f"{command!r}: no script {script}"
+    check_help_names(script_help((sys.executable, str(script))), tokens[2:], command)
+
+
+def check_sbatch(tokens: list[str], command: str) -> None:
+    scripts = [t for t in tokens[1:] if t.endswith(".sh")]
+    assert len(scripts) == 1 and (ROOT / scripts[0]).is_file(), f"{command!r}: no script"
+    subprocess.run(["bash", "-n", str(ROOT / scripts[0])], check=True)
+    after = tokens[tokens.index(scripts[0]) + 1 :]
+    config = next((a for a in after if a.endswith(".yaml")), None)
+    if config is not None:
+        assert (ROOT / config).is_file(), f"{command!r}: no config {config}"
+
+
+def check_container(tokens: list[str], command: str, capsys) -> None:
+    if tokens[0] == "srun":
+        tokens = tokens[1:]
+    runtime, action = tokens[0], tokens[1]
+    assert runtime in ("docker", "podman", "apptainer"), command
+    if action == "build" and runtime != "apptainer":
+        dockerfile = tokens[tokens.index("-f") + 1]
+        assert (ROOT / dockerfile).is_file() and "-t" in tokens and tokens[tokens.index("-t") + 1] == "mmlight"
+    elif action == "build":
+        assert re.fullmatch(r"docker(-daemon)?://.*mmlight:latest", tokens[-1]), command
+    else:
+        assert action in ("run", "exec") and "mmlight" in tokens[2:], command
+        image = max(i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight.sif") and i + 1 < len(tokens))
+        inside = tokens[image + 1 :]
+        inside = inside if inside[0] == "mmlight" else ["mmlight", *inside]  # the image's entrypoint is mmlight
+        check_mmlight(inside, command, capsys)
+
+
+def check_pip(tokens: list[str], command: str) -> None:
+    assert tokens[1:3] == ["install", "-e"], command
+    extras = re.fullmatch(r"\.\[([\w,]+)\]", tokens[3]).group(1).split(",")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    missing = [e for e in extras if not re.search(rf"^{e}\s*=", section, re.M)]
+    assert not missing, f"{command!r}: extras {missing} not in pyproject.toml"
+
+
+def check_pytest(tokens: list[str], command: str) -> None:
+    paths = [t for t in tokens[1:] if t.startswith("tests")]
+    assert all((ROOT / p).exists() for p in paths), f"{command!r}: a path does not exist"
+    if "-m" in tokens:
+        marker = tokens[tokens.index("-m") + 1].removeprefix("not ")
+        assert marker in (ROOT / "pyproject.toml").read_text(), f"{command!r}: marker {marker!r} not declared"
+
+
+@pytest.mark.parametrize("doc, command", COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
+def test_command_is_covered(doc, command, capsys):
+    tokens = words(command)
+    program = tokens[0]
+    if program == "mmlight":
+        check_mmlight(tokens, command, capsys)
+    elif program == "python":
+        check_python(tokens, command)
+    elif program == "sbatch":
+        check_sbatch(tokens, command)
+    elif program in ("docker", "podman", "apptainer", "srun"):
+        check_container(tokens, command, capsys)
+    elif program == "pip":
+        check_pip(tokens, command)
+    elif program == "pytest":
+        check_pytest(tokens, command)
+    elif program == "tensorboard":
+        tensorboard = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or "tensorboard"
+        check_help_names(script_help((tensorboard,)), tokens[1:], command)
+    elif program == "mkdir":
+        assert tokens == ["mkdir", "-p", "runs"], command
+    else:
+        pytest.fail(f"{doc}: no test covers {command!r}; add a rule to tests/test_docs.py")
+
+
+def test_the_docs_have_commands_and_untagged_blocks_are_shell():
+    """The extraction finds the README's commands; blocks that are not shell say what they are."""
+    readme = [c for d, c in COMMANDS if d == "README.md"]
+    assert 'pip install -e ".[dev]"' in readme
+    assert "mmlight fit --config configs/quickstart/digits_multimax.yaml" in readme
+    assert sum(c.startswith("mmlight ") for c in readme) >= 10
+    assert shell_commands("a \\\n  b  # c\n\n# d\ne") == ["a b", "e"]
+    assert options(["mmlight", "x", "[--num_samples", "N]", "--a=1", "--b+=c", "--data.*", "--", "--late"]) == [
+        "--num_samples",
+        "--a",
+        "--b",
+    ]
+
+
+def slurm_cluster_answers() -> bool:
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return False
+    return subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30).returncode == 0
+
+
+SBATCH = [(d, c) for d, c in COMMANDS if words(c)[0] == "sbatch"]
+# the test cluster has one node, no GPUs and no named partition or account: the resources are
+# replaced after the documented options (sbatch takes the last value), and lines naming a partition
+# or account as a placeholder are checked statically only
+TEST_CLUSTER = ["--nodes", "1", "--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task", "1"]
+
+
+@pytest.mark.parametrize("doc, command", SBATCH, ids=[f"{d}:{c[:60]}" for d, c in SBATCH])
+def test_sbatch_test_only(doc, command):
+    if not slurm_cluster_answers():
+        pytest.skip("no SLURM cluster answers scontrol ping (.ci/slurm-cluster.sh starts one)")
+    env, tokens = split_env(command)
+    if {"PARTITION", "ACCOUNT"} & set(tokens):
+        pytest.skip(f"{command!r} names a partition or account placeholder")
+    script = next(i for i, t in enumerate(tokens) if t.endswith(".sh"))
+    argv = ["sbatch", "--test-only", *tokens[1:script], *TEST_CLUSTER, *tokens[script:]]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60, env={**os.environ, **env})
+    assert result.returncode == 0, f"{' '.join(argv)}:\n{result.stderr}"
+
+
+def test_readme_python_runs():
+    """The README's Python blocks run as written (on the CPU)."""
+    blocks = [text for language, text in fenced_blocks(ROOT / "README.md") if language == "python"]
+    assert blocks
+    for text in blocks:
+        namespace: dict = {}
+        exec(compile(text, "README.md", "exec"), namespace)
+    assert tuple(namespace["y"].shape) == (2, 16, 64)
