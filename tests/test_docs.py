@@ -166,15 +166,33 @@ def check_container(tokens: list[str], command: str, capsys) -> None:
     assert runtime in ("docker", "podman", "apptainer"), command
     if action == "build" and runtime != "apptainer":
         dockerfile = tokens[tokens.index("-f") + 1]
-        assert (ROOT / dockerfile).is_file() and "-t" in tokens and tokens[tokens.index("-t") + 1] == "mmlight"
+        assert (ROOT / dockerfile).is_file() and "-t" in tokens, command
+        assert re.fullmatch(r"mmlight(-base)?(:\w+)?", tokens[tokens.index("-t") + 1]), command
+        base = [t.split("=", 1)[1] for t in tokens if t.startswith("BASE_IMAGE=")]
+        assert base in ([], ["mmlight-base"]), f"a base the docs build first, or NGC's default: {command}"
     elif action == "build":
         assert re.fullmatch(r"docker(-daemon)?://.*mmlight:latest", tokens[-1]), command
     else:
-        assert action in ("run", "exec") and "mmlight" in tokens[2:], command
-        image = max(i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight.sif") and i + 1 < len(tokens))
+        assert action in ("run", "exec") and {"mmlight", "mmlight:cpu"} & set(tokens[2:]), command
+        image = max(i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight:cpu", "mmlight.sif") and i + 1 < len(tokens))
         inside = tokens[image + 1 :]
         inside = inside if inside[0] == "mmlight" else ["mmlight", *inside]  # the image's entrypoint is mmlight
         check_mmlight(inside, command, capsys)
+
+
+def check_image_test_step(command: str, capsys) -> None:
+    """A step of docs/docker.md's buildah recipe: tests/test_docker_image.py takes the same step (the same
+    buildah subcommand, the same Dockerfile, debootstrap's minbase variant), and an ``mmlight`` command
+    run inside the image is checked as above."""
+    test = (ROOT / "tests" / "test_docker_image.py").read_text()
+    for sub in re.findall(r"buildah (\w+)", command):
+        assert f'"{sub}"' in test, f"{command!r}: tests/test_docker_image.py never runs buildah {sub}"
+    for dockerfile in re.findall(r"-f (\S+)", command):
+        assert (ROOT / dockerfile).is_file() and Path(dockerfile).name in test, command
+    if "debootstrap" in command:
+        assert "--variant=minbase" in command and '"--variant=minbase"' in test, command
+    if " -- tini -- mmlight " in command:
+        check_mmlight(words(command.split(" -- tini -- ", 1)[1]), command, capsys)
 
 
 def check_pip(tokens: list[str], command: str) -> None:
@@ -215,6 +233,8 @@ def test_command_is_covered(doc, command, capsys):
         check_help_names(script_help((tensorboard,)), tokens[1:], command)
     elif program == "mkdir":
         assert tokens == ["mkdir", "-p", "runs"], command
+    elif "buildah" in command or program == "debootstrap":
+        check_image_test_step(command, capsys)
     else:
         pytest.fail(f"{doc}: no test covers {command!r}; add a rule to tests/test_docs.py")
 
