@@ -148,3 +148,21 @@ def test_timm_name_offline_without_cache_is_a_clear_error(monkeypatch, tmp_path)
 def test_unknown_timm_name():
     with pytest.raises(ValueError, match="timm has no model 'deit_nano'"):
         ReweightedViT(deit_tiny("timm:deit_nano"))
+
+
+def test_timm_name_from_the_cache_offline(monkeypatch, tmp_path, timm_state):
+    """Weights in the Hugging Face cache load with no network, as ``timm.create_model(name, pretrained=True)``."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--timm--deit_tiny_patch16_224.fb_in1k"
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    safetensors.torch.save_file(timm_state, str(repo / "snapshots" / revision / "model.safetensors"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    model = ReweightedViT(deit_tiny(f"timm:{TIMM_NAME}")).double().eval()
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
