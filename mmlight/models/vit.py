@@ -149,6 +149,21 @@ class ReweightedViT(nn.Module):
         """Names of parameters to exclude from weight decay besides 1-D ones (timm's convention)."""
         return {f"vit.{name}" for name in self.vit.no_weight_decay()}
 
+    def head_parameter_names(self) -> set[str]:
+        """Names of the classifier's parameters (the new head when fine-tuning)."""
+        return {f"vit.head.{name}" for name, _ in self.vit.head.named_parameters()}
+
+    def layer_ids(self) -> dict[str, int]:
+        """Depth of every parameter for layer-wise learning-rate decay, as BEiT counts it: 0 for the
+        patch and position embeddings and the class token, ``i + 1`` for block ``i``, and
+        ``depth + 1`` for everything above (final norm, head, output MultiMax)."""
+        ids = {name: len(self.vit.blocks) + 1 for name, _ in self.named_parameters()}
+        ids.update({f"vit.patch_embed.{name}": 0 for name, _ in self.vit.patch_embed.named_parameters()})
+        ids.update({f"vit.{name}": 0 for name in ("pos_embed", "cls_token") if getattr(self.vit, name) is not None})
+        for i, block in enumerate(self.vit.blocks):
+            ids.update({f"vit.blocks.{i}.{name}": i + 1 for name, _ in block.named_parameters()})
+        return ids
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class scores ``(B, num_classes)``: the logits, modulated by the output MultiMax if any."""
         logits = self.vit(images)  # (B, num_classes)
