@@ -57,6 +57,12 @@ class LoadReport:
     dropped: dict[str, str] = field(default_factory=dict)
     new: list[str] = field(default_factory=list)
 
+    def summary(self) -> str:
+        """One line for the log: the source, the dropped keys with their reasons, the new keys."""
+        dropped = "; ".join(f"{key}: {reason}" for key, reason in self.dropped.items()) or "none"
+        new = ", ".join(self.new[:6]) + (f" ... ({len(self.new)} in all)" if len(self.new) > 6 else "")
+        return f"pretrained weights {self.source}: dropped {dropped}; new (initialised here): {new or 'none'}"
+
 
 def read_pretrained(source: str) -> dict[str, torch.Tensor]:
     """The state dict of a timm ``VisionTransformer`` named by ``source`` (a file or ``timm:<name>``),
@@ -134,7 +140,7 @@ def load_pretrained(vit: nn.Module, state: dict[str, torch.Tensor], source: str,
     state = checkpoint_filter_fn(state, vit)
     own = vit.state_dict()
     report = LoadReport(source)
-    for key in [k for k in state if k.startswith(HEAD_PREFIX)]:
+    for key in sorted(k for k in state if k.startswith(HEAD_PREFIX)):
         if key in own and own[key].shape == state[key].shape:
             continue
         shape = tuple(state.pop(key).shape)
@@ -154,10 +160,7 @@ def load_pretrained(vit: nn.Module, state: dict[str, torch.Tensor], source: str,
             + ". Pick the variant, image size, patch size and class_token of the weights' architecture.")
     vit.load_state_dict(state, strict=False)
     report.new = missing
-    for key, reason in report.dropped.items():
-        log.info("pretrained %s: dropped %s (%s)", source, key, reason)
-    log.info("pretrained %s: loaded %d tensors; %d new (%s)", source, len(state), len(missing),
-             ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else ""))
+    log.info(report.summary())
     return report
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -78,6 +79,8 @@ class ImageClassifier(EvalStages, L.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
         self.save_hyperparameters()
         self.model = ReweightedViT(model)
+        if self.model.pretrained_report is not None:
+            rank_zero_info(self.model.pretrained_report.summary())
         num_classes = model.num_classes
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:

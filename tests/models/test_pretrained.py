@@ -166,3 +166,12 @@ def test_timm_name_from_the_cache_offline(monkeypatch, tmp_path, timm_state):
     x = images()
     with torch.no_grad():
         torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
+
+
+def test_the_summary_names_what_was_dropped_and_what_is_new(weights_file):
+    report = ReweightedViT(deit_tiny(weights_file, num_classes=10, img_size=112)).pretrained_report
+    assert report.summary() == (
+        f"pretrained weights {weights_file}: dropped head.bias: shape (1000,) does not fit the new head (10,); "
+        "head.weight: shape (1000, 192) does not fit the new head (10, 192); new (initialised here): "
+        "blocks.0.attn.reweight.ranges, blocks.0.attn.reweight.ts, blocks.1.attn.reweight.ranges, "
+        "blocks.1.attn.reweight.ts, blocks.10.attn.reweight.ranges, blocks.10.attn.reweight.ts ... (26 in all)")
