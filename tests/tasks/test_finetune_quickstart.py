@@ -32,7 +32,8 @@ def checkpoint(tmp_path_factory):
 
 
 def test_identity_start_is_the_checkpoint(checkpoint):
-    """Loaded with MultiMax at init_std 0: with its 6-class head kept, the checkpoint's logits (fp32: the softmax model runs through SDPA, the MultiMax one explicitly)."""
+    """Loaded with MultiMax at init_std 0 and its 6-class head kept: the checkpoint's logits (to fp32
+    rounding: the softmax model runs through SDPA, the MultiMax one takes the explicit path)."""
     path, pretrained = checkpoint
     config = ViTConfig(**{**PRETRAIN.__dict__, "pretrained": str(path),
                           "attention": ReweightingSpec("multimax", {"init_std": 0})})
