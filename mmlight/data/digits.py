@@ -29,27 +29,42 @@ def _as_sample(item: tuple[str, bytes, int]) -> dict:
     return {"__key__": key, "png": png, "cls": str(label)}
 
 
-def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0, maxcount: int = 300) -> dict:
-    """Write the digits as ``train``/``val`` PNG shards with a fixed, seeded split; return the info."""
+def check_digits(digits: list[int] | None) -> list[int]:
+    """The digits to keep (all ten for None), checked: distinct values in 0..9."""
+    digits = list(range(10)) if digits is None else list(digits)
+    if not digits or len(set(digits)) != len(digits) or not set(digits) <= set(range(10)):
+        raise ValueError(f"digits must be distinct values in 0..9, got {digits}")
+    return digits
+
+
+def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0, maxcount: int = 300,
+                        digits: list[int] | None = None) -> dict:
+    """Write the digits as ``train``/``val`` PNG shards with a fixed, seeded split; return the info.
+    With ``digits``, only those digits are written, labelled by their position in the list."""
     from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    images = np.clip(digits.images * 16, 0, 255).astype(np.uint8)  # pixel values 0..16 -> 0..255
+    kept = check_digits(digits)
+    data = load_digits()
+    images = np.clip(data.images * 16, 0, 255).astype(np.uint8)  # pixel values 0..16 -> 0..255
+    label_of = {d: i for i, d in enumerate(kept)}
     order = np.random.default_rng(seed).permutation(len(images))
     n_val = round(len(images) * val_fraction)
+    # the split of all ten digits, then the kept ones of each part: a subset never moves an image
     splits = {"val": order[:n_val], "train": order[n_val:]}
+    splits = {name: [i for i in part if data.target[i] in label_of] for name, part in splits.items()}
 
     def items(indices):
         for i in indices:
             buf = io.BytesIO()
             Image.fromarray(images[i], mode="L").save(buf, format="PNG")
-            yield f"digit{i:05d}", buf.getvalue(), int(digits.target[i])
+            yield f"digit{i:05d}", buf.getvalue(), label_of[int(data.target[i])]
 
     info = {
         "dataset": "sklearn-digits",
         "val_fraction": val_fraction,
         "seed": seed,
-        "classes": DIGIT_CLASSES,
+        "digits": kept,
+        "classes": [DIGIT_CLASSES[d] for d in kept],
         "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
                                       desc=f"digits {name}")
                    for name, idx in splits.items()},
@@ -68,6 +83,9 @@ class DigitsDataModule(ImageShardDataModule):
         augment: image transforms (8x8 grayscale by default).
         val_fraction: fraction of the 1,797 images held out for validation (fixed, seeded split).
         seed: seed of that split.
+        digits: keep only these digits, labelled by their position in the list (e.g. ``[5, 6, 7, 8,
+            9]``: a task the ``[0, 1, 2, 3, 4]`` quick start never saw, for the fine-tuning quick
+            start). None: all ten.
         normalize_on_device: yield uint8 batches normalised after the transfer (see
             :class:`ImageShardDataModule`); off here: 8 x 8 images leave nothing to save, and the
             loaders keep yielding the normalised images the quick start's tests and tools read.
@@ -82,25 +100,28 @@ class DigitsDataModule(ImageShardDataModule):
         val_fraction: float = 0.2,
         seed: int = 0,
         normalize_on_device: bool = False,
+        digits: list[int] | None = None,
     ):
         super().__init__(os.path.expanduser(cache_dir), batch_size, num_workers, augment, shuffle_buffer=2000,
                          normalize_on_device=normalize_on_device)
         self.val_fraction = val_fraction
         self.seed = seed
+        self.digits = check_digits(digits)
 
     @property
     def num_classes(self) -> int:
         """The ten digits, known before the shards are written (the model's class count is linked
         from it when the CLI builds the DataModule, before ``prepare_data``)."""
-        return len(DIGIT_CLASSES)
+        return len(self.digits)
 
     def prepare_data(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():
-            write_digits_shards(Path(self.root), self.val_fraction, self.seed)
+            write_digits_shards(Path(self.root), self.val_fraction, self.seed, digits=self.digits)
             return
         info = read_info(self.root)
-        if (info.get("val_fraction"), info.get("seed")) != (self.val_fraction, self.seed):
+        found = (info.get("val_fraction"), info.get("seed"), info.get("digits", list(range(10))))
+        if found != (self.val_fraction, self.seed, self.digits):
             raise ValueError(
-                f"{self.root} holds digits shards split with val_fraction={info.get('val_fraction')}, "
-                f"seed={info.get('seed')}, not {self.val_fraction}, {self.seed}: choose another cache_dir "
-                "or delete that folder")
+                f"{self.root} holds digits shards split with val_fraction={found[0]}, seed={found[1]}, "
+                f"not {self.val_fraction}, {self.seed}, or of digits {found[2]}, not {self.digits}: "
+                "choose another cache_dir or delete that folder")

@@ -73,7 +73,9 @@ class MultiMax(Reweighting):
     Args:
         order: 1 (Eq. 4, piecewise linear) or 2 (Eq. 6, adds the quadratic terms; the paper's default).
         init_std: std of the truncated-normal init of ``ranges`` and ``ts`` (0.02, as the official
-            code), so a new layer starts close to softmax.
+            code), so a new layer starts close to softmax. 0 is the identity start: ``ranges = ts = 0``,
+            so sigma(x) = x exactly and the layer is softmax until training moves it (fine-tuning
+            a pretrained softmax model then starts from that model).
         learnable: if False, the parameters are frozen (useful for analysis with fixed t_b, t_d).
         terms: ``both`` (terms (1) and (2) of Eq. 4/6) or ``low`` (term (1) only, the small-value
             temperature t_b: the paper's MultiMax-l and Table 5's ablation row 2). With ``low`` the
@@ -91,10 +93,13 @@ class MultiMax(Reweighting):
             raise ValueError(f"MultiMax terms must be 'both' or 'low', got {terms!r}")
         self.terms = terms
         n = 2 * order
-        self.ranges = nn.Parameter(torch.empty(n), requires_grad=learnable)
-        self.ts = nn.Parameter(torch.empty(n), requires_grad=learnable)
-        nn.init.trunc_normal_(self.ranges, std=init_std, a=-2 * init_std, b=2 * init_std)
-        nn.init.trunc_normal_(self.ts, std=init_std, a=-2 * init_std, b=2 * init_std)
+        if not init_std >= 0:  # also rejects NaN
+            raise ValueError(f"MultiMax init_std must be >= 0, got {init_std}")
+        self.ranges = nn.Parameter(torch.zeros(n), requires_grad=learnable)
+        self.ts = nn.Parameter(torch.zeros(n), requires_grad=learnable)
+        if init_std > 0:  # trunc_normal_ divides by std; 0 keeps the identity start
+            nn.init.trunc_normal_(self.ranges, std=init_std, a=-2 * init_std, b=2 * init_std)
+            nn.init.trunc_normal_(self.ts, std=init_std, a=-2 * init_std, b=2 * init_std)
         if terms == "low":
             with torch.no_grad():
                 self.ts.view(order, 2)[:, 1] = 0.0  # unused; 0 so that a saved state dict says so

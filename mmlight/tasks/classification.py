@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.tasks.checkpoint import check_checkpoint_matches
-from mmlight.tasks.optim import param_groups, warmup_cosine
+from mmlight.tasks.optim import param_groups, reweighting_parameter_ids, warmup_cosine
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.stages import EvalStages
 
@@ -40,6 +41,15 @@ class ImageClassifier(EvalStages, L.LightningModule):
         mixup_switch_prob: probability of cutmix instead of mixup when both are on.
         ema_decay: if set, keep an exponential moving average of the weights and also report its
             validation accuracy as ``val/ema_top1``.
+        head_lr_mult: learning rate of the classifier head, as a multiple of the peak.
+        reweighting_lr_mult: learning rate of the reweighting parameters (MultiMax's ``ranges``/``ts``
+            in every layer and on the logits), as a multiple of the peak; layer decay does not apply.
+        layer_decay: layer-wise learning-rate decay (BEiT, MAE fine-tuning): a parameter at depth
+            ``l`` of ``L`` (:meth:`~mmlight.models.ReweightedViT.layer_ids`) trains at
+            ``layer_decay ** (L - l)`` x the peak. None: no decay.
+        freeze_backbone_epochs: for this many first epochs only the head and the reweighting
+            parameters train: the other gradients are discarded before each step, so AdamW neither
+            moves them (no decay either) nor builds state for them.
     """
 
     task_metric = TaskMetric("top1", higher_is_better=True)
@@ -59,10 +69,23 @@ class ImageClassifier(EvalStages, L.LightningModule):
         cutmix_alpha: float = 0.0,
         mixup_switch_prob: float = 0.5,
         ema_decay: float | None = None,
+        head_lr_mult: float = 1.0,
+        reweighting_lr_mult: float = 1.0,
+        layer_decay: float | None = None,
+        freeze_backbone_epochs: int = 0,
     ):
         super().__init__()
+        if layer_decay is not None and not 0 < layer_decay <= 1:
+            raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+        if not (head_lr_mult >= 0 and reweighting_lr_mult >= 0):
+            raise ValueError(f"learning-rate multipliers must be >= 0, got head_lr_mult {head_lr_mult}, "
+                             f"reweighting_lr_mult {reweighting_lr_mult}")
+        if freeze_backbone_epochs < 0:
+            raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
         self.save_hyperparameters()
         self.model = ReweightedViT(model)
+        if self.model.pretrained_report is not None:
+            rank_zero_info(self.model.pretrained_report.summary())
         num_classes = model.num_classes
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
@@ -110,6 +133,36 @@ class ImageClassifier(EvalStages, L.LightningModule):
             loss = self.model.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Discarding gradients (rather than switching requires_grad) keeps DDP's gradient buckets
+        # unchanged; the reweighting parameters of every block need the backward pass anyway.
+        if self.current_epoch < self.hparams.freeze_backbone_epochs:
+            for param in self.backbone_parameters():
+                param.grad = None
+
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        """The pretrained part: every parameter except the head and the reweighting parameters."""
+        new = reweighting_parameter_ids(self.model)
+        new |= {id(self.model.get_parameter(name)) for name in self.model.head_parameter_names()}
+        return [p for p in self.model.parameters() if id(p) not in new]
+
+    def lr_scales(self) -> dict[str, float]:
+        """Learning-rate multiplier of every parameter of ``self.model``, by name."""
+        hp = self.hparams
+        reweighting = reweighting_parameter_ids(self.model)
+        head = self.model.head_parameter_names()
+        layers = self.model.layer_ids()
+        top = max(layers.values())
+        scales = {}
+        for name, param in self.model.named_parameters():
+            if id(param) in reweighting:
+                scales[name] = hp.reweighting_lr_mult
+            elif name in head:
+                scales[name] = hp.head_lr_mult
+            else:
+                scales[name] = 1.0 if hp.layer_decay is None else hp.layer_decay ** (top - layers[name])
+        return scales
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -164,7 +217,10 @@ class ImageClassifier(EvalStages, L.LightningModule):
         lr = hp.lr
         if hp.lr_reference_batch:
             lr = lr * self._global_batch_size() / hp.lr_reference_batch
-        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=lr, betas=hp.betas)
+        groups = param_groups(self.model, hp.weight_decay, self.lr_scales().__getitem__)
+        for group in groups:
+            group["lr"] = lr * group["lr_scale"]
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=hp.betas)
         total = int(self.trainer.estimated_stepping_batches)
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
         steps_per_epoch = math.ceil(total / epochs) if epochs else total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -10,24 +11,36 @@ from torch import nn
 from mmlight.reweighting import Reweighting
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def reweighting_parameter_ids(model: nn.Module) -> set[int]:
+    """``id`` of every parameter that belongs to a reweighting module of ``model``."""
+    return {id(p) for m in model.modules() if isinstance(m, Reweighting) for p in m.parameters()}
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 lr_scale: Callable[[str], float] | None = None) -> list[dict]:
     """Split ``model``'s trainable parameters into decayed and non-decayed groups.
 
     Not decayed: 1-D and 0-D parameters (biases, norms), names in ``model.no_weight_decay()``
     (position embeddings, class token), and every parameter of a reweighting module (MultiMax's
     ``ranges``/``ts``, a learnable temperature): decay would pull them toward plain softmax.
+
+    Args:
+        model: the network.
+        weight_decay: decay of the decayed group.
+        lr_scale: learning-rate multiplier of a parameter by its name in ``model``; one group per
+            (decay, multiplier) pair, each with its multiplier under ``lr_scale`` (the task sets the
+            group's ``lr`` to the peak times it). None: every multiplier is 1, so two groups.
     """
     skip_names = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    skip_ids = {id(p) for m in model.modules() if isinstance(m, Reweighting) for p in m.parameters()}
-    decay, no_decay = [], []
+    skip_ids = reweighting_parameter_ids(model)
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {(True, 1.0): [], (False, 1.0): []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim <= 1 or name in skip_names or id(p) in skip_ids:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decayed = not (p.ndim <= 1 or name in skip_names or id(p) in skip_ids)
+        groups.setdefault((decayed, 1.0 if lr_scale is None else lr_scale(name)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale}
+            for (decayed, scale), params in groups.items() if params or scale == 1.0]
 
 
 def warmup_cosine(

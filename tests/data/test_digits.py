@@ -77,3 +77,36 @@ def test_prepare_digits_command_writes_the_same_shard_set(tmp_path, shards, caps
     main(["prepare", "digits", "--out", str(tmp_path / "digits"), "--workers", "1"])
     assert "val 359 samples (0 skipped), train 1438 samples (0 skipped)" in capsys.readouterr().out
     assert read_info(tmp_path / "digits")["splits"] == read_info(shards)["splits"]  # byte-identical shards
+
+
+def test_a_subset_of_digits_is_relabelled_in_list_order(tmp_path):
+    """digits=[7, 2]: only sevens and twos, labelled 0 and 1, split as in the full set."""
+    from sklearn.datasets import load_digits
+
+    full = write_digits_shards(tmp_path / "all")
+    info = write_digits_shards(tmp_path / "sub", digits=[7, 2])
+    target = load_digits().target
+    assert info["classes"] == ["7", "2"] and info["digits"] == [7, 2]
+    for split in ("train", "val"):
+        assert info["splits"][split]["num_samples"] == sum(
+            1 for key in split_keys(tmp_path / "all", split) if target[int(key[5:])] in (7, 2))
+        for key, label in split_labels(tmp_path / "sub", split).items():
+            assert [7, 2][label] == target[int(key[5:])]
+    assert full["splits"]["train"]["num_samples"] + full["splits"]["val"]["num_samples"] == len(target)
+    dm = DigitsDataModule(cache_dir=str(tmp_path / "sub"), digits=[7, 2])
+    assert dm.num_classes == 2
+    dm.prepare_data()
+    with pytest.raises(ValueError, match=r"of digits \[7, 2\], not \[2, 7\]"):
+        DigitsDataModule(cache_dir=str(tmp_path / "sub"), digits=[2, 7]).prepare_data()
+    with pytest.raises(ValueError, match="digits must be distinct values in 0..9"):
+        DigitsDataModule(cache_dir=str(tmp_path / "bad"), digits=[3, 3])
+
+
+def split_labels(root, split):
+    from tests.data.shard_contents import split_samples
+
+    return {key: int(sample["cls"]) for key, sample in split_samples(root, split).items()}
+
+
+def split_keys(root, split):
+    return list(split_labels(root, split))

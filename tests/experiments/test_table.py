@@ -17,7 +17,8 @@ from mmlight.models import ReweightingSpec
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = sorted((ROOT / "configs" / "tables").glob("*.yaml"))
 EXPECTED_RUNS = {"table1": 12, "table2": 12, "table3": 3, "table4": 15, "table5": 4, "table6": 6,
-                 "cpu_reweighting": 54, "tiny": 4, "cpu_sinks": 75, "iwslt14_sinks": 15, "wikitext103_sinks": 6}
+                 "cpu_reweighting": 54, "tiny": 4, "cpu_sinks": 75, "iwslt14_sinks": 15, "wikitext103_sinks": 6,
+                 "finetune_cifar100": 12}
 
 
 def test_every_table_file_is_known():

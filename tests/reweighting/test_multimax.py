@@ -165,3 +165,30 @@ class TestTermsOption:
         for got, want in zip(outputs["triton"], outputs["reference"]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         assert torch.all(outputs["triton"][2].view(order, 2)[:, 1] == 0)
+
+
+class TestIdentityStart:
+    """``init_std=0``: ranges = ts = 0, so sigma is the identity and the layer is softmax exactly."""
+
+    @pytest.mark.parametrize("order, terms", [(1, "both"), (2, "both"), (2, "low")])
+    def test_sigma_is_identity_and_weights_are_softmax(self, order, terms):
+        module = MultiMax(order=order, terms=terms, init_std=0).double()
+        assert torch.equal(module.ranges, torch.zeros(2 * order, dtype=torch.float64))
+        assert torch.equal(module.ts, torch.zeros(2 * order, dtype=torch.float64))
+        scores = torch.randn(4, 9, dtype=torch.float64) * 5
+        assert torch.equal(module.modulate(scores), scores)
+        mask = torch.rand(4, 9) > 0.3
+        want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+        torch.testing.assert_close(module(scores, mask), want, atol=1e-15, rtol=0)
+
+    def test_still_learns(self):
+        """Zero parameters still get a gradient (the relu kinks sit at 0, not a dead zone)."""
+        module = MultiMax(order=2, init_std=0)
+        scores = torch.randn(6, 7) * 3
+        (module(scores, None) * torch.randn(6, 7)).sum().backward()
+        assert module.ts.grad.abs().sum() > 0
+
+    @pytest.mark.parametrize("std", [-0.1, float("nan")])
+    def test_negative_std_is_an_error(self, std):
+        with pytest.raises(ValueError, match="init_std"):
+            MultiMax(init_std=std)

@@ -493,7 +493,9 @@ def test_task_defaults_are_the_papers_recipes():
     assert saved(ImageClassifier(vit)) == {
         "lr": 5e-4, "lr_reference_batch": 512, "weight_decay": 0.05, "betas": (0.9, 0.999),
         "warmup_epochs": 5.0, "min_lr": 1e-5, "label_smoothing": 0.1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-        "mixup_switch_prob": 0.5, "ema_decay": None}
+        "mixup_switch_prob": 0.5, "ema_decay": None,
+        # fine-tuning options, off by default: one learning rate, nothing frozen
+        "head_lr_mult": 1.0, "reweighting_lr_mult": 1.0, "layer_decay": None, "freeze_backbone_epochs": 0}
     lm_config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1)
     assert saved(LanguageModel(lm_config)) == {
         "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.01, "schedule": "inverse_sqrt",

@@ -22,6 +22,11 @@ DATASETS = {
     "wikitext103": "mmlight.data.prepare.wikitext",
     "iwslt14": "mmlight.data.prepare.iwslt",
     "digits": "mmlight.data.prepare.digits",
+    "imagefolder": "mmlight.data.prepare.imagefolder",
+    "cifar10": "mmlight.data.prepare.cifar10",
+    "cifar100": "mmlight.data.prepare.cifar100",
+    "flowers102": "mmlight.data.prepare.flowers102",
+    "food101": "mmlight.data.prepare.food101",
 }
 
 

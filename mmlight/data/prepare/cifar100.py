@@ -1,0 +1,14 @@
+"""CIFAR-100 from the official python pickles (see :mod:`mmlight.data.prepare.cifar`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmlight.data.prepare.cifar import CIFAR100, prepare_release
+
+NEEDS_SRC = True
+
+
+def prepare(src: Path, out: Path, workers: int) -> dict:
+    """Write the CIFAR-100 ``train``/``test`` shards and ``_info.json``."""
+    return prepare_release(src, out, workers, CIFAR100)

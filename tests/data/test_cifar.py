@@ -1,0 +1,99 @@
+"""CIFAR-10/100 preparation from pickles written here in the official python format (Python 2
+style byte-string keys, row-major R, G, B planes), as a folder and as the .tar.gz archive."""
+
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight.data import ImageAugment, ImageShardDataModule
+from mmlight.data.prepare import main, prepare
+from tests.data.shard_contents import pixels, split_samples
+
+PER_BATCH = 4
+
+
+def batch(seed: int, n: int, labels_key: bytes, num_classes: int) -> dict:
+    rng = np.random.default_rng(seed)
+    labels = [int(x) for x in rng.integers(0, num_classes, n)]
+    data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+    return {b"batch_label": b"batch", labels_key: labels, b"data": data,
+            b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)]}
+
+
+def write_cifar10(folder):
+    folder.mkdir(parents=True)
+    batches = {f"data_batch_{i}": batch(i, PER_BATCH, b"labels", 10) for i in range(1, 6)}
+    batches["test_batch"] = batch(9, 3, b"labels", 10)
+    batches["batches.meta"] = {b"label_names": [f"class{i}".encode() for i in range(10)], b"num_vis": 3072}
+    for name, content in batches.items():
+        (folder / name).write_bytes(pickle.dumps(content, protocol=2))
+    return batches
+
+
+def write_cifar100(folder):
+    folder.mkdir(parents=True)
+    batches = {"train": batch(1, 7, b"fine_labels", 100), "test": batch(2, 5, b"fine_labels", 100)}
+    for content in batches.values():
+        content[b"coarse_labels"] = [label // 5 for label in content[b"fine_labels"]]
+    batches["meta"] = {b"fine_label_names": [f"fine{i}".encode() for i in range(100)],
+                       b"coarse_label_names": [f"coarse{i}".encode() for i in range(20)]}
+    for name, content in batches.items():
+        (folder / name).write_bytes(pickle.dumps(content, protocol=2))
+    return batches
+
+
+def raw_images(batches, names, labels_key):
+    """(pixels (32, 32, 3), label) of every image of the named pickles, in file order."""
+    return [(row.reshape(3, 32, 32).transpose(1, 2, 0), label)
+            for name in names for row, label in zip(batches[name][b"data"], batches[name][labels_key])]
+
+
+def check_split(out, split, want):
+    samples = split_samples(out, split)
+    assert len(samples) == len(want)
+    got = sorted((pixels(s["png"]).tobytes(), int(s["cls"])) for s in samples.values())
+    assert got == sorted((p.tobytes(), label) for p, label in want)
+
+
+def test_cifar10_from_the_extracted_folder(tmp_path):
+    batches = write_cifar10(tmp_path / "raw" / "cifar-10-batches-py")
+    info = prepare("cifar10", tmp_path / "raw", tmp_path / "out")
+    assert info["classes"] == [f"class{i}" for i in range(10)]
+    assert {s: info["splits"][s]["num_samples"] for s in info["splits"]} == {"train": 5 * PER_BATCH, "test": 3}
+    check_split(tmp_path / "out", "train", raw_images(batches, [f"data_batch_{i}" for i in range(1, 6)], b"labels"))
+    check_split(tmp_path / "out", "test", raw_images(batches, ["test_batch"], b"labels"))
+
+
+def test_cifar100_from_the_archive_with_fine_labels(tmp_path, capsys):
+    batches = write_cifar100(tmp_path / "extract" / "cifar-100-python")
+    (tmp_path / "download").mkdir()
+    with tarfile.open(tmp_path / "download" / "cifar-100-python.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "extract" / "cifar-100-python", arcname="cifar-100-python")
+    main(["cifar100", "--src", str(tmp_path / "download"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert "train 7 samples (0 skipped), test 5 samples (0 skipped)" in capsys.readouterr().out
+    check_split(tmp_path / "out", "train", raw_images(batches, ["train"], b"fine_labels"))
+    check_split(tmp_path / "out", "test", raw_images(batches, ["test"], b"fine_labels"))
+
+
+def test_cifar_shards_stream_with_the_test_split_as_validation(tmp_path):
+    batches = write_cifar10(tmp_path / "raw")
+    prepare("cifar10", tmp_path / "raw", tmp_path / "out")
+    augment = ImageAugment(image_size=32, channels=3, scale=(1.0, 1.0), hflip=0.0, color_jitter=None,
+                           crop_pct=1.0, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=3, augment=augment, val_split="test",
+                              test_split="test", normalize_on_device=False)
+    assert dm.num_classes == 10
+    images, labels = next(iter(dm.val_dataloader()))
+    want = sorted((p.tobytes(), label) for p, label in raw_images(batches, ["test_batch"], b"labels"))
+    got = sorted(((img * 255).round().to(torch.uint8).permute(1, 2, 0).numpy().tobytes(), int(label))
+                 for img, label in zip(images, labels))
+    assert got == want
+
+
+def test_missing_pickles_are_named(tmp_path):
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(FileNotFoundError, match="expected the cifar10 pickles .*cifar-10-python.tar.gz"):
+        prepare("cifar10", tmp_path / "raw", tmp_path / "out")

@@ -1,0 +1,177 @@
+"""Starting a ReweightedViT from pretrained weights, checked against timm's own model and loader.
+
+No weights can be downloaded here, so a randomly initialised (and perturbed, so that no norm sits at
+its default) ``timm.create_model("deit_tiny_patch16_224")`` saved to a file stands in for them.
+"""
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+
+from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.models.pretrained import PretrainedMismatch
+
+TIMM_NAME = "deit_tiny_patch16_224"
+IDENTITY = ReweightingSpec("multimax", {"order": 2, "init_std": 0})
+
+
+@pytest.fixture(scope="module")
+def timm_state():
+    torch.manual_seed(0)
+    model = timm.create_model(TIMM_NAME)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def weights_file(timm_state, tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "deit_tiny.safetensors"
+    safetensors.torch.save_file(timm_state, str(path))
+    return path
+
+
+def deit_tiny(pretrained, **kwargs) -> ViTConfig:
+    options = dict(variant="deit_tiny", num_classes=1000, global_pool="token", drop_path_rate=0.0,
+                   attention=IDENTITY, backend="reference", pretrained=str(pretrained))
+    return ViTConfig(**{**options, **kwargs})
+
+
+def images(size=224, n=2):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def timm_reference(state, **kwargs):
+    model = timm.create_model(TIMM_NAME, **kwargs)
+    model.load_state_dict(state)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("output_multimax", [False, True])
+def test_identity_multimax_is_the_pretrained_model(timm_state, weights_file, output_multimax):
+    """MultiMax with init_std 0 in every layer (and on the logits): timm's logits, to float64 rounding."""
+    model = ReweightedViT(deit_tiny(weights_file, output_multimax=output_multimax, output_multimax_init_std=0))
+    assert model.pretrained_report.dropped == {}
+    assert all(".reweight." in key for key in model.pretrained_report.new) and len(model.pretrained_report.new) == 24
+    x = images()
+    with torch.no_grad():
+        got = model.double().eval()(x)
+        want = timm_reference(timm_state)(x)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_official_deit_file_with_weights_under_model(timm_state, tmp_path):
+    """The official DeiT releases are ``{"model": state_dict}`` in a .pth."""
+    path = tmp_path / "deit_tiny_patch16_224-a1311bcf.pth"
+    torch.save({"model": timm_state}, path)
+    model = ReweightedViT(deit_tiny(path)).double().eval()
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
+
+
+def test_new_head_and_resized_position_embedding_match_timm_loader(timm_state, weights_file):
+    """Another class count and image size: the features equal those of timm's own pretrained loading
+    (``create_model(..., pretrained=True, num_classes=10, img_size=112)``), and the old head is dropped."""
+    model = ReweightedViT(deit_tiny(weights_file, num_classes=10, img_size=112)).double().eval()
+    assert set(model.pretrained_report.dropped) == {"head.weight", "head.bias"}
+    assert model.vit.head.weight.shape == (10, 192) and model.vit.pos_embed.shape == (1, 1 + 7 * 7, 192)
+    reference = timm.create_model(TIMM_NAME, pretrained=True, num_classes=10, img_size=112,
+                                  pretrained_cfg_overlay={"file": str(weights_file)}).double().eval()
+    torch.testing.assert_close(model.vit.pos_embed, reference.pos_embed, atol=0, rtol=0)
+    x = images(112)
+    with torch.no_grad():
+        got = model.vit.forward_head(model.vit.forward_features(x), pre_logits=True)
+        want = reference.forward_head(reference.forward_features(x), pre_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_average_pooling_keeps_the_pretrained_norm(timm_state, weights_file):
+    """A GAP head on DeiT weights: the CLS token is kept (the weights have one) and the final norm
+    stays where the weights trained it, before the pooling (timm's ``fc_norm=False``)."""
+    model = ReweightedViT(deit_tiny(weights_file, global_pool="avg")).double().eval()
+    reference = timm.create_model(TIMM_NAME, global_pool="avg", fc_norm=False)
+    reference.load_state_dict(timm_state)
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference.double().eval()(x), atol=1e-10, rtol=1e-10)
+
+
+def test_sparsemax_loads_but_changes_the_model(timm_state, weights_file):
+    """Functions that cannot be softmax at step 0 still load; their first forward differs."""
+    model = ReweightedViT(deit_tiny(weights_file, attention=ReweightingSpec("sparsemax"))).double().eval()
+    x = images()
+    with torch.no_grad():
+        got = model(x)
+        want = timm_reference(timm_state)(x)
+    assert torch.equal(model.vit.blocks[5].attn.qkv.weight.detach(), timm_state["blocks.5.attn.qkv.weight"].double())
+    assert not torch.allclose(got, want, atol=1e-3)
+
+
+def test_another_width_is_named(weights_file):
+    with pytest.raises(PretrainedMismatch, match=r"another architecture: width 192, 12 blocks.*fitting: deit_tiny"):
+        ReweightedViT(deit_tiny(weights_file, variant="deit_small"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(dist_token=torch.zeros(1, 1, 192), **{"head_dist.weight": torch.zeros(1000, 192)}),
+     r"unexpected: dist_token, head_dist.weight"),
+    (lambda s: s.pop("blocks.3.mlp.fc1.weight"), r"missing: blocks.3.mlp.fc1.weight"),
+    (lambda s: s.update({"blocks.0.mlp.fc1.weight": torch.zeros(384, 192)}),
+     r"different shape \(weights vs model\): blocks.0.mlp.fc1.weight \(384, 192\) vs \(768, 192\)"),
+])
+def test_mismatched_keys_are_named(timm_state, tmp_path, edit, message):
+    state = dict(timm_state)
+    edit(state)
+    path = tmp_path / "edited.pth"
+    torch.save(state, path)
+    with pytest.raises(PretrainedMismatch, match=message):
+        ReweightedViT(deit_tiny(path))
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
+        ReweightedViT(deit_tiny(tmp_path / "nowhere.safetensors"))
+
+
+def test_timm_name_offline_without_cache_is_a_clear_error(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match=rf"timm could not get the weights of '{TIMM_NAME}'.*not in the Hugging"):
+        ReweightedViT(deit_tiny(f"timm:{TIMM_NAME}"))
+
+
+def test_unknown_timm_name():
+    with pytest.raises(ValueError, match="timm has no model 'deit_nano'"):
+        ReweightedViT(deit_tiny("timm:deit_nano"))
+
+
+def test_timm_name_from_the_cache_offline(monkeypatch, tmp_path, timm_state):
+    """Weights in the Hugging Face cache load with no network, as ``timm.create_model(name, pretrained=True)``."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--timm--deit_tiny_patch16_224.fb_in1k"
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    safetensors.torch.save_file(timm_state, str(repo / "snapshots" / revision / "model.safetensors"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    model = ReweightedViT(deit_tiny(f"timm:{TIMM_NAME}")).double().eval()
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
+
+
+def test_the_summary_names_what_was_dropped_and_what_is_new(weights_file):
+    report = ReweightedViT(deit_tiny(weights_file, num_classes=10, img_size=112)).pretrained_report
+    assert report.summary() == (
+        f"pretrained weights {weights_file}: dropped head.bias: shape (1000,) does not fit the new head (10,); "
+        "head.weight: shape (1000, 192) does not fit the new head (10, 192); new (initialised here): "
+        "blocks.0.attn.reweight.ranges, blocks.0.attn.reweight.ts, blocks.1.attn.reweight.ranges, "
+        "blocks.1.attn.reweight.ts, blocks.10.attn.reweight.ranges, blocks.10.attn.reweight.ts ... (26 in all)")
