@@ -114,7 +114,8 @@ def test_evaluation_keeps_the_whole_samples_before_the_damage_and_counts_the_sha
     with caplog.at_level(logging.WARNING):
         samples = list(TarSamples(counter)([str(bad), {"url": str(good)}]))
     kept = [] if kind == "empty file" else ["s0", "s1"]  # s2 lost its jpg (or may have): dropped whole
-    assert [(s["__url__"], s["__key__"]) for s in samples] == [(str(bad), k) for k in kept] + [(str(good), k) for k in KEYS]
+    expected = [(str(bad), k) for k in kept] + [(str(good), k) for k in KEYS]
+    assert [(s["__url__"], s["__key__"]) for s in samples] == expected
     assert [s["cls"] for s in samples] == [str(i).encode() for i in range(len(kept))] + [b"4", b"5", b"6", b"7"]
     assert counter.value == 1
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
