@@ -1,6 +1,7 @@
 """mmlight.data.image_decode against timm's own transform: same random draws, same pixels at full
 size, close pixels at reduced size, one decode per repeated-augmentation group."""
 
+import dataclasses
 import io
 import random
 
@@ -10,7 +11,15 @@ import torch
 from PIL import Image
 
 from mmlight.data import ImageAugment, image_decode
-from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, crop_box, draft_scale
+from mmlight.data.image_decode import (
+    AugmentGroup,
+    NormalizedBatches,
+    SplitTransform,
+    Uint8Batches,
+    crop_box,
+    draft_scale,
+)
+from tests.data.image_fixtures import AWKWARD, check_formats, rgb_to_grey
 
 DEIT_16 = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3, re_prob=0.5)
 
@@ -139,11 +148,6 @@ def test_pillow_build_names_the_distribution_that_provides_pil(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the awkward real formats
-
-import dataclasses  # noqa: E402
-
-from mmlight.data.image_decode import Uint8Batches  # noqa: E402
-from tests.data.image_fixtures import AWKWARD, check_formats, rgb_to_grey  # noqa: E402
 
 PLAIN_TRAIN = ImageAugment(image_size=8, scale=(0.5, 1.0), hflip=0.0, color_jitter=None)  # no colour change
 

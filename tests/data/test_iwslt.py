@@ -11,7 +11,7 @@ import webdataset as wds
 from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
-from mmlight.data.prepare.iwslt import RAW_TEST_SETS, prepare_iwslt
+from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info
 from mmlight.data.vocab import load_dictionary
 from mmlight.data.translation import TranslationDataModule
@@ -282,8 +282,6 @@ def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
 
 
 # ---------------------------------------------------------------------------- each cleaning rule
-
-from mmlight.data.prepare.iwslt import _read_raw, clean_pair  # noqa: E402
 
 
 def _words(n: int, word: str = "w") -> str:

@@ -100,7 +100,8 @@ def test_a_header_written_with_a_signed_checksum_is_read(tmp_path):
     assert signed != 256 + sum(header[:148]) + sum(header[156:])  # the name has bytes over 127
     data[148:156] = b"%06o\0 " % signed
     path.write_bytes(bytes(data))
-    assert [m.name for m in tarfile.open(path).getmembers()] == ["ä0.cls"]  # the reference accepts it
+    with tarfile.open(path) as tar:
+        assert tar.getnames() == ["ä0.cls"]  # the reference accepts it
     assert list(iter_tar(path)) == [("ä0.cls", b"5")]
 
 
