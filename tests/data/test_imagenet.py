@@ -233,3 +233,19 @@ def test_the_awkward_real_formats_are_kept_as_they_are_and_stream_in_their_colou
     for row, label in zip(images, labels.tolist()):
         _, rgb, tolerance = AWKWARD[names[label]]
         assert (row.float() - torch.tensor(rgb)).abs().max().item() <= tolerance + 1, names[label]
+
+
+def test_a_jpeg_cut_inside_its_image_data_is_skipped_though_its_header_reads(tmp_path):
+    """Cut 200 bytes before the end: the header still parses (so a header check or ``verify`` would
+    keep it), only a full decode finds the missing data."""
+    data = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(data).save(buf, format="JPEG")
+    whole, cut = tmp_path / "whole.JPEG", tmp_path / "cut.JPEG"
+    whole.write_bytes(buf.getvalue())
+    cut.write_bytes(buf.getvalue()[:-200])
+    with Image.open(cut) as header:
+        assert header.size == (64, 64)  # the header alone is intact
+    assert imagenet.make_sample((str(whole), 4)) == {"__key__": "whole", "jpg": buf.getvalue(), "cls": "4"}
+    skipped = imagenet.make_sample((str(cut), 4))
+    assert skipped.path == str(cut) and skipped.reason.startswith("OSError: image file is truncated")

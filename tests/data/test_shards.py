@@ -49,3 +49,30 @@ def test_truncated_shard_is_counted_and_the_stream_goes_on(tmp_path, caplog):
     assert "bad.tar" in caplog.text
     with pytest.raises(EOFError, match="truncated"):
         list(iter_tar(tmp_path / "bad.tar"))
+
+
+def odd_items_are_bad(item: int):
+    """A make_sample for write_shards (module level, so worker processes can pickle it)."""
+    from mmlight.data.shard_writer import Skipped
+
+    if item % 2:
+        return Skipped(f"raw/{item}.jpg", "not an image")
+    return {"__key__": f"{item:03d}", "cls": str(item)}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_writer_records_every_skip_even_one_that_opens_a_shard(tmp_path, workers):
+    """Items 1..5, two per shard, the odd ones bad: every shard opens with a skip and the last holds
+    nothing else. Counts, the skips in order, and each shard's members, read back with tarfile."""
+    from mmlight.data.shard_writer import plan_shards, write_shards
+
+    entry = write_shards(plan_shards("train", [1, 2, 3, 4, 5], 2), tmp_path, odd_items_are_bad, workers=workers)
+    assert (entry["num_samples"], entry["num_skipped"]) == (2, 3)
+    assert entry["skipped"] == [{"path": f"raw/{i}.jpg", "reason": "not an image"} for i in (1, 3, 5)]
+    assert [(s["name"], s["num_samples"]) for s in entry["shards"]] == [
+        ("train-000000.tar", 1), ("train-000001.tar", 1), ("train-000002.tar", 0)]
+    contents = []
+    for shard in entry["shards"]:
+        with tarfile.open(tmp_path / shard["name"]) as tar:
+            contents.append([(m.name, tar.extractfile(m).read()) for m in tar.getmembers()])
+    assert contents == [[("002.cls", b"2")], [("004.cls", b"4")], []]
