@@ -126,10 +126,14 @@ def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_int
     assert exit_info.value.code == 3
     [(cmd, env)] = runs
     assert cmd == [sys.executable, "-m", "mmlight.doctor"] and env["TRITON_INTERPRET"] == "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # set, but off: still a fresh process with it on
+    with pytest.raises(SystemExit):
+        doctor.main([])
+    assert len(runs) == 2 and runs[1][1]["TRITON_INTERPRET"] == "1"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(doctor, "CHECKS", [])
     doctor.main([])  # runs in this process: nothing new started
-    assert len(runs) == 1
+    assert len(runs) == 2
 
 
 def stand_in(off_by: float = 0.0, fails: bool = False):
