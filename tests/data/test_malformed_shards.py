@@ -72,12 +72,15 @@ MESSAGES = {"truncated": "truncated member", "garbage header": "not a tar header
 def test_the_reader_gives_the_members_before_the_damage_then_a_named_error(tmp_path, kind):
     path = tmp_path / "s.tar"
     write_shard(path)
+    write_shard(tmp_path / "whole.tar")
     damage(path, kind)
     read = []
     with pytest.raises(ERRORS[kind], match=MESSAGES[kind]) as err:
         for name, _ in iter_tar(path):
             read.append(name)
     assert str(path) in str(err.value)
+    if ERRORS[kind] is ValueError:  # where the bad header starts
+        assert f"at byte {header_at(tmp_path / 'whole.tar', 's2.jpg')} " in str(err.value)
     assert read == ([] if kind == "empty file" else MEMBERS_BEFORE)
     indexed = []
     with pytest.raises(ERRORS[kind], match=MESSAGES[kind]):
@@ -87,11 +90,12 @@ def test_the_reader_gives_the_members_before_the_damage_then_a_named_error(tmp_p
 
 
 def test_a_header_written_with_a_signed_checksum_is_read(tmp_path):
-    """Old tars summed the header's bytes as signed chars; a header with a byte over 127 (a UTF-8
-    name) then holds another checksum, which tarfile accepts too, and so must the reader."""
+    """Old tars summed the header's bytes as signed chars; a header with bytes over 127 (a UTF-8
+    name; 0x80 is the first byte read as negative, 0x7f the last positive one) then holds another
+    checksum, which tarfile accepts too, and so must the reader."""
     path = tmp_path / "s.tar"
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        info = tarfile.TarInfo("ä0.cls")
+        info = tarfile.TarInfo("\x7fĀä0.cls")  # bytes 0x7f (counted positive) and 0x80 (negative)
         info.size = 1
         tar.addfile(info, io.BytesIO(b"5"))
     data = bytearray(path.read_bytes())
@@ -101,8 +105,8 @@ def test_a_header_written_with_a_signed_checksum_is_read(tmp_path):
     data[148:156] = b"%06o\0 " % signed
     path.write_bytes(bytes(data))
     with tarfile.open(path) as tar:
-        assert tar.getnames() == ["ä0.cls"]  # the reference accepts it
-    assert list(iter_tar(path)) == [("ä0.cls", b"5")]
+        assert tar.getnames() == ["\x7fĀä0.cls"]  # the reference accepts it
+    assert list(iter_tar(path)) == [("\x7fĀä0.cls", b"5")]
 
 
 @pytest.mark.parametrize("kind", list(ERRORS))
@@ -164,6 +168,30 @@ def test_a_training_stream_of_only_broken_shards_stops_naming_them(tmp_path):
     with pytest.raises(RuntimeError, match="no readable sample in any of the 2 training shards.*a.tar.*b.tar"):
         next(resampled_samples([str(empty), str(cut)], Draws([0, 1, 0]), counter))
     assert counter.value == 2
+
+
+def test_a_ustar_header_with_a_path_prefix_and_a_six_digit_checksum_is_read_first(tmp_path):
+    """A first member whose 232-byte UTF-8 path is split into ustar's prefix and name fields: its bytes
+    sum past 0o77777, so the checksum field's first digit is not 0 (all of it is read), and the
+    prefix is joined to the name although no long-name record came before."""
+    path, name = tmp_path / "s.tar", "ÿ" * 77 + "/" + "ÿ" * 38 + ".cls"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size, info.uname, info.gname = 1, "ÿ" * 16, "ÿ" * 16
+        tar.addfile(info, io.BytesIO(b"7"))
+    header = path.read_bytes()[:512]
+    assert header[345:500].rstrip(b"\0") and header[148:149] != b"0"  # a prefix, a six-digit sum
+    assert list(iter_tar(path)) == [(name, b"7")]
+
+
+def test_a_checksum_field_that_is_not_octal_is_named_as_such(tmp_path):
+    path = tmp_path / "s.tar"
+    write_shard(path)
+    data = bytearray(path.read_bytes())
+    data[148:156] = b"0008888\0"[:8]
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"not a tar header at byte 0 \(checksum field b'0008888\\x00'"):
+        list(iter_tar(path))
 
 
 def image_shard_set(root, kind: str):
