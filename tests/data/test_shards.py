@@ -76,3 +76,28 @@ def test_the_writer_records_every_skip_even_one_that_opens_a_shard(tmp_path, wor
         with tarfile.open(tmp_path / shard["name"]) as tar:
             contents.append([(m.name, tar.extractfile(m).read()) for m in tar.getmembers()])
     assert contents == [[("002.cls", b"2")], [("004.cls", b"4")], []]
+
+
+def test_the_header_index_gives_each_members_name_offset_and_size(tmp_path):
+    """tar_index reads headers only (GNU long names and pax records included): the same names as
+    iter_tar, and each (offset, size) holds exactly the member's bytes."""
+    from mmlight.data.shards import tar_index
+
+    write_shard(tmp_path / "s.tar", SAMPLES)
+    data = (tmp_path / "s.tar").read_bytes()
+    index = list(tar_index(tmp_path / "s.tar"))
+    assert [(name, data[offset:offset + size]) for name, offset, size in index] == list(iter_tar(tmp_path / "s.tar"))
+    assert any(len(name) > 100 for name, _, _ in index)  # the long name came from its GNU record
+
+
+def test_a_tar_without_end_blocks_ending_with_a_whole_member_is_read(tmp_path):
+    """Data that ends exactly at the end of the file (512 bytes, no padding, no end-of-archive blocks):
+    not truncated, so both readers give every member."""
+    from mmlight.data.shards import tar_index
+
+    write_shard(tmp_path / "s.tar", [{"__key__": "a", "bin": b"x" * 512}])
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        end = tar.getmember("a.bin").offset_data + 512
+    (tmp_path / "cut.tar").write_bytes((tmp_path / "s.tar").read_bytes()[:end])
+    assert list(iter_tar(tmp_path / "cut.tar")) == [("a.bin", b"x" * 512)]
+    assert [(name, size) for name, _, size in tar_index(tmp_path / "cut.tar")] == [("a.bin", 512)]
