@@ -1,5 +1,6 @@
 """The shard reader: the fast tar reader against Python's tarfile and webdataset's own reader."""
 
+import io
 import tarfile
 
 import pytest
@@ -78,16 +79,27 @@ def test_the_writer_records_every_skip_even_one_that_opens_a_shard(tmp_path, wor
     assert contents == [[("002.cls", b"2")], [("004.cls", b"4")], []]
 
 
-def test_the_header_index_gives_each_members_name_offset_and_size(tmp_path):
-    """tar_index reads headers only (GNU long names and pax records included): the same names as
-    iter_tar, and each (offset, size) holds exactly the member's bytes."""
+@pytest.mark.parametrize("fmt", ["webdataset (pax)", "GNU"])
+def test_the_header_index_gives_each_members_name_offset_and_size(tmp_path, fmt):
+    """tar_index reads headers only (GNU long-name and pax records included): the names tarfile reads,
+    and each (offset, size) holds exactly the member's bytes."""
     from mmlight.data.shards import tar_index
 
-    write_shard(tmp_path / "s.tar", SAMPLES)
-    data = (tmp_path / "s.tar").read_bytes()
-    index = list(tar_index(tmp_path / "s.tar"))
-    assert [(name, data[offset:offset + size]) for name, offset, size in index] == list(iter_tar(tmp_path / "s.tar"))
-    assert any(len(name) > 100 for name, _, _ in index)  # the long name came from its GNU record
+    path = tmp_path / "s.tar"
+    if fmt == "GNU":
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+            for name, data in (("a0.cls", b"3"), ("c" * 150 + ".txt", b"long name"), ("d1.jpg", b"y" * 600)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    else:
+        write_shard(path, SAMPLES)
+    with tarfile.open(path) as tar:
+        want = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
+    data = path.read_bytes()
+    index = list(tar_index(path))
+    assert [(name, data[offset:offset + size]) for name, offset, size in index] == want
+    assert any(len(name) > 100 for name, _, _ in index)  # the long name came from its record
 
 
 def test_a_tar_without_end_blocks_ending_with_a_whole_member_is_read(tmp_path):
