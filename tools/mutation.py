@@ -340,7 +340,8 @@ def run_changed(base: str, max_children: int) -> int:
         print(f"== no function under mmlight/ (kernels/ aside) changed since {base}")
     failed = 0
     for name, only in patterns.items():
-        print(f"== {name}: {len(only)} changed function(s): {', '.join(p.split('.')[-1][:-11] for p in only)}")
+        functions = [pattern.split(".")[-1].removesuffix("__mutmut_*") for pattern in only]
+        print(f"== {name}: {len(only)} changed function(s): {', '.join(functions)}")
         workdir = write_workdir(name, MODULES[name], fresh=False)
         # forget the test map (as --survivors does): tests edited with the change must be mapped again
         (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
