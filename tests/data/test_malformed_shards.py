@@ -172,18 +172,37 @@ def test_a_training_stream_of_only_broken_shards_stops_naming_them(tmp_path):
     assert counter.value == 2
 
 
-def test_a_ustar_header_with_a_path_prefix_and_a_six_digit_checksum_is_read_first(tmp_path):
-    """A first member whose 232-byte UTF-8 path is split into ustar's prefix and name fields: its bytes
-    sum past 0o77777, so the checksum field's first digit is not 0 (all of it is read), and the
-    prefix is joined to the name although no long-name record came before."""
-    path, name = tmp_path / "s.tar", "ÿ" * 77 + "/" + "ÿ" * 38 + ".cls"
+def test_ustar_headers_with_path_prefixes_and_six_digit_checksums_are_read(tmp_path):
+    """Members whose 232-byte UTF-8 paths are split into ustar's prefix and name fields (the prefix,
+    a folder, ending in X; the name too): their bytes sum past 0o77777, so the checksum field's first
+    digit is not 0 (all of it is read), and each prefix is joined to its name, in the first member and
+    the ones after it, although no long-name record came before. A directory entry and an old-style
+    regular file (type flag NUL) in between: the directory is no sample, the file is one."""
+    path = tmp_path / "s.tar"
+    names = ["ÿ" * 76 + "X/" + "ÿ" * 38 + ".clsX", "ÿ" * 76 + "X/" + "ÿ" * 38 + ".txtX"]
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        info = tarfile.TarInfo(name)
-        info.size, info.uname, info.gname = 1, "ÿ" * 16, "ÿ" * 16
-        tar.addfile(info, io.BytesIO(b"7"))
+        for name, data, kind in ((names[0], b"7", tarfile.REGTYPE), ("folder", b"", tarfile.DIRTYPE),
+                                 ("old.cls", b"8", tarfile.AREGTYPE), (names[1], b"9", tarfile.REGTYPE)):
+            info = tarfile.TarInfo(name)
+            info.size, info.type, info.uname, info.gname = len(data), kind, "ÿ" * 16, "ÿ" * 16
+            tar.addfile(info, io.BytesIO(data))
     header = path.read_bytes()[:512]
     assert header[345:500].rstrip(b"\0") and header[148:149] != b"0"  # a prefix, a six-digit sum
-    assert list(iter_tar(path)) == [(name, b"7")]
+    assert list(iter_tar(path)) == [(names[0], b"7"), ("old.cls", b"8"), (names[1], b"9")]
+
+
+def test_an_empty_size_field_is_a_member_of_no_bytes(tmp_path):
+    """tarfile reads a size field of NULs as 0 (``nti`` of an empty field); so must the reader."""
+    path = tmp_path / "s.tar"
+    write_shard(path, empty_key="s0")
+    data = bytearray(path.read_bytes())
+    at = header_at(path, "s0.jpg")
+    data[at + 124:at + 136] = b"\0" * 12
+    data[at + 148:at + 156] = b"%06o\0 " % (256 + sum(data[at:at + 148]) + sum(data[at + 156:at + 512]))
+    path.write_bytes(bytes(data))
+    with tarfile.open(path) as tar:
+        assert tar.getmember("s0.jpg").size == 0  # the reference
+    assert [(name, value) for name, value in iter_tar(path)][:2] == [("s0.cls", b"0"), ("s0.jpg", b"")]
 
 
 def test_a_checksum_field_that_is_not_octal_is_named_as_such(tmp_path):
