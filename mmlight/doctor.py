@@ -146,10 +146,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
+def placement(on_gpu: bool) -> tuple[str, torch.dtype]:
+    """Where and in which precision the checks run: bf16 on the GPU, fp32 under the interpreter."""
+    return ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+
+
 def run_check(check: Check, on_gpu: bool) -> dict:
     """Errors of the kernel against the reference, and milliseconds per backend (GPU only)."""
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device, dtype = placement(on_gpu)
     shape = check.gpu_shape if on_gpu else check.cpu_shape
     gen = torch.Generator(device).manual_seed(0)
     inputs = check.make(shape, dtype, device, gen)

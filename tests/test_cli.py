@@ -181,9 +181,20 @@ PAPER_TEXT_CONFIGS = sorted((ROOT / "configs").glob("lm_*.yaml")) + sorted((ROOT
 
 
 @pytest.mark.parametrize("config", PAPER_TEXT_CONFIGS, ids=lambda p: p.stem)
-def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
+def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path, monkeypatch):
     """Each Table 3/4 config runs a training and a validation step at its full model size, on the CPU,
-    on the tiny fixture shards (vocabulary, device, data location and batch shape overridden)."""
+    on the tiny fixture shards (vocabulary, device, data location and batch shape overridden). The
+    translation configs' validation BLEU is sacreBLEU's on the sentences the model translated, whose
+    references are the fixture's validation pairs (every 23rd kept training pair)."""
+    import sacrebleu
+
+    from mmlight.tasks import Translator
+    from tests.data.test_iwslt import _tok, _write_raw
+
+    generated = []
+    finish = Translator._finish_generation
+    monkeypatch.setattr(Translator, "_finish_generation",
+                        lambda self, stage: generated.append(finish(self, stage)) or generated[-1])
     dataset = "wikitext103" if config.name.startswith("lm_") else "iwslt14"
     data = text_shards[dataset]
     cli = build_cli(
@@ -196,7 +207,14 @@ def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path):
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])
     if config.name.startswith("nmt_"):
-        assert 0.0 <= metrics["val/bleu"] <= 100.0
+        [rows] = generated
+        kept, _ = _write_raw(tmp_path / "raw")
+        assert [r["ref_tok"] for r in rows] == [_tok(kept[i][1], "en") for i in (22, 45)]
+        hyps, refs = [r["hyp"] for r in rows], [r["ref"] for r in rows]
+        assert metrics["val/bleu"].item() == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-4)
+        tokenised = sacrebleu.metrics.BLEU(tokenize="none", lowercase=True, force=True)
+        want_tok = tokenised.corpus_score([r["hyp_tok"] for r in rows], [[r["ref_tok"] for r in rows]]).score
+        assert metrics["val/bleu_tok"].item() == pytest.approx(want_tok, abs=1e-4)
 
 
 def test_translation_test_and_predict_commands(cache_dir, tmp_path):

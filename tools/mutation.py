@@ -1,11 +1,15 @@
-"""Mutation testing of the task, callback, CLI, model and streaming code with mutmut, one module at a
-time, each against the test files that cover it (not part of CI; see docs/testing.md).
+"""Mutation testing of the runtime package with mutmut, one module at a time, each against the test
+files that cover it (not part of CI; see docs/testing.md). Every module under ``mmlight/`` is in
+:data:`MODULES` except ``kernels/``, whose interpreter tests are too slow to mutate (its bugs are made
+by hand, docs/testing.md).
 
     pip install -e '.[mutation]'
     python tools/mutation.py                    # every module below, one after the other
     python tools/mutation.py cli vit            # some of them
     python tools/mutation.py --report tasks     # summarise an earlier run without running again
     python tools/mutation.py --survivors tasks  # after adding tests: test again what survived
+    python tools/mutation.py --changed          # only the functions this branch changed (vs main)
+    python tools/mutation.py --changed HEAD     # only the functions changed and not yet committed
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
 module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/`` and
@@ -14,12 +18,20 @@ function, and then runs only those tests against each mutant, forked from a warm
 mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
 only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
 to ``build/mutation/<name>/report.md``.
+
+``--changed [BASE]`` reads ``git diff BASE`` (default: the merge base with ``main``; the working tree,
+uncommitted changes included), finds the top-level functions and methods whose lines it touches, and
+runs mutmut on their mutants only, in the module of :data:`MODULES` that holds each file; the report
+(``report-changed.md``) lists those mutants alone. A changed file that no module covers is an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import fnmatch
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +100,33 @@ MODULES: dict[str, Module] = {
     # is left out by the "not slow" marker; its fast twins are in test_collect.py and test_table.py)
     "experiments": Module(("mmlight/experiments/*",), (
         "tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py")),
+    # the rest of the runtime package (everything but kernels/). Interpreter tests are left out by
+    # "not triton" where a file mixes them with eager ones.
+    "shards": Module(("mmlight/data/shards.py", "mmlight/data/shard_writer.py"), (
+        "tests/data/test_shards.py", "tests/data/test_malformed_shards.py", "tests/data/test_imagenet.py",
+        "tests/data/test_digits.py")),
+    "image_data": Module(("mmlight/data/image_decode.py", "mmlight/data/images.py", "mmlight/data/on_device.py",
+                          "mmlight/data/digits.py"), (
+        "tests/data/test_image_decode.py", "tests/data/test_on_device.py", "tests/data/test_imagenet.py",
+        "tests/data/test_digits.py", "tests/data/test_shard_datamodule.py", "tests/data/test_malformed_shards.py")),
+    "text_data": Module(("mmlight/data/text.py", "mmlight/data/vocab.py", "mmlight/data/recall.py"), (
+        "tests/data/test_wikitext.py", "tests/data/test_recall.py", "tests/data/test_shard_datamodule.py")),
+    "translation_data": Module(("mmlight/data/translation.py", "mmlight/data/translation_shards.py",
+                                "mmlight/data/tokenizers.py", "mmlight/data/toy_translation.py"), (
+        "tests/data/test_iwslt.py", "tests/data/test_tokenizers.py", "tests/data/test_toy_translation.py")),
+    "prepare": Module(("mmlight/data/prepare/*",), (
+        "tests/data/test_imagenet.py", "tests/data/test_iwslt.py", "tests/data/test_wikitext.py",
+        "tests/data/test_digits.py")),
+    "reweighting": Module(("mmlight/reweighting/*",), (
+        "tests/reweighting/test_functions.py", "tests/reweighting/test_multimax.py", "tests/reweighting/test_metrics.py",
+        "tests/reweighting/test_fallback.py"), keyword="not triton"),
+    "attention": Module(("mmlight/nn/*",), ("tests/nn/test_attention.py", "tests/nn/test_observation.py"),
+                        keyword="not triton"),
+    "beam_search": Module(("mmlight/models/beam_search.py",), ("tests/models/test_beam_search.py",)),
+    # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work
+    "analysis_rest": Module(("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/tasks.py"), (
+        "tests/analysis/test_analyze.py", "tests/analysis/test_figures.py", "tests/analysis/test_stats.py")),
+    "doctor": Module(("mmlight/doctor.py",), ("tests/test_doctor.py",)),
 }
 
 # Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
@@ -172,9 +211,11 @@ def diffs(workdir: Path, names: list[str]) -> list[str]:
     return out.split("\0\n")[:len(names)]
 
 
-def report(name: str, workdir: Path) -> dict[str, int]:
-    """Write ``report.md`` (counts, then each surviving or untested mutant's diff); return the counts."""
-    found = statuses(workdir)
+def report(name: str, workdir: Path, only: list[str] = (), file: str = "report.md") -> dict[str, int]:
+    """Write ``file`` (counts, then each surviving or untested mutant's diff) for the mutants matching the
+    patterns ``only`` (all if empty); return the counts."""
+    found = {key: status for key, status in statuses(workdir).items()
+             if not only or any(fnmatch.fnmatch(key, pattern) for pattern in only)}
     counts: dict[str, int] = {}
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
@@ -188,9 +229,74 @@ def report(name: str, workdir: Path) -> dict[str, int]:
     uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout", "not checked"))
     for key, diff in zip(uncaught, diffs(workdir, uncaught)):
         lines += [f"## {key}: {found[key]}", "```diff", diff.strip(), "```", ""]
-    (workdir / "report.md").write_text("\n".join(lines))
-    print(f"== {name}: {lines[2]}; {lines[3]} -> {(workdir / 'report.md').relative_to(ROOT)}", flush=True)
+    (workdir / file).write_text("\n".join(lines))
+    print(f"== {name}: {lines[2]}; {lines[3]} -> {(workdir / file).relative_to(ROOT)}", flush=True)
     return counts
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
+
+
+def changed_lines(diff: str) -> dict[str, set[int]]:
+    """``{path: new-side line numbers}`` that a ``git diff -U0`` touches. A pure deletion marks the
+    lines on both sides of the cut, so that the function it was cut from counts as changed."""
+    lines: dict[str, set[int]] = {}
+    for part in re.split(r"^diff --git ", diff, flags=re.MULTILINE)[1:]:
+        target = re.search(r"^\+\+\+ (?:b/)?(.+)$", part, re.MULTILINE)
+        if target is None or target.group(1) == "/dev/null":  # a deleted file: nothing left to mutate
+            continue
+        touched = lines.setdefault(target.group(1), set())
+        for start, count in _HUNK.findall(part):
+            start, count = int(start), 1 if count == "" else int(count)
+            touched.update(range(start, start + count) if count else (start, start + 1))
+    return lines
+
+
+def mutmut_names(source: str, lines: set[int]) -> list[str]:
+    """mutmut's names (``x_f``, ``xǁClassǁmethod``) of the top-level functions and methods of ``source``
+    that hold one of ``lines`` (decorators included); a nested function counts as its enclosing one."""
+    def span(node) -> range:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        return range(first, node.end_lineno + 1)
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, functions) and lines & set(span(node)):
+            found.append(f"x_{node.name}")
+        elif isinstance(node, ast.ClassDef):
+            found += [f"x\u01c1{node.name}\u01c1{item.name}" for item in node.body
+                      if isinstance(item, functions) and lines & set(span(item))]
+    return found
+
+
+def module_of(path: str) -> str:
+    """The name in :data:`MODULES` whose sources hold ``path`` (an error naming the path if none does)."""
+    for name, module in MODULES.items():
+        if any(fnmatch.fnmatch(path, pattern) for pattern in module.mutate):
+            return name
+    raise SystemExit(f"{path} is in no module of tools/mutation.py's MODULES: add it there, with its tests")
+
+
+def changed_mutants(base: str) -> dict[str, list[str]]:
+    """``{module name: mutmut name patterns}`` of the functions that ``git diff base`` changes under mmlight/
+    (kernels/ excluded: see docs/testing.md for its hand-made bugs)."""
+    diff = subprocess.run(["git", "diff", "-U0", "--no-color", base, "--", "mmlight"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    patterns: dict[str, list[str]] = {}
+    for path, lines in sorted(changed_lines(diff).items()):
+        if not path.endswith(".py") or path.startswith("mmlight/kernels/"):
+            continue
+        dotted = path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+        names = mutmut_names((ROOT / path).read_text(), lines)
+        if names:
+            patterns.setdefault(module_of(path), []).extend(f"{dotted}.{n}__mutmut_*" for n in names)
+    return patterns
+
+
+def merge_base(branch: str = "main") -> str:
+    return subprocess.run(["git", "merge-base", "HEAD", branch], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--survivors", action="store_true",
                         help="test again only the mutants an earlier run did not catch (after adding tests)")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel")
+    parser.add_argument("--changed", nargs="?", const="", metavar="BASE",
+                        help="mutate only the functions changed since BASE (default: the merge base with main)")
     args = parser.parse_args(argv)
+    if args.changed is not None:
+        return run_changed(args.changed or merge_base(), args.max_children)
     unknown = set(args.modules) - MODULES.keys()
     if unknown:
         parser.error(f"unknown module(s) {sorted(unknown)}; choose from {', '.join(MODULES)}")
@@ -221,6 +331,23 @@ def main(argv: list[str] | None = None) -> int:
             if again or not args.survivors:
                 failed |= run(name, workdir, args.max_children, again) != 0
         report(name, workdir)
+    return int(failed)
+
+
+def run_changed(base: str, max_children: int) -> int:
+    """``--changed``: each module's changed functions, their mutants only, and a report of those."""
+    patterns = changed_mutants(base)
+    if not patterns:
+        print(f"== no function under mmlight/ (kernels/ aside) changed since {base}")
+    failed = 0
+    for name, only in patterns.items():
+        functions = [pattern.split(".")[-1].removesuffix("__mutmut_*") for pattern in only]
+        print(f"== {name}: {len(only)} changed function(s): {', '.join(functions)}")
+        workdir = write_workdir(name, MODULES[name], fresh=False)
+        # forget the test map (as --survivors does): tests edited with the change must be mapped again
+        (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+        failed |= run(name, workdir, max_children, only) != 0
+        report(name, workdir, only, file="report-changed.md")
     return int(failed)
 
 

@@ -124,22 +124,26 @@ def resampled_samples(urls: list[str], rng: random.Random, counter: SkipCounter 
     failed: set[str] = set()
     while True:
         url = urls[rng.randrange(len(urls))]
-        members = []
+        members, broken = [], False
         try:
             for name, offset, size in tar_index(url):
                 members.append((name, (offset, size)))
         except (OSError, EOFError, ValueError) as err:
+            broken = True
             if counter is not None:
                 counter.add()
                 log.warning("skipped the rest of shard %s: %s: %s", url, type(err).__name__, err)
-        if not members:
+        samples = list(group_samples(members, url))
+        if broken:  # the sample being read when the shard broke may lack members: dropped, as TarSamples does
+            samples = samples[:-1]
+        if not samples:
             failed.add(url)
             if len(failed) == len(set(urls)):
                 raise RuntimeError(f"no readable sample in any of the {len(failed)} training shards, "
                                    f"e.g. {sorted(failed)[:3]}")
             continue
         failed.clear()
-        yield from group_samples(members, url)
+        yield from samples
 
 
 def shuffled(items: Iterable, buffer: int, rng: random.Random) -> Iterator:

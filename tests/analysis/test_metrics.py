@@ -206,7 +206,7 @@ def test_centred_scores_by_hand_including_a_one_key_row():
     # s = softmax(-2, -1, 3)_min
     soft_min = math.exp(-2) / (math.exp(-2) + math.exp(-1) + math.exp(3))
     want_s = (math.exp((soft_min - 0.2) / soft_min - 1) + math.exp((soft_min - 0.3) / soft_min - 1)) / 2
-    assert math.isnan(m[0]) and s[0].item() == pytest.approx(want_s, rel=1e-12)
+    assert math.isnan(m[0]) and s[0].item() == pytest.approx(want_s, rel=1e-12, abs=0)
     assert math.isnan(m[1]) and math.isnan(s[1])
 
 
@@ -315,7 +315,7 @@ def test_thresholds_are_strict_for_a_key_exactly_at_the_row_mean():
     assert math.isnan(M.multimodality(scores, p, keys))
     soft = np.exp([3.0, 0.0, -3.0])
     s_ref = soft.min() / soft.sum()
-    assert M.sparsity(scores, p, keys).item() == pytest.approx(math.exp((s_ref - 0.1) / s_ref - 1), rel=1e-12)
+    assert M.sparsity(scores, p, keys).item() == pytest.approx(math.exp((s_ref - 0.1) / s_ref - 1), rel=1e-12, abs=0)
 
 
 def test_m_and_s_use_the_centred_scores_the_caller_passes():

@@ -1,6 +1,7 @@
 """mmlight.data.image_decode against timm's own transform: same random draws, same pixels at full
 size, close pixels at reduced size, one decode per repeated-augmentation group."""
 
+import dataclasses
 import io
 import random
 
@@ -10,7 +11,15 @@ import torch
 from PIL import Image
 
 from mmlight.data import ImageAugment, image_decode
-from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, crop_box, draft_scale
+from mmlight.data.image_decode import (
+    AugmentGroup,
+    NormalizedBatches,
+    SplitTransform,
+    Uint8Batches,
+    crop_box,
+    draft_scale,
+)
+from tests.data.image_fixtures import AWKWARD, check_formats, rgb_to_grey
 
 DEIT_16 = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3, re_prob=0.5)
 
@@ -136,3 +145,46 @@ def test_pillow_build_names_the_distribution_that_provides_pil(monkeypatch):
     monkeypatch.setattr(PIL, "__version__", "13.0.0")
     monkeypatch.setattr(importlib.metadata, "version", installed({"pillow-simd": "12.1.1.post0", "pillow": "13.0.0"}))
     assert image_decode.pillow_build() == "Pillow 13.0.0"
+
+
+# ---------------------------------------------------------------------------- the awkward real formats
+
+PLAIN_TRAIN = ImageAugment(image_size=8, scale=(0.5, 1.0), hflip=0.0, color_jitter=None)  # no colour change
+
+
+def expected_pixel(name: str, channels: int) -> tuple[list[float], int]:
+    """The colour a decode of fixture ``name`` to ``channels`` must give, and the tolerance."""
+    _, rgb, tolerance = AWKWARD[name]
+    return (list(rgb) if channels == 3 else [rgb_to_grey(rgb)]), tolerance + 1  # + 1: rounding, resampling
+
+
+def test_the_awkward_fixtures_are_what_they_claim():
+    check_formats()
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+@pytest.mark.parametrize("path", ["eval", "train, reduced decode", "train, full decode"])
+def test_every_real_format_decodes_to_its_colour_in_the_requested_mode(path, channels, monkeypatch):
+    """Greyscale, CMYK and progressive JPEGs and a PNG and a GIF named .JPEG, in one batch: each row
+    has ``channels`` channels holding the colour the file was made from (converted by the published
+    formulas), on the evaluation path and on both training paths. The reduced decode is really used."""
+    augment = dataclasses.replace(PLAIN_TRAIN, channels=channels, crop_pct=1.0, mean=(0.5,) * channels,
+                                  std=(0.5,) * channels)
+    split = SplitTransform(augment.build(train=path != "eval"))
+    scales = []
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: scales.append(a[2:]) or _open(*a))
+    group = AugmentGroup(channels, split, copies=2, draft=path == "train, reduced decode")
+    pairs = [pair for label, (data, _, _) in enumerate(AWKWARD.values())
+             for pair in group({"jpg": data, "cls": str(label)})]
+    images, labels = Uint8Batches(len(pairs), split, partial=True).collate(pairs)
+    assert images.shape == (2 * len(AWKWARD), 8, 8, channels) and images.dtype == torch.uint8
+    assert labels.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for row, name in zip(images, [name for name in AWKWARD for _ in range(2)]):
+        colour, tolerance = expected_pixel(name, channels)
+        error = (row.float() - torch.tensor(colour)).abs().max().item()
+        assert error <= tolerance, f"{name}: {row.float().mean((0, 1)).tolist()} vs {colour}"
+    jpegs = [s for s, name in zip(scales, AWKWARD) if "JPEG" in name and "named" not in name]
+    if path == "train, reduced decode":
+        assert all(scale >= (2,) for scale in jpegs) and len(jpegs) == 3
+    elif path == "train, full decode":
+        assert scales == [(1,)] * len(AWKWARD)

@@ -207,3 +207,45 @@ def test_copy_groups_cover_every_row_once_and_split_a_straddling_image():
     copies = [(g["__key__"], g["__copies__"]) for groups in batches for g in groups]
     assert copies == [("a", 3), ("b", 1), ("b", 2), ("c", 2), ("c", 1), ("d", 3)]
     assert {tuple(g["__rows__"]) for groups in batches for g in groups} != {(0, 1, 2), (3,), (0, 1), (2, 3), (0,), (1, 2, 3)}
+
+
+def test_the_awkward_real_formats_are_kept_as_they_are_and_stream_in_their_colours(tmp_path):
+    """ImageNet's greyscale, CMYK and progressive JPEGs and its PNG and GIF named .JPEG: all kept (none
+    skipped), stored byte for byte, labelled by their folder, and streamed as RGB rows of their colour."""
+    from tests.data.image_fixtures import AWKWARD
+
+    names = list(AWKWARD)
+    wnids = [f"n0000000{i}" for i in range(len(names))]
+    for split in ("train", "val"):
+        for wnid, (data, _, _) in zip(wnids, AWKWARD.values()):
+            (tmp_path / "raw" / split / wnid).mkdir(parents=True)
+            (tmp_path / "raw" / split / wnid / f"{wnid}_{split}.JPEG").write_bytes(data)
+    info = prepare("imagenet", tmp_path / "raw", tmp_path / "out", workers=1)
+    for split in ("train", "val"):
+        entry = info["splits"][split]
+        assert (entry["num_samples"], entry["num_skipped"]) == (len(names), 0)
+    stored = dict(read_shards(tmp_path / "out", "val"))
+    for label, (wnid, (data, _, _)) in enumerate(zip(wnids, AWKWARD.values())):
+        assert stored[f"{wnid}_val.jpg"] == data and stored[f"{wnid}_val.cls"] == str(label).encode()
+    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=len(names), num_workers=0, augment=SMALL)
+    [(images, labels)] = list(dm.val_dataloader())
+    assert images.shape == (len(names), 16, 16, 3) and dm.skipped.value == 0
+    for row, label in zip(images, labels.tolist()):
+        _, rgb, tolerance = AWKWARD[names[label]]
+        assert (row.float() - torch.tensor(rgb)).abs().max().item() <= tolerance + 1, names[label]
+
+
+def test_a_jpeg_cut_inside_its_image_data_is_skipped_though_its_header_reads(tmp_path):
+    """Cut 200 bytes before the end: the header still parses (so a header check or ``verify`` would
+    keep it), only a full decode finds the missing data."""
+    data = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(data).save(buf, format="JPEG")
+    whole, cut = tmp_path / "whole.JPEG", tmp_path / "cut.JPEG"
+    whole.write_bytes(buf.getvalue())
+    cut.write_bytes(buf.getvalue()[:-200])
+    with Image.open(cut) as header:
+        assert header.size == (64, 64)  # the header alone is intact
+    assert imagenet.make_sample((str(whole), 4)) == {"__key__": "whole", "jpg": buf.getvalue(), "cls": "4"}
+    skipped = imagenet.make_sample((str(cut), 4))
+    assert skipped.path == str(cut) and skipped.reason.startswith("OSError: image file is truncated")

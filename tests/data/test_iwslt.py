@@ -11,7 +11,7 @@ import webdataset as wds
 from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
-from mmlight.data.prepare.iwslt import RAW_TEST_SETS, prepare_iwslt
+from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info
 from mmlight.data.vocab import load_dictionary
 from mmlight.data.translation import TranslationDataModule
@@ -279,3 +279,61 @@ def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
     assert rows == [dm.encode(line) + [dm.eos_id] for line in lines]
     for b in batches:
         assert b["src"].numel() <= 64
+
+
+# ---------------------------------------------------------------------------- each cleaning rule
+
+
+def _words(n: int, word: str = "w") -> str:
+    return " ".join([word] * n)
+
+
+@pytest.mark.parametrize("de, en, kept", [
+    ("eins", "one", ("eins", "one")),                                   # 1 token per side: the lower bound
+    ("", "one", None), ("eins", "", None), ("| |", "one", None),      # 0 tokens (a side of factor bars only)
+    (_words(175), _words(175), (_words(175), _words(175))),           # 175: the upper bound
+    (_words(176), _words(175), None), (_words(175), _words(176), None),
+    ("a b c", "x y", ("a b c", "x y")), ("a b", "x y z", ("a b", "x y z")),  # ratio exactly 1.5 either way
+    ("a b c d e", "x y z", None),                                       # de / en = 5 / 3 > 1.5
+    ("a b c", "v w x y z", None),                                       # en / de = 5 / 3 > 1.5
+    (_words(3), _words(2), (_words(3), _words(2))),
+    ("a" * 1000 + " b", "x y", ("a" * 1000 + " b", "x y")),             # a 1000-character token is kept
+    ("a" * 1001 + " b", "x y", None), ("a b", "x" * 1001 + " y", None),  # 1001 characters, either side
+    ("a  |b |  c", "x\ty  z", ("a b c", "x y z")),                      # bars removed, whitespace normalised
+])
+def test_clean_pair_applies_each_rule_of_clean_corpus_n(de, en, kept):
+    """``clean-corpus-n.perl -ratio 1.5 ... 1 175``, rule by rule at its boundaries."""
+    assert clean_pair(de, en) == kept
+
+
+def test_raw_pairs_removed_by_each_rule_are_counted_and_the_rest_kept_in_order(raw, tmp_path):
+    """A training file with one pair per rule: tag lines, an empty German side, invalid UTF-8 in
+    English, both directions of the length ratio, over 175 tokens on either side, a token over 1000
+    characters on either side; and the pairs on each rule's boundary, which stay."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    lines = [  # (de, en, what happens)
+        (b"eins zwei drei", b"one two", "kept"),                      # ratio 1.5
+        (b"<url>http://x</url>", b"<url>http://x</url>", "tag"),
+        (b"eins zwei", b"one two three", "kept"),                     # ratio 1.5 the other way
+        (b"a b c d e", b"x y z", "cleaned"),                          # de / en > 1.5
+        (b"   ", b"hello there", "empty de"),
+        (b"a b c", b"v w x y z", "cleaned"),                          # en / de > 1.5
+        (_words(176).encode(), _words(176).encode(), "cleaned"),
+        (_words(175).encode(), _words(175).encode(), "kept"),
+        (b"gut", b"good \xff", "bad utf-8 en"),
+        (_words(170).encode(), _words(176).encode(), "cleaned"),      # only English over 175
+        (b"a" * 1001 + b" b", b"x y", "cleaned"),
+        (b"a b", b"x" * 1001 + b" y", "cleaned"),
+        (b"a" * 1000 + b" b", b"x y", "kept"),
+        (b"ja", b"yes", "kept"),
+    ]
+    (src / "train.tags.de-en.de").write_bytes(b"".join(de + b"\n" for de, _, _ in lines))
+    (src / "train.tags.de-en.en").write_bytes(b"".join(en + b"\n" for _, en, _ in lines))
+    texts, skipped, stats = _read_raw(src, workers=1)
+    assert stats == {"tag_lines_dropped": 1, "cleaned_out": 6}
+    reasons = {s["path"]: s["reason"] for s in skipped["train"]}
+    assert len(skipped["train"]) == 2 and reasons[f"{src}/train.tags.de-en.de:5"] == "empty German side"
+    assert reasons[f"{src}/train.tags.de-en.en:9"] == "invalid UTF-8 (invalid start byte at byte 5)"
+    kept = [(de.decode(), en.decode()) for de, en, what in lines if what == "kept"]
+    assert texts["train"] == ([de for de, _ in kept], [en for _, en in kept]) and texts["valid"] == ([], [])

@@ -1,5 +1,6 @@
 """The shard reader: the fast tar reader against Python's tarfile and webdataset's own reader."""
 
+import io
 import tarfile
 
 import pytest
@@ -49,3 +50,66 @@ def test_truncated_shard_is_counted_and_the_stream_goes_on(tmp_path, caplog):
     assert "bad.tar" in caplog.text
     with pytest.raises(EOFError, match="truncated"):
         list(iter_tar(tmp_path / "bad.tar"))
+
+
+def odd_items_are_bad(item: int):
+    """A make_sample for write_shards (module level, so worker processes can pickle it)."""
+    from mmlight.data.shard_writer import Skipped
+
+    if item % 2:
+        return Skipped(f"raw/{item}.jpg", "not an image")
+    return {"__key__": f"{item:03d}", "cls": str(item)}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_writer_records_every_skip_even_one_that_opens_a_shard(tmp_path, workers):
+    """Items 1..5, two per shard, the odd ones bad: every shard opens with a skip and the last holds
+    nothing else. Counts, the skips in order, and each shard's members, read back with tarfile."""
+    from mmlight.data.shard_writer import plan_shards, write_shards
+
+    entry = write_shards(plan_shards("train", [1, 2, 3, 4, 5], 2), tmp_path, odd_items_are_bad, workers=workers)
+    assert (entry["num_samples"], entry["num_skipped"]) == (2, 3)
+    assert entry["skipped"] == [{"path": f"raw/{i}.jpg", "reason": "not an image"} for i in (1, 3, 5)]
+    assert [(s["name"], s["num_samples"]) for s in entry["shards"]] == [
+        ("train-000000.tar", 1), ("train-000001.tar", 1), ("train-000002.tar", 0)]
+    contents = []
+    for shard in entry["shards"]:
+        with tarfile.open(tmp_path / shard["name"]) as tar:
+            contents.append([(m.name, tar.extractfile(m).read()) for m in tar.getmembers()])
+    assert contents == [[("002.cls", b"2")], [("004.cls", b"4")], []]
+
+
+@pytest.mark.parametrize("fmt", ["webdataset (pax)", "GNU"])
+def test_the_header_index_gives_each_members_name_offset_and_size(tmp_path, fmt):
+    """tar_index reads headers only (GNU long-name and pax records included): the names tarfile reads,
+    and each (offset, size) holds exactly the member's bytes."""
+    from mmlight.data.shards import tar_index
+
+    path = tmp_path / "s.tar"
+    if fmt == "GNU":
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+            for name, data in (("a0.cls", b"3"), ("c" * 150 + ".tX", b"long name"), ("d1.jpg", b"y" * 600)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    else:
+        write_shard(path, SAMPLES)
+    with tarfile.open(path) as tar:
+        want = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
+    data = path.read_bytes()
+    index = list(tar_index(path))
+    assert [(name, data[offset:offset + size]) for name, offset, size in index] == want
+    assert any(len(name) > 100 for name, _, _ in index)  # the long name came from its record
+
+
+def test_a_tar_without_end_blocks_ending_with_a_whole_member_is_read(tmp_path):
+    """Data that ends exactly at the end of the file (512 bytes, no padding, no end-of-archive blocks):
+    not truncated, so both readers give every member."""
+    from mmlight.data.shards import tar_index
+
+    write_shard(tmp_path / "s.tar", [{"__key__": "a", "bin": b"x" * 512}])
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        end = tar.getmember("a.bin").offset_data + 512
+    (tmp_path / "cut.tar").write_bytes((tmp_path / "s.tar").read_bytes()[:end])
+    assert list(iter_tar(tmp_path / "cut.tar")) == [("a.bin", b"x" * 512)]
+    assert [(name, size) for name, _, size in tar_index(tmp_path / "cut.tar")] == [("a.bin", 512)]

@@ -441,11 +441,20 @@ def test_resuming_skips_without_decoding(image_shards, monkeypatch):
 
 
 def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeypatch, caplog):
+    """Every decode of the corrupt image is counted once and logged with its key (not >= 1: exactly the
+    decodes that were tried, seen where the decode is called)."""
+    tried = []
+    original = AugmentGroup.__call__
+    monkeypatch.setattr(AugmentGroup, "__call__", lambda self, sample: tried.append(sample["__key__"])
+                        or original(self, sample))
     loader = image_loader(image_shards, 0, monkeypatch)
     with caplog.at_level("WARNING"):
         batches = epochs(loader, 3)
     assert all(images.shape == (4, 16, 16, 3) and labels.shape == (4,) for images, labels, _ in batches)
-    assert loader.dataset.source.counter.value >= 1 and "img0005" in caplog.text
+    corrupt = [key for key in tried if key.endswith("img0005")]
+    skips = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped corrupt sample")]
+    assert len(corrupt) >= 1 and loader.dataset.source.counter.value == len(corrupt) == len(skips)
+    assert all("img0005" in message for message in skips)
 
 
 def test_changed_layout_warns_naming_both(image_shards, monkeypatch):

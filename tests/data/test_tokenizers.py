@@ -15,7 +15,7 @@ import json
 import pytest
 
 from mmlight.data.prepare import iwslt
-from mmlight.data.tokenizers import TOKENIZER, moses_tokenize, split_final_period
+from mmlight.data.tokenizers import TOKENIZER, moses_tokenize, remove_bpe, split_final_period
 from tests.data.test_iwslt import _write_raw
 
 # (language, raw line, tokenizer.perl's output lowercased): the final period after an abbreviation,
@@ -81,3 +81,15 @@ def test_a_tokenised_cache_of_another_tokeniser_is_redone(tmp_path):
     cache.write_text(json.dumps(data), encoding="utf-8")
     again, _, _ = iwslt._read_raw_cached(raw, out, workers=1)
     assert again["test"] == texts["test"] != (["stale"], ["stale"])
+
+
+@pytest.mark.parametrize("bpe, words", [
+    ("the dog@@ gy sees", "the doggy sees"),
+    ("un@@ be@@ liev@@ able", "unbelievable"),
+    ("cut off mid@@", "cut off mid"),  # a hypothesis that stopped inside a word: the marker still goes
+    ("@@", ""),
+    ("no markers", "no markers"),
+])
+def test_remove_bpe_joins_subwords_as_fairseqs_remove_bpe(bpe, words):
+    """fairseq's ``--remove-bpe``: ``(line + " ").replace("@@ ", "").rstrip()``, written out per case."""
+    assert remove_bpe(bpe) == words

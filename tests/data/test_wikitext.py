@@ -328,11 +328,12 @@ def test_datamodule_from_config(shards):
     assert dm(cfg).data.eval_context == 400
 
 
-def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog):
-    """A chunk whose ids.npy does not load is skipped while streaming, counted and logged."""
-    import shutil
-
+def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog, monkeypatch):
+    """A chunk whose ids.npy does not load is skipped while streaming, counted and logged: once per
+    draw of its shard (every shard holds one, first), and the good chunks still give every batch."""
     import webdataset as wds
+
+    from mmlight.data import streaming
 
     _, out = shards
     copy = tmp_path / "shards"
@@ -344,8 +345,13 @@ def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog)
             writer.write({"__key__": "corrupt", "ids.npy": b"not an npy file"})
             for sample in good:
                 writer.write({"__key__": sample["__key__"], "ids.npy": sample["ids.npy"]})
+    draws = []  # every shard the stream draws, seen where its header index is read
+    index = streaming.tar_index
+    monkeypatch.setattr(streaming, "tar_index", lambda url: draws.append(url) or index(url))
     dm = WikiTextDataModule(str(copy), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
     with caplog.at_level("WARNING"):
-        for _ in zip(range(20), dm.train_dataloader()):
-            pass
-    assert dm.skipped.value >= 1 and "corrupt" in caplog.text
+        batches = list(dm.train_dataloader())
+    assert len(batches) == len(dm.train_dataloader()) and all(b["input"].shape == (2, 4) for b in batches)
+    skips = [r.getMessage() for r in caplog.records if "skipped corrupt chunk" in r.getMessage()]
+    assert len(draws) >= 2 and dm.skipped.value == len(draws) == len(skips)
+    assert all(m.startswith("skipped corrupt chunk corrupt in ") for m in skips)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmlight.models import ReweightingSpec, TransformerConfig, ViTConfig
-from mmlight.models.beam_search import BeamSearchConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
 NUM_CLASSES = 7
@@ -501,7 +500,10 @@ def test_task_defaults_are_the_papers_recipes():
         "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.01, "schedule": "inverse_sqrt",
         "warmup_steps": 4000, "min_lr": 1e-5, "label_smoothing": 0.0, "accuracy": False}
     translator = saved(Translator(dataclasses.replace(lm_config, n_encoder_layers=1)))
-    assert translator.pop("beam") == BeamSearchConfig()
+    # fairseq's IWSLT14 example: --eval-bleu-args '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}', and
+    # fairseq-generate's own --lenpen 1 and --min-len 1 (written out, not BeamSearchConfig()'s defaults)
+    assert dataclasses.asdict(translator.pop("beam")) == {
+        "beam_size": 5, "max_len_a": 1.2, "max_len_b": 10, "length_penalty": 1.0, "min_len": 1}
     assert translator == {
         "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 1e-4, "schedule": "inverse_sqrt",
         "warmup_steps": 4000, "min_lr": 1e-9, "label_smoothing": 0.1, "bleu_in_validation": False, "output_dir": None}

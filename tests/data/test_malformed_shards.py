@@ -1,0 +1,248 @@
+"""Shards malformed in each way a tar can be (truncated, a garbage header, a header with a bad
+checksum, an empty member, an empty file), read by every path that reads shards: the tar reader,
+the evaluation stage (``TarSamples``), the training stream's header index (``resampled_samples``)
+and an image DataModule. Each is checked against the samples, labels, skip counts and reasons that
+the damage must give."""
+
+import io
+import logging
+import random
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from mmlight.data import ImageAugment, ImageShardDataModule
+from mmlight.data.shards import TarSamples, iter_tar, tar_index, write_info
+from mmlight.data.skips import SkipCounter
+from mmlight.data.streaming import resampled_samples
+
+SMALL = ImageAugment(image_size=8, channels=3, scale=(0.5, 1.0), color_jitter=None, crop_pct=1.0)
+KEYS = [f"s{i}" for i in range(4)]
+BROKEN = "s2"  # the sample whose member is damaged
+MEMBERS_BEFORE = ["s0.cls", "s0.jpg", "s1.cls", "s1.jpg", "s2.cls"]  # webdataset writes a sample's files sorted
+
+
+def jpeg(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (12, 10, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def write_shard(path, empty_key: str | None = None, labels=(0, 1, 2, 3)) -> None:
+    with wds.TarWriter(str(path)) as writer:
+        for i, key in enumerate(KEYS):
+            writer.write({"__key__": key, "jpg": b"" if key == empty_key else jpeg(i), "cls": str(labels[i])})
+
+
+def header_at(path, member: str) -> int:
+    """Byte offset of ``member``'s own ustar header (after any pax header before it), from tarfile."""
+    with tarfile.open(path) as tar:
+        return tar.getmember(member).offset_data - 512
+
+
+def damage(path, kind: str) -> None:
+    """Damage the shard at ``path`` at ``s2.jpg`` in the way ``kind`` names."""
+    data = bytearray(path.read_bytes())
+    at = header_at(path, f"{BROKEN}.jpg")
+    if kind == "truncated":  # cut inside the member's data
+        del data[at + 512 + 100:]
+    elif kind == "garbage header":  # e.g. a disk block of something else
+        data[at:at + 512] = np.random.default_rng(0).integers(0, 256, 512, dtype=np.uint8).tobytes()
+    elif kind == "bad checksum":  # one flipped bit in the name: s2.jpg would read as s3.jpg
+        assert data[at + 1] == ord("2")
+        data[at + 1] ^= 0x01
+    elif kind == "empty file":
+        data = bytearray()
+    else:
+        raise AssertionError(kind)
+    path.write_bytes(bytes(data))
+
+
+ERRORS = {"truncated": EOFError, "garbage header": ValueError, "bad checksum": ValueError, "empty file": EOFError}
+MESSAGES = {"truncated": "truncated member", "garbage header": "not a tar header", "bad checksum": "not a tar header",
+            "empty file": "empty file"}
+
+
+@pytest.mark.parametrize("kind", list(ERRORS))
+def test_the_reader_gives_the_members_before_the_damage_then_a_named_error(tmp_path, kind):
+    path = tmp_path / "s.tar"
+    write_shard(path)
+    write_shard(tmp_path / "whole.tar")
+    damage(path, kind)
+    read = []
+    with pytest.raises(ERRORS[kind], match=MESSAGES[kind]) as err:
+        for name, _ in iter_tar(path):
+            read.append(name)
+    assert str(path) in str(err.value)
+    if kind == "truncated":  # 100 bytes of s2.jpg's data are left
+        assert f"truncated member (100 of {len(jpeg(2))} bytes)" in str(err.value)
+    if ERRORS[kind] is ValueError:  # where the bad header starts
+        assert f"at byte {header_at(tmp_path / 'whole.tar', 's2.jpg')} " in str(err.value)
+    assert read == ([] if kind == "empty file" else MEMBERS_BEFORE)
+    indexed = []
+    with pytest.raises(ERRORS[kind], match=MESSAGES[kind]):
+        for name, _, _ in tar_index(path):
+            indexed.append(name)
+    assert indexed == read
+
+
+def test_a_header_written_with_a_signed_checksum_is_read(tmp_path):
+    """Old tars summed the header's bytes as signed chars; a header with bytes over 127 (a UTF-8
+    name; 0x80 is the first byte read as negative, 0x7f the last positive one) then holds another
+    checksum, which tarfile accepts too, and so must the reader."""
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("\x7fĀä0.cls")  # bytes 0x7f (counted positive) and 0x80 (negative)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"5"))
+    data = bytearray(path.read_bytes())
+    header = data[:512]
+    signed = 256 + sum(b - 256 if b > 127 else b for b in header[:148] + header[156:])
+    assert signed != 256 + sum(header[:148]) + sum(header[156:])  # the name has bytes over 127
+    data[148:156] = b"%06o\0 " % signed
+    path.write_bytes(bytes(data))
+    with tarfile.open(path) as tar:
+        assert tar.getnames() == ["\x7fĀä0.cls"]  # the reference accepts it
+    assert list(iter_tar(path)) == [("\x7fĀä0.cls", b"5")]
+
+
+@pytest.mark.parametrize("kind", list(ERRORS))
+def test_evaluation_keeps_the_whole_samples_before_the_damage_and_counts_the_shard_once(tmp_path, kind, caplog):
+    bad, good = tmp_path / "bad.tar", tmp_path / "good.tar"
+    write_shard(bad)
+    write_shard(good, labels=(4, 5, 6, 7))
+    damage(bad, kind)
+    counter = SkipCounter()
+    with caplog.at_level(logging.WARNING):
+        samples = list(TarSamples(counter)([str(bad), {"url": str(good)}]))
+    kept = [] if kind == "empty file" else ["s0", "s1"]  # s2 lost its jpg (or may have): dropped whole
+    expected = [(str(bad), k) for k in kept] + [(str(good), k) for k in KEYS]
+    assert [(s["__url__"], s["__key__"]) for s in samples] == expected
+    assert [s["cls"] for s in samples] == [str(i).encode() for i in range(len(kept))] + [b"4", b"5", b"6", b"7"]
+    assert counter.value == 1
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(bad) in record.getMessage() and ERRORS[kind].__name__ in record.getMessage()
+
+
+class Draws(random.Random):
+    """A generator whose ``randrange`` returns the scripted shard indices (then fails)."""
+
+    def __init__(self, picks):
+        super().__init__(0)
+        self.picks = iter(picks)
+
+    def randrange(self, *args):
+        return next(self.picks)
+
+
+@pytest.mark.parametrize("kind", list(ERRORS))
+def test_the_training_index_drops_the_broken_sample_and_counts_each_draw_of_the_shard(tmp_path, kind, caplog):
+    bad, good = tmp_path / "bad.tar", tmp_path / "good.tar"
+    write_shard(bad)
+    write_shard(good)
+    damage(bad, kind)
+    counter = SkipCounter()
+    stream = resampled_samples([str(bad), str(good)], Draws([0, 1, 0]), counter)
+    with caplog.at_level(logging.WARNING):
+        refs = [next(stream) for _ in range(4 + (0 if kind == "empty file" else 4))]
+    kept = [] if kind == "empty file" else ["s0", "s1"]
+    expected = [(str(bad), k) for k in kept] + [(str(good), k) for k in KEYS] + [(str(bad), k) for k in kept]
+    assert [(r["__url__"], r["__key__"]) for r in refs] == expected
+    assert all(set(r) == {"__key__", "__url__", "cls", "jpg"} for r in refs)  # every kept sample is whole
+    assert counter.value == (1 if kind == "empty file" else 2)  # the third draw was not reached
+    assert all(str(bad) in r.getMessage() and ERRORS[kind].__name__ in r.getMessage() for r in caplog.records)
+
+
+def test_a_training_stream_of_only_broken_shards_stops_naming_them(tmp_path):
+    """An empty file, and a shard cut inside its first sample (whose ``cls`` alone was read: no whole
+    sample), give no sample at all: a stream of just those stops with an error naming them."""
+    empty, cut = tmp_path / "a.tar", tmp_path / "b.tar"
+    for path in (empty, cut):
+        write_shard(path)
+    damage(empty, "empty file")
+    cut.write_bytes(cut.read_bytes()[:header_at(cut, "s0.jpg") + 600])
+    counter = SkipCounter()
+    with pytest.raises(RuntimeError, match="no readable sample in any of the 2 training shards.*a.tar.*b.tar"):
+        next(resampled_samples([str(empty), str(cut)], Draws([0, 1, 0]), counter))
+    assert counter.value == 2
+
+
+def test_ustar_headers_with_path_prefixes_and_six_digit_checksums_are_read(tmp_path):
+    """Members whose 232-byte UTF-8 paths are split into ustar's prefix and name fields (the prefix,
+    a folder, ending in X; the name too): their bytes sum past 0o77777, so the checksum field's first
+    digit is not 0 (all of it is read), and each prefix is joined to its name, in the first member and
+    the ones after it, although no long-name record came before. A directory entry and an old-style
+    regular file (type flag NUL) in between: the directory is no sample, the file is one."""
+    path = tmp_path / "s.tar"
+    names = ["ÿ" * 76 + "X/" + "ÿ" * 38 + ".clsX", "ÿ" * 76 + "X/" + "ÿ" * 38 + ".txtX"]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data, kind in ((names[0], b"7", tarfile.REGTYPE), ("folder", b"", tarfile.DIRTYPE),
+                                 ("old.cls", b"8", tarfile.AREGTYPE), (names[1], b"9", tarfile.REGTYPE)):
+            info = tarfile.TarInfo(name)
+            info.size, info.type, info.uname, info.gname = len(data), kind, "ÿ" * 16, "ÿ" * 16
+            tar.addfile(info, io.BytesIO(data))
+    header = path.read_bytes()[:512]
+    assert header[345:500].rstrip(b"\0") and header[148:149] != b"0"  # a prefix, a six-digit sum
+    assert list(iter_tar(path)) == [(names[0], b"7"), ("old.cls", b"8"), (names[1], b"9")]
+
+
+def test_an_empty_size_field_is_a_member_of_no_bytes(tmp_path):
+    """tarfile reads a size field of NULs as 0 (``nti`` of an empty field); so must the reader."""
+    path = tmp_path / "s.tar"
+    write_shard(path, empty_key="s0")
+    data = bytearray(path.read_bytes())
+    at = header_at(path, "s0.jpg")
+    data[at + 124:at + 136] = b"\0" * 12
+    data[at + 148:at + 156] = b"%06o\0 " % (256 + sum(data[at:at + 148]) + sum(data[at + 156:at + 512]))
+    path.write_bytes(bytes(data))
+    with tarfile.open(path) as tar:
+        assert tar.getmember("s0.jpg").size == 0  # the reference
+    assert [(name, value) for name, value in iter_tar(path)][:2] == [("s0.cls", b"0"), ("s0.jpg", b"")]
+
+
+def test_a_checksum_field_that_is_not_octal_is_named_as_such(tmp_path):
+    path = tmp_path / "s.tar"
+    write_shard(path)
+    data = bytearray(path.read_bytes())
+    data[148:156] = b"0008888\0"[:8]
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"not a tar header at byte 0 \(checksum field b'0008888\\x00'"):
+        list(iter_tar(path))
+
+
+def image_shard_set(root, kind: str):
+    """Two validation shards: ``val-000000.tar`` damaged as ``kind`` (or with an empty ``s2.jpg``),
+    ``val-000001.tar`` whole with labels 4..7."""
+    root.mkdir()
+    bad, good = root / "val-000000.tar", root / "val-000001.tar"
+    write_shard(bad, empty_key=BROKEN if kind == "empty member" else None)
+    write_shard(good, labels=(4, 5, 6, 7))
+    if kind != "empty member":
+        damage(bad, kind)
+    shards = [{"name": p.name, "num_samples": 4} for p in (bad, good)]
+    write_info(root, {"classes": [str(i) for i in range(8)], "splits": {"val": {"num_samples": 8, "shards": shards}}})
+
+
+@pytest.mark.parametrize("kind, labels, reason", [
+    ("truncated", [0, 1, 4, 5, 6, 7], "EOFError"),
+    ("garbage header", [0, 1, 4, 5, 6, 7], "ValueError"),
+    ("bad checksum", [0, 1, 4, 5, 6, 7], "ValueError"),
+    ("empty file", [4, 5, 6, 7], "EOFError"),
+    ("empty member", [0, 1, 3, 4, 5, 6, 7], "skipped corrupt sample s2"),  # s2's jpg has 0 bytes: not an image
+])
+def test_image_validation_labels_skips_and_reasons(tmp_path, kind, labels, reason, caplog):
+    image_shard_set(tmp_path / "set", kind)
+    dm = ImageShardDataModule(str(tmp_path / "set"), batch_size=3, num_workers=0, augment=SMALL)
+    with caplog.at_level(logging.WARNING):
+        batches = list(dm.val_dataloader())
+    images = torch.cat([x for x, *_ in batches])
+    assert torch.cat([y for _, y, *_ in batches]).tolist() == labels
+    assert images.shape == (len(labels), 8, 8, 3)
+    assert dm.skipped.value == 1
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert reason in record.getMessage() and "val-000000.tar" in record.getMessage()

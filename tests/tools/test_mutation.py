@@ -1,0 +1,122 @@
+"""tools/mutation.py: every runtime module is in a mutation set, and ``--changed`` finds the functions a
+diff touches (hunks read by hand from git's unified format; mutmut's naming of functions and methods)."""
+
+import fnmatch
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
+mutation = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mutation  # dataclasses look their module up there
+spec.loader.exec_module(mutation)
+
+
+def test_every_runtime_module_but_the_kernels_is_mutated_against_tests_that_exist():
+    """A file outside every set must define no function (mutmut mutates only inside functions)."""
+    left_out = []
+    for path in sorted(ROOT.glob("mmlight/**/*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("mmlight/kernels/"):
+            continue
+        covered = any(fnmatch.fnmatch(rel, g) for module in mutation.MODULES.values() for g in module.mutate)
+        if not covered and mutation.mutmut_names(path.read_text(), set(range(1, 10**6))):
+            left_out.append(rel)
+    assert left_out == []
+    for name, module in mutation.MODULES.items():
+        assert module.existing_tests() == list(module.tests), name  # no test file named wrongly
+        assert all(not g.startswith("mmlight/kernels") for g in module.mutate), name
+
+
+DIFF = """\
+diff --git a/mmlight/a.py b/mmlight/a.py
+index 1111111..2222222 100644
+--- a/mmlight/a.py
++++ b/mmlight/a.py
+@@ -3 +3 @@ def f():
+-    return 1
++    return 2
+@@ -10,2 +10,3 @@ class C:
+-        x = 1
+-        y = 2
++        x = 3
++        y = 4
++        z = 5
+@@ -20,3 +21,0 @@ def g():
+-    a
+-    b
+-    c
+diff --git a/mmlight/gone.py b/mmlight/gone.py
+deleted file mode 100644
+--- a/mmlight/gone.py
++++ /dev/null
+@@ -1,2 +0,0 @@
+-def h():
+-    pass
+diff --git a/mmlight/new.py b/mmlight/new.py
+new file mode 100644
+--- /dev/null
++++ b/mmlight/new.py
+@@ -0,0 +1,2 @@
++def k():
++    pass
+"""
+
+
+def test_changed_lines_reads_each_hunk_of_a_zero_context_diff():
+    """One line; three lines; a pure deletion (both lines around the cut); a deleted file (nothing);
+    a new file (its lines)."""
+    assert mutation.changed_lines(DIFF) == {"mmlight/a.py": {3, 10, 11, 12, 21, 22}, "mmlight/new.py": {1, 2}}
+
+
+SOURCE = '''\
+import functools
+
+LIMIT = 3  # line 3
+
+
+def plain():  # line 6
+    return 1
+
+
+@functools.cache  # line 10
+def decorated():
+    def inner():  # line 12
+        return 2
+    return inner()
+
+
+class Box:  # line 17
+    size = 4
+
+    def __init__(self):  # line 20
+        self.size = 5
+
+    @property  # line 23
+    def area(self):
+        return self.size ** 2
+'''
+
+
+@pytest.mark.parametrize("lines, names", [
+    ({3}, []),                                   # module level: nothing for mutmut
+    ({6}, ["x_plain"]),
+    ({10}, ["x_decorated"]),                     # the decorator line belongs to its function
+    ({13}, ["x_decorated"]),                     # a nested function counts as the enclosing one
+    ({18}, []),                                  # a class attribute
+    ({21}, ["x\u01c1Box\u01c1__init__"]),        # mutmut's name of a method
+    ({23, 7}, ["x_plain", "x\u01c1Box\u01c1area"]),
+    ({8, 9, 16, 19, 22}, []),                    # blank lines between definitions
+])
+def test_mutmut_names_of_the_functions_that_hold_the_lines(lines, names):
+    assert mutation.mutmut_names(SOURCE, lines) == names
+
+
+def test_a_changed_file_in_no_module_is_named():
+    with pytest.raises(SystemExit, match="mmlight/elsewhere.py is in no module"):
+        mutation.module_of("mmlight/elsewhere.py")
+    assert mutation.module_of("mmlight/data/shards.py") == "shards"
+    assert mutation.module_of("mmlight/data/prepare/iwslt.py") == "prepare"
