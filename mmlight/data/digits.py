@@ -14,9 +14,10 @@ from PIL import Image
 from mmlight.data.images import ImageAugment, ImageShardDataModule
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import INFO_FILE, read_info, write_info
+from mmlight.data.vocab import ClassMap
 
 #: the ten digit classes, in label order.
-DIGIT_CLASSES = [str(c) for c in range(10)]
+DIGIT_CLASSES = ClassMap(tuple(str(c) for c in range(10)))
 
 DIGITS_AUGMENT = ImageAugment(
     image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
@@ -49,13 +50,12 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
         "dataset": "sklearn-digits",
         "val_fraction": val_fraction,
         "seed": seed,
-        "classes": DIGIT_CLASSES,
+        **DIGIT_CLASSES.to_dict(),
         "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
                                       desc=f"digits {name}")
                    for name, idx in splits.items()},
     }
-    write_info(out_dir, info)
-    return info
+    return write_info(out_dir, info)
 
 
 class DigitsDataModule(ImageShardDataModule):
@@ -89,10 +89,10 @@ class DigitsDataModule(ImageShardDataModule):
         self.seed = seed
 
     @property
-    def num_classes(self) -> int:
+    def class_map(self) -> ClassMap:
         """The ten digits, known before the shards are written (the model's class count is linked
         from it when the CLI builds the DataModule, before ``prepare_data``)."""
-        return len(DIGIT_CLASSES)
+        return DIGIT_CLASSES
 
     def prepare_data(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():

@@ -17,6 +17,7 @@ from mmlight.data.on_device import normalized_batch
 from mmlight.data.shards import MemberReader, split_urls
 from mmlight.data.skips import SkipCounter, Skipping, is_kept
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
+from mmlight.data.vocab import ClassMap
 
 
 def _posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
@@ -229,8 +230,13 @@ class ImageShardDataModule(ShardDataModule):
         self.train_split = train_split
 
     @property
+    def class_map(self) -> ClassMap:
+        """The data's label set (``classes`` in ``_info.json``)."""
+        return ClassMap.from_dict(self._info())
+
+    @property
     def num_classes(self) -> int:
-        return len(self._info()["classes"])
+        return len(self.class_map)
 
     def train_dataloader(self):
         info = self._info()
