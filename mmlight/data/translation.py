@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from mmlight.data.shards import MemberReader, npy_header, split_urls
 from mmlight.data.skips import Skipping, is_kept
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, resampled_samples, shuffled
-from mmlight.data.vocab import VocabAttributes
+from mmlight.data.vocab import Vocab, VocabAttributes
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,17 @@ def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffl
             pool = []
     if pool:
         yield from cut(pool)
+
+
+def decoder_start_id(vocab: Vocab) -> int:
+    """First decoder input: ``</s>``, as fairseq's ``prev_output_tokens``."""
+    return vocab.eos_id
+
+
+def source_sample(sample_id: int, ids: list[int]) -> dict:
+    """A sample of source ids alone (no target), as :func:`collate` takes it: raw text to translate."""
+    return {"key": f"line-{sample_id:07d}", "id": sample_id, "src": np.asarray(ids, dtype=np.int64),
+            "tgt": np.zeros(0, dtype=np.int64)}
 
 
 def collate(batch: list[dict], pad_id: int, eos_id: int, start_id: int) -> dict:
@@ -239,11 +250,10 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
         self.src_file = src_file
         self.train_split = train_split
 
-    # ------------------------------------------------------------------ vocabulary
     @property
     def decoder_start_id(self) -> int:
-        """First decoder input: ``</s>``, as fairseq's ``prev_output_tokens``."""
-        return self.eos_id
+        """First decoder input (:func:`decoder_start_id`)."""
+        return decoder_start_id(self.vocab)
 
     # ------------------------------------------------------------------ loaders
     def _batching(self) -> dict:
@@ -278,8 +288,7 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
             return self._eval_loader(self.test_split)
         with open(self.src_file, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]
-        samples = [{"key": f"line-{i:07d}", "id": i, "src": np.asarray(self.encode(line), dtype=np.int64),
-                    "tgt": np.zeros(0, dtype=np.int64)} for i, line in enumerate(lines)]
+        samples = [source_sample(i, self.encode(line)) for i, line in enumerate(lines)]
         for s in samples:  # every line must come back: a too-long one is an error here, not a skip
             if len(s["src"]) + 1 > min(self.max_source_positions, self.max_tokens):
                 raise ValueError(f"{self.src_file}:{s['id'] + 1} has {len(s['src']) + 1} tokens with </s>, over "
