@@ -7,6 +7,7 @@ import io
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from PIL import Image
 from mmlight.cli import build_cli, main
 from mmlight.data import DigitsDataModule, ToyTranslationDataModule, WikiTextDataModule, read_info
 from mmlight.data.shards import group_samples, iter_tar, split_urls
+from mmlight.data.vocab import SPECIALS, Vocab
+from mmlight.models import TransformerConfig
 from mmlight.models.beam_search import BeamSearchConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 from mmlight.tasks.inference import CHECKPOINT_KEY
@@ -102,16 +105,28 @@ def test_a_checkpoint_without_the_vocabulary_says_how_to_attach_it(nmt, tmp_path
     assert old.translate(SENTENCES) == new.translate(SENTENCES)
 
 
-def test_bad_input_to_translate_is_named(nmt):
-    translator = Translator.load_from_checkpoint(nmt[2], map_location="cpu")
+def tiny_translator() -> Translator:
+    """An untrained translator with a whitespace vocabulary of ten words."""
+    vocab = Vocab(SPECIALS + tuple(f"w{i}" for i in range(10)))
+    config = TransformerConfig(vocab_size=len(vocab), d_model=8, n_heads=2, ffn_dim=8, n_layers=1,
+                               n_encoder_layers=1, max_positions=16)
+    translator = Translator(config)
+    translator.use_data(SimpleNamespace(vocab=vocab))
+    return translator
+
+
+def test_bad_input_to_translate_is_named():
+    translator = tiny_translator()
     with pytest.raises(TypeError, match="list of sentences"):
-        translator.translate("ein satz .")
-    with pytest.raises(ValueError, match="sentence 1 has 201 tokens .* max_positions=64"):
-        translator.translate(["der hund .", " ".join(["hund"] * 200)])
+        translator.translate("w1 w2")
+    with pytest.raises(ValueError, match="sentence 1 has 21 tokens .* max_positions=16"):
+        translator.translate(["w1 w2", " ".join(["w3"] * 20)])
+    with pytest.raises(ValueError, match="the data's vocabulary has 4 tokens but model.vocab_size is 14"):
+        translator.use_data(SimpleNamespace(vocab=Vocab(SPECIALS)))
 
 
-def test_a_checkpoint_of_other_data_is_refused(nmt):
-    translator = Translator.load_from_checkpoint(nmt[2], map_location="cpu")
+def test_a_checkpoint_of_other_data_is_refused():
+    translator = tiny_translator()
     state = translator.data_state()
     tokens = state["vocab"]["tokens"]
     tokens[5], tokens[6] = tokens[6], tokens[5]
