@@ -146,7 +146,7 @@ def test_raw_counts_cleaning_and_skips(raw, shards):
     assert any("doesn &apos;t" in _unbpe(s["tgt.txt"]) for s in tst)
     # ids match the dictionary, no BOS/EOS stored
     vocab = load_dictionary(shards / "dict.txt")
-    assert len(vocab) == info["vocab_size"] and vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert len(vocab) == info["vocab"]["size"] and vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
     for s in train[:5]:
         assert s["src.npy"].dtype == np.int32 and [vocab[i] for i in s["src.npy"]] == s["src.txt"].split()
     # dict order: descending count, ties alphabetical
@@ -230,7 +230,7 @@ def _check_batch(batch, dm, max_tokens):
 
 def test_eval_batches_budget_and_exactly_once(shards, monkeypatch):
     dm = TranslationDataModule(str(shards), max_tokens=48, num_workers=2, bucket_buffer=8, val_split="test")
-    assert dm.vocab_size == read_info(shards)["vocab_size"] and (dm.bos_id, dm.pad_id, dm.eos_id) == (0, 1, 2)
+    assert dm.vocab_size == read_info(shards)["vocab"]["size"] and (dm.bos_id, dm.pad_id, dm.eos_id) == (0, 1, 2)
     batches = list(dm.val_dataloader())
     for b in batches:
         _check_batch(b, dm, 48)
