@@ -214,6 +214,8 @@ class ClassMap:
         return cls(tuple(data["classes"]))
 
 
+# ----------------------------------------------------------------------------- vocabulary files
+
 def _write_or_verify(path: Path, text: str, entries: int) -> None:
     """Write a vocabulary file atomically, or keep an identical one untouched.
 

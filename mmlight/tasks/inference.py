@@ -18,9 +18,10 @@ from mmlight.tasks.checkpoint import check_checkpoint_matches
 #: the checkpoint entry that holds what a task keeps of its data (its ``data_state()``)
 CHECKPOINT_KEY = "mmlight_data"
 
-#: the config dataclasses a task's hyperparameters hold. ``torch.load`` reads checkpoints with
-#: ``weights_only=True`` by default (Lightning's ``load_from_checkpoint`` too), which rebuilds only
-#: allow-listed classes: these are plain records of numbers, strings and tuples.
+#: the config dataclasses that a task's hyperparameters hold when it is built in Python (the CLI's hold
+#: dicts). ``torch.load`` reads checkpoints with ``weights_only=True`` by default (Lightning's
+#: ``load_from_checkpoint`` too), which rebuilds only allow-listed classes: these are plain records of
+#: numbers, strings and tuples.
 CONFIG_TYPES = [TransformerConfig, ViTConfig, ReweightingSpec, BeamSearchConfig]
 torch.serialization.add_safe_globals(CONFIG_TYPES)
 

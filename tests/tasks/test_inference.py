@@ -166,7 +166,8 @@ def test_scores_of_a_split_give_mmlight_test_s_perplexity(lm):
     # the data config's windows: 8 tokens, 4 of context (FIXTURE_BATCHES)
     scores = model.score(lines, block_size=8, context=4, joined=True)
     tokens = sum(s.tokens for s in scores)
-    assert tokens == metrics["test/tokens"] == read_info(checkpoint.parents[4] / "shards")["splits"]["test"]["num_tokens"]
+    split = read_info(checkpoint.parents[4] / "shards")["splits"]["test"]
+    assert tokens == metrics["test/tokens"] == split["num_tokens"]
     assert math.exp(-sum(s.log_prob for s in scores) / tokens) == pytest.approx(metrics["test/ppl"], rel=1e-5)
 
 
