@@ -19,7 +19,7 @@ def write_text_shard_sets(root: Path) -> dict[str, Path]:
 
 
 def vocab_size(shards: Path) -> int:
-    return int(json.loads((shards / "_info.json").read_text())["vocab_size"])
+    return int(json.loads((shards / "_info.json").read_text())["vocab"]["size"])
 
 
 # Overrides that fit the Table 3/4 configs' batches to the fixtures (a handful of sentences).

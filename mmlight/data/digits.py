@@ -14,9 +14,15 @@ from PIL import Image
 from mmlight.data.images import ImageAugment, ImageShardDataModule
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import INFO_FILE, read_info, write_info
+from mmlight.data.vocab import ClassMap
 
 #: the ten digit classes, in label order.
-DIGIT_CLASSES = [str(c) for c in range(10)]
+DIGIT_CLASSES = ClassMap(tuple(str(c) for c in range(10)))
+
+
+def digit_classes(kept: list[int]) -> ClassMap:
+    """The class map of a subset of the digits, relabelled in the order given (label i is ``kept[i]``)."""
+    return ClassMap(tuple(DIGIT_CLASSES.names[d] for d in kept))
 
 DIGITS_AUGMENT = ImageAugment(
     image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
@@ -64,13 +70,12 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
         "val_fraction": val_fraction,
         "seed": seed,
         "digits": kept,
-        "classes": [DIGIT_CLASSES[d] for d in kept],
+        **digit_classes(kept).to_dict(),
         "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
                                       desc=f"digits {name}")
                    for name, idx in splits.items()},
     }
-    write_info(out_dir, info)
-    return info
+    return write_info(out_dir, info)
 
 
 class DigitsDataModule(ImageShardDataModule):
@@ -109,10 +114,10 @@ class DigitsDataModule(ImageShardDataModule):
         self.digits = check_digits(digits)
 
     @property
-    def num_classes(self) -> int:
-        """The ten digits, known before the shards are written (the model's class count is linked
+    def class_map(self) -> ClassMap:
+        """The digits kept (all ten by default), known before the shards are written (the class count is linked
         from it when the CLI builds the DataModule, before ``prepare_data``)."""
-        return len(self.digits)
+        return digit_classes(self.digits)
 
     def prepare_data(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
 import torch
@@ -12,11 +13,13 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, flatten
+from mmlight.data.image_decode import (AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, flatten,
+                                      open_image)
 from mmlight.data.on_device import normalized_batch
 from mmlight.data.shards import MemberReader, split_urls
 from mmlight.data.skips import SkipCounter, Skipping, is_kept
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
+from mmlight.data.vocab import ClassMap
 
 
 def _posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
@@ -76,6 +79,27 @@ class ImageAugment:
             is_training=True, scale=self.scale, hflip=self.hflip, auto_augment=self.auto_augment,
             color_jitter=self.color_jitter or 0.0, re_prob=self.re_prob, **common,
         )
+
+
+def eval_images(images: list[Image.Image | str | Path], augment: ImageAugment) -> torch.Tensor:
+    """Images through the evaluation transform of ``augment``, as the validation loader makes them
+    (with ``normalize_on_device`` False): ``(B, C, H, W)`` float32.
+
+    Args:
+        images: PIL images (converted to ``augment.channels``) or paths of image files (decoded as
+            the shards' image bytes are).
+        augment: the image transforms of the data config.
+    """
+    split = SplitTransform(augment.build(train=False))
+    mode = AugmentGroup(augment.channels, split).mode
+    rows = []
+    for i, image in enumerate(images):
+        if isinstance(image, (str, Path)):
+            image = open_image(Path(image).read_bytes(), mode)
+        elif not isinstance(image, Image.Image):
+            raise TypeError(f"image {i} is a {type(image).__name__}; give PIL images or paths of image files")
+        rows.append((split.pil_ops(image if image.mode == mode else image.convert(mode)), 0))
+    return NormalizedBatches(len(rows), split, partial=True).collate(rows)[0]
 
 
 class ReadSample:
@@ -229,8 +253,13 @@ class ImageShardDataModule(ShardDataModule):
         self.train_split = train_split
 
     @property
+    def class_map(self) -> ClassMap:
+        """The data's label set (``classes`` in ``_info.json``)."""
+        return ClassMap.from_dict(self._info())
+
+    @property
     def num_classes(self) -> int:
-        return len(self._info()["classes"])
+        return len(self.class_map)
 
     def train_dataloader(self):
         info = self._info()

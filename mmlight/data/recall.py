@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mmlight.data.streaming import RankRandom, ResumableLoader, StreamDataset, StreamSource, run_seed, trainer_layout
-from mmlight.data.vocab import EOS_ID, PAD_ID, SPECIALS
+from mmlight.data.vocab import SPECIALS, Vocab, VocabAttributes
 
 SPLITS = ("train", "val", "test")
 
@@ -97,7 +97,7 @@ class RecallStream(StreamSource):
         return {"input": self.data.input[rows], "target": self.data.target[rows], "loss_mask": self.data.loss_mask[rows]}
 
 
-class RecallDataModule(L.LightningDataModule):
+class RecallDataModule(VocabAttributes, L.LightningDataModule):
     """MQAR sequences generated in memory (see the module docstring for the format and accuracy).
 
     Each split is drawn from its own random stream, ``numpy.random.default_rng([seed, k])`` with
@@ -156,23 +156,10 @@ class RecallDataModule(L.LightningDataModule):
         return f"{type(self).__name__}(num_keys={self.num_keys}, num_values={self.num_values}, num_pairs={self.num_pairs})"
 
     # ------------------------------------------------------------------ vocabulary
-    @property
-    def vocab(self) -> list[str]:
+    def load_vocab(self) -> Vocab:
         """Id -> token: the four specials, ``k0 .. k{num_keys-1}``, ``v0 .. v{num_values-1}``."""
-        return (list(SPECIALS) + [f"k{i}" for i in range(self.num_keys)]
-                + [f"v{j}" for j in range(self.num_values)])
-
-    @property
-    def vocab_size(self) -> int:
-        return len(SPECIALS) + self.num_keys + self.num_values
-
-    @property
-    def pad_id(self) -> int:
-        return PAD_ID
-
-    @property
-    def eos_id(self) -> int:
-        return EOS_ID
+        return Vocab(SPECIALS + tuple(f"k{i}" for i in range(self.num_keys))
+                     + tuple(f"v{j}" for j in range(self.num_values)))
 
     @property
     def seq_len(self) -> int:

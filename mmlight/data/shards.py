@@ -59,19 +59,57 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.write(text)
 
 
-def write_info(out_dir: Path, info: dict) -> None:
-    """Write ``_info.json`` atomically, so a reader never sees a half-written file."""
-    write_text_atomic(out_dir / INFO_FILE, json.dumps(info, indent=2))
+#: the ``_info.json`` schema that :func:`write_info` writes (its ``version`` field). Version 1 (no
+#: field) kept the vocabulary as flat keys (``vocab_file``/``special_ids`` for WikiText,
+#: ``dict_file``/``bpe_file``/``pad_id``... for IWSLT14); version 2 keeps it under ``vocab``
+#: (:func:`mmlight.data.vocab.vocab_entry`). :func:`read_info` upgrades version 1 on reading.
+INFO_VERSION = 2
+
+
+def write_info(out_dir: Path, info: dict) -> dict:
+    """Write ``_info.json`` (with the schema ``version``) atomically, so a reader never sees a
+    half-written file; an identical existing file is left untouched (a verified rerun). Returns the
+    content written."""
+    info = {"version": INFO_VERSION, **info}
+    text = json.dumps(info, indent=2)
+    path = out_dir / INFO_FILE
+    if not (path.is_file() and path.read_text() == text):
+        write_text_atomic(path, text)
+    return info
 
 
 def read_info(root: str | Path) -> dict:
-    """Read a shard set's ``_info.json``, with a message that names what is missing."""
+    """Read a shard set's ``_info.json`` in the current schema, with a message that names what is
+    missing; a version-1 file is upgraded in memory (:func:`upgrade_info`)."""
     path = Path(root) / INFO_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"no shard set at {Path(root)}: expected {path} (write one with `mmlight prepare`)"
         )
-    return json.loads(path.read_text())
+    return upgrade_info(json.loads(path.read_text()), root)
+
+
+def upgrade_info(info: dict, root: str | Path) -> dict:
+    """``_info.json`` content of any schema version -> the current one (see :data:`INFO_VERSION`)."""
+    version = info.get("version", 1)
+    if not isinstance(version, int) or version > INFO_VERSION:
+        raise ValueError(f"{Path(root) / INFO_FILE} has schema version {version!r}; this mmlight reads up to "
+                         f"{INFO_VERSION}: update mmlight")
+    if version == INFO_VERSION:
+        return info
+    info = {"version": INFO_VERSION, **info}
+    specials = ("bos", "pad", "eos", "unk")
+    if "vocab_file" in info:  # WikiText-103: vocab.txt, special ids as a mapping
+        info["vocab"] = {"file": info.pop("vocab_file"), "format": "lines", "size": info.pop("vocab_size"),
+                         "special_ids": info.pop("special_ids"), "tokenizer": {"moses": False}}
+    elif "dict_file" in info:  # IWSLT14: dict.txt, special ids as flat keys, Moses + BPE
+        info["vocab"] = {
+            "file": info.pop("dict_file"), "format": "dict", "size": info.pop("vocab_size"),
+            "special_ids": {name: info.pop(f"{name}_id") for name in specials},
+            "tokenizer": {"moses": True, "src_lang": info.pop("src_lang"), "tgt_lang": info.pop("tgt_lang"),
+                          "bpe_file": info.pop("bpe_file"), "bpe_merges": info.pop("bpe_merges")}}
+        info.pop("specials", None)
+    return info
 
 
 def split_urls(root: str | Path, info: dict, split: str) -> list[str]:

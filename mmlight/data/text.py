@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from mmlight.data.shards import MemberReader, npy_header, split_urls
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, batched, resampled_samples, shuffled
-from mmlight.data.vocab import load_vocab
+from mmlight.data.vocab import VocabAttributes
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def read_stream(root: str | Path, info: dict, split: str) -> np.ndarray:
     return stream.astype(np.int64)
 
 
-class WikiTextDataModule(ShardDataModule):
+class WikiTextDataModule(VocabAttributes, ShardDataModule):
     """Word-level language modelling on a WikiText-103 shard set (see the module docstring for the
     batch format and how to compute perplexity).
 
@@ -255,35 +255,7 @@ class WikiTextDataModule(ShardDataModule):
                              f"got {self.eval_context}")
         self.shuffle_buffer = shuffle_buffer
         self.train_split = train_split
-        self._vocab: list[str] | None = None
         self._streams: dict[str, np.ndarray] = {}
-
-    @property
-    def vocab(self) -> list[str]:
-        """The vocabulary, index = token id (specials first)."""
-        if self._vocab is None:
-            info = self._info()
-            self._vocab = load_vocab(Path(self.root) / info["vocab_file"])
-            if len(self._vocab) != info["vocab_size"]:
-                raise ValueError(f"{info['vocab_file']} has {len(self._vocab)} entries, "
-                                 f"_info.json says {info['vocab_size']}")
-        return self._vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._info()["vocab_size"])
-
-    @property
-    def pad_id(self) -> int:
-        return int(self._info()["special_ids"]["pad"])
-
-    @property
-    def eos_id(self) -> int:
-        return int(self._info()["special_ids"]["eos"])
-
-    @property
-    def unk_id(self) -> int:
-        return int(self._info()["special_ids"]["unk"])
 
     @property
     def num_train_tokens(self) -> int:

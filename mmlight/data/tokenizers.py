@@ -66,14 +66,14 @@ def moses_detokenize(text: str, lang: str) -> str:
     return _DETOKENIZERS[lang].detokenize(text.split())
 
 
-def apply_bpe(line: str, codes: str | Path) -> str:
-    """Segment a tokenised line with the subword-nmt codes file ``codes`` (``@@ `` separators)."""
-    key = str(codes)
-    if key not in _BPES:
+def apply_bpe(line: str, codes: str) -> str:
+    """Segment a tokenised line with subword-nmt codes (the text of a codes file; ``@@ `` separators)."""
+    if codes not in _BPES:
+        import io
+
         from subword_nmt.apply_bpe import BPE
-        with open(codes, encoding="utf-8") as f:
-            _BPES[key] = BPE(f)
-    return _BPES[key].process_line(line)
+        _BPES[codes] = BPE(io.StringIO(codes))
+    return _BPES[codes].process_line(line)
 
 
 def remove_bpe(text: str) -> str:

@@ -254,7 +254,7 @@ class ToyTranslationDataModule(TranslationDataModule):
         write_text_atomic(root / BPE_FILE, codes)  # BPE leaves every word whole: the text is already BPE'd
         write_translation_shards(texts, root, layout="fairseq", bpe_merges=count_bpe_merges(root / BPE_FILE),
                                  samples_per_shard=self.samples_per_shard)
-        self.info, self._vocab, self._index = None, None, None
+        self.info, self._vocab = None, None
 
     @property
     def vocab_size(self) -> int:

@@ -28,7 +28,6 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,9 +37,7 @@ from torch.utils.data import DataLoader
 from mmlight.data.shards import MemberReader, npy_header, split_urls
 from mmlight.data.skips import Skipping, is_kept
 from mmlight.data.streaming import RankRandom, ShardDataModule, StreamSource, resampled_samples, shuffled
-from mmlight.data.tokenizers import apply_bpe, moses_detokenize, moses_tokenize, remove_bpe
-from mmlight.data.translation_shards import SRC_LANG, TGT_LANG
-from mmlight.data.vocab import UNK_ID, load_dictionary
+from mmlight.data.vocab import Vocab, VocabAttributes
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +108,17 @@ def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffl
             pool = []
     if pool:
         yield from cut(pool)
+
+
+def decoder_start_id(vocab: Vocab) -> int:
+    """First decoder input: ``</s>``, as fairseq's ``prev_output_tokens``."""
+    return vocab.eos_id
+
+
+def source_sample(sample_id: int, ids: list[int]) -> dict:
+    """A sample of source ids alone (no target), as :func:`collate` takes it: raw text to translate."""
+    return {"key": f"line-{sample_id:07d}", "id": sample_id, "src": np.asarray(ids, dtype=np.int64),
+            "tgt": np.zeros(0, dtype=np.int64)}
 
 
 def collate(batch: list[dict], pad_id: int, eos_id: int, start_id: int) -> dict:
@@ -192,7 +200,7 @@ class BudgetStream(StreamSource):
         return self.collate_fn(samples)
 
 
-class TranslationDataModule(ShardDataModule):
+class TranslationDataModule(VocabAttributes, ShardDataModule):
     """Streams a translation shard set (``mmlight prepare iwslt14``) in token-budget batches.
 
     Training reads resampled shards in an order fixed by the seed, epoch and rank, resumable at any
@@ -241,58 +249,11 @@ class TranslationDataModule(ShardDataModule):
         self.bucket_buffer = bucket_buffer
         self.src_file = src_file
         self.train_split = train_split
-        self._vocab: list[str] | None = None
-        self._index: dict[str, int] | None = None
-
-    # ------------------------------------------------------------------ vocabulary
-
-    @property
-    def vocab(self) -> list[str]:
-        """Id -> token."""
-        if self._vocab is None:
-            self._vocab = load_dictionary(Path(self.root) / self._info()["dict_file"])
-        return self._vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
-
-    @property
-    def pad_id(self) -> int:
-        return self._info()["pad_id"]
-
-    @property
-    def bos_id(self) -> int:
-        return self._info()["bos_id"]
-
-    @property
-    def eos_id(self) -> int:
-        return self._info()["eos_id"]
-
-    @property
-    def unk_id(self) -> int:
-        return self._info()["unk_id"]
 
     @property
     def decoder_start_id(self) -> int:
-        """First decoder input: ``</s>``, as fairseq's ``prev_output_tokens``."""
-        return self.eos_id
-
-    def encode(self, text: str, lang: str = SRC_LANG) -> list[int]:
-        """Raw text -> ids (Moses tokenisation, lowercasing, the saved BPE; no ``</s>``)."""
-        if self._index is None:
-            self._index = {tok: i for i, tok in enumerate(self.vocab)}
-        bpe = apply_bpe(moses_tokenize(text, lang), Path(self.root) / self._info()["bpe_file"])
-        return [self._index.get(tok, UNK_ID) for tok in bpe.split()]
-
-    def decode(self, ids: Iterable[int] | torch.Tensor, detokenize: bool = True, lang: str = TGT_LANG) -> str:
-        """Ids -> text: specials dropped, BPE removed (``@@ ``), then Moses-detokenised (and unescaped)
-        unless ``detokenize`` is False, which gives the tokenised lowercased text."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        special = {self.bos_id, self.pad_id, self.eos_id}
-        text = remove_bpe(" ".join(self.vocab[i] for i in ids if i not in special))
-        return moses_detokenize(text, lang) if detokenize else text
+        """First decoder input (:func:`decoder_start_id`)."""
+        return decoder_start_id(self.vocab)
 
     # ------------------------------------------------------------------ loaders
     def _batching(self) -> dict:
@@ -327,8 +288,7 @@ class TranslationDataModule(ShardDataModule):
             return self._eval_loader(self.test_split)
         with open(self.src_file, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]
-        samples = [{"key": f"line-{i:07d}", "id": i, "src": np.asarray(self.encode(line), dtype=np.int64),
-                    "tgt": np.zeros(0, dtype=np.int64)} for i, line in enumerate(lines)]
+        samples = [source_sample(i, self.encode(line)) for i, line in enumerate(lines)]
         for s in samples:  # every line must come back: a too-long one is an error here, not a skip
             if len(s["src"]) + 1 > min(self.max_source_positions, self.max_tokens):
                 raise ValueError(f"{self.src_file}:{s['id'] + 1} has {len(s['src']) + 1} tokens with </s>, over "

@@ -20,7 +20,9 @@ import numpy as np
 
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import write_info
-from mmlight.data.vocab import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, build_dictionary, load_dictionary, write_dictionary
+from mmlight.data.tokenizers import TOKENIZER
+from mmlight.data.vocab import (UNK_ID, Tokenizer, build_dictionary, load_dictionary, vocab_entry,
+                                write_dictionary)
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +79,10 @@ def write_translation_shards(texts: ParallelText, out: Path, *, layout: str, bpe
         entry["num_tokens"] = num_tokens
         splits[split] = entry
 
+    tokenizer = Tokenizer(moses=True, src_lang=SRC_LANG, tgt_lang=TGT_LANG, version=TOKENIZER)
     info = {
-        "dataset": "iwslt14", "layout": layout, "src_lang": SRC_LANG, "tgt_lang": TGT_LANG,
-        "bpe_file": BPE_FILE, "bpe_merges": bpe_merges, "dict_file": DICT_FILE,
-        "vocab_size": len(index), "specials": list(SPECIALS),
-        "bos_id": BOS_ID, "pad_id": PAD_ID, "eos_id": EOS_ID, "unk_id": UNK_ID,
+        "dataset": "iwslt14", "layout": layout,
+        "vocab": vocab_entry(DICT_FILE, "dict", len(index), tokenizer, bpe_file=BPE_FILE, bpe_merges=bpe_merges),
         "cleaning": cleaning or {}, "splits": splits,
     }
-    write_info(out, info)
-    return info
+    return write_info(out, info)

@@ -1,5 +1,5 @@
-"""Special tokens and vocabulary files of the text data, shared by training, prediction and
-``mmlight prepare``.
+"""Vocabularies and label sets of the data, shared by ``mmlight prepare``, the DataModules and the
+tasks (which keep them in their checkpoints, so that a checkpoint alone can encode and decode).
 
 Every text data set numbers the specials as fairseq does: ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2,
 ``<unk>`` 3, then its own tokens. Two file formats hold the rest:
@@ -9,6 +9,11 @@ Every text data set numbers the specials as fairseq does: ``<s>`` 0, ``<pad>`` 1
     line ``i`` is id ``i + 4``.
 ``vocab.txt`` (WikiText-103)
     one token per line, the specials written out, the line index being the id.
+
+:class:`Vocab` is the one typed vocabulary (tokens, special ids, and the :class:`Tokenizer` that
+turns raw text into its tokens); :class:`ClassMap` the one label set. A shard set describes its
+vocabulary in ``_info.json`` under ``vocab`` (:func:`vocab_entry` writes it, :meth:`Vocab.from_shards`
+reads it) and its label set under ``classes``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,15 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Literal
+
+import torch
 
 from mmlight.data.shards import write_text_atomic
+from mmlight.data.tokenizers import apply_bpe, moses_detokenize, moses_tokenize, remove_bpe
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +37,184 @@ SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 BOS_ID, PAD_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
 SPECIAL_IDS = {"bos": BOS_ID, "pad": PAD_ID, "eos": EOS_ID, "unk": UNK_ID}
 
+#: how a vocabulary file lists its tokens (see the module docstring)
+VocabFormat = Literal["dict", "lines"]
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """How raw text becomes the tokens of a :class:`Vocab`, and back.
+
+    Args:
+        moses: Moses-tokenise (``tokenizer.perl`` with escaping, then lowercase) before encoding and
+            detokenise after decoding; False: the text is split on whitespace as it is.
+        src_lang: the language :meth:`Vocab.encode` tokenises by default.
+        tgt_lang: the language :meth:`Vocab.decode` detokenises by default.
+        bpe_codes: the subword-nmt codes (the text of the ``code`` file), or None for no BPE.
+        version: what the tokenised text depends on besides the raw text (informative).
+    """
+
+    moses: bool = False
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+    bpe_codes: str | None = None
+    version: str | None = None
+
+    def tokenize(self, text: str, lang: str | None = None) -> list[str]:
+        """Raw text -> tokens (Moses, lowercasing and BPE where this tokenizer has them)."""
+        if self.moses:
+            text = moses_tokenize(text, lang or self.src_lang)
+        if self.bpe_codes is not None:
+            text = apply_bpe(text, self.bpe_codes)
+        return text.split()
+
+    def detokenize(self, tokens: list[str], moses: bool = True, lang: str | None = None) -> str:
+        """Tokens -> text: BPE removed (``@@ ``), then Moses-detokenised when ``moses`` and this
+        tokenizer has Moses; otherwise the tokenised text."""
+        text = " ".join(tokens)
+        if self.bpe_codes is not None:
+            text = remove_bpe(text)
+        return moses_detokenize(text, lang or self.tgt_lang) if moses and self.moses else text
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A text vocabulary: id -> token, the special ids, and how raw text is tokenised.
+
+    Args:
+        tokens: the token of each id, specials first.
+        special_ids: ``{"bos", "pad", "eos", "unk"}`` -> id.
+        tokenizer: raw text <-> tokens.
+    """
+
+    tokens: tuple[str, ...]
+    special_ids: dict[str, int] = field(default_factory=lambda: dict(SPECIAL_IDS))
+    tokenizer: Tokenizer = Tokenizer()
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        missing = sorted(set(SPECIAL_IDS) - set(self.special_ids))
+        if missing:
+            raise ValueError(f"a vocabulary needs the special ids {sorted(SPECIAL_IDS)}; {missing} missing")
+        out_of_range = {k: i for k, i in self.special_ids.items() if not 0 <= i < len(self.tokens)}
+        if out_of_range:
+            raise ValueError(f"special ids {out_of_range} are outside the {len(self.tokens)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_ids["bos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_ids["pad"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_ids["eos"]
+
+    @property
+    def unk_id(self) -> int:
+        return self.special_ids["unk"]
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Token -> id (a token listed twice keeps its first id)."""
+        index: dict[str, int] = {}
+        for i, tok in enumerate(self.tokens):
+            index.setdefault(tok, i)
+        return index
+
+    def encode(self, text: str, lang: str | None = None) -> list[int]:
+        """Raw text -> ids (the tokenizer's steps; a token not in the vocabulary is ``<unk>``; no ``</s>``)."""
+        index, unk = self.index, self.unk_id
+        return [index.get(tok, unk) for tok in self.tokenizer.tokenize(text, lang)]
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, detokenize: bool = True, lang: str | None = None) -> str:
+        """Ids -> text: ``<s>``, ``<pad>`` and ``</s>`` dropped, BPE removed, then Moses-detokenised
+        (and unescaped) unless ``detokenize`` is False, which gives the tokenised text."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        dropped = {self.bos_id, self.pad_id, self.eos_id}
+        return self.tokenizer.detokenize([self.tokens[i] for i in ids if i not in dropped], detokenize, lang)
+
+    def to_dict(self) -> dict:
+        """Plain types only (a checkpoint entry; :meth:`from_dict` reads it back)."""
+        return {"tokens": list(self.tokens), "special_ids": dict(self.special_ids),
+                "tokenizer": asdict(self.tokenizer)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Vocab":
+        return cls(tuple(data["tokens"]), dict(data["special_ids"]), Tokenizer(**data.get("tokenizer", {})))
+
+    @classmethod
+    def from_shards(cls, root: str | Path, info: dict) -> "Vocab":
+        """The vocabulary of a shard set, from its ``_info.json`` content ``info`` (``vocab`` entry,
+        see :func:`vocab_entry`) and the files it names."""
+        entry = info.get("vocab")
+        if entry is None:
+            raise ValueError(f"the shard set {root} has no vocabulary in its _info.json: "
+                             f"{reprepare_hint(root, info)}")
+        path = Path(root) / entry["file"]
+        tokens = load_dictionary(path) if entry["format"] == "dict" else load_vocab(path)
+        if len(tokens) != entry["size"]:
+            raise ValueError(f"{path} has {len(tokens)} entries, _info.json says {entry['size']}: "
+                             f"{reprepare_hint(root, info)}")
+        settings = dict(entry.get("tokenizer") or {})
+        bpe_file = settings.pop("bpe_file", None)
+        settings.pop("bpe_merges", None)
+        codes = (Path(root) / bpe_file).read_text(encoding="utf-8") if bpe_file else None
+        return cls(tuple(tokens), dict(entry["special_ids"]), Tokenizer(bpe_codes=codes, **settings))
+
+
+def vocab_entry(file: str, fmt: VocabFormat, size: int, tokenizer: Tokenizer = Tokenizer(),
+                bpe_file: str | None = None, bpe_merges: int | None = None) -> dict:
+    """The ``vocab`` entry of ``_info.json``: the vocabulary file and its format, its size, the special
+    ids and the tokenizer settings (the BPE codes by file name and merge count)."""
+    settings = {k: v for k, v in asdict(tokenizer).items() if k != "bpe_codes"}
+    if bpe_file is not None:
+        settings.update(bpe_file=bpe_file, bpe_merges=bpe_merges)
+    return {"file": file, "format": fmt, "size": size, "special_ids": dict(SPECIAL_IDS), "tokenizer": settings}
+
+
+def reprepare_hint(root: str | Path, info: dict) -> str:
+    """What to run to write a shard set again in the current ``_info.json`` schema."""
+    dataset = {"sklearn-digits": "digits"}.get(info.get("dataset"), info.get("dataset") or "<dataset>")
+    return f"prepare it again with `mmlight prepare {dataset} --src <raw data> --out {root}` into an empty folder"
+
+
+@dataclass(frozen=True)
+class ClassMap:
+    """The label set of a classification data set: label ``i`` is class ``names[i]``.
+
+    Args:
+        names: the class names in label order (ImageNet's WordNet ids, the digits ``"0"`` .. ``"9"``).
+    """
+
+    names: tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(self.names))
+        if not self.names:
+            raise ValueError("a class map needs at least one class")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def to_dict(self) -> dict:
+        """``{"classes": [...]}``: the ``_info.json`` entry and the checkpoint entry."""
+        return {"classes": list(self.names)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClassMap":
+        if "classes" not in data:
+            raise ValueError("no 'classes' entry: not a class map")
+        return cls(tuple(data["classes"]))
+
+
+# ----------------------------------------------------------------------------- vocabulary files
 
 def _write_or_verify(path: Path, text: str, entries: int) -> None:
     """Write a vocabulary file atomically, or keep an identical one untouched.
@@ -87,3 +276,52 @@ def save_vocab(path: Path, vocab: list[str]) -> Path:
 def load_vocab(path: str | Path) -> list[str]:
     """The vocabulary of a shard set: one entry per line, the line index being the id."""
     return _read_text(Path(path)).split("\n")[:-1]
+
+
+# ----------------------------------------------------------------------------- DataModules
+
+class VocabAttributes:
+    """The vocabulary attributes of a text DataModule, all read from one :class:`Vocab`
+    (:attr:`vocab`, loaded once by :meth:`load_vocab`): ``vocab_size``, the special ids,
+    ``encode`` and ``decode``."""
+
+    _vocab: Vocab | None = None
+
+    @property
+    def vocab(self) -> Vocab:
+        """The data's vocabulary (id -> token, special ids, tokenizer)."""
+        if self._vocab is None:
+            self._vocab = self.load_vocab()
+        return self._vocab
+
+    def load_vocab(self) -> Vocab:
+        """The shard set's vocabulary, as its ``_info.json`` describes it; generated data overrides this."""
+        return Vocab.from_shards(self.root, self._info())
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def bos_id(self) -> int:
+        return self.vocab.bos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.vocab.pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.vocab.eos_id
+
+    @property
+    def unk_id(self) -> int:
+        return self.vocab.unk_id
+
+    def encode(self, text: str, lang: str | None = None) -> list[int]:
+        """Raw text -> ids (:meth:`Vocab.encode`)."""
+        return self.vocab.encode(text, lang)
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, detokenize: bool = True, lang: str | None = None) -> str:
+        """Ids -> text (:meth:`Vocab.decode`)."""
+        return self.vocab.decode(ids, detokenize, lang)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import lightning as L
@@ -16,15 +18,20 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from mmlight.data.images import ImageAugment, eval_images
+from mmlight.data.vocab import ClassMap
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.tasks.checkpoint import check_checkpoint_matches
+from mmlight.tasks.inference import CarriesData, device_of, evaluating
 from mmlight.tasks.optim import param_groups, reweighting_parameter_ids, warmup_cosine
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.stages import EvalStages
 
 
-class ImageClassifier(EvalStages, L.LightningModule):
-    """Trains a :class:`~mmlight.models.ReweightedViT`.
+class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
+    """Trains a :class:`~mmlight.models.ReweightedViT`. The data's class names and evaluation
+    transform are taken in ``setup`` and kept in checkpoints, so that :meth:`classify` works on a
+    loaded checkpoint alone.
 
     Args:
         model: the architecture, including the attention reweighting.
@@ -54,6 +61,9 @@ class ImageClassifier(EvalStages, L.LightningModule):
 
     task_metric = TaskMetric("top1", higher_is_better=True)
     interventions = ("sink_masking",)
+    #: the data's label set and image transforms: from the DataModule in ``setup``, or from the checkpoint
+    class_map: ClassMap | None = None
+    augment: ImageAugment | None = None
 
     def __init__(
         self,
@@ -111,8 +121,58 @@ class ImageClassifier(EvalStages, L.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_checkpoint_matches(self, checkpoint)
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule
+        if isinstance(getattr(datamodule, "class_map", None), ClassMap) and hasattr(datamodule, "augment"):
+            self.use_data(datamodule)
+
+    # ------------------------------------------------------------------ class names and transform
+    def use_data(self, datamodule) -> None:
+        """Take ``datamodule.class_map`` and its image transforms ``datamodule.augment``."""
+        class_map, augment = getattr(datamodule, "class_map", None), getattr(datamodule, "augment", None)
+        if not isinstance(class_map, ClassMap) or not isinstance(augment, ImageAugment):
+            raise TypeError(f"{type(datamodule).__name__} has no class map and image transforms (.class_map, .augment)")
+        if len(class_map) != self.model.config.num_classes:
+            raise ValueError(f"the data has {len(class_map)} classes but model.num_classes is "
+                             f"{self.model.config.num_classes}")
+        self.class_map, self.augment = class_map, augment
+
+    def data_state(self) -> dict:
+        if self.class_map is None:
+            return {}
+        return {**self.class_map.to_dict(), "augment": dataclasses.asdict(self.augment)}
+
+    def load_data_state(self, state: dict) -> None:
+        saved = ClassMap.from_dict(state)
+        if self.class_map is not None and self.class_map != saved:
+            raise ValueError(f"the checkpoint's classes are not the data's ({list(saved.names[:3])}... vs "
+                             f"{list(self.class_map.names[:3])}...): the model was trained on other data")
+        if self.class_map is None:  # a DataModule attached before keeps its transforms
+            self.class_map, self.augment = saved, ImageAugment(**state["augment"])
+
+    def classify(self, images: Sequence, top_k: int = 5, batch_size: int = 64) -> list[list[tuple[str, float]]]:
+        """The ``top_k`` most probable classes of each image, as ``(class name, probability)`` pairs by
+        decreasing probability, with the evaluation transform of the training data's config.
+
+        Args:
+            images: PIL images or paths of image files (a list).
+            top_k: classes per image (at most the number of classes).
+            batch_size: images per forward pass.
+        """
+        if self.class_map is None:
+            raise self.missing("class names and image transforms", "ImageShardDataModule")
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise TypeError("classify takes a list of images or paths; wrap a single one in a list")
+        k = min(top_k, len(self.class_map))
+        results = []
+        with evaluating(self):
+            for start in range(0, len(images), batch_size):
+                batch = eval_images(list(images[start:start + batch_size]), self.augment).to(device_of(self))
+                probs = torch.softmax(self(batch).float(), dim=-1)  # (B, num_classes)
+                top = probs.topk(k, dim=-1)
+                results += [[(self.class_map.names[c], p) for c, p in zip(idx.tolist(), val.tolist())]
+                            for val, idx in zip(top.values, top.indices)]
+        return results
 
     def on_fit_start(self) -> None:
         datamodule = self.trainer.datamodule

@@ -5,13 +5,27 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torchmetrics import SumMetric
 from torch import nn
 
+from mmlight.data.text import EvalWindows
 from mmlight.models.transformer import TransformerConfig, TransformerLM
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
+from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.sequence import Schedule, SequenceTask
+
+
+class TextScore(NamedTuple):
+    """The score of one text: ``log_prob`` (natural log) of its ``tokens`` scored tokens."""
+
+    log_prob: float
+    tokens: int
 
 
 class LanguageModel(SequenceTask):
@@ -23,6 +37,7 @@ class LanguageModel(SequenceTask):
     end-of-line ``</s>`` is a scored token, so this is fairseq's per-word perplexity; the context each
     token is scored with is the DataModule's ``eval_block_size``/``eval_context``. No softmax over
     ``(B, T, V)`` is kept for the metric: the loss goes through the (fused) cross-entropy.
+    From Python, :meth:`score` gives the log-probability of raw texts with the checkpoint's vocabulary.
 
     Args:
         model: the architecture (e.g. the ``transformer_lm_wikitext103`` preset's fields).
@@ -41,6 +56,7 @@ class LanguageModel(SequenceTask):
 
     task_metric = TaskMetric("ppl", higher_is_better=False)
     interventions = ("sink_masking", "kv_eviction")
+    datamodule_name = "WikiTextDataModule"
 
     def __init__(
         self,
@@ -109,3 +125,54 @@ class LanguageModel(SequenceTask):
 
     def metric_evaluation(self, split: str, scratch):
         return nullcontext()  # validate and test both log ppl and write nothing
+
+    def score(self, texts: Sequence[str], block_size: int | None = None, context: int = 0, joined: bool = False,
+              batch_size: int = 8) -> list[TextScore]:
+        """Log-probability of each text and the number of tokens scored: its words (split on
+        whitespace, unknown ones as ``<unk>``) and the ``</s>`` that ends it, as WikiText's evaluation
+        counts a line. ``exp(-sum(log_prob) / sum(tokens))`` is the perplexity over the texts.
+
+        Each text is scored on its own, its first token predicted from ``</s>``; with ``joined`` the
+        texts are one running text, line after line, as a prepared split's token stream, so a text is
+        scored with the texts before it as context. A stream longer than ``block_size`` is scored in
+        the windows ``mmlight test`` uses (:func:`mmlight.data.text.eval_windows`): with the
+        DataModule's ``eval_block_size`` and ``eval_context``, the lines of a split, ``joined``, give
+        the NLL and token count of ``mmlight test``'s ``test/ppl``.
+
+        Args:
+            texts: the texts (a list of strings, e.g. lines).
+            block_size: window length; None is the model's ``max_positions``.
+            context: tokens of context of every window after the first (``eval_context``).
+            joined: score the texts as one running text instead of each on its own.
+            batch_size: windows per forward pass.
+        """
+        vocab = self.require_vocab()
+        if isinstance(texts, str):
+            raise TypeError("score takes a list of texts; wrap a single one in a list")
+        block_size = block_size or self.config.max_positions
+        if block_size > self.config.max_positions:
+            raise ValueError(f"block_size={block_size} is over the model's max_positions={self.config.max_positions}")
+        ids = [vocab.encode(text) + [vocab.eos_id] for text in texts]
+        streams = [list(range(len(ids)))] if joined else [[i] for i in range(len(ids))]
+        log_probs = torch.zeros(len(ids), dtype=torch.float64)
+        with evaluating(self):
+            for members in streams:
+                self._score_stream([ids[i] for i in members], torch.tensor(members), log_probs, block_size,
+                                   context, batch_size)
+        return [TextScore(float(lp), len(x)) for lp, x in zip(log_probs, ids)]
+
+    def _score_stream(self, texts: list[list[int]], members: torch.Tensor, log_probs: torch.Tensor,
+                      block_size: int, context: int, batch_size: int) -> None:
+        """Add the log-probability of each token of the stream ``texts`` (id lists, concatenated) to
+        ``log_probs[members[k]]``, ``k`` the text the token belongs to."""
+        owner = torch.repeat_interleave(members, torch.tensor([len(t) for t in texts]))  # stream position -> text
+        stream = np.concatenate(texts)
+        windows = EvalWindows(stream, block_size, context, batch_size, self.vocab.pad_id, self.vocab.eos_id)
+        device = device_of(self)
+        for batch in windows:
+            hidden = self.model(batch["input"].to(device))  # (B, T, d)
+            scored = batch["loss_mask"]  # (B, T)
+            positions = (batch["start"][:, None] + torch.arange(scored.shape[1]))[scored]  # (N,) in the stream
+            logits = self.model.logits(hidden[scored.to(device)]).float()  # (N, V)
+            nll = F.cross_entropy(logits, batch["target"][scored].to(device), reduction="none")  # (N,)
+            log_probs.index_add_(0, owner[positions], -nll.double().cpu())

@@ -1,6 +1,7 @@
 """What the language-model and translation tasks share: the fairseq optimiser recipe (Adam with
 decoupled weight decay, inverse-sqrt or cosine schedule), the check that model and data agree on the
-vocabulary, and perplexity from summed NLL and token counts synced across ranks."""
+vocabulary, the vocabulary kept in checkpoints, and perplexity from summed NLL and token counts synced
+across ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import nn
 from torchmetrics import SumMetric
 
 from mmlight.models.transformer import TransformerConfig
-from mmlight.tasks.checkpoint import check_checkpoint_matches
+from mmlight.data.vocab import Vocab
+from mmlight.tasks.inference import CarriesData
 from mmlight.tasks.optim import param_groups, warmup_cosine, warmup_inverse_sqrt
 from mmlight.tasks.stages import EvalStages
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 Schedule = Literal["inverse_sqrt", "cosine"]
 
 
-class SequenceTask(EvalStages, L.LightningModule):
+class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     """Base of :class:`~mmlight.tasks.LanguageModel` and :class:`~mmlight.tasks.Translator`.
 
     Subclasses build ``self.model`` (a transformer whose ``config`` is a
@@ -39,12 +41,17 @@ class SequenceTask(EvalStages, L.LightningModule):
     * ``warmup_steps``: optimiser steps of linear warmup; ``min_lr``: the cosine schedule's floor;
     * ``label_smoothing``: of the training loss (evaluation reports the plain NLL).
 
+    The data's :class:`~mmlight.data.vocab.Vocab` is taken in ``setup`` and kept in checkpoints, so
+    that a loaded checkpoint encodes and decodes text by itself (:attr:`vocab`).
+
     Args:
         schedule: the subclass's ``schedule``, checked here before any work.
         label_smoothing: the subclass's ``label_smoothing``, checked here.
     """
 
     model: nn.Module
+    #: the data's vocabulary: from the DataModule in ``setup``, or from the checkpoint
+    vocab: Vocab | None = None
 
     def __init__(self, schedule: Schedule, label_smoothing: float):
         super().__init__()
@@ -72,9 +79,39 @@ class SequenceTask(EvalStages, L.LightningModule):
                              f"{self.config.vocab_size}: set model.model.vocab_size: {vocab_size}")
         if pad_id is not None and pad_id != self.config.pad_id:
             raise ValueError(f"the data pads with id {pad_id} but model.pad_id is {self.config.pad_id}")
+        if isinstance(getattr(datamodule, "vocab", None), Vocab):
+            self.use_data(datamodule)
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_checkpoint_matches(self, checkpoint)
+    # ------------------------------------------------------------------ the vocabulary
+    def use_data(self, datamodule) -> None:
+        """Take ``datamodule.vocab`` (a :class:`~mmlight.data.vocab.Vocab`), checked against the model."""
+        vocab = getattr(datamodule, "vocab", None)
+        if not isinstance(vocab, Vocab):
+            raise TypeError(f"{type(datamodule).__name__} has no typed vocabulary (.vocab)")
+        if len(vocab) != self.config.vocab_size:
+            raise ValueError(f"the data's vocabulary has {len(vocab)} tokens but model.vocab_size is "
+                             f"{self.config.vocab_size}")
+        self.vocab = vocab
+
+    def data_state(self) -> dict:
+        return {} if self.vocab is None else {"vocab": self.vocab.to_dict()}
+
+    def load_data_state(self, state: dict) -> None:
+        saved = Vocab.from_dict(state["vocab"])
+        if self.vocab is not None and (self.vocab.tokens, self.vocab.special_ids) != (saved.tokens, saved.special_ids):
+            differ = next((i for i, (a, b) in enumerate(zip(saved.tokens, self.vocab.tokens)) if a != b), None)
+            where = f"id {differ} is {saved.tokens[differ]!r} there, {self.vocab.tokens[differ]!r} here" \
+                if differ is not None else f"{len(saved)} vs {len(self.vocab)} tokens"
+            raise ValueError(f"the checkpoint's vocabulary is not the data's ({where}): the model was trained "
+                             "on other data")
+        if self.vocab is None:
+            self.vocab = saved
+
+    def require_vocab(self) -> Vocab:
+        """The vocabulary, or an error that says how to attach one (a checkpoint written without it)."""
+        if self.vocab is None:
+            raise self.missing("vocabulary", self.datamodule_name)
+        return self.vocab
 
     # ------------------------------------------------------------------ perplexity
     def update_nll(self, stage: str, nll_sum: torch.Tensor, count: torch.Tensor) -> None:

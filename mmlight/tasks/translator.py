@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from mmlight.data.translation import collate, decoder_start_id, source_sample
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
+from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.sequence import Schedule, SequenceTask
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,9 @@ class Translator(SequenceTask):
       the references ``test.ref``/``test.ref.tok`` and ``test.bleu.json`` (both scores, signatures).
     * Predict: translations of the DataModule's ``src_file`` (or test split), in line order, written to
       ``output_dir/predict.hyp`` (and ``predict.hyp.tok``).
+
+    * From Python: :meth:`translate` (raw sentences in, detokenised translations out), with the
+      vocabulary, tokenisation and BPE kept in the checkpoint.
 
     BLEU and the files cover every rank's sentences: the decoded strings are gathered to every rank.
     References are the stored target text with BPE removed and Moses-detokenised; the shards keep the
@@ -57,6 +63,7 @@ class Translator(SequenceTask):
 
     task_metric = TaskMetric("bleu", higher_is_better=True)
     interventions = ("sink_masking",)
+    datamodule_name = "TranslationDataModule"
 
     def __init__(
         self,
@@ -95,25 +102,53 @@ class Translator(SequenceTask):
         return loss
 
     # ------------------------------------------------------------------ generation
+    def translate(self, sentences: Sequence[str], beam: BeamSearchConfig | None = None,
+                  batch_size: int = 32) -> list[str]:
+        """Translations of raw source sentences, detokenised, in order: what ``mmlight predict`` writes
+        to ``predict.hyp`` for the same lines. Each sentence is tokenised, lowercased and BPE-encoded
+        like the training data (the checkpoint's :attr:`vocab`), then decoded by beam search.
+
+        Args:
+            sentences: raw source-language sentences (a list; one string per sentence).
+            beam: beam settings for this call; None uses :attr:`beam` (which may also be set).
+            batch_size: sentences decoded together.
+        """
+        vocab = self.require_vocab()
+        if isinstance(sentences, str):
+            raise TypeError("translate takes a list of sentences; wrap a single one in a list")
+        samples = [source_sample(i, vocab.encode(text)) for i, text in enumerate(sentences)]
+        for s in samples:  # the encoder has no positions beyond max_positions
+            if len(s["src"]) + 1 > self.config.max_positions:
+                raise ValueError(f"sentence {s['id']} has {len(s['src']) + 1} tokens with </s>, over the model's "
+                                 f"max_positions={self.config.max_positions}")
+        translations = []
+        with evaluating(self):
+            for start in range(0, len(samples), batch_size):
+                batch = collate(samples[start:start + batch_size], vocab.pad_id, vocab.eos_id, decoder_start_id(vocab))
+                src, src_mask = batch["src"].to(device_of(self)), batch["src_mask"].to(device_of(self))
+                translations += [vocab.decode(ids) for ids in self.generate(src, src_mask, beam)]
+        return translations
+
     @torch.no_grad()
-    def translate(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Beam-search translations of ``src`` ``(B, S)``: one id tensor per sentence, without ``</s>``.
-        The special ids come from the attached DataModule's vocabulary."""
-        data = self.trainer.datamodule
-        hypotheses, _ = beam_search(self.model, src, src_mask, self.beam, start_id=data.decoder_start_id,
-                                    eos_id=data.eos_id, pad_id=self.config.pad_id, banned_ids=(data.bos_id,))
+    def generate(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
+                 beam: BeamSearchConfig | None = None) -> list[torch.Tensor]:
+        """Beam-search translations of ``src`` ``(B, S)``: one id tensor per sentence, without ``</s>``
+        (settings ``beam``, or :attr:`beam` when None; special ids from :attr:`vocab`)."""
+        vocab = self.require_vocab()
+        hypotheses, _ = beam_search(self.model, src, src_mask, beam or self.beam, start_id=decoder_start_id(vocab),
+                                    eos_id=vocab.eos_id, pad_id=self.config.pad_id, banned_ids=(vocab.bos_id,))
         return hypotheses
 
     def _generate(self, stage: str, batch) -> list[dict]:
         """Translate a batch and keep the decoded strings (and references, outside predict)."""
-        data = self.trainer.datamodule
-        hypotheses = self.translate(batch["src"], batch["src_mask"])
+        vocab = self.require_vocab()
+        hypotheses = self.generate(batch["src"], batch["src_mask"])
         rows = []
         for b, (sample_id, hyp) in enumerate(zip(batch["ids"].tolist(), hypotheses)):
-            row = {"id": sample_id, "hyp": data.decode(hyp), "hyp_tok": data.decode(hyp, detokenize=False)}
+            row = {"id": sample_id, "hyp": vocab.decode(hyp), "hyp_tok": vocab.decode(hyp, detokenize=False)}
             if stage != "predict":
-                row["ref"] = data.decode(batch["tgt_out"][b])
-                row["ref_tok"] = data.decode(batch["tgt_out"][b], detokenize=False)
+                row["ref"] = vocab.decode(batch["tgt_out"][b])
+                row["ref_tok"] = vocab.decode(batch["tgt_out"][b], detokenize=False)
             rows.append(row)
         self.translations.setdefault(stage, []).extend(rows)
         return rows

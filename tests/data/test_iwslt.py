@@ -13,7 +13,7 @@ from sacremoses import MosesTokenizer
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info
-from mmlight.data.vocab import load_dictionary
+from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 from mmlight.data.translation import TranslationDataModule
 
 SUBJECTS = [("der Hund", "the dog"), ("die Katze", "the cat"), ("mein Vater", "my father"),
@@ -116,9 +116,11 @@ def _unbpe(text):
 def test_raw_counts_cleaning_and_skips(raw, shards):
     root, kept, test = raw
     info = read_info(shards)
-    assert info["dataset"] == "iwslt14" and info["layout"] == "raw" and info["bpe_merges"] == 50
-    assert (info["bos_id"], info["pad_id"], info["eos_id"], info["unk_id"]) == (0, 1, 2, 3)
-    assert info["specials"] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert info["dataset"] == "iwslt14" and info["layout"] == "raw" and info["version"] == 2
+    vocab = info["vocab"]
+    assert (vocab["file"], vocab["format"], vocab["special_ids"]) == ("dict.txt", "dict", SPECIAL_IDS)
+    assert vocab["tokenizer"]["bpe_merges"] == 50 and vocab["tokenizer"]["bpe_file"] == "code"
+    assert (vocab["tokenizer"]["src_lang"], vocab["tokenizer"]["tgt_lang"]) == ("de", "en")
     assert info["cleaning"] == {"tag_lines_dropped": 6, "cleaned_out": 2}
     assert len(kept) == 64
     splits = info["splits"]
@@ -144,7 +146,7 @@ def test_raw_counts_cleaning_and_skips(raw, shards):
     assert any("doesn &apos;t" in _unbpe(s["tgt.txt"]) for s in tst)
     # ids match the dictionary, no BOS/EOS stored
     vocab = load_dictionary(shards / "dict.txt")
-    assert len(vocab) == info["vocab_size"] and vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert len(vocab) == info["vocab"]["size"] and vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
     for s in train[:5]:
         assert s["src.npy"].dtype == np.int32 and [vocab[i] for i in s["src.npy"]] == s["src.txt"].split()
     # dict order: descending count, ties alphabetical
@@ -228,7 +230,7 @@ def _check_batch(batch, dm, max_tokens):
 
 def test_eval_batches_budget_and_exactly_once(shards, monkeypatch):
     dm = TranslationDataModule(str(shards), max_tokens=48, num_workers=2, bucket_buffer=8, val_split="test")
-    assert dm.vocab_size == read_info(shards)["vocab_size"] and (dm.bos_id, dm.pad_id, dm.eos_id) == (0, 1, 2)
+    assert dm.vocab_size == read_info(shards)["vocab"]["size"] and (dm.bos_id, dm.pad_id, dm.eos_id) == (0, 1, 2)
     batches = list(dm.val_dataloader())
     for b in batches:
         _check_batch(b, dm, 48)
@@ -268,7 +270,7 @@ def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
         assert dm.decode(dm.encode(de, "de"), detokenize=False) == _tok(de, "de")
         assert dm.decode(dm.encode(en, "en"), detokenize=False) == _tok(en, "en")
     ids = dm.encode("The dog sees the sun, doesn't it?", "en")
-    assert dm.unk_id not in ids and any(dm.vocab[i].endswith("@@") for i in ids)
+    assert dm.unk_id not in ids and any(dm.vocab.tokens[i].endswith("@@") for i in ids)
     assert dm.decode(ids + [dm.eos_id, dm.pad_id]) == "the dog sees the sun, doesn't it?"
     lines = [d for d, _ in raw[1][:7]]
     (tmp_path / "input.de").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -44,7 +44,8 @@ def test_batches_have_the_wikitext_format_and_shapes():
     assert sum(len(b["input"]) for b in dm.val_dataloader()) == 40  # whole split, last partial batch kept
     assert dm.vocab_size == 4 + 12 + 10 == len(dm.vocab)
     assert (dm.pad_id, dm.eos_id) == (1, 2)
-    assert dm.vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"] and dm.vocab[4] == "k0" and dm.vocab[16] == "v0"
+    tokens = dm.vocab.tokens
+    assert tokens[:4] == ("<s>", "<pad>", "</s>", "<unk>") and tokens[4] == "k0" and tokens[16] == "v0"
 
 
 @pytest.mark.parametrize("num_queries", [3, 8])  # without / with replacement of the queried pairs

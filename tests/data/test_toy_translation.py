@@ -122,12 +122,12 @@ def prepared(tmp_path_factory):
 def test_vocabulary_and_ids_are_iwslt_s(prepared):
     dm, cache = prepared
     assert (dm.bos_id, dm.pad_id, dm.eos_id, dm.unk_id) == (0, 1, 2, 3)
-    assert dm.vocab == load_dictionary(cache / "dict.txt")
-    assert dm.vocab[:4] == ["<s>", "<pad>", "</s>", "<unk>"]
-    assert dm.vocab_size == len(dm.vocab) == dm._info()["vocab_size"]
+    assert list(dm.vocab.tokens) == load_dictionary(cache / "dict.txt")
+    assert dm.vocab.tokens[:4] == ("<s>", "<pad>", "</s>", "<unk>")
+    assert dm.vocab_size == len(dm.vocab) == dm._info()["vocab"]["size"]
     words = set(lexicon()) | set(lexicon().values())
-    assert set(dm.vocab[4:]) <= words  # BPE left every word whole
-    assert dm.encode("Heute sieht der Hund den Fisch.") == [dm.vocab.index(w) for w in
+    assert set(dm.vocab.tokens[4:]) <= words  # BPE left every word whole
+    assert dm.encode("Heute sieht der Hund den Fisch.") == [dm.vocab.tokens.index(w) for w in
                                                             ("heute", "sieht", "der", "hund", "den", "fisch", ".")]
 
 

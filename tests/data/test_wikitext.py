@@ -85,9 +85,10 @@ def test_vocabulary_and_counts(shards):
     info = json.loads((out / "_info.json").read_text())
     assert load_vocab(out / "vocab.txt") == VOCAB
     assert (out / "vocab.txt").read_text() == "".join(w + "\n" for w in VOCAB)
-    assert info["dataset"] == "wikitext103" and info["vocab_file"] == "vocab.txt"
-    assert info["vocab_size"] == 16
-    assert info["special_ids"] == {"bos": 0, "pad": 1, "eos": 2, "unk": 3}
+    assert info["dataset"] == "wikitext103" and info["version"] == 2
+    assert info["vocab"] == {"file": "vocab.txt", "format": "lines", "size": 16,
+                             "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3},
+                             "tokenizer": {"moses": False, "src_lang": None, "tgt_lang": None, "version": None}}
     train, valid, test = (info["splits"][s] for s in ("train", "valid", "test"))
     assert (train["num_tokens"], valid["num_tokens"], test["num_tokens"]) == (33, 10, 16)
     assert (train["num_lines"], valid["num_lines"], test["num_lines"]) == (6, 3, 4)
@@ -105,7 +106,7 @@ def test_vocabulary_and_counts(shards):
 def test_streams_reassemble_in_order(shards):
     _, out = shards
     dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0)
-    assert dm.vocab == VOCAB and dm.vocab_size == 16 and dm.pad_id == 1
+    assert list(dm.vocab.tokens) == VOCAB and dm.vocab_size == 16 and dm.pad_id == 1
     for split, data in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
         np.testing.assert_array_equal(dm.stream(split), ids(data))
     # "<unk>" in the text and the unseen "zebra" are the special; the literal is no entry of its own

@@ -310,11 +310,10 @@ def test_gather_to_all_is_the_identity_without_a_process_group(monkeypatch):
 def test_generate_decodes_hypotheses_and_references_of_each_sentence(monkeypatch):
     config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
     module = Translator(config)
-    data = SimpleNamespace(decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist()))
-    module._trainer = SimpleNamespace(datamodule=data)
+    module.vocab = SimpleNamespace(decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist()))
     found = [torch.tensor([5, 6]), torch.tensor([7])]
     masks = []
-    monkeypatch.setattr(module, "translate", lambda src, src_mask: masks.append(src_mask) or found)
+    monkeypatch.setattr(module, "generate", lambda src, src_mask: masks.append(src_mask) or found)
     batch = {"ids": torch.tensor([9, 4]), "src": torch.zeros(2, 3), "src_mask": torch.ones(2, 3, dtype=torch.bool),
              "tgt_out": torch.tensor([[3, 4], [5, 2]])}
     rows = module._generate("test", batch)

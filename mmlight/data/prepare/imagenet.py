@@ -26,6 +26,7 @@ from PIL import Image
 from mmlight.data.prepare import require
 from mmlight.data.shard_writer import Skipped, plan_shards, write_shards
 from mmlight.data.shards import write_info
+from mmlight.data.vocab import ClassMap
 
 NEEDS_SRC = True
 #: Images per shard: ~110 MB shards on ImageNet, 1,282 for the training set.
@@ -103,9 +104,8 @@ def prepare(src: Path, out: Path, workers: int) -> dict:
     train_items = [(str(p), index[wnid]) for wnid, paths in train.items() for p in paths]
     random.Random(0).shuffle(train_items)
     splits = {"train": train_items, "val": _val_items(src, index)}
-    info = {"dataset": "imagenet", "classes": classes, "splits": {}}
+    info = {"dataset": "imagenet", **ClassMap(classes).to_dict(), "splits": {}}
     for split, items in splits.items():
         jobs = plan_shards(split, items, SAMPLES_PER_SHARD)
         info["splits"][split] = write_shards(jobs, out, make_sample, workers, desc=f"imagenet {split}")
-    write_info(out, info)
-    return info
+    return write_info(out, info)

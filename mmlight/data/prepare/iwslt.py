@@ -333,7 +333,8 @@ def prepare_iwslt(src: Path, out: Path, workers: int = 1, merges: int = BPE_MERG
         tokenised, skipped, stats = _read_raw_cached(src, out, workers)
         codes = learn_joint_bpe(tokenised["train"], out, merges)
         merges_used = merges
-        texts = {split: tuple(_parallel(_bpe_chunk, str(codes), side, workers) for side in sides)
+        codes_text = codes.read_text(encoding="utf-8")
+        texts = {split: tuple(_parallel(_bpe_chunk, codes_text, side, workers) for side in sides)
                  for split, sides in tokenised.items()}
     return write_translation_shards(texts, out, layout=layout, bpe_merges=merges_used, skipped=skipped,
                                     cleaning=stats, samples_per_shard=samples_per_shard, workers=workers)

@@ -37,9 +37,10 @@ form a shard ``{split}-{i:06d}.tar``, so the stream is the concatenation of the 
 
 ``_info.json``::
 
-    {"dataset": "wikitext103", "vocab_file": "vocab.txt", "vocab_size": V,
-     "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3}, "eos_per_line": true,
-     "chunk_tokens": 65536,
+    {"version": 2, "dataset": "wikitext103",
+     "vocab": {"file": "vocab.txt", "format": "lines", "size": V,
+               "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3}, "tokenizer": {"moses": false, ...}},
+     "eos_per_line": true, "chunk_tokens": 65536,
      "splits": {"train": {"num_tokens": ..., "num_lines": ..., "num_samples": ..., "num_skipped": ...,
                           "skipped": [{"path": "src/wiki.train.tokens:17", "reason": ...}],
                           "shards": [...]},
@@ -54,7 +55,6 @@ finished shards through :func:`~mmlight.data.shard_writer.write_shards`. The spe
 from __future__ import annotations
 
 import io
-import json
 import logging
 from array import array
 from pathlib import Path
@@ -63,8 +63,8 @@ import numpy as np
 
 from mmlight.data.prepare import require
 from mmlight.data.shard_writer import ShardJob, Skipped, write_shards
-from mmlight.data.shards import INFO_FILE, write_info
-from mmlight.data.vocab import EOS_ID, SPECIAL_IDS, SPECIALS, UNK_ID, save_vocab
+from mmlight.data.shards import write_info
+from mmlight.data.vocab import EOS_ID, SPECIALS, UNK_ID, save_vocab, vocab_entry
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +197,6 @@ def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TO
         splits[split] = {"num_tokens": len(ids), "num_lines": num_lines, **entry}
         log.info("%s %s: %d lines, %d tokens, %d lines skipped", DATASET, split, num_lines, len(ids),
                  entry["num_skipped"])
-    info = {"dataset": DATASET, "vocab_file": VOCAB_FILE, "vocab_size": len(vocab),
-            "special_ids": dict(SPECIAL_IDS), "eos_per_line": True, "chunk_tokens": chunk_tokens,
-            "splits": splits}
-    info_path = out / INFO_FILE
-    if not (info_path.is_file() and json.loads(info_path.read_text()) == json.loads(json.dumps(info))):
-        write_info(out, info)  # a verified rerun leaves the identical _info.json untouched
-    return info
+    info = {"dataset": DATASET, "vocab": vocab_entry(VOCAB_FILE, "lines", len(vocab)), "eos_per_line": True,
+            "chunk_tokens": chunk_tokens, "splits": splits}
+    return write_info(out, info)  # a verified rerun leaves the identical _info.json untouched

@@ -1,0 +1,270 @@
+"""The Python API of trained models: a checkpoint written by ``mmlight fit`` carries its vocabulary (or
+class names and evaluation transform), and ``translate``, ``score`` and ``classify`` on the loaded
+checkpoint alone give what the CLI's own ``predict``, ``test`` and ``validate`` give. A checkpoint
+written without them gets a message that says how to attach the data."""
+
+import io
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmlight.cli import build_cli, main
+from mmlight.data import DigitsDataModule, ToyTranslationDataModule, WikiTextDataModule, read_info
+from mmlight.data.shards import group_samples, iter_tar, split_urls
+from mmlight.data.vocab import SPECIALS, Vocab
+from mmlight.models import TransformerConfig
+from mmlight.models.beam_search import BeamSearchConfig
+from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+from mmlight.tasks.inference import CHECKPOINT_KEY
+from tests.text_fixtures import FIXTURE_BATCHES
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart"
+
+
+def run(args: list[str], build: bool = False):
+    """``mmlight <args>`` in this process (``build``: return the CLI object, to read its metrics).
+    LightningCLI warns when it gets args while sys.argv holds pytest's own arguments."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["mmlight"])
+        return build_cli(args) if build else main(args)
+
+
+def last_checkpoint(runs: Path, name: str) -> Path:
+    return runs / name / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def without_data(checkpoint: Path, out: Path) -> Path:
+    """A copy of ``checkpoint`` as mmlight wrote it before checkpoints kept the data's vocabulary."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    del state[CHECKPOINT_KEY]
+    torch.save(state, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- translation
+
+@pytest.fixture(scope="module")
+def nmt(tmp_path_factory):
+    """A translation quick-start checkpoint (a small corpus, 10 steps) and the options that ran it."""
+    tmp = tmp_path_factory.mktemp("nmt")
+    common = ["--config", str(QUICKSTART / "nmt_multimax.yaml"), "--data.init_args.cache_dir", str(tmp / "toy"),
+              "--data.init_args.train_size", "400", "--data.init_args.valid_size", "8",
+              "--data.init_args.test_size", "8", "--trainer.logger.init_args.save_dir", str(tmp / "runs")]
+    run(["fit", *common, "--trainer.max_steps", "10", "--trainer.limit_val_batches", "1"])
+    return tmp, common, last_checkpoint(tmp / "runs", "nmt_multimax")
+
+
+SENTENCES = ["Heute sieht der alte Hund den Fisch.", "der koch , weil er den arzt fragt .", "",
+             "Mein roter Vogel findet einen blauen Fisch, obwohl es morgen den König ruft."]
+
+
+def cli_predict(nmt, *options: str) -> list[str]:
+    tmp, common, checkpoint = nmt
+    src_file, out = tmp / "input.de", tmp / f"hyps{len(options)}"
+    src_file.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    run(["predict", *common, "--ckpt_path", str(checkpoint), "--data.init_args.src_file", str(src_file),
+          "--model.init_args.output_dir", str(out), *options])
+    return (out / "predict.hyp").read_text(encoding="utf-8").splitlines()
+
+
+@pytest.mark.slow
+def test_translate_gives_what_mmlight_predict_writes(nmt):
+    translator = Translator.load_from_checkpoint(nmt[2], map_location="cpu")
+    assert translator.translate(SENTENCES) == cli_predict(nmt)
+    assert translator.beam.beam_size == 5  # the config's; another one for this call only
+    greedy = translator.translate(SENTENCES, beam=BeamSearchConfig(beam_size=1, max_len_a=1.2, max_len_b=10))
+    assert greedy == cli_predict(nmt, "--model.init_args.beam.beam_size", "1")
+    assert translator.translate([]) == []
+
+
+@pytest.mark.slow
+def test_the_checkpoint_alone_encodes_like_the_data(nmt):
+    tmp, _, checkpoint = nmt
+    data = ToyTranslationDataModule(cache_dir=str(tmp / "toy"), train_size=400, valid_size=8, test_size=8)
+    vocab = Translator.load_from_checkpoint(checkpoint, map_location="cpu").vocab
+    assert vocab == data.vocab  # tokens, special ids, Moses and the BPE codes themselves
+    for line in SENTENCES:
+        assert vocab.encode(line) == data.encode(line)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_the_vocabulary_says_how_to_attach_it(nmt, tmp_path):
+    tmp, _, checkpoint = nmt
+    old = Translator.load_from_checkpoint(without_data(checkpoint, tmp_path / "old.ckpt"), map_location="cpu")
+    with pytest.raises(RuntimeError, match=r"no vocabulary: its checkpoint was written before .*use_data\("):
+        old.translate(SENTENCES)
+    old.use_data(ToyTranslationDataModule(cache_dir=str(tmp / "toy"), train_size=400, valid_size=8, test_size=8))
+    new = Translator.load_from_checkpoint(checkpoint, map_location="cpu")
+    assert old.translate(SENTENCES) == new.translate(SENTENCES)
+
+
+def tiny_translator() -> Translator:
+    """An untrained translator with a whitespace vocabulary of ten words."""
+    vocab = Vocab(SPECIALS + tuple(f"w{i}" for i in range(10)))
+    config = TransformerConfig(vocab_size=len(vocab), d_model=8, n_heads=2, ffn_dim=8, n_layers=1,
+                               n_encoder_layers=1, max_positions=16)
+    translator = Translator(config)
+    translator.use_data(SimpleNamespace(vocab=vocab))
+    return translator
+
+
+def test_bad_input_to_translate_is_named():
+    translator = tiny_translator()
+    with pytest.raises(TypeError, match="list of sentences"):
+        translator.translate("w1 w2")
+    with pytest.raises(ValueError, match="sentence 1 has 21 tokens .* max_positions=16"):
+        translator.translate(["w1 w2", " ".join(["w3"] * 20)])
+    with pytest.raises(ValueError, match="the data's vocabulary has 4 tokens but model.vocab_size is 14"):
+        translator.use_data(SimpleNamespace(vocab=Vocab(SPECIALS)))
+
+
+def test_a_checkpoint_of_other_data_is_refused():
+    translator = tiny_translator()
+    state = translator.data_state()
+    tokens = state["vocab"]["tokens"]
+    tokens[5], tokens[6] = tokens[6], tokens[5]
+    with pytest.raises(ValueError, match=f"id 5 is {tokens[5]!r} there, {tokens[6]!r} here"):
+        translator.load_data_state(state)
+
+
+# ----------------------------------------------------------------------------- language model
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """A tiny WikiText-103 language model (the paper's config at toy size, 2 steps on the fixture
+    shards) and its ``mmlight test`` metrics."""
+    from mmlight.data.prepare.wikitext import prepare
+    from tests.data.test_wikitext import write_raw
+
+    tmp = tmp_path_factory.mktemp("lm")
+    raw = write_raw(tmp / "raw")
+    prepare(raw, tmp / "shards", workers=1)
+    common = ["--config", str(ROOT / "configs" / "lm_wikitext103_multimax.yaml"), "--trainer.accelerator", "cpu",
+              "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
+              "--trainer.logger.init_args.save_dir", str(tmp / "runs"), "--data.init_args.root", str(tmp / "shards"),
+              "--data.init_args.num_workers", "0", *FIXTURE_BATCHES["wikitext103"],
+              "--model.init_args.model.d_model", "16", "--model.init_args.model.n_heads", "2",
+              "--model.init_args.model.ffn_dim", "32", "--model.init_args.model.n_layers", "1",
+              "--model.init_args.model.max_positions", "16", "--model.init_args.warmup_steps", "1"]
+    run(["fit", *common, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
+    checkpoint = last_checkpoint(tmp / "runs", "lm_wikitext103_multimax")
+    metrics = run(["test", *common, "--ckpt_path", str(checkpoint)], build=True).trainer.callback_metrics
+    return raw, checkpoint, {k: v.item() for k, v in metrics.items()}
+
+
+def test_scores_of_a_split_give_mmlight_test_s_perplexity(lm):
+    raw, checkpoint, metrics = lm
+    lines = (raw / "wiki.test.tokens").read_text(encoding="utf-8").splitlines()
+    model = LanguageModel.load_from_checkpoint(checkpoint, map_location="cpu")
+    # the data config's windows: 8 tokens, 4 of context (FIXTURE_BATCHES)
+    scores = model.score(lines, block_size=8, context=4, joined=True)
+    tokens = sum(s.tokens for s in scores)
+    split = read_info(checkpoint.parents[4] / "shards")["splits"]["test"]
+    assert tokens == metrics["test/tokens"] == split["num_tokens"]
+    assert math.exp(-sum(s.log_prob for s in scores) / tokens) == pytest.approx(metrics["test/ppl"], rel=1e-5)
+
+
+def test_a_text_scored_alone_is_its_tokens_predicted_from_end_of_line(lm):
+    """Reference: one forward pass over ``</s>`` + the text, in float64, without windows."""
+    _, checkpoint, _ = lm
+    model = LanguageModel.load_from_checkpoint(checkpoint, map_location="cpu").eval()
+    texts = ["the game is a game of the series", "zebra <unk> game", ""]
+    for text, score in zip(texts, model.score(texts)):
+        ids = model.vocab.encode(text) + [model.vocab.eos_id]
+        with torch.no_grad():
+            logits = model(torch.tensor([[model.vocab.eos_id] + ids[:-1]]))[0].double()  # (T, V)
+        expected = logits.log_softmax(-1)[torch.arange(len(ids)), torch.tensor(ids)].sum().item()
+        assert score.tokens == len(ids) and score.log_prob == pytest.approx(expected, rel=1e-5)
+    # a text longer than the window is scored in windows, every token once
+    long = " ".join(["game"] * 30)
+    assert model.score([long], block_size=8, context=4)[0].tokens == 31
+
+
+def test_score_stops_on_a_window_over_the_model_s_positions(lm):
+    model = LanguageModel.load_from_checkpoint(lm[1], map_location="cpu")
+    with pytest.raises(ValueError, match="block_size=32 is over the model's max_positions=16"):
+        model.score(["game"], block_size=32)
+    with pytest.raises(TypeError, match="list of texts"):
+        model.score("game")
+
+
+def test_an_lm_checkpoint_without_the_vocabulary_says_so(lm, tmp_path):
+    old = LanguageModel.load_from_checkpoint(without_data(lm[1], tmp_path / "old.ckpt"), map_location="cpu")
+    with pytest.raises(RuntimeError, match=r"no vocabulary: .*use_data\(WikiTextDataModule"):
+        old.score(["game"])
+    old.use_data(WikiTextDataModule(str(lm[1].parents[4] / "shards")))
+    assert old.score(["game"]) == LanguageModel.load_from_checkpoint(lm[1], map_location="cpu").score(["game"])
+
+
+# ----------------------------------------------------------------------------- image classifier
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """A digits quick-start checkpoint (one short epoch) and its ``mmlight validate`` metrics."""
+    tmp = tmp_path_factory.mktemp("digits")
+    common = ["--config", str(QUICKSTART / "digits_softmax.yaml"), "--data.init_args.cache_dir", str(tmp / "cache"),
+              "--trainer.logger.init_args.save_dir", str(tmp / "runs")]
+    run(["fit", *common, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "8",
+          "--trainer.limit_val_batches", "1"])
+    checkpoint = last_checkpoint(tmp / "runs", "digits_softmax")
+    metrics = run(["validate", *common, "--ckpt_path", str(checkpoint)], build=True).trainer.callback_metrics
+    return tmp, checkpoint, {k: v.item() for k, v in metrics.items()}
+
+
+def validation_images(cache: Path) -> tuple[list[bytes], list[int]]:
+    """The PNG bytes and labels of the digits validation split, read from its shards."""
+    samples = [s for url in split_urls(cache, read_info(cache), "val") for s in group_samples(iter_tar(url), url)]
+    return [s["png"] for s in samples], [int(s["cls"]) for s in samples]
+
+
+def test_classify_gives_mmlight_validate_s_accuracy_and_loss(digits, tmp_path):
+    tmp, checkpoint, metrics = digits
+    pngs, labels = validation_images(tmp / "cache")
+    assert len(pngs) == 359
+    # half as files, half as PIL images
+    paths = []
+    for i, png in enumerate(pngs[:180]):
+        paths.append(tmp_path / f"{i}.png")
+        paths[-1].write_bytes(png)
+    images = paths + [Image.open(io.BytesIO(png)) for png in pngs[180:]]
+    classifier = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu")
+    ranked = classifier.classify(images, top_k=10)
+    names = [str(label) for label in labels]
+    top1 = np.mean([r[0][0] == name for r, name in zip(ranked, names)])
+    assert top1 == pytest.approx(metrics["val/top1"], abs=1e-6)
+    nll = np.mean([-math.log(dict(r)[name]) for r, name in zip(ranked, names)])
+    assert nll == pytest.approx(metrics["val/loss"], rel=1e-5)
+    assert all(len(r) == 10 and abs(sum(p for _, p in r) - 1) < 1e-5 for r in ranked)
+    for short, full in zip(classifier.classify(images[:2], top_k=3), ranked):
+        assert [name for name, _ in short] == [name for name, _ in full[:3]]
+        assert [p for _, p in short] == pytest.approx([p for _, p in full[:3]], rel=1e-6)
+
+
+def test_classify_names_what_it_cannot_take(digits, tmp_path):
+    _, checkpoint, _ = digits
+    classifier = ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu")
+    with pytest.raises(TypeError, match="image 1 is a int"):
+        classifier.classify([Image.new("L", (8, 8)), 3])
+    with pytest.raises(TypeError, match="list of images"):
+        classifier.classify("digit.png")
+    with pytest.raises(FileNotFoundError, match="no_such.png"):
+        classifier.classify([tmp_path / "no_such.png"])
+    grey, colour = Image.new("L", (8, 8), 200), Image.new("RGB", (8, 8), (200, 200, 200))
+    assert classifier.classify([grey]) == classifier.classify([colour])  # converted to the config's channels
+
+
+def test_a_classifier_checkpoint_without_class_names_says_so(digits, tmp_path):
+    tmp, checkpoint, _ = digits
+    old = ImageClassifier.load_from_checkpoint(without_data(checkpoint, tmp_path / "old.ckpt"), map_location="cpu")
+    with pytest.raises(RuntimeError, match=r"no class names and image transforms: .*use_data\("):
+        old.classify([Image.new("L", (8, 8))])
+    old.use_data(DigitsDataModule(cache_dir=str(tmp / "cache")))
+    image = [Image.new("L", (8, 8), 90)]
+    assert old.classify(image) == ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").classify(image)
