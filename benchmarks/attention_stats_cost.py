@@ -20,9 +20,13 @@ import json
 import platform
 from pathlib import Path
 
-
-TAGS = ("attention/seconds", "attention/final_wait_seconds", "attention/reduce_seconds", "attention/figure_seconds",
-        "attention/validation_seconds")
+TAGS = (
+    "attention/seconds",
+    "attention/final_wait_seconds",
+    "attention/reduce_seconds",
+    "attention/figure_seconds",
+    "attention/validation_seconds",
+)
 
 
 def read_run(run_dir: Path) -> dict[str, list[float]]:
@@ -59,24 +63,38 @@ def main() -> None:
         v = read_run(run)
         callback = sum(v["attention/seconds"]) + sum(v["attention/final_wait_seconds"])
         validation = sum(v["attention/validation_seconds"])
-        records.append({"run": str(run), "validation_epochs": len(v["attention/validation_seconds"]),
-                        "recordings": len(v["attention/seconds"]), "validation_seconds": validation,
-                        "callback_seconds": callback, "recording_seconds": sum(v["attention/seconds"]),
-                        "final_wait_seconds": sum(v["attention/final_wait_seconds"]),
-                        "reduce_seconds": sum(v["attention/reduce_seconds"]),
-                        "figure_seconds": sum(v["attention/figure_seconds"]),
-                        "ratio": callback / validation})
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "lightning": lightning.__version__,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1_5_15_min": os.getloadavg()}
+        records.append(
+            {
+                "run": str(run),
+                "validation_epochs": len(v["attention/validation_seconds"]),
+                "recordings": len(v["attention/seconds"]),
+                "validation_seconds": validation,
+                "callback_seconds": callback,
+                "recording_seconds": sum(v["attention/seconds"]),
+                "final_wait_seconds": sum(v["attention/final_wait_seconds"]),
+                "reduce_seconds": sum(v["attention/reduce_seconds"]),
+                "figure_seconds": sum(v["attention/figure_seconds"]),
+                "ratio": callback / validation,
+            }
+        )
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_1_5_15_min": os.getloadavg(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "runs": records}, indent=1) + "\n")
     for r in records:
-        print(f"{r['run']}: {r['recordings']} recording(s) in {r['validation_epochs']} validation epochs: "
-              f"loop waited {r['callback_seconds']:.3f} s (recording {r['recording_seconds']:.3f} s, final wait "
-              f"{r['final_wait_seconds']:.3f} s; off the loop: reducing {r['reduce_seconds']:.3f} s, drawing "
-              f"{r['figure_seconds']:.2f} s) against validation "
-              f"{r['validation_seconds']:.2f} s = {100 * r['ratio']:.1f}%")
+        print(
+            f"{r['run']}: {r['recordings']} recording(s) in {r['validation_epochs']} validation epochs: "
+            f"loop waited {r['callback_seconds']:.3f} s (recording {r['recording_seconds']:.3f} s, final wait "
+            f"{r['final_wait_seconds']:.3f} s; off the loop: reducing {r['reduce_seconds']:.3f} s, drawing "
+            f"{r['figure_seconds']:.2f} s) against validation "
+            f"{r['validation_seconds']:.2f} s = {100 * r['ratio']:.1f}%"
+        )
 
 
 if __name__ == "__main__":

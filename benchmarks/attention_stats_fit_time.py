@@ -24,8 +24,17 @@ CALLBACK = "--trainer.callbacks+=mmlight.callbacks.AttentionStats"
 
 def timed_fit(config: str, extra: list[str], save_dir: str) -> float:
     """Seconds of one ``mmlight fit`` subprocess (interpreter start and imports included)."""
-    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", config,
-               "--trainer.logger.init_args.save_dir", save_dir, *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "mmlight.cli",
+        "fit",
+        "--config",
+        config,
+        "--trainer.logger.init_args.save_dir",
+        save_dir,
+        *extra,
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True)
     return time.perf_counter() - start
@@ -35,8 +44,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--pairs", type=int, default=3, help="runs with and without, alternating")
-    parser.add_argument("--callback_args", nargs=argparse.REMAINDER, default=[],
-                        help="options for the callback, e.g. --trainer.callbacks.figures off")
+    parser.add_argument(
+        "--callback_args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="options for the callback, e.g. --trainer.callbacks.figures off",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     without, with_callback = [], []
@@ -45,15 +58,24 @@ def main() -> None:
             without.append(timed_fit(args.config, [], runs))
             with_callback.append(timed_fit(args.config, [CALLBACK, *args.callback_args], runs))
     differences = [w - o for w, o in zip(with_callback, without)]
-    record = {"config": args.config, "callback_args": args.callback_args, "without_s": without,
-              "with_s": with_callback, "paired_difference_s": differences,
-              "mean_difference_s": statistics.mean(differences),
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1_5_15_min": os.getloadavg()}
+    record = {
+        "config": args.config,
+        "callback_args": args.callback_args,
+        "without_s": without,
+        "with_s": with_callback,
+        "paired_difference_s": differences,
+        "mean_difference_s": statistics.mean(differences),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_1_5_15_min": os.getloadavg(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{args.config} {' '.join(args.callback_args)}: with - without = "
-          + ", ".join(f"{d:+.2f} s" for d in differences) + f" (mean {record['mean_difference_s']:+.2f} s; "
-          f"fits without: {min(without):.1f}-{max(without):.1f} s)")
+    print(
+        f"{args.config} {' '.join(args.callback_args)}: with - without = "
+        + ", ".join(f"{d:+.2f} s" for d in differences)
+        + f" (mean {record['mean_difference_s']:+.2f} s; "
+        f"fits without: {min(without):.1f}-{max(without):.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,19 +60,33 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import default_collate
 
 from mmlight.data import ImageAugment, ImageShardDataModule
-from mmlight.data.image_decode import (AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, open_image,
-                                       pillow_build)
+from mmlight.data.image_decode import (
+    AugmentGroup,
+    NormalizedBatches,
+    SplitTransform,
+    Uint8Batches,
+    open_image,
+    pillow_build,
+)
+from mmlight.data.images import ImageStream
 from mmlight.data.on_device import normalized_batch
 from mmlight.data.prepare import prepare
-from mmlight.data.images import ImageStream
 from mmlight.data.shards import MemberReader, iter_tar, read_info, split_urls
 from mmlight.data.skips import SkipCounter
-from mmlight.data.streaming import (RankRandom, ResumableLoader, StreamDataset, batched, resampled_samples,
-                                    shuffled)
+from mmlight.data.streaming import RankRandom, ResumableLoader, StreamDataset, batched, resampled_samples, shuffled
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEIT = ImageAugment(image_size=224, channels=3, scale=(0.08, 1.0), hflip=0.5, auto_augment="rand-m9-mstd0.5-inc1",
-                    color_jitter=0.3, re_prob=0.25, interpolation="bicubic", crop_pct=0.875)
+DEIT = ImageAugment(
+    image_size=224,
+    channels=3,
+    scale=(0.08, 1.0),
+    hflip=0.5,
+    auto_augment="rand-m9-mstd0.5-inc1",
+    color_jitter=0.3,
+    re_prob=0.25,
+    interpolation="bicubic",
+    crop_pct=0.875,
+)
 STAGES = ("read", "decode", "augment", "collate", "transfer")
 
 
@@ -97,7 +111,7 @@ def photo_like(rng: np.random.Generator, width: int, height: int) -> Image.Image
         grid_w = max(2, width * cells // max(width, height)) + 1
         noise = rng.normal(0, 1, (grid_h, grid_w, 3)).astype(np.float32)
         up = [np.asarray(Image.fromarray(noise[..., c]).resize((width, height), Image.BICUBIC)) for c in range(3)]
-        field += np.stack(up, -1) * 0.6 ** octave
+        field += np.stack(up, -1) * 0.6**octave
     field = field @ (rng.normal(0, 0.4, (3, 3)) + np.eye(3)).T.astype(np.float32)
     field = (field - field.mean()) / (field.std() + 1e-6) * 45 + rng.uniform(90, 160, 3)
     image = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8))
@@ -127,10 +141,14 @@ def write_fake_imagenet(root: Path, images: int, classes: int = 10, seed: int = 
             (folder / f"{wnid}_{i}.JPEG").write_bytes(buf.getvalue())
             sizes.append(size)
             nbytes.append(len(buf.getvalue()))
-    return {"images": images, "mean_width": round(float(np.mean([w for w, _ in sizes])), 1),
-            "mean_height": round(float(np.mean([h for _, h in sizes])), 1),
-            "mean_kib": round(float(np.mean(nbytes)) / 1024, 1), "seed": seed,
-            "how": "bench_loader.photo_like at bench_loader.imagenet_size, JPEG quality 90"}
+    return {
+        "images": images,
+        "mean_width": round(float(np.mean([w for w, _ in sizes])), 1),
+        "mean_height": round(float(np.mean([h for _, h in sizes])), 1),
+        "mean_kib": round(float(np.mean(nbytes)) / 1024, 1),
+        "seed": seed,
+        "how": "bench_loader.photo_like at bench_loader.imagenet_size, JPEG quality 90",
+    }
 
 
 # --- per-stage split of one worker's time ---------------------------------------------------------
@@ -189,8 +207,9 @@ def stage_times_imagefolder(files: list[Path], samples: int, batch_size: int, co
     return clock.seconds
 
 
-def stage_times_shards(urls: list[str], samples: int, batch_size: int, copies: int, draft: bool,
-                       uint8: bool = False) -> dict:
+def stage_times_shards(
+    urls: list[str], samples: int, batch_size: int, copies: int, draft: bool, uint8: bool = False
+) -> dict:
     """Seconds per stage for mmlight: tar read, crop draw and (reduced) decode, crops and PIL ops,
     the batch written in shared memory (convert, normalise, erase; or with ``uint8`` the pixels
     copied and the erasing boxes drawn), transfer; with ``uint8`` also ``device``: the on-device
@@ -237,14 +256,27 @@ class RepeatedIndices(torch.utils.data.Sampler):
 
 def folder_loader(raw: Path, batch_size: int, workers: int, copies: int):
     dataset = torchvision.datasets.ImageFolder(str(raw / "train"), transform=DEIT.build(train=True))
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=RepeatedIndices(len(dataset), copies),
-                                       num_workers=workers, drop_last=True, persistent_workers=workers > 0)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=RepeatedIndices(len(dataset), copies),
+        num_workers=workers,
+        drop_last=True,
+        persistent_workers=workers > 0,
+    )
 
 
 def shard_loader(shards: Path, batch_size: int, workers: int, copies: int, draft: bool = True, uint8: bool = False):
-    dm = ImageShardDataModule(str(shards), batch_size=batch_size, num_workers=workers, augment=DEIT,
-                              shuffle_buffer=500, repeated_augmentation=copies, draft_decode=draft,
-                              normalize_on_device=uint8)
+    dm = ImageShardDataModule(
+        str(shards),
+        batch_size=batch_size,
+        num_workers=workers,
+        augment=DEIT,
+        shuffle_buffer=500,
+        repeated_augmentation=copies,
+        draft_decode=draft,
+        normalize_on_device=uint8,
+    )
     return dm.train_dataloader()
 
 
@@ -314,9 +346,15 @@ def measure(loader, samples: int) -> tuple[float, float | None]:
 
 def versions() -> dict:
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    return {"device": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "torchvision": torchvision.__version__, "timm": timm.__version__, "pillow": pillow_build(),
-            "webdataset": getattr(wds, "__version__", "?")}
+    return {
+        "device": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "timm": timm.__version__,
+        "pillow": pillow_build(),
+        "webdataset": getattr(wds, "__version__", "?"),
+    }
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -340,6 +378,7 @@ def main(argv: list[str] | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     common = {**versions(), "batch_size": args.batch_size, "seed": args.seed}
     with tempfile.TemporaryDirectory() as tmp, out.open("a") as sink:
+
         def emit(record: dict) -> None:
             record = {**record, **common}
             sink.write(json.dumps(record) + "\n")
@@ -354,35 +393,63 @@ def main(argv: list[str] | None = None) -> Path:
         urls = split_urls(shards, read_info(shards), "train")
         files = sorted((raw / "train").rglob("*.JPEG"))
         for copies in sorted({1, args.copies}):
-            splits = {"ImageFolder": lambda: stage_times_imagefolder(files, args.stage_samples, args.batch_size, copies),
-                      "shards": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies, True),
-                      "shards, uint8": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies,
-                                                                  True, uint8=True)}
+            splits = {
+                "ImageFolder": lambda: stage_times_imagefolder(files, args.stage_samples, args.batch_size, copies),
+                "shards": lambda: stage_times_shards(urls, args.stage_samples, args.batch_size, copies, True),
+                "shards, uint8": lambda: stage_times_shards(
+                    urls, args.stage_samples, args.batch_size, copies, True, uint8=True
+                ),
+            }
             runs = {name: [] for name in splits}
             for _ in range(args.repeats):  # alternate, as for the loaders; the median per stage counts
                 for name, run in splits.items():
                     runs[name].append(run())
             for name, seconds in runs.items():
-                per_sample = {k: round(statistics.median(r[k] for r in seconds) / args.stage_samples * 1e3, 3)
-                              for k in STAGES}
-                emit({"op": "stage_ms_per_sample", "backend": name, "copies": copies, "samples": args.stage_samples,
-                      "repeats": args.repeats, **per_sample, "total": round(sum(per_sample.values()), 3)})
+                per_sample = {
+                    k: round(statistics.median(r[k] for r in seconds) / args.stage_samples * 1e3, 3) for k in STAGES
+                }
+                emit(
+                    {
+                        "op": "stage_ms_per_sample",
+                        "backend": name,
+                        "copies": copies,
+                        "samples": args.stage_samples,
+                        "repeats": args.repeats,
+                        **per_sample,
+                        "total": round(sum(per_sample.values()), 3),
+                    }
+                )
                 if name == "shards, uint8":  # the main process's step after the transfer, here on the CPU
                     device = statistics.median(r["device"] for r in seconds) / args.stage_samples * 1e3
-                    emit({"op": "device_step_ms_per_sample", "backend": name, "copies": copies, "on": "cpu",
-                          "threads": torch.get_num_threads(), "samples": args.stage_samples,
-                          "repeats": args.repeats, "ms": round(device, 3)})
+                    emit(
+                        {
+                            "op": "device_step_ms_per_sample",
+                            "backend": name,
+                            "copies": copies,
+                            "on": "cpu",
+                            "threads": torch.get_num_threads(),
+                            "samples": args.stage_samples,
+                            "repeats": args.repeats,
+                            "ms": round(device, 3),
+                        }
+                    )
         for workers in args.workers:
             loaders = {
                 ("ImageFolder", 1): lambda: folder_loader(raw, args.batch_size, workers, 1),
                 ("ImageFolder", args.copies): lambda: folder_loader(raw, args.batch_size, workers, args.copies),
                 ("shards, per-copy decode", 1): lambda: per_copy_shard_loader(shards, args.batch_size, workers, 1),
-                ("shards, per-copy decode", args.copies): lambda: per_copy_shard_loader(shards, args.batch_size, workers, args.copies),
+                ("shards, per-copy decode", args.copies): lambda: per_copy_shard_loader(
+                    shards, args.batch_size, workers, args.copies
+                ),
                 ("shards", 1): lambda: shard_loader(shards, args.batch_size, workers, 1),
                 ("shards", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies),
-                ("shards, no draft", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies, draft=False),
+                ("shards, no draft", args.copies): lambda: shard_loader(
+                    shards, args.batch_size, workers, args.copies, draft=False
+                ),
                 ("shards, uint8", 1): lambda: shard_loader(shards, args.batch_size, workers, 1, uint8=True),
-                ("shards, uint8", args.copies): lambda: shard_loader(shards, args.batch_size, workers, args.copies, uint8=True),
+                ("shards, uint8", args.copies): lambda: shard_loader(
+                    shards, args.batch_size, workers, args.copies, uint8=True
+                ),
             }
             runs = {key: [] for key in loaders}
             for _ in range(args.repeats):  # alternate, so a busy moment hits all alike
@@ -391,12 +458,21 @@ def main(argv: list[str] | None = None) -> Path:
             rates = {key: statistics.median(r for r, _ in values) for key, values in runs.items()}
             for (name, copies), rate in rates.items():
                 peaks = [p for _, p in runs[(name, copies)] if p is not None]
-                emit({"op": "image_loader_deit_train", "backend": name, "copies": copies, "workers": workers,
-                      "samples": args.samples, "repeats": args.repeats, "samples_per_s": round(rate, 1),
-                      "samples_per_s_per_worker": round(rate / max(workers, 1), 1),
-                      "ratio_to_imagefolder": round(rate / rates[("ImageFolder", copies)], 3),
-                      "ratio_to_per_copy_shards": round(rate / rates[("shards, per-copy decode", copies)], 3),
-                      "peak_rss_mib_per_worker": max(peaks) if peaks else None})
+                emit(
+                    {
+                        "op": "image_loader_deit_train",
+                        "backend": name,
+                        "copies": copies,
+                        "workers": workers,
+                        "samples": args.samples,
+                        "repeats": args.repeats,
+                        "samples_per_s": round(rate, 1),
+                        "samples_per_s_per_worker": round(rate / max(workers, 1), 1),
+                        "ratio_to_imagefolder": round(rate / rates[("ImageFolder", copies)], 3),
+                        "ratio_to_per_copy_shards": round(rate / rates[("shards, per-copy decode", copies)], 3),
+                        "peak_rss_mib_per_worker": max(peaks) if peaks else None,
+                    }
+                )
     return out
 
 

@@ -29,21 +29,28 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mmlight.models import ReweightedViT, ViTConfig
-from mmlight.reweighting import ReweightingSpec
 from mmlight.nn import attention
-from mmlight.reweighting import MultiMax, Softmax
+from mmlight.reweighting import MultiMax, ReweightingSpec, Softmax
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: HBM peak in GB/s by device-name fragment (vendor datasheets); override with --peak-gbps.
-PEAK_GBPS = {"H200": 4800.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0,
-             "A100-SXM4-40GB": 1555.0, "A100-PCIE": 1555.0, "L40S": 864.0, "A10G": 600.0}
+PEAK_GBPS = {
+    "H200": 4800.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100-SXM4-40GB": 1555.0,
+    "A100-PCIE": 1555.0,
+    "L40S": 864.0,
+    "A10G": 600.0,
+}
 BACKENDS = ["reference", "compile", "triton"]  # --backends narrows it
 
 
@@ -114,9 +121,13 @@ def guarded(measure: Callable[[], dict], also: type[Exception] | None = None) ->
     except torch.OutOfMemoryError as err:
         torch.cuda.empty_cache()
         return {"fwd_ms": None, "bwd_ms": None, "peak_mem_mb": None, "error": f"out of memory: {str(err)[:120]}"}
-    except also or () as err:
-        return {"fwd_ms": None, "bwd_ms": None, "peak_mem_mb": None,
-                "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"}
+    except also or () as err:  # noqa: B030 (also: a tuple of exception classes, none by default)
+        return {
+            "fwd_ms": None,
+            "bwd_ms": None,
+            "peak_mem_mb": None,
+            "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}",
+        }
 
 
 def bent_multimax(backend: str, device: torch.device, order: int = 2) -> MultiMax:
@@ -134,13 +145,23 @@ def bent_multimax(backend: str, device: torch.device, order: int = 2) -> MultiMa
 def bench_rowwise(shape, dtype, device, reps) -> list[dict]:
     """softmax (torch) as the bandwidth baseline, then MultiMax on every backend."""
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    candidates = {"torch.softmax": lambda: torch.softmax(x, dim=-1),
-                  "softmax/triton": (lambda s: lambda: s(x))(Softmax(backend="triton"))}
+    candidates = {
+        "torch.softmax": lambda: torch.softmax(x, dim=-1),
+        "softmax/triton": (lambda s: lambda: s(x))(Softmax(backend="triton")),
+    }
     for backend in BACKENDS:
         candidates[f"multimax/{backend}"] = (lambda m: lambda: m(x))(bent_multimax(backend, device))
     nbytes = x.numel() * x.element_size()
-    return [dict(op="rowwise", backend=name, bytes_fwd=2 * nbytes, bytes_bwd=3 * nbytes,
-                 **guarded(lambda: fwd_bwd(fn, [x], reps))) for name, fn in candidates.items()]
+    return [
+        dict(
+            op="rowwise",
+            backend=name,
+            bytes_fwd=2 * nbytes,
+            bytes_bwd=3 * nbytes,
+            **guarded(lambda: fwd_bwd(fn, [x], reps)),
+        )
+        for name, fn in candidates.items()
+    ]
 
 
 def bench_cross_entropy(shape, dtype, device, reps) -> list[dict]:
@@ -150,12 +171,21 @@ def bench_cross_entropy(shape, dtype, device, reps) -> list[dict]:
     target = torch.randint(0, vocab, (tokens,), device=device)
     candidates = {"torch.cross_entropy": lambda: F.cross_entropy(logits, target, label_smoothing=0.1)}
     for backend in BACKENDS:
-        candidates[f"multimax/{backend}"] = (
-            lambda m: lambda: m.cross_entropy(logits, target, label_smoothing=0.1))(bent_multimax(backend, device))
+        candidates[f"multimax/{backend}"] = (lambda m: lambda: m.cross_entropy(logits, target, label_smoothing=0.1))(
+            bent_multimax(backend, device)
+        )
     nbytes = logits.numel() * logits.element_size()
     # Minimum traffic: read the logits (fw), read them again and write the gradient (bw).
-    return [dict(op="cross_entropy", backend=name, bytes_fwd=nbytes, bytes_bwd=2 * nbytes,
-                 **guarded(lambda: fwd_bwd(fn, [logits], reps))) for name, fn in candidates.items()]
+    return [
+        dict(
+            op="cross_entropy",
+            backend=name,
+            bytes_fwd=nbytes,
+            bytes_bwd=2 * nbytes,
+            **guarded(lambda: fwd_bwd(fn, [logits], reps)),
+        )
+        for name, fn in candidates.items()
+    ]
 
 
 def bench_attention(shape, causal, dtype, device, reps) -> list[dict]:
@@ -176,20 +206,26 @@ def bench_attention(shape, causal, dtype, device, reps) -> list[dict]:
     if device.type == "cuda":  # compiled FlexAttention needs a GPU for training
         candidates["multimax/flex"] = flex_candidate(q, k, v, causal, bent_multimax("reference", device))
     for backend in BACKENDS:
-        candidates[f"multimax/{backend}"] = (
-            lambda m: lambda: attention(q, k, v, m, is_causal=causal))(bent_multimax(backend, device))
+        candidates[f"multimax/{backend}"] = (lambda m: lambda: attention(q, k, v, m, is_causal=causal))(
+            bent_multimax(backend, device)
+        )
     flops = 4 * batch * heads * n * n * head_dim * (0.5 if causal else 1.0)  # two matmuls, fw
     # FlexAttention is a peer we do not maintain: any failure of it is recorded, not raised
-    return [dict(op="attention_causal" if causal else "attention", backend=name, flops_fwd=flops,
-                 **guarded(lambda: fwd_bwd(fn, [q, k, v], reps), Exception if name == "multimax/flex" else None))
-            for name, fn in candidates.items()]
+    return [
+        dict(
+            op="attention_causal" if causal else "attention",
+            backend=name,
+            flops_fwd=flops,
+            **guarded(lambda: fwd_bwd(fn, [q, k, v], reps), Exception if name == "multimax/flex" else None),
+        )
+        for name, fn in candidates.items()
+    ]
 
 
 def flex_candidate(q, k, v, causal: bool, module: MultiMax) -> Callable[[], torch.Tensor]:
     """Compiled FlexAttention with MultiMax as its ``score_mod`` (learnable captured parameters)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     from flex_multimax import causal_block_mask, flex_multimax_attention  # beside this script
+    from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention)
     n = q.shape[2]
@@ -205,10 +241,15 @@ def bench_deit_step(batch, dtype, device, reps, variant="deit_small", img_size=2
     configs = {"softmax/sdpa": ViTConfig(variant=variant, img_size=img_size)}
     for backend in BACKENDS:
         configs[f"multimax/{backend}"] = ViTConfig(
-            variant=variant, img_size=img_size, backend=backend,
-            attention=ReweightingSpec("multimax", {"order": 2}), output_multimax=True)
+            variant=variant,
+            img_size=img_size,
+            backend=backend,
+            attention=ReweightingSpec("multimax", {"order": 2}),
+            output_multimax=True,
+        )
     records = []
     for name, config in configs.items():
+
         def measure(config=config):
             model = ReweightedViT(config).to(device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -261,16 +302,27 @@ def finish(records: list[dict], shape, dtype, peak: float | None, versions: dict
 def plan(smoke: bool) -> dict[str, list[tuple]]:
     """The shapes: the issue's on a GPU, tiny ones for ``--smoke``."""
     if smoke:
-        return {"rowwise": [((2, 2, 19, 19), torch.float32)],
-                "cross_entropy": [((8, 300), torch.float32)],
-                "attention": [((1, 2, 19, 32), False, torch.float32), ((1, 2, 24, 32), True, torch.float32)],
-                "deit_step": [(2, torch.bfloat16, "vit_micro", 16)]}
-    return {"rowwise": [((256, 6, 197, 197), torch.bfloat16), ((256, 6, 197, 197), torch.float32),
-                        ((8192, 267744), torch.bfloat16)],
-            "cross_entropy": [((8192, 267744), torch.bfloat16)],
-            "attention": [((256, 6, 197, 64), False, torch.bfloat16), ((32, 12, 1024, 64), True, torch.bfloat16),
-                          ((8, 12, 4096, 64), True, torch.bfloat16), ((2, 12, 16384, 64), True, torch.bfloat16)],
-            "deit_step": [(256, torch.bfloat16, "deit_small", 224)]}
+        return {
+            "rowwise": [((2, 2, 19, 19), torch.float32)],
+            "cross_entropy": [((8, 300), torch.float32)],
+            "attention": [((1, 2, 19, 32), False, torch.float32), ((1, 2, 24, 32), True, torch.float32)],
+            "deit_step": [(2, torch.bfloat16, "vit_micro", 16)],
+        }
+    return {
+        "rowwise": [
+            ((256, 6, 197, 197), torch.bfloat16),
+            ((256, 6, 197, 197), torch.float32),
+            ((8192, 267744), torch.bfloat16),
+        ],
+        "cross_entropy": [((8192, 267744), torch.bfloat16)],
+        "attention": [
+            ((256, 6, 197, 64), False, torch.bfloat16),
+            ((32, 12, 1024, 64), True, torch.bfloat16),
+            ((8, 12, 4096, 64), True, torch.bfloat16),
+            ((2, 12, 16384, 64), True, torch.bfloat16),
+        ],
+        "deit_step": [(256, torch.bfloat16, "deit_small", 224)],
+    }
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -299,13 +351,31 @@ def main(argv: list[str] | None = None) -> Path:
     reps = 2 if args.smoke else args.reps
     todo = plan(args.smoke)
     with out.open("a") as sink:
+
         def emit(records, shape, dtype, baseline):
             add_ratios(records, baseline)
             for r in finish(records, shape, dtype, peak, versions):
                 sink.write(json.dumps(r) + "\n")
                 sink.flush()
-                print(json.dumps({k: r.get(k) for k in ("op", "backend", "shape", "fwd_ms", "bwd_ms", "step_ms",
-                                                        "gbps", "peak_mem_mb", "error") if r.get(k) is not None}))
+                print(
+                    json.dumps(
+                        {
+                            k: r.get(k)
+                            for k in (
+                                "op",
+                                "backend",
+                                "shape",
+                                "fwd_ms",
+                                "bwd_ms",
+                                "step_ms",
+                                "gbps",
+                                "peak_mem_mb",
+                                "error",
+                            )
+                            if r.get(k) is not None
+                        }
+                    )
+                )
 
         for name in args.only or list(todo):
             for case in todo[name]:
@@ -320,8 +390,12 @@ def main(argv: list[str] | None = None) -> Path:
                     emit(bench_attention(shape, causal, dtype, device, reps), shape, dtype, "sdpa")
                 else:
                     batch, dtype, variant, img = case
-                    emit(bench_deit_step(batch, dtype, device, reps, variant, img), (batch, 3, img, img), dtype,
-                         "softmax/sdpa")
+                    emit(
+                        bench_deit_step(batch, dtype, device, reps, variant, img),
+                        (batch, 3, img, img),
+                        dtype,
+                        "softmax/sdpa",
+                    )
     print(f"wrote {out}", file=sys.stderr)
     return out
 

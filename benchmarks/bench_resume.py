@@ -39,8 +39,17 @@ from mmlight.data.skips import SkipCounter
 from mmlight.data.streaming import RankRandom
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEIT = ImageAugment(image_size=224, channels=3, scale=(0.08, 1.0), hflip=0.5, auto_augment="rand-m9-mstd0.5-inc1",
-                    color_jitter=0.3, re_prob=0.25, interpolation="bicubic", crop_pct=0.875)
+DEIT = ImageAugment(
+    image_size=224,
+    channels=3,
+    scale=(0.08, 1.0),
+    hflip=0.5,
+    auto_augment="rand-m9-mstd0.5-inc1",
+    color_jitter=0.3,
+    re_prob=0.25,
+    interpolation="bicubic",
+    crop_pct=0.875,
+)
 
 
 def write_sparse_shard(path: Path, first: int, samples: int, jpeg_bytes: int) -> None:
@@ -105,7 +114,9 @@ def main(argv=None) -> None:
     parser.add_argument("--per-shard", type=int, default=1281, help="samples per shard (1,001 shards for ImageNet)")
     parser.add_argument("--jpeg-bytes", type=int, default=110_000, help="mean ImageNet JPEG size")
     parser.add_argument("--decode-samples", type=int, default=128, help="samples decoded for the comparison")
-    parser.add_argument("--out", type=Path, default=None, help="JSON lines file (default: results/resume-<host>-<time>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON lines file (default: results/resume-<host>-<time>)"
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -123,17 +134,26 @@ def main(argv=None) -> None:
             skipped = steps - 1  # the worst case: resumed just before the epoch's last batch
             seconds = replay_seconds(urls, skipped, args.batch_size, args.shuffle_buffer)
             samples = skipped * args.batch_size
-            records.append({
-                "bench": "resume_replay", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "device": f"{platform.machine()} CPU, 1 thread", "python": platform.python_version(),
-                "torch": torch.__version__, "ranks": ranks, "batch_size": args.batch_size,
-                "shuffle_buffer": args.shuffle_buffer, "epoch_samples": args.epoch_samples,
-                "skipped_batches": skipped, "skipped_samples": samples, "replay_s": round(seconds, 2),
-                "replay_us_per_sample": round(seconds / samples * 1e6, 2),
-                "decode_ms_per_sample": round(decode_s * 1e3, 2),
-                "decode_s_for_skipped": round(decode_s * samples, 1),
-                "replay_over_decode": round(seconds / (decode_s * samples), 5),
-            })
+            records.append(
+                {
+                    "bench": "resume_replay",
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "device": f"{platform.machine()} CPU, 1 thread",
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "ranks": ranks,
+                    "batch_size": args.batch_size,
+                    "shuffle_buffer": args.shuffle_buffer,
+                    "epoch_samples": args.epoch_samples,
+                    "skipped_batches": skipped,
+                    "skipped_samples": samples,
+                    "replay_s": round(seconds, 2),
+                    "replay_us_per_sample": round(seconds / samples * 1e6, 2),
+                    "decode_ms_per_sample": round(decode_s * 1e3, 2),
+                    "decode_s_for_skipped": round(decode_s * samples, 1),
+                    "replay_over_decode": round(seconds / (decode_s * samples), 5),
+                }
+            )
             print(json.dumps(records[-1]))
     out = args.out or RESULTS / f"resume-{platform.node()}-{datetime.datetime.now():%Y%m%d-%H%M%S}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,24 @@ QUICKSTARTS = [ROOT / "configs" / "quickstart" / f"{task}_multimax.yaml" for tas
 def train_losses(config: Path, seed: int, steps: int, workdir: Path, cache: Path) -> dict[int, float]:
     """Step -> train/loss of one ``mmlight fit`` run."""
     save_dir = workdir / f"seed{seed}-{len(list(workdir.glob('seed*')))}"
-    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config), "--seed_everything", str(seed),
-               "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
-               "--trainer.limit_val_batches", "0", "--trainer.logger.init_args.save_dir", str(save_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "mmlight.cli",
+        "fit",
+        "--config",
+        str(config),
+        "--seed_everything",
+        str(seed),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.logger.init_args.save_dir",
+        str(save_dir),
+    ]
     if not config.stem.startswith("lm"):  # the LM quick start's data is generated in memory
         command += ["--data.init_args.cache_dir", str(cache / config.stem.split("_")[0])]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -63,10 +78,14 @@ def main(argv=None) -> int:
             same = runs[0] == runs[1] and len(runs[0]) == args.steps
             differing = [s for s in runs[0] if runs[2].get(s) != runs[0][s]]
             record = {
-                "check": "same_seed_same_losses", "config": str(config.relative_to(ROOT)), "steps": args.steps,
+                "check": "same_seed_same_losses",
+                "config": str(config.relative_to(ROOT)),
+                "steps": args.steps,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "device": f"{platform.machine()} CPU", "python": platform.python_version(),
-                "logged_steps": [len(r) for r in runs], "seed0_twice_bitwise_equal": same,
+                "device": f"{platform.machine()} CPU",
+                "python": platform.python_version(),
+                "logged_steps": [len(r) for r in runs],
+                "seed0_twice_bitwise_equal": same,
                 "seed1_steps_differing_from_seed0": len(differing),
                 "seed1_first_differing_step": min(differing, default=None),
                 "seed0_loss_first_last": [runs[0][min(runs[0])], runs[0][max(runs[0])]],

@@ -30,9 +30,9 @@ import itertools
 import multiprocessing
 import re
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -76,8 +76,13 @@ class Case:
 
     def label(self) -> str:
         if self.family == "attention":
-            parts = [f"D={self.head_dim}", f"Tq={self.q_len or self.n}", f"Tk={self.n}",
-                     "causal" if self.causal else "", "padded" if self.masked else ""]
+            parts = [
+                f"D={self.head_dim}",
+                f"Tq={self.q_len or self.n}",
+                f"Tk={self.n}",
+                "causal" if self.causal else "",
+                "padded" if self.masked else "",
+            ]
         elif self.family == "rowwise":
             parts = [f"N={self.n}", "masked" if self.masked else ""]
         else:
@@ -122,8 +127,9 @@ def recorded_launches() -> Iterator[list[Launch]]:
     from triton.runtime.jit import JITFunction
 
     if triton_interpreting():
-        raise RuntimeError("compile checks need the compiled kernels: unset TRITON_INTERPRET "
-                           "before mmlight.kernels is imported")
+        raise RuntimeError(
+            "compile checks need the compiled kernels: unset TRITON_INTERPRET before mmlight.kernels is imported"
+        )
     launches: list[Launch] = []
     original = JITFunction.run
 
@@ -160,7 +166,7 @@ def run_host_code(case: Case) -> None:
             k, v = (torch.zeros(B, H, case.n, case.head_dim, dtype=dtype, requires_grad=case.grad) for _ in "kv")
             pad = torch.ones(B, case.n, dtype=torch.bool) if case.masked else None
             # the autograd function itself: the public entry refuses CPU tensors without the interpreter
-            out = attention._MultiMaxAttention.apply(q, k, v, ranges, ts, case.head_dim ** -0.5, case.causal, pad)
+            out = attention._MultiMaxAttention.apply(q, k, v, ranges, ts, case.head_dim**-0.5, case.causal, pad)
         elif case.family == "cross_entropy":
             logits = torch.zeros(2, case.n, dtype=dtype, requires_grad=case.grad)
             out = cross_entropy.multimax_cross_entropy(logits, torch.zeros(2, dtype=torch.int64), ranges, ts)
@@ -202,8 +208,12 @@ def parse_ptxas_log(log: str) -> dict[str, int]:
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs is None or frame is None:
         raise ValueError(f"no resource usage in the ptxas log:\n{log}")
-    return {"registers": int(regs.group(1)), "stack_frame": int(frame.group(1)),
-            "spill_stores": int(frame.group(2)), "spill_loads": int(frame.group(3))}
+    return {
+        "registers": int(regs.group(1)),
+        "stack_frame": int(frame.group(1)),
+        "spill_stores": int(frame.group(2)),
+        "spill_loads": int(frame.group(3)),
+    }
 
 
 def specialise(launch: Launch, capability: int):
@@ -320,8 +330,12 @@ def _compile_pending(index: int) -> Compiled:
     return compile_launch(launch, case, capability)
 
 
-def check_cases(cases: list[Case], capabilities: tuple[int, ...] = CAPABILITIES, jobs: int = 1,
-                log: Callable[[str], None] | None = None) -> list[Compiled]:
+def check_cases(
+    cases: list[Case],
+    capabilities: tuple[int, ...] = CAPABILITIES,
+    jobs: int = 1,
+    log: Callable[[str], None] | None = None,
+) -> list[Compiled]:
     """Compile every distinct kernel specialisation the cases launch, for every capability.
 
     Launches that specialise identically (e.g. the delta kernel of every order) are compiled once,
@@ -337,38 +351,49 @@ def check_cases(cases: list[Case], capabilities: tuple[int, ...] = CAPABILITIES,
                 if key not in seen:
                     seen.add(key)
                     _PENDING.append((launch, case, capability))
-    with (ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) if jobs > 1
-          else contextlib.nullcontext()) as pool:
+    with (
+        ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        if jobs > 1
+        else contextlib.nullcontext()
+    ) as pool:
         indices = range(len(_PENDING))
         results = []
-        for result in (pool.map(_compile_pending, indices) if pool else map(_compile_pending, indices)):
+        for result in pool.map(_compile_pending, indices) if pool else map(_compile_pending, indices):
             results.append(result)
             if log:
                 log(format_row(result))
     return results
 
 
-TABLE_HEADER = ("| kernel | case | origin | sm | warps | stages | registers | spills (B) | shared (KB) | verdict |\n"
-                "|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = (
+    "| kernel | case | origin | sm | warps | stages | registers | spills (B) | shared (KB) | verdict |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def format_row(r: Compiled) -> str:
     spills = f"{r.spill_stores}/{r.spill_loads}"
     verdict = "ok" if not r.problems else "; ".join(r.problems)
-    return (f"| {r.kernel} | {r.case} | {r.origin} | {r.capability} | {r.num_warps} | {r.num_stages} | "
-            f"{r.registers} | {spills} | {r.shared / 1024:.1f} | {verdict} |")
+    return (
+        f"| {r.kernel} | {r.case} | {r.origin} | {r.capability} | {r.num_warps} | {r.num_stages} | "
+        f"{r.registers} | {spills} | {r.shared / 1024:.1f} | {verdict} |"
+    )
 
 
 def summary_table(results: list[Compiled]) -> str:
     """Per kernel and target: how many specialisations, the largest register and shared-memory
     use, and how many have a problem."""
-    lines = ["| kernel | sm | specialisations | max registers | max shared (KB) | spilling | failing |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kernel | sm | specialisations | max registers | max shared (KB) | spilling | failing |",
+        "|---|---|---|---|---|---|---|",
+    ]
     groups: dict[tuple[str, int], list[Compiled]] = {}
     for r in results:
         groups.setdefault((r.kernel, r.capability), []).append(r)
     for (kernel, capability), rs in sorted(groups.items()):
-        lines.append(f"| {kernel} | {capability} | {len(rs)} | {max(r.registers for r in rs)} | "
-                     f"{max(r.shared for r in rs) / 1024:.1f} | {sum(bool(r.spill_stores or r.spill_loads) for r in rs)} | "
-                     f"{sum(bool(r.problems) for r in rs)} |")
+        lines.append(
+            f"| {kernel} | {capability} | {len(rs)} | {max(r.registers for r in rs)} | "
+            f"{max(r.shared for r in rs) / 1024:.1f} | {sum(bool(r.spill_stores or r.spill_loads) for r in rs)} | "
+            f"{sum(bool(r.problems) for r in rs)} |"
+        )
     return "\n".join(lines)

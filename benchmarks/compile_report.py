@@ -23,10 +23,9 @@ os.environ["TRITON_INTERPRET"] = "0"  # before mmlight.kernels is imported: the 
 
 import json  # noqa: E402
 
+import compile_check  # noqa: E402  (beside this script, which Python puts on sys.path)
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-import compile_check  # noqa: E402  (beside this script, which Python puts on sys.path)
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = ("rowwise", "attention", "cross_entropy")
@@ -35,12 +34,22 @@ FAMILIES = ("rowwise", "attention", "cross_entropy")
 def render(results: list[compile_check.Compiled], matrix: str) -> str:
     """The Markdown report: versions, the summary table, the per-kernel table."""
     failing = sum(bool(r.problems) for r in results)
-    head = (f"Kernels compiled offline for sm_80 and sm_90 (matrix `{matrix}`) with triton {triton.__version__} "
-            f"and its bundled ptxas, torch {torch.__version__}, on {platform.machine()} without a GPU. "
-            f"{len(results)} specialisations, {failing} failing a check (spills, shared memory above "
-            f"163 KB / 227 KB, registers x threads above 64K).\n")
-    return "\n".join([head, compile_check.summary_table(results), "", compile_check.TABLE_HEADER,
-                      *map(compile_check.format_row, results), ""])
+    head = (
+        f"Kernels compiled offline for sm_80 and sm_90 (matrix `{matrix}`) with triton {triton.__version__} "
+        f"and its bundled ptxas, torch {torch.__version__}, on {platform.machine()} without a GPU. "
+        f"{len(results)} specialisations, {failing} failing a check (spills, shared memory above "
+        f"163 KB / 227 KB, registers x threads above 64K).\n"
+    )
+    return "\n".join(
+        [
+            head,
+            compile_check.summary_table(results),
+            "",
+            compile_check.TABLE_HEADER,
+            *map(compile_check.format_row, results),
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,20 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matrix", choices=("shipped", "full"), default="full")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES),
-                        help="recompile only these kernel families; the report keeps the other rows")
-    parser.add_argument("--dtype", nargs="+", choices=list(compile_check.DTYPES), default=list(compile_check.DTYPES),
-                        help="recompile only these dtypes; the report keeps the other rows")
+    parser.add_argument(
+        "--family",
+        nargs="+",
+        choices=FAMILIES,
+        default=list(FAMILIES),
+        help="recompile only these kernel families; the report keeps the other rows",
+    )
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=list(compile_check.DTYPES),
+        default=list(compile_check.DTYPES),
+        help="recompile only these dtypes; the report keeps the other rows",
+    )
     args = parser.parse_args(argv)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
     cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]
-    results = compile_check.check_cases(cases, compile_check.CAPABILITIES, args.jobs,
-                                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    results = compile_check.check_cases(
+        cases, compile_check.CAPABILITIES, args.jobs, log=lambda line: print(line, file=sys.stderr, flush=True)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"compile_report-{args.matrix}"
     if stem.with_suffix(".json").exists():  # keep the rows of the families and dtypes not recompiled
-        kept = [compile_check.Compiled(**row) for row in json.loads(stem.with_suffix(".json").read_text())
-                if not (row["family"] in args.family and row["dtype"] in args.dtype)]
+        kept = [
+            compile_check.Compiled(**row)
+            for row in json.loads(stem.with_suffix(".json").read_text())
+            if not (row["family"] in args.family and row["dtype"] in args.dtype)
+        ]
         results = kept + results
     stem.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
     stem.with_suffix(".md").write_text(render(results, args.matrix))

@@ -14,7 +14,7 @@ CPU tests of the forward (its eager backward does not run on the CPU). Benchmark
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +28,9 @@ def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor) -> Callable:
         ts: same shape as ``ranges``.
     """
     if ranges.shape != ts.shape or ranges.shape not in ((2,), (4,)):
-        raise ValueError(f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}")
+        raise ValueError(
+            f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
+        )
     r0, r1, *r_quadratic = ranges.unbind(0)  # separate 0-D tensors (see the module docstring)
     t0, t1, *t_quadratic = ts.unbind(0)
 

@@ -57,13 +57,19 @@ def dump(src: Path, out: Path, images: int) -> None:
         write_fake_imagenet(src, images)
     files = sorted(src.glob("train/*/*.JPEG"))[:images]
     if not files:
-        raise ValueError(f"no train/<wnid>/*.JPEG under {src} (give an ImageNet-layout folder, or an empty one "
-                         "for generated stand-ins)")
+        raise ValueError(
+            f"no train/<wnid>/*.JPEG under {src} (give an ImageNet-layout folder, or an empty one "
+            "for generated stand-ins)"
+        )
     split = SplitTransform(DEIT.build(train=True))
     rows = [augment(path, seed, split) for seed, path in enumerate(files)]
-    np.savez_compressed(out, build=pillow_build(), files=np.array([str(p.relative_to(src)) for p in files]),
-                        decoded=np.array([r["decoded"] for r in rows]),
-                        **{stage: np.stack([r[stage] for r in rows]) for stage in STAGES})
+    np.savez_compressed(
+        out,
+        build=pillow_build(),
+        files=np.array([str(p.relative_to(src)) for p in files]),
+        decoded=np.array([r["decoded"] for r in rows]),
+        **{stage: np.stack([r[stage] for r in rows]) for stage in STAGES},
+    )
     print(f"{pillow_build()}: {len(files)} images -> {out}")
 
 
@@ -72,18 +78,29 @@ def difference(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     if a.shape != b.shape:
         raise ValueError(f"the dumps hold different shapes: {a.shape} and {b.shape}")
     diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
-    return {"max_levels": int(diff.max(initial=0)), "share_differing": float((diff > 0).mean()),
-            "share_differing_by_more_than_1": float((diff > 1).mean()), "mean_abs_levels": float(diff.mean()),
-            "mean_a": float(a.mean()), "mean_b": float(b.mean())}
+    return {
+        "max_levels": int(diff.max(initial=0)),
+        "share_differing": float((diff > 0).mean()),
+        "share_differing_by_more_than_1": float((diff > 1).mean()),
+        "mean_abs_levels": float(diff.mean()),
+        "mean_a": float(a.mean()),
+        "mean_b": float(b.mean()),
+    }
 
 
 def compare(first: Path, second: Path) -> dict:
     a, b = np.load(first), np.load(second)
     if not np.array_equal(a["files"], b["files"]):
         raise ValueError(f"{first} and {second} were dumped from different images: dump both from one --src")
-    record = {"op": "pillow_build_pixels", "a": str(a["build"]), "b": str(b["build"]), "images": len(a["files"]),
-              "decoded_identical": float(np.mean(a["decoded"] == b["decoded"])),
-              **{stage: difference(a[stage], b[stage]) for stage in STAGES}, **versions()}
+    record = {
+        "op": "pillow_build_pixels",
+        "a": str(a["build"]),
+        "b": str(b["build"]),
+        "images": len(a["files"]),
+        "decoded_identical": float(np.mean(a["decoded"] == b["decoded"])),
+        **{stage: difference(a[stage], b[stage]) for stage in STAGES},
+        **versions(),
+    }
     record.pop("pillow")  # the two builds are named in a and b
     return record
 

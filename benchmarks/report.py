@@ -31,19 +31,25 @@ def render(records: list[dict]) -> str:
             lines.append("| backend | step ms | × baseline | peak MB |")
             lines.append("|---|---|---|---|")
             for r in group:
-                lines.append(f"| {r['backend']} | {fmt(r.get('step_ms'))} | {fmt(r.get('step_ratio'))} | "
-                             f"{fmt(r.get('peak_mem_mb'), 5)} |" + (f" {r['error']}" if r.get("error") else ""))
+                lines.append(
+                    f"| {r['backend']} | {fmt(r.get('step_ms'))} | {fmt(r.get('step_ratio'))} | "
+                    f"{fmt(r.get('peak_mem_mb'), 5)} |" + (f" {r['error']}" if r.get("error") else "")
+                )
             continue
-        lines.append("| backend | fwd ms | bwd ms | fwd × base | bwd × base | GB/s fwd / bwd | % peak fwd / bwd | "
-                     "TFLOP/s fwd | peak MB |")
+        lines.append(
+            "| backend | fwd ms | bwd ms | fwd × base | bwd × base | GB/s fwd / bwd | % peak fwd / bwd | "
+            "TFLOP/s fwd | peak MB |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in group:
             frac = r.get("frac_peak_bw")
             pct = {k: v and 100 * v for k, v in frac.items()} if frac else None
-            lines.append(f"| {r['backend']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('bwd_ms'))} | "
-                         f"{fmt(r.get('fwd_ratio'))} | {fmt(r.get('bwd_ratio'))} | {fmt(r.get('gbps'), 4)} | "
-                         f"{fmt(pct)} | {fmt(r.get('tflops_fwd'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
-                         + (f" {r['error']}" if r.get("error") else ""))
+            lines.append(
+                f"| {r['backend']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('bwd_ms'))} | "
+                f"{fmt(r.get('fwd_ratio'))} | {fmt(r.get('bwd_ratio'))} | {fmt(r.get('gbps'), 4)} | "
+                f"{fmt(pct)} | {fmt(r.get('tflops_fwd'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+                + (f" {r['error']}" if r.get("error") else "")
+            )
     return "\n".join(lines) + "\n"
 
 

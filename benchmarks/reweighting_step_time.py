@@ -25,8 +25,20 @@ from pathlib import Path
 import lightning as L
 import torch
 
-FUNCTIONS = ["softmax", "multimax", "sparsemax", "entmax15", "evsoftmax", "topk",
-             "softmax1", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking"]
+FUNCTIONS = [
+    "softmax",
+    "multimax",
+    "sparsemax",
+    "entmax15",
+    "evsoftmax",
+    "topk",
+    "softmax1",
+    "softpick",
+    "sigmoid",
+    "ssmax",
+    "alpha_entmax",
+    "stickbreaking",
+]
 
 
 class StepTimer(L.Callback):
@@ -46,10 +58,20 @@ def median_step(config: str, name: str, steps: int, warmup: int, runs: str) -> f
     """The median step time of ``steps`` steps of ``config`` with ``name`` in every attention layer."""
     from mmlight.cli import build_cli
 
-    args = ["--config", config, "--model.init_args.model.attention", json.dumps({"name": name, "options": {}}),
-            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
-            "--trainer.logger.init_args.save_dir", runs,
-            "--trainer.default_root_dir", runs]
+    args = [
+        "--config",
+        config,
+        "--model.init_args.model.attention",
+        json.dumps({"name": name, "options": {}}),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.logger.init_args.save_dir",
+        runs,
+        "--trainer.default_root_dir",
+        runs,
+    ]
     cli = build_cli(args, run=False)
     timer = StepTimer()
     cli.trainer.callbacks.insert(0, timer)  # first: the other callbacks' batch-end work is not timed
@@ -71,14 +93,24 @@ def main() -> None:
     rounds = []
     with tempfile.TemporaryDirectory() as runs:
         for r in range(args.rounds):
-            order = args.functions[r % len(args.functions):] + args.functions[: r % len(args.functions)]
+            order = args.functions[r % len(args.functions) :] + args.functions[: r % len(args.functions)]
             rounds.append({name: median_step(args.config, name, args.steps, args.warmup, runs) for name in order})
             print(f"round {r}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in rounds[-1].items()), flush=True)
     ratios = {name: statistics.median(rd[name] / rd["softmax"] for rd in rounds) for name in args.functions}
-    record = {"config": args.config, "steps": args.steps, "warmup": args.warmup, "rounds": rounds,
-              "median_ratio_to_softmax": ratios, "torch": torch.__version__, "python": sys.version.split()[0],
-              "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average_1_5_15_min": os.getloadavg()}
+    record = {
+        "config": args.config,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": rounds,
+        "median_ratio_to_softmax": ratios,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_1_5_15_min": os.getloadavg(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print("step time / softmax: " + ", ".join(f"{n} {v:.2f}" for n, v in ratios.items()))

@@ -27,8 +27,8 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -84,6 +84,7 @@ def _attention(causal: bool):
         from mmlight.nn.attention import attention
 
         return attention(*inputs, module, is_causal=causal, backend=backend)
+
     return run
 
 
@@ -106,14 +107,21 @@ def environment() -> list[tuple[str, str]]:
 
     from mmlight.data.image_decode import pillow_build
 
-    lines = [("python", platform.python_version()), ("torch", torch.__version__), ("triton", triton.__version__),
-             ("CUDA (torch built with)", str(torch.version.cuda)), ("image decode and resize", pillow_build())]
+    lines = [
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("triton", triton.__version__),
+        ("CUDA (torch built with)", str(torch.version.cuda)),
+        ("image decode and resize", pillow_build()),
+    ]
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         props = torch.cuda.get_device_properties(0)
-        lines += [("device", f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible)"),
-                  ("compute capability", f"{major}.{minor} (sm_{major}{minor})"),
-                  ("memory", f"{props.total_memory / 2**30:.0f} GiB")]
+        lines += [
+            ("device", f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible)"),
+            ("compute capability", f"{major}.{minor} (sm_{major}{minor})"),
+            ("memory", f"{props.total_memory / 2**30:.0f} GiB"),
+        ]
     else:
         lines.append(("device", "no CUDA GPU (torch.cuda.is_available() is False)"))
     return lines
@@ -132,7 +140,11 @@ def _multimax(device):
 def _forward_backward(check: Check, module, inputs, backend):
     """Output and the gradients of its inner product with a fixed upstream gradient."""
     out = check.run(module, inputs, backend)
-    upstream = torch.ones_like(out) if out.dim() == 0 else torch.cos(torch.arange(out.numel(), device=out.device)).reshape(out.shape)
+    upstream = (
+        torch.ones_like(out)
+        if out.dim() == 0
+        else torch.cos(torch.arange(out.numel(), device=out.device)).reshape(out.shape)
+    )
     leaves = [t for t in inputs if t.requires_grad] + [module.ranges, module.ts]
     grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
     return [out.detach(), *grads]
@@ -158,8 +170,12 @@ def run_check(check: Check, on_gpu: bool) -> dict:
     gen = torch.Generator(device).manual_seed(0)
     inputs = check.make(shape, dtype, device, gen)
     module = _multimax(device)
-    row = {"check": check.name, "shape": "x".join(map(str, shape)), "dtype": str(dtype).replace("torch.", ""),
-           "tolerance": check.tolerance if on_gpu else FP32_TOLERANCE}
+    row = {
+        "check": check.name,
+        "shape": "x".join(map(str, shape)),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tolerance": check.tolerance if on_gpu else FP32_TOLERANCE,
+    }
     try:
         # the reference on fp32 copies of the same (bf16) values: what the kernels aim to compute
         exact = [t.detach().float().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
@@ -186,12 +202,17 @@ def _time(check: Check, module, inputs, backend) -> float | str:
 
 
 def render(rows: list[dict], on_gpu: bool) -> str:
-    head = "| check | shape | dtype | max error (tolerance) | " + (
-        " | ".join(f"{b} ms" for b in BACKENDS) + " | " if on_gpu else "") + "verdict |"
+    head = (
+        "| check | shape | dtype | max error (tolerance) | "
+        + (" | ".join(f"{b} ms" for b in BACKENDS) + " | " if on_gpu else "")
+        + "verdict |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         error = r["error"] if isinstance(r["error"], str) else f"{r['error']:.2g} ({r['tolerance']:.0e})"
-        times = " | ".join(f"{t:.3g}" if isinstance(t, float) else t for t in r["ms"].values()) + " | " if on_gpu else ""
+        times = (
+            " | ".join(f"{t:.3g}" if isinstance(t, float) else t for t in r["ms"].values()) + " | " if on_gpu else ""
+        )
         lines.append(f"| {r['check']} | {r['shape']} | {r['dtype']} | {error} | {times}{'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines)
 
@@ -201,15 +222,19 @@ def verdict(rows: list[dict], on_gpu: bool) -> str:
     if on_gpu and not failed:
         return "VERDICT: every kernel matches the reference; backend 'auto' will use the Triton kernels here."
     if on_gpu:
-        return (f"VERDICT: FAIL for {', '.join(failed)}. Backend 'auto' falls back to 'compile' for a kernel "
-                "that fails to compile or launch (with a warning); a wrong result is a bug: please report "
-                "this output.")
+        return (
+            f"VERDICT: FAIL for {', '.join(failed)}. Backend 'auto' falls back to 'compile' for a kernel "
+            "that fails to compile or launch (with a warning); a wrong result is a bug: please report "
+            "this output."
+        )
     if failed:
         return f"VERDICT: no GPU, and the interpreter check FAILED for {', '.join(failed)}: the installation is broken."
-    return ("VERDICT: no GPU here. The kernels are correct under Triton's CPU interpreter (tiny fp32 shapes); "
-            "backend 'auto' uses the reference code on this machine. Run `mmlight doctor` again on the GPU "
-            "machine; `python benchmarks/compile_report.py --matrix shipped` compiles the kernels for sm_80/sm_90 "
-            "without one.")
+    return (
+        "VERDICT: no GPU here. The kernels are correct under Triton's CPU interpreter (tiny fp32 shapes); "
+        "backend 'auto' uses the reference code on this machine. Run `mmlight doctor` again on the GPU "
+        "machine; `python benchmarks/compile_report.py --matrix shipped` compiles the kernels for sm_80/sm_90 "
+        "without one."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

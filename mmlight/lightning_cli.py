@@ -109,16 +109,28 @@ class MmlightCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
-        parser.set_defaults({"last_checkpoint.save_last": True, "last_checkpoint.save_top_k": 0,
-                             "last_checkpoint.every_n_train_steps": 1000})
+        parser.set_defaults(
+            {
+                "last_checkpoint.save_last": True,
+                "last_checkpoint.save_top_k": 0,
+                "last_checkpoint.every_n_train_steps": 1000,
+            }
+        )
         parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
-        parser.set_defaults({"best_checkpoint.monitor": "val/top1", "best_checkpoint.mode": "max",
-                             "best_checkpoint.filename": "best-{epoch}-{step}", "best_checkpoint.save_top_k": 1,
-                             "best_checkpoint.auto_insert_metric_name": False})
+        parser.set_defaults(
+            {
+                "best_checkpoint.monitor": "val/top1",
+                "best_checkpoint.mode": "max",
+                "best_checkpoint.filename": "best-{epoch}-{step}",
+                "best_checkpoint.save_top_k": 1,
+                "best_checkpoint.auto_insert_metric_name": False,
+            }
+        )
         for data_attribute, model_key in DATA_SIZES.items():
             # skipped when the DataModule has no such attribute (missing_data_sizes checks it is not needed)
-            parser.link_arguments(f"data.{data_attribute}", f"model.init_args.model.{model_key}",
-                                  apply_on="instantiate")
+            parser.link_arguments(
+                f"data.{data_attribute}", f"model.init_args.model.{model_key}", apply_on="instantiate"
+            )
 
     def instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
@@ -132,19 +144,24 @@ class MmlightCLI(LightningCLI):
             value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
             # the parsed config holds the dataclass default where nothing was given: not worth a word
             if value is not None and value != defaults.get(model_key) and linked is not None and value != linked:
-                print(f"mmlight: model.{model_key}={value} was given, but the size is linked from the "
-                      f"data: {model_key}={linked} is used")
+                print(
+                    f"mmlight: model.{model_key}={value} was given, but the size is linked from the "
+                    f"data: {model_key}={linked} is used"
+                )
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
         for key, name in reweighting_names(config.model):
             if name not in available_reweightings():
-                self.parser.error(f"model.{key}: unknown reweighting {name!r}; "
-                                  f"choose one of {available_reweightings()}")
+                self.parser.error(
+                    f"model.{key}: unknown reweighting {name!r}; choose one of {available_reweightings()}"
+                )
         missing = missing_data_sizes(_import(config.model.class_path), _import(config.data.class_path))
         if missing:
-            self.parser.error(f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
-                              f"{config.data.class_path} has no such attribute")
+            self.parser.error(
+                f"{config.model.class_path} takes {', '.join(missing)} from its DataModule, but "
+                f"{config.data.class_path} has no such attribute"
+            )
         name_slurm_run(config, self.subcommand)
 
     def before_fit(self) -> None:
@@ -232,5 +249,3 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         args=args,
         run=run,
     )
-
-

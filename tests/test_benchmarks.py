@@ -18,8 +18,21 @@ REQUIRED = {"device", "torch", "triton", "op", "backend", "shape", "dtype", "fwd
 def test_smoke_run_writes_side_by_side_records(tmp_path):
     out = tmp_path / "smoke.jsonl"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py"), "--smoke",
-                    "--backends", "reference", "triton", "--out", str(out)], check=True, env=env, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_multimax.py"),
+            "--smoke",
+            "--backends",
+            "reference",
+            "triton",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        cwd=ROOT,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(REQUIRED <= r.keys() for r in records)
     by_op = {}
@@ -38,8 +51,9 @@ def test_smoke_run_writes_side_by_side_records(tmp_path):
     assert (rowwise["bytes_fwd"], rowwise["bytes_bwd"]) == (2 * 1444 * 4, 3 * 1444 * 4)
     assert rowwise["gbps"]["fwd"] == round(rowwise["bytes_fwd"] / rowwise["fwd_ms"] / 1e6, 1)
 
-    report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(out)],
-                            check=True, capture_output=True, text=True).stdout
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), str(out)], check=True, capture_output=True, text=True
+    ).stdout
     assert report.count("\n| ") - report.count("\n| backend") == len(records)  # one table row per record
     assert "multimax/triton" in report and "torch" in report
 
@@ -47,8 +61,9 @@ def test_smoke_run_writes_side_by_side_records(tmp_path):
 def test_refuses_to_run_without_a_gpu_unless_smoke():
     if __import__("torch").cuda.is_available():
         pytest.skip("a GPU is present: the full benchmark would run")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py")],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py")], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
 
 
@@ -57,23 +72,52 @@ def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
     """bench_loader.py on 12 generated photographs: the stage split for the three pipelines and both
     copy counts, the on-device step's CPU cost, every loader's rate with ratios to the baselines of the same run."""
     out = tmp_path / "loader.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"), "--images", "12", "--samples", "8",
-                    "--stage-samples", "4", "--batch-size", "4", "--repeats", "1", "--out", str(out)],
-                   check=True, cwd=ROOT, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_loader.py"),
+            "--images",
+            "12",
+            "--samples",
+            "8",
+            "--stage-samples",
+            "4",
+            "--batch-size",
+            "4",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     images = records[0]
     assert images["op"] == "images" and images["images"] == 12 and images["mean_kib"] > 0
     stages = [r for r in records if r["op"] == "stage_ms_per_sample"]
     assert [(r["backend"], r["copies"]) for r in stages] == [
-        (name, copies) for copies in (1, 3) for name in ("ImageFolder", "shards", "shards, uint8")]
+        (name, copies) for copies in (1, 3) for name in ("ImageFolder", "shards", "shards, uint8")
+    ]
     for r in stages:
-        assert r["total"] == pytest.approx(sum(r[k] for k in ("read", "decode", "augment", "collate", "transfer")), abs=0.01)
+        assert r["total"] == pytest.approx(
+            sum(r[k] for k in ("read", "decode", "augment", "collate", "transfer")), abs=0.01
+        )
     device = [r for r in records if r["op"] == "device_step_ms_per_sample"]
     assert [(r["copies"], r["on"]) for r in device] == [(1, "cpu"), (3, "cpu")] and all(r["ms"] > 0 for r in device)
     loaders = {(r["backend"], r["copies"]): r for r in records if r["op"] == "image_loader_deit_train"}
-    assert set(loaders) == {("ImageFolder", 1), ("ImageFolder", 3), ("shards, per-copy decode", 1),
-                            ("shards, per-copy decode", 3), ("shards", 1), ("shards", 3), ("shards, no draft", 3),
-                            ("shards, uint8", 1), ("shards, uint8", 3)}
+    assert set(loaders) == {
+        ("ImageFolder", 1),
+        ("ImageFolder", 3),
+        ("shards, per-copy decode", 1),
+        ("shards, per-copy decode", 3),
+        ("shards", 1),
+        ("shards", 3),
+        ("shards, no draft", 3),
+        ("shards, uint8", 1),
+        ("shards, uint8", 3),
+    }
     assert loaders[("ImageFolder", 3)]["ratio_to_imagefolder"] == 1.0
     shards = loaders[("shards", 3)]
     per_copy = loaders[("shards, per-copy decode", 3)]["samples_per_s"]  # rates are rounded to 0.1 in the records
@@ -128,10 +172,28 @@ def test_reweighting_step_time_records_each_round_and_the_median_ratio(tmp_path)
     import statistics
 
     out = tmp_path / "steps.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reweighting_step_time.py"),
-                    str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"), "--functions", "softmax", "sigmoid",
-                    "--steps", "3", "--warmup", "1", "--rounds", "2", "--out", str(out)],
-                   check=True, capture_output=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "reweighting_step_time.py"),
+            str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"),
+            "--functions",
+            "softmax",
+            "sigmoid",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     record = json.loads(out.read_text())
     assert record["steps"] == 3 and len(record["rounds"]) == 2
     assert all(set(r) == {"softmax", "sigmoid"} and min(r.values()) > 0 for r in record["rounds"])

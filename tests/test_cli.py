@@ -27,10 +27,16 @@ def plain_argv(monkeypatch):
 
 def test_configs_exist():
     names = {p.relative_to(ROOT / "configs").as_posix() for p in CONFIGS}
-    expected = {"deit_small_multimax.yaml", "deit_small_softmax.yaml", "lm_wikitext103_softmax.yaml",
-                "lm_wikitext103_multimax.yaml"}
+    expected = {
+        "deit_small_multimax.yaml",
+        "deit_small_softmax.yaml",
+        "lm_wikitext103_softmax.yaml",
+        "lm_wikitext103_multimax.yaml",
+    }
     expected |= {f"nmt_iwslt14_{name}.yaml" for name in ("softmax", "multimax", "sparsemax", "entmax15", "evsoftmax")}
-    expected |= {f"quickstart/{task}_{name}.yaml" for task in ("digits", "lm", "nmt") for name in ("softmax", "multimax")}
+    expected |= {
+        f"quickstart/{task}_{name}.yaml" for task in ("digits", "lm", "nmt") for name in ("softmax", "multimax")
+    }
     assert expected <= names
 
 
@@ -52,7 +58,9 @@ def resolved_config_with(config, overrides, capsys) -> dict:
     return yaml.safe_load(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name, attention", [("deit_small_multimax.yaml", "multimax"), ("deit_small_softmax.yaml", "softmax")])
+@pytest.mark.parametrize(
+    "name, attention", [("deit_small_multimax.yaml", "multimax"), ("deit_small_softmax.yaml", "softmax")]
+)
 def test_deit_small_recipe(name, attention, capsys):
     """The ImageNet configs carry the DeiT recipe the paper trains with."""
     cfg = resolved_config(ROOT / "configs" / name, capsys)
@@ -111,8 +119,20 @@ def cache_dir(tmp_path_factory):
 def test_quickstart_fast_dev_run(config, cache_dir, tmp_path):
     task = config.stem.split("_")[0]
     cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
-    cli = build_cli(["fit", "--config", str(config), "--trainer.fast_dev_run", "2",
-                     "--trainer.default_root_dir", str(tmp_path), "--data.init_args.num_workers", "0", *cache])
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.fast_dev_run",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--data.init_args.num_workers",
+            "0",
+            *cache,
+        ]
+    )
     assert cli.trainer.global_step == 2
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
     if cache:
@@ -135,8 +155,16 @@ def topk_of_batches(cli, k: int, stage: str, batches: int = 2) -> float:
 
 
 def test_validate_test_predict_subcommands(tmp_path):
-    common = ["--config", str(QUICKSTARTS[0]), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
-              "--data.init_args.cache_dir", str(tmp_path / "digits")]
+    common = [
+        "--config",
+        str(QUICKSTARTS[0]),
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.logger",
+        "false",
+        "--data.init_args.cache_dir",
+        str(tmp_path / "digits"),
+    ]
     cli = build_cli(["test", *common, "--trainer.limit_test_batches", "2"])
     assert cli.trainer.callback_metrics["test/top1"].item() == pytest.approx(topk_of_batches(cli, 1, "test"))
     cli = build_cli(["validate", *common, "--trainer.limit_val_batches", "2"])
@@ -150,9 +178,22 @@ def test_validate_test_predict_subcommands(tmp_path):
 def test_resume_last_and_refuse_a_checkpoint_of_another_model(tmp_path, plain_argv, capsys):
     """`--ckpt_path last` starts fresh, then resumes the newest last.ckpt of the run name; a
     checkpoint of another architecture stops with a message naming what differs."""
-    common = ["--config", str(QUICKSTARTS[0]), "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
-              "--data.init_args.cache_dir", str(tmp_path / "digits"), "--trainer.logger.init_args.save_dir",
-              str(tmp_path / "runs"), "--last_checkpoint.every_n_train_steps", "2", "--ckpt_path", "last"]
+    common = [
+        "--config",
+        str(QUICKSTARTS[0]),
+        "--trainer.limit_train_batches",
+        "3",
+        "--trainer.limit_val_batches",
+        "1",
+        "--data.init_args.cache_dir",
+        str(tmp_path / "digits"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        "--last_checkpoint.every_n_train_steps",
+        "2",
+        "--ckpt_path",
+        "last",
+    ]
     main(["fit", *common, "--trainer.max_epochs", "1"])
     assert "no checkpoint yet, starting fresh" in capsys.readouterr().out
     main(["fit", *common, "--trainer.max_epochs", "2"])
@@ -193,15 +234,35 @@ def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path, monkeypat
 
     generated = []
     finish = Translator._finish_generation
-    monkeypatch.setattr(Translator, "_finish_generation",
-                        lambda self, stage: generated.append(finish(self, stage)) or generated[-1])
+    monkeypatch.setattr(
+        Translator, "_finish_generation", lambda self, stage: generated.append(finish(self, stage)) or generated[-1]
+    )
     dataset = "wikitext103" if config.name.startswith("lm_") else "iwslt14"
     data = text_shards[dataset]
     cli = build_cli(
-        ["fit", "--config", str(config), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
-         "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
-         "--trainer.default_root_dir", str(tmp_path), "--data.init_args.root", str(data),
-         "--data.init_args.num_workers", "0", *FIXTURE_BATCHES[dataset]])
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.fast_dev_run",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.strategy",
+            "auto",
+            "--trainer.precision",
+            "32",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--data.init_args.root",
+            str(data),
+            "--data.init_args.num_workers",
+            "0",
+            *FIXTURE_BATCHES[dataset],
+        ]
+    )
     assert cli.model.config.vocab_size == vocab_size(data) == len(cli.datamodule.vocab)  # linked, not configured
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.callback_metrics
@@ -223,14 +284,30 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
     import sacrebleu
 
     config = ROOT / "configs" / "quickstart" / "nmt_multimax.yaml"
-    common = ["--config", str(config), "--data.init_args.cache_dir", str(cache_dir / "nmt"),
-              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    common = [
+        "--config",
+        str(config),
+        "--data.init_args.cache_dir",
+        str(cache_dir / "nmt"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+    ]
     main(["fit", *common, "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1"])
     last = tmp_path / "runs" / "nmt_multimax" / "version_0" / "checkpoints" / "last.ckpt"
     # a --model option on the command line wins over the checkpoint's hyperparameters
     out = tmp_path / "hypotheses"
-    main(["test", *common, "--ckpt_path", str(last), "--trainer.limit_test_batches", "1",
-          "--model.init_args.output_dir", str(out)])
+    main(
+        [
+            "test",
+            *common,
+            "--ckpt_path",
+            str(last),
+            "--trainer.limit_test_batches",
+            "1",
+            "--model.init_args.output_dir",
+            str(out),
+        ]
+    )
     hyps, refs = (out / "test.hyp").read_text().splitlines(), (out / "test.ref").read_text().splitlines()
     assert 0 < len(hyps) == len(refs)
     written = json.loads((out / "test.bleu.json").read_text())
@@ -242,31 +319,76 @@ def test_translation_test_and_predict_commands(cache_dir, tmp_path):
     assert len((tmp_path / "runs" / "nmt_multimax" / "version_2" / "predict.hyp").read_text().splitlines()) == 3
     # the same checkpoint on a corpus with another dictionary: the vocabulary comes from the data, so
     # the model built for it does not fit the checkpoint, and the run stops naming what differs
-    other = ["--config", str(config), "--data.init_args.cache_dir", str(tmp_path / "other"),
-             "--data.init_args.train_size", "30", "--data.init_args.valid_size", "5", "--data.init_args.test_size", "5",
-             "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(last)]
-    with pytest.raises(ValueError, match=r"another model or config.*shapes differ: .*embed.*\(114, 64\) vs \(\d+, 64\)"):
+    other = [
+        "--config",
+        str(config),
+        "--data.init_args.cache_dir",
+        str(tmp_path / "other"),
+        "--data.init_args.train_size",
+        "30",
+        "--data.init_args.valid_size",
+        "5",
+        "--data.init_args.test_size",
+        "5",
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--ckpt_path",
+        str(last),
+    ]
+    with pytest.raises(
+        ValueError, match=r"another model or config.*shapes differ: .*embed.*\(114, 64\) vs \(\d+, 64\)"
+    ):
         main(["test", *other])
 
 
-@pytest.mark.parametrize("config", ["nmt_iwslt14_softmax.yaml", "lm_wikitext103_softmax.yaml",
-                                    "deit_small_softmax.yaml", "quickstart/nmt_softmax.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "nmt_iwslt14_softmax.yaml",
+        "lm_wikitext103_softmax.yaml",
+        "deit_small_softmax.yaml",
+        "quickstart/nmt_softmax.yaml",
+    ],
+)
 def test_sizes_the_data_knows_are_not_configured(config, capsys):
     """The vocabulary size and class count are linked from the DataModule: no config sets them, and
     ``--print_config`` (which builds nothing) leaves them out."""
-    assert not {"vocab_size", "num_classes"} & set(yaml.safe_load((ROOT / "configs" / config).read_text())
-                                                   ["model"]["init_args"]["model"])
+    assert not {"vocab_size", "num_classes"} & set(
+        yaml.safe_load((ROOT / "configs" / config).read_text())["model"]["init_args"]["model"]
+    )
     printed = resolved_config(ROOT / "configs" / config, capsys)["model"]["init_args"]["model"]
     assert "vocab_size" not in printed and "num_classes" not in printed
 
 
 def test_linked_sizes_replace_a_given_one_and_say_so(tmp_path, capsys):
-    cli = build_cli(["--config", str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"), "--trainer.logger",
-                     "false", "--data.init_args.num_keys", "10", "--model.init_args.model.vocab_size", "5"], run=False)
+    cli = build_cli(
+        [
+            "--config",
+            str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"),
+            "--trainer.logger",
+            "false",
+            "--data.init_args.num_keys",
+            "10",
+            "--model.init_args.model.vocab_size",
+            "5",
+        ],
+        run=False,
+    )
     assert cli.model.config.vocab_size == cli.datamodule.vocab_size == 4 + 10 + 32
     assert "model.vocab_size=5 was given" in capsys.readouterr().out
-    cli = build_cli(["--config", str(QUICKSTARTS[0]), "--trainer.logger", "false",
-                     "--data.init_args.cache_dir", str(tmp_path / "digits")], run=False)
+    cli = build_cli(
+        [
+            "--config",
+            str(QUICKSTARTS[0]),
+            "--trainer.logger",
+            "false",
+            "--data.init_args.cache_dir",
+            str(tmp_path / "digits"),
+        ],
+        run=False,
+    )
     assert cli.model.model.config.num_classes == 10 and not (tmp_path / "digits").exists()  # known before writing
 
 
@@ -277,20 +399,38 @@ def test_a_task_whose_data_lacks_a_size_stops_before_building(capsys):
 
     assert missing_data_sizes(LanguageModel, DigitsDataModule) == ["vocab_size"]
     assert missing_data_sizes(ImageClassifier, RecallDataModule) == ["num_classes"]
-    for task, data in ((LanguageModel, WikiTextDataModule), (LanguageModel, RecallDataModule),
-                       (Translator, ToyTranslationDataModule), (ImageClassifier, DigitsDataModule)):
+    for task, data in (
+        (LanguageModel, WikiTextDataModule),
+        (LanguageModel, RecallDataModule),
+        (Translator, ToyTranslationDataModule),
+        (ImageClassifier, DigitsDataModule),
+    ):
         assert missing_data_sizes(task, data) == []
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"),
-              "--data", "mmlight.data.DigitsDataModule"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "quickstart" / "lm_softmax.yaml"),
+                "--data",
+                "mmlight.data.DigitsDataModule",
+            ]
+        )
     assert exit_info.value.code == 2
     assert "takes vocab_size from its DataModule" in capsys.readouterr().err
 
 
 def test_unprepared_data_stops_with_the_file_it_expected(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(ROOT / "configs" / "nmt_iwslt14_softmax.yaml"),
-              "--data.init_args.root", str(tmp_path / "nowhere")])
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "nmt_iwslt14_softmax.yaml"),
+                "--data.init_args.root",
+                str(tmp_path / "nowhere"),
+            ]
+        )
     assert exit_info.value.code == 2
     assert f"{tmp_path / 'nowhere' / '_info.json'}" in capsys.readouterr().err
 
@@ -298,8 +438,18 @@ def test_unprepared_data_stops_with_the_file_it_expected(tmp_path, capsys):
 def test_model_options_of_a_command_line():
     from mmlight.lightning_cli import model_options
 
-    argv = ["test", "--config", "c.yaml", "--model.init_args.beam.beam_size", "10", "--ckpt_path", "x.ckpt",
-            "--model.init_args.output_dir=out", "--trainer.devices", "1"]
+    argv = [
+        "test",
+        "--config",
+        "c.yaml",
+        "--model.init_args.beam.beam_size",
+        "10",
+        "--ckpt_path",
+        "x.ckpt",
+        "--model.init_args.output_dir=out",
+        "--trainer.devices",
+        "1",
+    ]
     assert model_options(argv) == ["--model.init_args.beam.beam_size", "10", "--model.init_args.output_dir=out"]
 
 

@@ -83,7 +83,9 @@ def test_newest_checkpoint_never_takes_another_runs_checkpoint_under_the_root(tm
     assert ckpt_path.newest_checkpoint(trainer) == str(mine)
     hpc = touch(tmp_path / "hpc_ckpt_1.ckpt", 2000)
     assert ckpt_path.newest_checkpoint(trainer) == str(hpc)
-    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path)) == str(other.parent.parent.parent.parent.parent / "sub" / "hpc_ckpt_3.ckpt")
+    assert ckpt_path.newest_checkpoint(trainer_at(tmp_path)) == str(
+        other.parent.parent.parent.parent.parent / "sub" / "hpc_ckpt_3.ckpt"
+    )
 
 
 def test_newest_checkpoint_searches_the_root_without_a_logger_and_finds_none_in_an_empty_run(tmp_path):
@@ -91,14 +93,19 @@ def test_newest_checkpoint_searches_the_root_without_a_logger_and_finds_none_in_
     assert ckpt_path.newest_checkpoint(trainer_at(tmp_path, log_dir=tmp_path / "runs" / "x" / "version_0")) is None
     hpc = touch(tmp_path / "slurm-9" / "hpc_ckpt_1.ckpt", 100)
     assert ckpt_path.newest_checkpoint(trainer_at(tmp_path)) == str(hpc)
-    assert ckpt_path.newest_checkpoint(SimpleNamespace(default_root_dir=str(tmp_path),
-                                                 logger=SimpleNamespace(log_dir=None))) == str(hpc)
+    assert ckpt_path.newest_checkpoint(
+        SimpleNamespace(default_root_dir=str(tmp_path), logger=SimpleNamespace(log_dir=None))
+    ) == str(hpc)
 
 
 def test_before_fit_resumes_the_newest_checkpoint_for_ckpt_path_last(tmp_path, capsys):
     def fit(ckpt_path):
-        stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=1, num_nodes=1), subcommand="fit",
-                                   config={"fit": {"ckpt_path": ckpt_path}}, config_init={"fit": {"ckpt_path": ckpt_path}})
+        stand_in = SimpleNamespace(
+            trainer=trainer_at(tmp_path, num_devices=1, num_nodes=1),
+            subcommand="fit",
+            config={"fit": {"ckpt_path": ckpt_path}},
+            config_init={"fit": {"ckpt_path": ckpt_path}},
+        )
         lightning_cli.MmlightCLI.before_fit(stand_in)
         return stand_in.config_init["fit"]["ckpt_path"], capsys.readouterr().out
 
@@ -124,27 +131,35 @@ def slurm(monkeypatch, ntasks: str, nodes: str | None, job_name: str = "train", 
         monkeypatch.setenv(nodes_var, nodes)
 
 
-@pytest.mark.parametrize("ntasks, nodes, nodes_var, devices, num_nodes", [
-    ("4", "2", "SLURM_JOB_NUM_NODES", 2, 2),
-    ("4", "2", "SLURM_NNODES", 2, 2),  # older SLURM names the node count so
-    ("3", None, None, 3, 1),  # one node when SLURM does not say
-])
+@pytest.mark.parametrize(
+    "ntasks, nodes, nodes_var, devices, num_nodes",
+    [
+        ("4", "2", "SLURM_JOB_NUM_NODES", 2, 2),
+        ("4", "2", "SLURM_NNODES", 2, 2),  # older SLURM names the node count so
+        ("3", None, None, 3, 1),  # one node when SLURM does not say
+    ],
+)
 def test_matching_slurm_task_counts_pass(monkeypatch, ntasks, nodes, nodes_var, devices, num_nodes):
     slurm(monkeypatch, ntasks, nodes, nodes_var=nodes_var)
     check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
 
 
-@pytest.mark.parametrize("ntasks, nodes, devices, num_nodes, said", [
-    ("3", "2", 2, 2, "3 task(s) on 2 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
-    ("4", "1", 2, 2, "4 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
-    ("1", None, 2, 1, "1 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=1 = 2 process(es)"),
-])
+@pytest.mark.parametrize(
+    "ntasks, nodes, devices, num_nodes, said",
+    [
+        ("3", "2", 2, 2, "3 task(s) on 2 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
+        ("4", "1", 2, 2, "4 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=2 = 4 process(es)"),
+        ("1", None, 2, 1, "1 task(s) on 1 node(s), but the trainer expects devices=2 x num_nodes=1 = 2 process(es)"),
+    ],
+)
 def test_mismatched_slurm_task_counts_stop_the_run(monkeypatch, ntasks, nodes, devices, num_nodes, said):
     slurm(monkeypatch, ntasks, nodes)
     with pytest.raises(SystemExit) as exit_info:
         check_slurm_tasks(SimpleNamespace(num_devices=devices, num_nodes=num_nodes))
-    assert str(exit_info.value) == (f"mmlight: SLURM started {said}. Make --ntasks-per-node equal --trainer.devices "
-                                    "and --nodes equal --trainer.num_nodes.")
+    assert str(exit_info.value) == (
+        f"mmlight: SLURM started {said}. Make --ntasks-per-node equal --trainer.devices "
+        "and --nodes equal --trainer.num_nodes."
+    )
     monkeypatch.setenv("SLURM_NNODES", "7")  # SLURM_JOB_NUM_NODES wins over the older name
     if nodes is not None:
         with pytest.raises(SystemExit, match=f"on {nodes} node"):
@@ -198,7 +213,11 @@ def test_run_dir_of_logger_arguments():
 def test_model_options_of_a_command_line_edges():
     assert lightning_cli.model_options([]) == []
     assert lightning_cli.model_options(["fit", "--model.init_args.lr"]) == ["--model.init_args.lr"]  # last, no value
-    assert lightning_cli.model_options(["--model.a=1", "--model.b", "2", "--data.c", "3"]) == ["--model.a=1", "--model.b", "2"]
+    assert lightning_cli.model_options(["--model.a=1", "--model.b", "2", "--data.c", "3"]) == [
+        "--model.a=1",
+        "--model.b",
+        "2",
+    ]
 
 
 CALLS = []
@@ -224,8 +243,16 @@ def test_trainer_defaults():
     logger = defaults["logger"]
     assert isinstance(logger, TensorBoardLogger) and logger._lazy_kwargs == {"save_dir": "runs", "name": "mmlight"}
     callbacks = defaults["callbacks"]
-    kinds = [StepProgressBar, LearningRateMonitor, ReweightingMonitor, SkippedSamplesMonitor, DataWaitMonitor,
-             FinalMetrics, StepSeed, DataPosition]
+    kinds = [
+        StepProgressBar,
+        LearningRateMonitor,
+        ReweightingMonitor,
+        SkippedSamplesMonitor,
+        DataWaitMonitor,
+        FinalMetrics,
+        StepSeed,
+        DataPosition,
+    ]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}
 
@@ -237,8 +264,12 @@ def test_checkpoint_groups_and_their_defaults(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     last, best = printed["last_checkpoint"], printed["best_checkpoint"]
     assert (last["save_last"], last["save_top_k"], last["every_n_train_steps"]) == (True, 0, 1000)
-    assert (best["monitor"], best["mode"], best["filename"], best["save_top_k"]) == ("val/top1", "max",
-                                                                                     "best-{epoch}-{step}", 1)
+    assert (best["monitor"], best["mode"], best["filename"], best["save_top_k"]) == (
+        "val/top1",
+        "max",
+        "best-{epoch}-{step}",
+        1,
+    )
     assert best["auto_insert_metric_name"] is False
     assert printed["seed_everything"] == 0
 
@@ -256,8 +287,13 @@ def test_model_options_on_the_command_line_win_over_the_checkpoint(tmp_path, par
     import torch
 
     ckpt = tmp_path / "model.ckpt"
-    torch.save({"state_dict": {}, "hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125,
-                                     "warmup_epochs": 7.0}}, ckpt)
+    torch.save(
+        {
+            "state_dict": {},
+            "hyper_parameters": {"_class_path": "mmlight.tasks.ImageClassifier", "lr": 0.125, "warmup_epochs": 7.0},
+        },
+        ckpt,
+    )
     common = ["validate", "--config", str(DIGITS), "--ckpt_path", str(ckpt)]
     model = parse_only(common).config.validate.model.init_args
     assert (model.lr, model.warmup_epochs) == (0.125, 7.0)  # Lightning restores the checkpoint's
@@ -284,7 +320,9 @@ def test_how_the_cli_is_built(parse_only):
     assert built.auto_configure_optimizers is False and built.seed_everything_default == 0
     assert built.subcommand == "fit" and built.config.fit.model.class_path == "mmlight.tasks.ImageClassifier"
     callbacks = built.trainer_defaults["callbacks"]  # given to the Trainer when it is built
-    assert [type(c).__name__ for c in callbacks] == [type(c).__name__ for c in lightning_cli.trainer_defaults()["callbacks"]]
+    assert [type(c).__name__ for c in callbacks] == [
+        type(c).__name__ for c in lightning_cli.trainer_defaults()["callbacks"]
+    ]
     assert isinstance(built.trainer_defaults["logger"], TensorBoardLogger)
 
 
@@ -298,8 +336,12 @@ def test_main_reads_sys_argv(monkeypatch):
 
 def test_before_fit_checks_the_slurm_task_counts(tmp_path, monkeypatch):
     slurm(monkeypatch, "1", "1")
-    stand_in = SimpleNamespace(trainer=trainer_at(tmp_path, num_devices=2, num_nodes=1), subcommand="fit",
-                               config={"fit": {"ckpt_path": None}}, config_init={"fit": {"ckpt_path": None}})
+    stand_in = SimpleNamespace(
+        trainer=trainer_at(tmp_path, num_devices=2, num_nodes=1),
+        subcommand="fit",
+        config={"fit": {"ckpt_path": None}},
+        config_init={"fit": {"ckpt_path": None}},
+    )
     with pytest.raises(SystemExit, match="SLURM started 1 task"):
         lightning_cli.MmlightCLI.before_fit(stand_in)
 
@@ -334,8 +376,20 @@ class NotAWeight:
     """A pickled object that ``torch.load(weights_only=True)`` refuses to build."""
 
 
-@pytest.mark.parametrize("path", [None, "", "last", "best", "hpc", "registry", "registry:me/model:latest",
-                                  "s3://bucket/run/last.ckpt", "https://host/last.ckpt"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        None,
+        "",
+        "last",
+        "best",
+        "hpc",
+        "registry",
+        "registry:me/model:latest",
+        "s3://bucket/run/last.ckpt",
+        "https://host/last.ckpt",
+    ],
+)
 def test_check_checkpoint_file_leaves_special_values_and_urls_to_lightning(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # none of these names a file here
     assert ckpt_path.check_checkpoint_file(path) is None
@@ -364,8 +418,10 @@ def test_check_checkpoint_file_stops_on_files_that_are_not_lightning_checkpoints
         torch.save(content, tmp_path / name)
         with pytest.raises(SystemExit) as stop:
             ckpt_path.check_checkpoint_file(str(tmp_path / name))
-        assert str(stop.value) == (f"mmlight: --ckpt_path {tmp_path / name} is not a Lightning checkpoint "
-                                   "(a torch file without the 'state_dict' entry Lightning writes)")
+        assert str(stop.value) == (
+            f"mmlight: --ckpt_path {tmp_path / name} is not a Lightning checkpoint "
+            "(a torch file without the 'state_dict' entry Lightning writes)"
+        )
 
 
 def test_check_checkpoint_file_quotes_the_first_line_of_the_error_cut_at_200_characters(tmp_path, monkeypatch):
@@ -404,27 +460,37 @@ def test_sizes_linked_from_the_data_win_and_only_a_given_different_size_is_repor
     assert "was given" not in said  # given and equal to the data's
     built, said = instantiated(["--config", str(DIGITS), "--model.init_args.model.num_classes", "7"], capsys)
     assert built.model.hparams.model["num_classes"] == 10
-    assert ("mmlight: model.num_classes=7 was given, but the size is linked from the data: num_classes=10 is used"
-            in said.splitlines())
+    assert (
+        "mmlight: model.num_classes=7 was given, but the size is linked from the data: num_classes=10 is used"
+        in said.splitlines()
+    )
     monkeypatch.setattr(lightning_cli.MmlightCLI, "_run_subcommand", lambda self, subcommand: None)  # built, not run
-    built = lightning_cli.build_cli(["fit", "--config", str(DIGITS), "--model.init_args.model.num_classes", "7",
-                           "--trainer.logger", "false"])
+    built = lightning_cli.build_cli(
+        ["fit", "--config", str(DIGITS), "--model.init_args.model.num_classes", "7", "--trainer.logger", "false"]
+    )
     assert built.subcommand == "fit" and built.model.hparams.model["num_classes"] == 10
     assert "mmlight: model.num_classes=7 was given" in capsys.readouterr().out  # read from the subcommand's config
     built, said = instantiated(["--config", str(LM), "--model.init_args.model.vocab_size", "5"], capsys)
     vocab = built.datamodule.vocab_size
     assert vocab != 5 and built.model.hparams.model["vocab_size"] == vocab
-    assert (f"mmlight: model.vocab_size=5 was given, but the size is linked from the data: vocab_size={vocab} is used"
-            in said.splitlines())
+    assert (
+        f"mmlight: model.vocab_size=5 was given, but the size is linked from the data: vocab_size={vocab} is used"
+        in said.splitlines()
+    )
 
 
 def test_data_that_is_not_prepared_stops_with_the_parsers_message(capsys):
     deit = ROOT / "configs" / "deit_small_multimax.yaml"
     with pytest.raises(SystemExit) as stop:
-        lightning_cli.build_cli(["--config", str(deit), "--data.init_args.root", "/nonexistent/imagenet", "--trainer.logger",
-                       "false"], run=False)
+        lightning_cli.build_cli(
+            ["--config", str(deit), "--data.init_args.root", "/nonexistent/imagenet", "--trainer.logger", "false"],
+            run=False,
+        )
     assert stop.value.code == 2
-    assert "error: no shard set at /nonexistent/imagenet: expected /nonexistent/imagenet/_info.json" in capsys.readouterr().err
+    assert (
+        "error: no shard set at /nonexistent/imagenet: expected /nonexistent/imagenet/_info.json"
+        in capsys.readouterr().err
+    )
 
 
 def test_model_config_defaults_and_missing_data_sizes():
@@ -441,12 +507,14 @@ def test_model_config_defaults_and_missing_data_sizes():
     assert lightning_cli.missing_data_sizes(ImageClassifier, object) == ["num_classes"]
     assert lightning_cli.missing_data_sizes(SimpleNamespace, object) == []
 
-
     class TakesAModule:  # a task whose ``model`` is not a config dataclass
         def __init__(self, model: torch.nn.Module):
             self.model = model
 
-    assert lightning_cli.model_config_class(TakesAModule) is None and lightning_cli.model_config_defaults(TakesAModule) == {}
+    assert (
+        lightning_cli.model_config_class(TakesAModule) is None
+        and lightning_cli.model_config_defaults(TakesAModule) == {}
+    )
     assert lightning_cli.missing_data_sizes(TakesAModule, object) == []
 
 
@@ -455,8 +523,10 @@ def test_every_missing_size_is_named(parse_only, capsys, monkeypatch):
     monkeypatch.setattr(lightning_cli, "DATA_SIZES", {"vocab_size": "vocab_size", "pad_size": "pad_id"})
     with pytest.raises(SystemExit):
         parse_only(["fit", "--config", str(LM), "--data", "mmlight.data.DigitsDataModule"])
-    assert ("mmlight.tasks.LanguageModel takes vocab_size, pad_size from its DataModule, but "
-            "mmlight.data.DigitsDataModule has no such attribute") in capsys.readouterr().err
+    assert (
+        "mmlight.tasks.LanguageModel takes vocab_size, pad_size from its DataModule, but "
+        "mmlight.data.DigitsDataModule has no such attribute"
+    ) in capsys.readouterr().err
 
 
 def test_a_misspelt_reweighting_or_a_data_without_a_needed_size_stops_at_parse_time(parse_only, capsys):
@@ -466,25 +536,39 @@ def test_a_misspelt_reweighting_or_a_data_without_a_needed_size_stops_at_parse_t
     assert stop.value.code == 2
     from mmlight.reweighting import available as available_reweightings
 
-    assert (f"error: model.init_args.model.attention.name: unknown reweighting 'softmx'; choose one of "
-            f"{available_reweightings()}") in capsys.readouterr().err
+    assert (
+        f"error: model.init_args.model.attention.name: unknown reweighting 'softmx'; choose one of "
+        f"{available_reweightings()}"
+    ) in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         parse_only(["fit", "--config", str(LM), "--data", "mmlight.data.DigitsDataModule"])
     assert stop.value.code == 2
-    assert ("error: mmlight.tasks.LanguageModel takes vocab_size from its DataModule, but "
-            "mmlight.data.DigitsDataModule has no such attribute") in capsys.readouterr().err
+    assert (
+        "error: mmlight.tasks.LanguageModel takes vocab_size from its DataModule, but "
+        "mmlight.data.DigitsDataModule has no such attribute"
+    ) in capsys.readouterr().err
     assert parse_only(["fit", "--config", str(DIGITS)]).subcommand == "fit"  # the shipped config passes both checks
 
 
 def test_reweighting_names_finds_every_spec_at_any_depth():
     """Specs are the nodes holding exactly ``name`` and ``options``, in dicts or Namespaces, at any depth."""
     spec = {"name": "multimax", "options": {"order": 2}}
-    config = Namespace(init_args=Namespace(model={"attention": spec, "output": Namespace(name="softmax", options={}),
-                                                  "not_a_spec": {"name": "x"}, "depth": 3,
-                                                  "deeper": {"inner": {"attention": dict(spec, name="topk")}}}))
+    config = Namespace(
+        init_args=Namespace(
+            model={
+                "attention": spec,
+                "output": Namespace(name="softmax", options={}),
+                "not_a_spec": {"name": "x"},
+                "depth": 3,
+                "deeper": {"inner": {"attention": dict(spec, name="topk")}},
+            }
+        )
+    )
     assert sorted(lightning_cli.reweighting_names(config)) == [
-        ("init_args.model.attention.name", "multimax"), ("init_args.model.deeper.inner.attention.name", "topk"),
-        ("init_args.model.output.name", "softmax")]
+        ("init_args.model.attention.name", "multimax"),
+        ("init_args.model.deeper.inner.attention.name", "topk"),
+        ("init_args.model.output.name", "softmax"),
+    ]
     assert lightning_cli.reweighting_names(config, "model.")[0][0].startswith("model.init_args.")
     assert lightning_cli.reweighting_names({"leaf": 1}) == [] and lightning_cli.reweighting_names(5) == []
 
@@ -549,9 +633,20 @@ def nothing_runs(monkeypatch):
     ran.extend(CALLS)
 
 
-@pytest.mark.parametrize("typed, meant", [("fitt", "fit"), ("tset", "test"), ("valdate", "validate"),
-                                          ("perdict", "predict"), ("prepair", "prepare"), ("analyse", "analyze"),
-                                          ("sweeps", "sweep"), ("colect", "collect"), ("docter", "doctor")])
+@pytest.mark.parametrize(
+    "typed, meant",
+    [
+        ("fitt", "fit"),
+        ("tset", "test"),
+        ("valdate", "validate"),
+        ("perdict", "predict"),
+        ("prepair", "prepare"),
+        ("analyse", "analyze"),
+        ("sweeps", "sweep"),
+        ("colect", "collect"),
+        ("docter", "doctor"),
+    ],
+)
 def test_a_misspelt_command_names_the_nearest_and_runs_nothing(typed, meant, nothing_runs, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main([typed, "--config", "x.yaml"])
@@ -564,18 +659,22 @@ def test_known_commands_and_leading_options_go_through(nothing_runs):
     cli.main(["fit", "--config", "x.yaml"])
     cli.main(["--config", "x.yaml", "validate"])  # LightningCLI's options before the command
     cli.main(["doctor", "--quick"])
-    assert nothing_runs == [("lightning", ["fit", "--config", "x.yaml"]),
-                            ("lightning", ["--config", "x.yaml", "validate"])]
+    assert nothing_runs == [
+        ("lightning", ["fit", "--config", "x.yaml"]),
+        ("lightning", ["--config", "x.yaml", "validate"]),
+    ]
     assert CALLS == [["--quick"]]
 
 
 def levenshtein(a: str, b: str) -> int:
     """The textbook recursion: the last characters deleted, inserted or matched (replaced)."""
+
     @functools.cache
     def d(i: int, j: int) -> int:
         if min(i, j) == 0:
             return max(i, j)
         return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+
     return d(len(a), len(b))
 
 

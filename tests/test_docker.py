@@ -82,7 +82,7 @@ def test_base_is_a_build_argument_with_ngc_pytorch_as_default(parsed):
     assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", image), image
     # ARGs before FROM are the only ones FROM can read
     keywords = [keyword for keyword, _ in parsed]
-    assert keywords[:keywords.index("FROM")] == ["ARG", "ARG"]
+    assert keywords[: keywords.index("FROM")] == ["ARG", "ARG"]
 
 
 def test_torch_base_pins_what_it_installs_as_ngc_does():
@@ -178,8 +178,14 @@ def test_entrypoint_resolves_to_the_console_script():
     assert scripts["mmlight"] == "mmlight.cli:main"
     module, _, name = scripts["mmlight"].partition(":")
     assert callable(getattr(importlib.import_module(module), name))
-    result = subprocess.run([sys.executable, "-m", "mmlight.cli", "--help"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "mmlight.cli", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "fit" in result.stdout
 

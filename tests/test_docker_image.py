@@ -45,8 +45,9 @@ def buildah(*args: str, check: bool = True, timeout: float = 120, nice: bool = F
     argv = (["nice", "-n", "10"] if nice else []) + ["buildah", *args]
     result = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}"
-                             f"\n{result.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
     return result
 
 
@@ -78,9 +79,8 @@ def layers(name: str) -> list[tuple[str, int]]:
     """(the step that made it, bytes uncompressed) of each layer of a local image, bottom first."""
     info = json.loads(buildah("inspect", "--type", "image", name).stdout)
     sizes = [layer["size"] for layer in json.loads(info["Manifest"])["layers"]]
-    steps = [entry.get("created_by", "") for entry in info["Docker"].get("history", [])
-             if not entry.get("empty_layer")]
-    steps = [""] * (len(sizes) - len(steps)) + steps[-len(sizes):]  # a committed rootfs may have none
+    steps = [entry.get("created_by", "") for entry in info["Docker"].get("history", []) if not entry.get("empty_layer")]
+    steps = [""] * (len(sizes) - len(steps)) + steps[-len(sizes) :]  # a committed rootfs may have none
     return list(zip(steps, sizes))
 
 
@@ -101,8 +101,17 @@ def debootstrap_base() -> None:
     container = buildah("from", "scratch").stdout.strip()
     try:
         root = buildah("mount", container).stdout.strip()
-        argv = ["nice", "-n", "10", "debootstrap", "--variant=minbase",
-                "--include=python3,python3-venv,ca-certificates", "bookworm", root, "http://deb.debian.org/debian"]
+        argv = [
+            "nice",
+            "-n",
+            "10",
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-venv,ca-certificates",
+            "bookworm",
+            root,
+            "http://deb.debian.org/debian",
+        ]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
         assert result.returncode == 0, f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
@@ -133,7 +142,8 @@ def images(torch_base) -> dict:
     """mmlight built on the stand-in; build times (s), image sizes and the mmlight layers (bytes)."""
     figures = dict(torch_base)
     figures["mmlight_s"], figures["build_log"] = build(
-        DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)})
+        DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}
+    )
     figures["sizes"] = {name: sum(size for _, size in layers(name)) for name in (DEBIAN, TORCH_BASE, IMAGE)}
     base_layers = len(layers(TORCH_BASE))
     figures["mmlight_layers"] = [(step[-100:], size) for step, size in layers(IMAGE)[base_layers:]]
@@ -163,8 +173,9 @@ def run_argv(container: str, argv: list[str], runs: Path | None = None) -> list[
 
 
 def run(container: str, argv: list[str], runs: Path | None = None, timeout: float = 600):
-    return subprocess.run(run_argv(container, argv, runs), capture_output=True, text=True, env=ENV,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        run_argv(container, argv, runs), capture_output=True, text=True, env=ENV, timeout=timeout, check=False
+    )
 
 
 @pytest.fixture()
@@ -244,8 +255,8 @@ def descendants(pid: int) -> list[tuple[int, str]]:
             text = stat.read_text()
         except OSError:
             continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        parent = int(text[text.rindex(")") + 2:].split()[1])
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        parent = int(text[text.rindex(")") + 2 :].split()[1])
         children.setdefault(parent, []).append((int(stat.parent.name), name))
     found, todo = [], [pid]
     while todo:
@@ -271,8 +282,9 @@ def test_sigterm_through_tini_stops_training_cleanly(container, entrypoint, runs
     import torch
 
     argv = [*entrypoint, "fit", "--config", QUICKSTART, "--trainer.max_epochs", "100"]
-    process = subprocess.Popen(run_argv(container, argv, runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=ENV)
+    process = subprocess.Popen(
+        run_argv(container, argv, runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
     try:
         wait_for(lambda: list(runs.rglob("*.ckpt")) or process.poll() is not None, 300, "the first checkpoint")
         assert process.poll() is None, process.stdout.read()[-3000:]
@@ -332,15 +344,20 @@ def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path
     """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's torch>=2.4:
     pip would replace it, and the guard fails the build with its message."""
     containerfile = tmp_path / "Containerfile"
-    containerfile.write_text(f'FROM {TORCH_BASE}\nENV PIP_CONSTRAINT=\n'
-                             f'RUN rm /etc/pip/constraint.txt && python -c "{FAKE_OLD_TORCH}"\n')
+    containerfile.write_text(
+        f'FROM {TORCH_BASE}\nENV PIP_CONSTRAINT=\nRUN rm /etc/pip/constraint.txt && python -c "{FAKE_OLD_TORCH}"\n'
+    )
     build(containerfile, GUARD_BASE, {})
     probe = buildah("from", GUARD_BASE).stdout.strip()
     try:
         faked = buildah("run", probe, "--", "python", "-c", "import torch; print(torch.__version__)").stdout
         assert faked.split() == ["2.3.0"]
-        _, log = build(DOCKER / "Dockerfile", f"{PREFIX}/guard-must-fail",
-                       {"BASE_IMAGE": GUARD_BASE, "UID": str(UID), "GID": str(GID)}, check=False)
+        _, log = build(
+            DOCKER / "Dockerfile",
+            f"{PREFIX}/guard-must-fail",
+            {"BASE_IMAGE": GUARD_BASE, "UID": str(UID), "GID": str(GID)},
+            check=False,
+        )
         assert "pip install replaced the image's torch 2.3.0 with" in log, log[-4000:]
         assert not image_exists(f"{PREFIX}/guard-must-fail")
     finally:

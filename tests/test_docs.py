@@ -174,7 +174,9 @@ def check_container(tokens: list[str], command: str, capsys) -> None:
         assert re.fullmatch(r"docker(-daemon)?://.*mmlight:latest", tokens[-1]), command
     else:
         assert action in ("run", "exec") and {"mmlight", "mmlight:cpu"} & set(tokens[2:]), command
-        image = max(i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight:cpu", "mmlight.sif") and i + 1 < len(tokens))
+        image = max(
+            i for i, t in enumerate(tokens) if t in ("mmlight", "mmlight:cpu", "mmlight.sif") and i + 1 < len(tokens)
+        )
         inside = tokens[image + 1 :]
         inside = inside if inside[0] == "mmlight" else ["mmlight", *inside]  # the image's entrypoint is mmlight
         check_mmlight(inside, command, capsys)

@@ -12,8 +12,11 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU 
 
 
 def table_rows(output: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in output.splitlines()
-            if line.startswith("| ") and not line.startswith("| check")]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in output.splitlines()
+        if line.startswith("| ") and not line.startswith("| check")
+    ]
 
 
 @cpu_only
@@ -23,7 +26,7 @@ def test_cpu_report_checks_every_kernel(capsys):
     assert "no CUDA GPU" in out and "triton: " in out and "torch: " in out
     rows = table_rows(out)
     assert [r[0] for r in rows] == [c.name for c in doctor.CHECKS]
-    for name, shape, dtype, error, verdict in rows:
+    for name, _shape, dtype, error, verdict in rows:
         assert dtype == "float32" and verdict == "ok", name
         assert float(error.split()[0]) <= doctor.FP32_TOLERANCE
     assert "VERDICT: no GPU here" in out
@@ -49,18 +52,42 @@ def test_a_wrong_kernel_fails_the_check(monkeypatch, capsys):
 # `run_check(check, on_gpu=True)` for every check on an NVIDIA H100 80GB HBM3 (sm_90), torch 2.11.0+cu130,
 # Triton 3.6.0, 2026-11-24; and the table and verdict `mmlight doctor` printed for them.
 H100_ROWS = [
-    {"check": "row-wise MultiMax (DeiT-small scores)", "shape": "64x6x197x197", "dtype": "bfloat16",
-     "tolerance": 0.02, "error": 0.0032141023154980907, "ok": True,
-     "ms": {"triton": 0.9240599945187569, "reference": 3.9251153809683665, "compile": 0.8204340003430843}},
-    {"check": "attention (DeiT-small)", "shape": "64x6x197x64", "dtype": "bfloat16",
-     "tolerance": 0.03, "error": 0.00676278117100297, "ok": True,
-     "ms": {"triton": 0.9733160038789114, "reference": 4.067062854766846, "compile": 1.3333585370670666}},
-    {"check": "causal attention N=1024", "shape": "8x8x1024x64", "dtype": "bfloat16",
-     "tolerance": 0.03, "error": 0.005148385292951984, "ok": True,
-     "ms": {"triton": 0.9929942118710485, "reference": 15.150367736816406, "compile": 1.9489320069551468}},
-    {"check": "cross-entropy (LM vocabulary)", "shape": "64x267744", "dtype": "bfloat16",
-     "tolerance": 0.02, "error": 0.0027594844445356973, "ok": True,
-     "ms": {"triton": 1.0653247992197672, "reference": 3.381875991821289, "compile": 0.9709327936172485}},
+    {
+        "check": "row-wise MultiMax (DeiT-small scores)",
+        "shape": "64x6x197x197",
+        "dtype": "bfloat16",
+        "tolerance": 0.02,
+        "error": 0.0032141023154980907,
+        "ok": True,
+        "ms": {"triton": 0.9240599945187569, "reference": 3.9251153809683665, "compile": 0.8204340003430843},
+    },
+    {
+        "check": "attention (DeiT-small)",
+        "shape": "64x6x197x64",
+        "dtype": "bfloat16",
+        "tolerance": 0.03,
+        "error": 0.00676278117100297,
+        "ok": True,
+        "ms": {"triton": 0.9733160038789114, "reference": 4.067062854766846, "compile": 1.3333585370670666},
+    },
+    {
+        "check": "causal attention N=1024",
+        "shape": "8x8x1024x64",
+        "dtype": "bfloat16",
+        "tolerance": 0.03,
+        "error": 0.005148385292951984,
+        "ok": True,
+        "ms": {"triton": 0.9929942118710485, "reference": 15.150367736816406, "compile": 1.9489320069551468},
+    },
+    {
+        "check": "cross-entropy (LM vocabulary)",
+        "shape": "64x267744",
+        "dtype": "bfloat16",
+        "tolerance": 0.02,
+        "error": 0.0027594844445356973,
+        "ok": True,
+        "ms": {"triton": 1.0653247992197672, "reference": 3.381875991821289, "compile": 0.9709327936172485},
+    },
 ]
 H100_TABLE = """\
 | check | shape | dtype | max error (tolerance) | triton ms | reference ms | compile ms | verdict |
@@ -96,8 +123,10 @@ def test_gpu_report_of_a_kernel_that_failed_or_missed_its_tolerance(recorded_gpu
     recorded_gpu["row-wise MultiMax (DeiT-small scores)"].update(error=0.02, ok=True)
     recorded_gpu["attention (DeiT-small)"].update(error=0.031, ok=False)
     recorded_gpu["cross-entropy (LM vocabulary)"].update(
-        error="CompilationError: out of resource: shared memory", ok=False,
-        ms={"triton": "CompilationError", "reference": 3.381875991821289, "compile": 0.9709327936172485})
+        error="CompilationError: out of resource: shared memory",
+        ok=False,
+        ms={"triton": "CompilationError", "reference": 3.381875991821289, "compile": 0.9709327936172485},
+    )
     with pytest.raises(SystemExit) as exit_info:
         doctor.main([])
     assert exit_info.value.code == 1
@@ -106,9 +135,16 @@ def test_gpu_report_of_a_kernel_that_failed_or_missed_its_tolerance(recorded_gpu
     assert rows["row-wise MultiMax (DeiT-small scores)"][2:] == ["0.02 (2e-02)", "0.924", "3.93", "0.82", "ok"]
     assert rows["attention (DeiT-small)"][2:] == ["0.031 (3e-02)", "0.973", "4.07", "1.33", "FAIL"]
     assert rows["cross-entropy (LM vocabulary)"][2:] == [
-        "CompilationError: out of resource: shared memory", "CompilationError", "3.38", "0.971", "FAIL"]
-    assert ("VERDICT: FAIL for attention (DeiT-small), cross-entropy (LM vocabulary). Backend 'auto' falls back "
-            "to 'compile' for a kernel that fails to compile or launch") in out
+        "CompilationError: out of resource: shared memory",
+        "CompilationError",
+        "3.38",
+        "0.971",
+        "FAIL",
+    ]
+    assert (
+        "VERDICT: FAIL for attention (DeiT-small), cross-entropy (LM vocabulary). Backend 'auto' falls back "
+        "to 'compile' for a kernel that fails to compile or launch"
+    ) in out
 
 
 def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_interpreter(monkeypatch):
@@ -118,8 +154,9 @@ def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_int
 
     runs = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(doctor.subprocess, "run", lambda cmd, env: runs.append((cmd, env)) or
-                        type("Done", (), {"returncode": 3})())
+    monkeypatch.setattr(
+        doctor.subprocess, "run", lambda cmd, env: runs.append((cmd, env)) or type("Done", (), {"returncode": 3})()
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         doctor.main([])
@@ -139,10 +176,12 @@ def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_int
 def stand_in(off_by: float = 0.0, fails: bool = False):
     """A check's ``run``: MultiMax through the reference, the "triton" backend ``off_by`` too large (or
     raising as a kernel that does not launch)."""
+
     def run(module, inputs, backend):
         if backend == "triton" and fails:
             raise RuntimeError("out of resources: shared memory, required 233472 > 232448\nmore text")
         return module.compute(inputs[0], None, "reference") * (1 + off_by if backend == "triton" else 1)
+
     return run
 
 
@@ -170,8 +209,12 @@ def test_gpu_check_judges_bf16_against_the_fp32_reference_with_the_checks_tolera
 def test_cpu_check_uses_fp32_the_small_shape_and_the_fp32_tolerance(gpu_on_the_cpu):
     check = doctor.Check("stand-in", (2, 3, 9), (1, 2, 5), doctor._scores, stand_in(1e-3), 2e-2)
     row = doctor.run_check(check, on_gpu=False)
-    assert (row["shape"], row["dtype"], row["tolerance"], row["ok"]) == ("1x2x5", "float32", doctor.FP32_TOLERANCE,
-                                                                        False)
+    assert (row["shape"], row["dtype"], row["tolerance"], row["ok"]) == (
+        "1x2x5",
+        "float32",
+        doctor.FP32_TOLERANCE,
+        False,
+    )
     assert row["error"] == pytest.approx(1e-3, rel=1e-2) and "ms" not in row  # output and gradients 0.1% off
 
 

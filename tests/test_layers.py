@@ -14,8 +14,6 @@ import re
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 import mmlight
 
 PACKAGE = Path(mmlight.__file__).parent

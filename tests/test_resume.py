@@ -35,22 +35,62 @@ class KillAtStep(Callback):
 
 RUNS = {
     # 1438 training digits / 32 = 44 steps per epoch: killed at 25, ends at 50 in epoch 1
-    "digits": (ROOT / "configs" / "quickstart" / "digits_multimax.yaml", "digits_multimax", 25,
-               ["--model.init_args.ema_decay", "0.9", "--model.init_args.mixup_alpha", "0.8",
-                "--model.init_args.cutmix_alpha", "1.0", "--trainer.limit_val_batches", "1"]),
+    "digits": (
+        ROOT / "configs" / "quickstart" / "digits_multimax.yaml",
+        "digits_multimax",
+        25,
+        [
+            "--model.init_args.ema_decay",
+            "0.9",
+            "--model.init_args.mixup_alpha",
+            "0.8",
+            "--model.init_args.cutmix_alpha",
+            "1.0",
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+    ),
     # 640 sequences / 64 = 10 steps per epoch: killed at 15, ends at 30 in epoch 2
-    "lm": (ROOT / "configs" / "quickstart" / "lm_multimax.yaml", "lm_multimax", 15,
-           ["--data.init_args.train_size", "640", "--data.init_args.val_size", "64",
-            "--model.init_args.model.dropout", "0.1", "--model.init_args.warmup_steps", "5"]),
+    "lm": (
+        ROOT / "configs" / "quickstart" / "lm_multimax.yaml",
+        "lm_multimax",
+        15,
+        [
+            "--data.init_args.train_size",
+            "640",
+            "--data.init_args.val_size",
+            "64",
+            "--model.init_args.model.dropout",
+            "0.1",
+            "--model.init_args.warmup_steps",
+            "5",
+        ],
+    ),
 }
 
 
 def fit(workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
     config, _, kill_at, overrides = RUNS[run]
-    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config), *overrides,
-               "--trainer.max_steps", str(2 * kill_at), "--trainer.log_every_n_steps", "1",
-               "--trainer.enable_model_summary", "false", "--last_checkpoint.every_n_train_steps", "5",
-               "--trainer.logger.init_args.save_dir", str(workdir / "runs"), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "mmlight.cli",
+        "fit",
+        "--config",
+        str(config),
+        *overrides,
+        "--trainer.max_steps",
+        str(2 * kill_at),
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.enable_model_summary",
+        "false",
+        "--last_checkpoint.every_n_train_steps",
+        "5",
+        "--trainer.logger.init_args.save_dir",
+        str(workdir / "runs"),
+        *extra,
+    ]
     if run == "digits":
         command += ["--data.init_args.cache_dir", str(workdir.parent / "digits")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -24,7 +24,15 @@ def vocab_size(shards: Path) -> int:
 
 # Overrides that fit the Table 3/4 configs' batches to the fixtures (a handful of sentences).
 FIXTURE_BATCHES = {
-    "wikitext103": ["--data.init_args.block_size", "8", "--data.init_args.batch_size", "2",
-                    "--data.init_args.eval_block_size", "8", "--data.init_args.eval_context", "4"],
+    "wikitext103": [
+        "--data.init_args.block_size",
+        "8",
+        "--data.init_args.batch_size",
+        "2",
+        "--data.init_args.eval_block_size",
+        "8",
+        "--data.init_args.eval_context",
+        "4",
+    ],
     "iwslt14": ["--data.init_args.max_tokens", "64"],
 }

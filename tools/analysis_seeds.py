@@ -18,8 +18,18 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
-           "max_weight", "token_similarity", "rollout_discrepancy", "sink_ratio")
+COLUMNS = (
+    "entropy",
+    "normalized_entropy",
+    "multimodality",
+    "sparsity",
+    "frac_below_1e-3",
+    "frac_zero",
+    "max_weight",
+    "token_similarity",
+    "rollout_discrepancy",
+    "sink_ratio",
+)
 
 
 def layer_means(stats_csv: Path) -> dict[str, dict[str, float]]:

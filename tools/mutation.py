@@ -35,9 +35,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "mutation"
@@ -69,63 +70,152 @@ def _node_ids(path: str, *names: str) -> tuple[str, ...]:
 
 
 MODULES: dict[str, Module] = {
-    "streaming": Module(("mmlight/data/streaming.py", "mmlight/data/skips.py"), (
-        "tests/data/test_streaming.py", "tests/data/test_shard_datamodule.py", "tests/data/test_shards.py",
-        "tests/data/test_skips.py")),
+    "streaming": Module(
+        ("mmlight/data/streaming.py", "mmlight/data/skips.py"),
+        (
+            "tests/data/test_streaming.py",
+            "tests/data/test_shard_datamodule.py",
+            "tests/data/test_shards.py",
+            "tests/data/test_skips.py",
+        ),
+    ),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
-    "cli": Module(("mmlight/cli.py", "mmlight/lightning_cli.py", "mmlight/ckpt_path.py", "mmlight/slurm.py"), (
-        "tests/test_cli_units.py", *_node_ids(
-            "tests/test_cli.py", "test_model_options_of_a_command_line", "test_bad_config_stops_before_work",
-            "test_missing_config_file", "test_backend_is_a_config_key"))),
+    "cli": Module(
+        ("mmlight/cli.py", "mmlight/lightning_cli.py", "mmlight/ckpt_path.py", "mmlight/slurm.py"),
+        (
+            "tests/test_cli_units.py",
+            *_node_ids(
+                "tests/test_cli.py",
+                "test_model_options_of_a_command_line",
+                "test_bad_config_stops_before_work",
+                "test_missing_config_file",
+                "test_backend_is_a_config_key",
+            ),
+        ),
+    ),
     # every callback's test file; test_callbacks.py's training run with the monitor is left out (the unit
     # tests of test_reweighting_monitor.py cover the same logic), and so is attention_stats' DDP subprocess.
-    "callbacks": Module(("mmlight/callbacks/*",), tuple(f"tests/callbacks/test_{name}.py" for name in (
-        "attention_stats", "callbacks", "checkpoint", "data_position", "data_wait", "final_metrics", "progress",
-        "reweighting_monitor", "skipped_samples", "step_seed")),
-        keyword="not test_monitor_logs_parameters_curves_and_final_metrics"),
+    "callbacks": Module(
+        ("mmlight/callbacks/*",),
+        tuple(
+            f"tests/callbacks/test_{name}.py"
+            for name in (
+                "attention_stats",
+                "callbacks",
+                "checkpoint",
+                "data_position",
+                "data_wait",
+                "final_metrics",
+                "progress",
+                "reweighting_monitor",
+                "skipped_samples",
+                "step_seed",
+            )
+        ),
+        keyword="not test_monitor_logs_parameters_curves_and_final_metrics",
+    ),
     # test_language_model.py and two training runs of test_classification.py are left out: slow.
-    "tasks": Module(("mmlight/tasks/*",), (
-        "tests/tasks/test_metrics.py", "tests/tasks/test_optim.py", "tests/tasks/test_checkpoint.py",
-        "tests/tasks/test_classification.py", "tests/tasks/test_translator.py"),
-        keyword="not test_lr_scales_with_global_batch and not test_class_count_mismatch_stops_fit"),
+    "tasks": Module(
+        ("mmlight/tasks/*",),
+        (
+            "tests/tasks/test_metrics.py",
+            "tests/tasks/test_optim.py",
+            "tests/tasks/test_checkpoint.py",
+            "tests/tasks/test_classification.py",
+            "tests/tasks/test_translator.py",
+        ),
+        keyword="not test_lr_scales_with_global_batch and not test_class_count_mismatch_stops_fit",
+    ),
     "vit": Module(("mmlight/models/vit.py",), ("tests/models/test_vit.py",), keyword="not triton"),
-    "transformer": Module(("mmlight/models/transformer.py",), (
-        "tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
-                          keyword="not triton"),
+    "transformer": Module(
+        ("mmlight/models/transformer.py",),
+        ("tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
+        keyword="not triton",
+    ),
     # new code is held to the fast-test standard: the attention statistics and the robustness interventions
-    "analysis": Module(("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"), (
-        "tests/analysis/test_metrics.py", "tests/analysis/test_stats.py", "tests/analysis/test_robustness.py",
-        "tests/analysis/test_analyze.py")),
+    "analysis": Module(
+        ("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
+        (
+            "tests/analysis/test_metrics.py",
+            "tests/analysis/test_stats.py",
+            "tests/analysis/test_robustness.py",
+            "tests/analysis/test_analyze.py",
+        ),
+    ),
     # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
     # is left out by the "not slow" marker; its fast twins are in test_collect.py and test_table.py)
-    "experiments": Module(("mmlight/experiments/*",), (
-        "tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py")),
+    "experiments": Module(
+        ("mmlight/experiments/*",),
+        ("tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py"),
+    ),
     # the rest of the runtime package (everything but kernels/). Interpreter tests are left out by
     # "not triton" where a file mixes them with eager ones.
-    "shards": Module(("mmlight/data/shards.py", "mmlight/data/shard_writer.py"), (
-        "tests/data/test_shards.py", "tests/data/test_malformed_shards.py", "tests/data/test_imagenet.py",
-        "tests/data/test_digits.py")),
-    "image_data": Module(("mmlight/data/image_decode.py", "mmlight/data/images.py", "mmlight/data/on_device.py",
-                          "mmlight/data/digits.py"), (
-        "tests/data/test_image_decode.py", "tests/data/test_on_device.py", "tests/data/test_imagenet.py",
-        "tests/data/test_digits.py", "tests/data/test_shard_datamodule.py", "tests/data/test_malformed_shards.py")),
-    "text_data": Module(("mmlight/data/text.py", "mmlight/data/vocab.py", "mmlight/data/recall.py"), (
-        "tests/data/test_wikitext.py", "tests/data/test_recall.py", "tests/data/test_shard_datamodule.py")),
-    "translation_data": Module(("mmlight/data/translation.py", "mmlight/data/translation_shards.py",
-                                "mmlight/data/tokenizers.py", "mmlight/data/toy_translation.py"), (
-        "tests/data/test_iwslt.py", "tests/data/test_tokenizers.py", "tests/data/test_toy_translation.py")),
-    "prepare": Module(("mmlight/data/prepare/*",), (
-        "tests/data/test_imagenet.py", "tests/data/test_iwslt.py", "tests/data/test_wikitext.py",
-        "tests/data/test_digits.py")),
-    "reweighting": Module(("mmlight/reweighting/*",), (
-        "tests/reweighting/test_functions.py", "tests/reweighting/test_multimax.py", "tests/reweighting/test_metrics.py",
-        "tests/reweighting/test_fallback.py"), keyword="not triton"),
-    "attention": Module(("mmlight/nn/*",), ("tests/nn/test_attention.py", "tests/nn/test_observation.py"),
-                        keyword="not triton"),
+    "shards": Module(
+        ("mmlight/data/shards.py", "mmlight/data/shard_writer.py"),
+        (
+            "tests/data/test_shards.py",
+            "tests/data/test_malformed_shards.py",
+            "tests/data/test_imagenet.py",
+            "tests/data/test_digits.py",
+        ),
+    ),
+    "image_data": Module(
+        (
+            "mmlight/data/image_decode.py",
+            "mmlight/data/images.py",
+            "mmlight/data/on_device.py",
+            "mmlight/data/digits.py",
+        ),
+        (
+            "tests/data/test_image_decode.py",
+            "tests/data/test_on_device.py",
+            "tests/data/test_imagenet.py",
+            "tests/data/test_digits.py",
+            "tests/data/test_shard_datamodule.py",
+            "tests/data/test_malformed_shards.py",
+        ),
+    ),
+    "text_data": Module(
+        ("mmlight/data/text.py", "mmlight/data/vocab.py", "mmlight/data/recall.py"),
+        ("tests/data/test_wikitext.py", "tests/data/test_recall.py", "tests/data/test_shard_datamodule.py"),
+    ),
+    "translation_data": Module(
+        (
+            "mmlight/data/translation.py",
+            "mmlight/data/translation_shards.py",
+            "mmlight/data/tokenizers.py",
+            "mmlight/data/toy_translation.py",
+        ),
+        ("tests/data/test_iwslt.py", "tests/data/test_tokenizers.py", "tests/data/test_toy_translation.py"),
+    ),
+    "prepare": Module(
+        ("mmlight/data/prepare/*",),
+        (
+            "tests/data/test_imagenet.py",
+            "tests/data/test_iwslt.py",
+            "tests/data/test_wikitext.py",
+            "tests/data/test_digits.py",
+        ),
+    ),
+    "reweighting": Module(
+        ("mmlight/reweighting/*",),
+        (
+            "tests/reweighting/test_functions.py",
+            "tests/reweighting/test_multimax.py",
+            "tests/reweighting/test_metrics.py",
+            "tests/reweighting/test_fallback.py",
+        ),
+        keyword="not triton",
+    ),
+    "attention": Module(
+        ("mmlight/nn/*",), ("tests/nn/test_attention.py", "tests/nn/test_observation.py"), keyword="not triton"
+    ),
     "beam_search": Module(("mmlight/models/beam_search.py",), ("tests/models/test_beam_search.py",)),
     # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work
-    "analysis_rest": Module(("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/tasks.py"), (
-        "tests/analysis/test_analyze.py", "tests/analysis/test_figures.py", "tests/analysis/test_stats.py")),
+    "analysis_rest": Module(
+        ("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
+        ("tests/analysis/test_analyze.py", "tests/analysis/test_figures.py", "tests/analysis/test_stats.py"),
+    ),
     "doctor": Module(("mmlight/doctor.py",), ("tests/test_doctor.py",)),
 }
 
@@ -166,8 +256,9 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
         "use_git_change_detection": False,  # the links hide the repository
         "do_not_mutate_patterns": [r"^\s*log\.(debug|info|warning)\("],  # the wording of log lines
     }
-    lines = ["[tool.pytest.ini_options]"] + [f"{k} = {toml_value(v)}" for k, v in pytest_options.items()
-                                             if k != "testpaths"]
+    lines = ["[tool.pytest.ini_options]"] + [
+        f"{k} = {toml_value(v)}" for k, v in pytest_options.items() if k != "testpaths"
+    ]
     lines += ["", "[tool.mutmut]"] + [f"{k} = {toml_value(v)}" for k, v in mutmut.items()]
     (workdir / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return workdir
@@ -176,8 +267,9 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
 def run(name: str, workdir: Path, max_children: int, mutants: list[str] = ()) -> int:
     """``mutmut run`` in ``workdir`` (of ``mutants`` only, if given); returns its exit code."""
     print(f"== {name}: mutmut run in {workdir.relative_to(ROOT)}", flush=True)
-    return subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *mutants],
-                           cwd=workdir)
+    return subprocess.call(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *mutants], cwd=workdir
+    )
 
 
 def statuses(workdir: Path) -> dict[str, str]:
@@ -206,16 +298,20 @@ def diffs(workdir: Path, names: list[str]) -> list[str]:
     """The source diff of each mutant in ``names`` (one process for all of them)."""
     if not names:
         return []
-    out = subprocess.run([sys.executable, "-c", _DIFFS, *names], cwd=workdir, capture_output=True, text=True,
-                         check=True).stdout
-    return out.split("\0\n")[:len(names)]
+    out = subprocess.run(
+        [sys.executable, "-c", _DIFFS, *names], cwd=workdir, capture_output=True, text=True, check=True
+    ).stdout
+    return out.split("\0\n")[: len(names)]
 
 
 def report(name: str, workdir: Path, only: list[str] = (), file: str = "report.md") -> dict[str, int]:
     """Write ``file`` (counts, then each surviving or untested mutant's diff) for the mutants matching the
     patterns ``only`` (all if empty); return the counts."""
-    found = {key: status for key, status in statuses(workdir).items()
-             if not only or any(fnmatch.fnmatch(key, pattern) for pattern in only)}
+    found = {
+        key: status
+        for key, status in statuses(workdir).items()
+        if not only or any(fnmatch.fnmatch(key, pattern) for pattern in only)
+    }
     counts: dict[str, int] = {}
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
@@ -224,8 +320,13 @@ def report(name: str, workdir: Path, only: list[str] = (), file: str = "report.m
     # left out and reported as such.
     total = len(found) - counts.get("skipped", 0) - counts.get("not checked", 0)
     score = 100 * caught / total if total else float("nan")
-    lines = [f"# mutation report: {name}", "", f"counts: {json.dumps(counts, sort_keys=True)}",
-             f"caught (killed or timed out) / mutants tested: {caught}/{total} = {score:.1f}%", ""]
+    lines = [
+        f"# mutation report: {name}",
+        "",
+        f"counts: {json.dumps(counts, sort_keys=True)}",
+        f"caught (killed or timed out) / mutants tested: {caught}/{total} = {score:.1f}%",
+        "",
+    ]
     uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout", "not checked"))
     for key, diff in zip(uncaught, diffs(workdir, uncaught)):
         lines += [f"## {key}: {found[key]}", "```diff", diff.strip(), "```", ""]
@@ -255,6 +356,7 @@ def changed_lines(diff: str) -> dict[str, set[int]]:
 def mutmut_names(source: str, lines: set[int]) -> list[str]:
     """mutmut's names (``x_f``, ``xǁClassǁmethod``) of the top-level functions and methods of ``source``
     that hold one of ``lines`` (decorators included); a nested function counts as its enclosing one."""
+
     def span(node) -> range:
         first = min([node.lineno] + [d.lineno for d in node.decorator_list])
         return range(first, node.end_lineno + 1)
@@ -265,8 +367,11 @@ def mutmut_names(source: str, lines: set[int]) -> list[str]:
         if isinstance(node, functions) and lines & set(span(node)):
             found.append(f"x_{node.name}")
         elif isinstance(node, ast.ClassDef):
-            found += [f"x\u01c1{node.name}\u01c1{item.name}" for item in node.body
-                      if isinstance(item, functions) and lines & set(span(item))]
+            found += [
+                f"x\u01c1{node.name}\u01c1{item.name}"
+                for item in node.body
+                if isinstance(item, functions) and lines & set(span(item))
+            ]
     return found
 
 
@@ -281,13 +386,18 @@ def module_of(path: str) -> str:
 def changed_mutants(base: str) -> dict[str, list[str]]:
     """``{module name: mutmut name patterns}`` of the functions that ``git diff base`` changes under mmlight/
     (kernels/ excluded: see docs/testing.md for its hand-made bugs)."""
-    diff = subprocess.run(["git", "diff", "-U0", "--no-color", base, "--", "mmlight"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
+    diff = subprocess.run(
+        ["git", "diff", "-U0", "--no-color", base, "--", "mmlight"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     patterns: dict[str, list[str]] = {}
     for path, lines in sorted(changed_lines(diff).items()):
         if not path.endswith(".py") or path.startswith("mmlight/kernels/"):
             continue
-        dotted = path[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+        dotted = path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
         names = mutmut_names((ROOT / path).read_text(), lines)
         if names:
             patterns.setdefault(module_of(path), []).extend(f"{dotted}.{n}__mutmut_*" for n in names)
@@ -295,8 +405,9 @@ def changed_mutants(base: str) -> dict[str, list[str]]:
 
 
 def merge_base(branch: str = "main") -> str:
-    return subprocess.run(["git", "merge-base", "HEAD", branch], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "merge-base", "HEAD", branch], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,11 +415,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help=f"modules to run, of {', '.join(MODULES)} (default: all)")
     parser.add_argument("--report", action="store_true", help="only summarise earlier results")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results of these modules")
-    parser.add_argument("--survivors", action="store_true",
-                        help="test again only the mutants an earlier run did not catch (after adding tests)")
+    parser.add_argument(
+        "--survivors",
+        action="store_true",
+        help="test again only the mutants an earlier run did not catch (after adding tests)",
+    )
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel")
-    parser.add_argument("--changed", nargs="?", const="", metavar="BASE",
-                        help="mutate only the functions changed since BASE (default: the merge base with main)")
+    parser.add_argument(
+        "--changed",
+        nargs="?",
+        const="",
+        metavar="BASE",
+        help="mutate only the functions changed since BASE (default: the merge base with main)",
+    )
     args = parser.parse_args(argv)
     if args.changed is not None:
         return run_changed(args.changed or merge_base(), args.max_children)

@@ -42,20 +42,34 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The analysis options; everything else (``--config``, ``--data.*``, ``--trainer.*``) is returned
     for the LightningCLI parser."""
     parser = argparse.ArgumentParser(
-        prog="mmlight analyze", description=__doc__.split("\n\n")[0],
+        prog="mmlight analyze",
+        description=__doc__.split("\n\n")[0],
         epilog="--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
-               "the model comes from each checkpoint's own hyperparameters.")
+        "the model comes from each checkpoint's own hyperparameters.",
+    )
     parser.add_argument("--ckpt_path", nargs="+", required=True, help="one or more checkpoints to compare")
     parser.add_argument("--out", required=True, help="output folder (created)")
     parser.add_argument("--num_samples", type=int, default=256, help="the first N samples of the split (default 256)")
     parser.add_argument("--split", choices=("val", "test"), default="val", help="which split (default val)")
     parser.add_argument("--robustness", action="store_true", help="also evaluate under sink masking and KV eviction")
-    parser.add_argument("--kv_skip_layers", type=int, default=2,
-                        help="KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)")
-    parser.add_argument("--query_patch", type=int, default=None,
-                        help="ViT: the query patch of the attention-map figure (default: the centre patch)")
-    parser.add_argument("--sink_eps", type=float, default=Settings.sink_eps,
-                        help="a key is a sink above this multiple of the uniform share (default 3)")
+    parser.add_argument(
+        "--kv_skip_layers",
+        type=int,
+        default=2,
+        help="KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)",
+    )
+    parser.add_argument(
+        "--query_patch",
+        type=int,
+        default=None,
+        help="ViT: the query patch of the attention-map figure (default: the centre patch)",
+    )
+    parser.add_argument(
+        "--sink_eps",
+        type=float,
+        default=Settings.sink_eps,
+        help="a key is a sink above this multiple of the uniform share (default 3)",
+    )
     args, rest = parser.parse_known_args(argv)
     if "--config" not in rest and not any(a.startswith("--config=") for a in rest):
         parser.error("--config CONFIG is required (the config the checkpoints were trained with)")
@@ -69,6 +83,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run_labels(paths: list[Path]) -> list[str]:
     """A readable unique label per checkpoint: the run name (``runs/NAME/version_0/checkpoints/x.ckpt``
     -> ``NAME``), extended by the version and the file name where names repeat."""
+
     def parts(p: Path) -> list[str]:
         p = p.resolve()
         if p.parent.name == "checkpoints":
@@ -129,8 +144,16 @@ def eval_trainer(trainer_config) -> L.Trainer:
     """A single-process trainer for the robustness runs with the config's accelerator and precision
     (and batch limits), no logger, checkpoints or progress bar."""
     kwargs = {k: trainer_config[k] for k in TRAINER_KEYS if trainer_config.get(k) is not None}
-    return L.Trainer(devices=1, num_nodes=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[], **kwargs)
+    return L.Trainer(
+        devices=1,
+        num_nodes=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[],
+        **kwargs,
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -166,8 +189,13 @@ def analyze(argv: list[str]) -> None:
                 robustness += [(label, *row) for row in rows]
             task.cpu()
 
-    meta = {"num_samples": args.num_samples, "split": args.split, "settings": asdict(settings),
-            "kv_skip_layers": args.kv_skip_layers, "checkpoints": dict(zip(labels, args.ckpt_path))}
+    meta = {
+        "num_samples": args.num_samples,
+        "split": args.split,
+        "settings": asdict(settings),
+        "kv_skip_layers": args.kv_skip_layers,
+        "checkpoints": dict(zip(labels, args.ckpt_path)),
+    }
     write_stats(out, results, meta)
     written = figures.comparisons(results, out) + example_files
     if robustness:
@@ -217,14 +245,18 @@ def write_stats(out: Path, results: dict, meta: dict) -> None:
     settings, and the per-layer histograms, incoming attention and top sinks)."""
     rows = [(label, *row) for label, stats in results.items() for row in metric_rows(stats)]
     write_csv(out / "stats.csv", ("checkpoint", "layer", "head", "metric", "value"), rows)
-    payload = {**meta, "thresholds": {
-        "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
-        "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
-        "frac_below_1e-3": meta["settings"]["near_zero"],
-        "sink_ratio": f"fraction of key positions whose mean incoming attention exceeds "
-                      f"{meta['settings']['sink_eps']} x the uniform share (ratio form)"},
+    payload = {
+        **meta,
+        "thresholds": {
+            "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
+            "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
+            "frac_below_1e-3": meta["settings"]["near_zero"],
+            "sink_ratio": f"fraction of key positions whose mean incoming attention exceeds "
+            f"{meta['settings']['sink_eps']} x the uniform share (ratio form)",
+        },
         "rows": [dict(zip(("checkpoint", "layer", "head", "metric", "value"), r)) for r in rows],
-        "details": results}
+        "details": results,
+    }
     (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False, default=str) + "\n")
 
 
@@ -240,18 +272,28 @@ def layer_means(stats: dict) -> dict[str, float]:
 def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list) -> None:
     """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the figures."""
     columns = HEAD_METRICS + LAYER_METRICS
-    lines = [f"# Attention analysis: {meta['num_samples']} {meta['split']} samples", "",
-             f"Thresholds: M above the row mean score + {meta['settings']['eps_multimodality']}, S below the row "
-             f"mean + {meta['settings']['eps_sparsity']}; near zero < {meta['settings']['near_zero']}; sinks above "
-             f"{meta['settings']['sink_eps']} x the uniform share. Values are means over layers (all attention "
-             "kinds together; stats.csv has each layer).", "",
-             "| checkpoint | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines = [
+        f"# Attention analysis: {meta['num_samples']} {meta['split']} samples",
+        "",
+        f"Thresholds: M above the row mean score + {meta['settings']['eps_multimodality']}, S below the row "
+        f"mean + {meta['settings']['eps_sparsity']}; near zero < {meta['settings']['near_zero']}; sinks above "
+        f"{meta['settings']['sink_eps']} x the uniform share. Values are means over layers (all attention "
+        "kinds together; stats.csv has each layer).",
+        "",
+        "| checkpoint | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for label, stats in results.items():
         means = layer_means(stats)
         lines.append(f"| {label} | " + " | ".join(f"{means[c]:.4g}" for c in columns) + " |")
     if robustness:
-        lines += ["", "## Robustness (whole split)", "", "| checkpoint | intervention | level | metric | value |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Robustness (whole split)",
+            "",
+            "| checkpoint | intervention | level | metric | value |",
+            "|---|---|---|---|---|",
+        ]
         lines += [f"| {c} | {i} | {lv} | {m} | {v:.4g} |" for c, i, lv, m, v in robustness]
     lines += ["", "## Figures", ""] + [f"- [{name}]({name})" for name in figure_files]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

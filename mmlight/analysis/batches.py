@@ -33,7 +33,7 @@ def first_samples(loader, num_samples: int, split: str) -> list:
         if n == 0:
             continue
         keep = min(n, num_samples - seen)
-        taken.append(map_batch(batch, lambda t: t[:keep].cpu()))
+        taken.append(map_batch(batch, lambda t, keep=keep: t[:keep].cpu()))
         seen += keep
         if seen == num_samples:
             return taken

@@ -19,8 +19,17 @@ from mmlight.analysis.batches import map_batch
 from mmlight.analysis.metrics import cdf_from_histogram
 from mmlight.nn.attention import network_of, record_attention
 
-PER_LAYER = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
-             "max_weight", "sink_ratio", "rollout_discrepancy")
+PER_LAYER = (
+    "entropy",
+    "normalized_entropy",
+    "multimodality",
+    "sparsity",
+    "frac_below_1e-3",
+    "frac_zero",
+    "max_weight",
+    "sink_ratio",
+    "rollout_discrepancy",
+)
 
 
 def new_figure(figsize: tuple[float, float]):
@@ -84,8 +93,11 @@ def similarity_figure(results: dict[str, dict]):
     fig, axes = grid(len(stacks), cols=3)
     for ax, stack in zip(axes, stacks):
         for label, stats in results.items():
-            points = sorted((e["layer"], e["token_similarity"]) for e in stats["blocks"].values()
-                            if e["stack"] == stack and e["token_similarity"] is not None)
+            points = sorted(
+                (e["layer"], e["token_similarity"])
+                for e in stats["blocks"].values()
+                if e["stack"] == stack and e["token_similarity"] is not None
+            )
             if points:
                 ax.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=label)
         ax.set(title=f"{stack}: token similarity", xlabel="layer", ylabel="mean pairwise cosine")
@@ -142,8 +154,12 @@ def per_layer_figure(results: dict[str, dict], metrics=PER_LAYER):
         for label, stats in results.items():
             for kind, (xs, ys) in by_kind(stats, metric).items():
                 order = sorted(range(len(xs)), key=xs.__getitem__)
-                ax.plot([xs[i] + 1 for i in order], [ys[i] for i in order], marker="o",
-                        label=label if kind == "self" else f"{label} {kind}")
+                ax.plot(
+                    [xs[i] + 1 for i in order],
+                    [ys[i] for i in order],
+                    marker="o",
+                    label=label if kind == "self" else f"{label} {kind}",
+                )
         ax.set(title=metric, xlabel="layer")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.legend(fontsize=6)
@@ -168,12 +184,14 @@ def sinks_figure(results: dict[str, dict], positions: int = 32):
 
 def comparisons(results: dict[str, dict], out: Path) -> list[str]:
     """Write the comparison figures of several runs; returns their file names."""
-    written = [save(similarity_figure(results), out, "fig4_token_similarity.png"),
-               save(histogram_figure(results), out, "fig5_weight_histogram.png"),
-               save(histogram_figure(results, cdf=True), out, "fig8_weight_cdf.png"),
-               save(per_layer_figure(results, ("rollout_discrepancy",)), out, "fig9_rollout_discrepancy.png"),
-               save(per_layer_figure(results), out, "per_layer_metrics.png"),
-               save(sinks_figure(results), out, "sinks.png")]
+    written = [
+        save(similarity_figure(results), out, "fig4_token_similarity.png"),
+        save(histogram_figure(results), out, "fig5_weight_histogram.png"),
+        save(histogram_figure(results, cdf=True), out, "fig8_weight_cdf.png"),
+        save(per_layer_figure(results, ("rollout_discrepancy",)), out, "fig9_rollout_discrepancy.png"),
+        save(per_layer_figure(results), out, "per_layer_metrics.png"),
+        save(sinks_figure(results), out, "sinks.png"),
+    ]
     return written
 
 
@@ -189,8 +207,12 @@ def robustness(rows: list[tuple], out: Path) -> str:
                 pts = sorted((r[2], r[4]) for r in rows if r[0] == label and r[1] == method)
                 if family == "sink_masking":
                     pts = [(0, baselines[label])] + pts
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        label=label if family == "sink_masking" else f"{label} {method[3:]}")
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    label=label if family == "sink_masking" else f"{label} {method[3:]}",
+                )
         ax.set(title=title, xlabel="k" if family == "sink_masking" else "r", ylabel=rows[0][3])
         ax.legend(fontsize=6)
     return save(fig, out, "robustness.png")
@@ -253,6 +275,7 @@ def attention_map(task, batch, inputs, label: str, out: Path, query_patch: int |
 def vit_reshape(prefix: int, grid_hw: tuple[int, int]):
     """grad-cam's ``reshape_transform`` for timm ViT tokens ``(B, prefix + N, C)`` -> ``(B, C, h, w)``.
     grad-cam's own recipe drops exactly one CLS token; a GAP-head model has none (``prefix`` = 0)."""
+
     def reshape(tokens: torch.Tensor) -> torch.Tensor:
         patches = tokens[:, prefix:, :]
         return patches.reshape(patches.shape[0], grid_hw[0], grid_hw[1], patches.shape[2]).permute(0, 3, 1, 2)
@@ -265,8 +288,10 @@ def grad_cam_map(model, image: torch.Tensor, layer, prefix: int, grid_hw: tuple[
     ``layer``, whose output tokens are ``prefix`` tokens and a row-major ``grid_hw`` of patches."""
     from pytorch_grad_cam import GradCAM
 
-    with torch.enable_grad(), GradCAM(model=model, target_layers=[layer],
-                                      reshape_transform=vit_reshape(prefix, grid_hw)) as cam:
+    with (
+        torch.enable_grad(),
+        GradCAM(model=model, target_layers=[layer], reshape_transform=vit_reshape(prefix, grid_hw)) as cam,
+    ):
         return torch.from_numpy(cam(input_tensor=image.float(), targets=None)[0])
 
 

@@ -76,8 +76,13 @@ def centred_scores(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return x - mean
 
 
-def multimodality(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0,
-                  centred: torch.Tensor | None = None) -> torch.Tensor:
+def multimodality(
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    eps: float = 0.0,
+    centred: torch.Tensor | None = None,
+) -> torch.Tensor:
     """M per row (Definition 3.2) over attended keys with centred score above ``eps`` (and below the
     row's maximum); NaN for rows with no such key, where M is undefined. ``centred``:
     :func:`centred_scores` of ``scores``, when the caller has it already."""
@@ -87,8 +92,13 @@ def multimodality(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return torch.where(relevant.any(-1), paper.multimodality(x, weights.double(), eps), math.nan)
 
 
-def sparsity(scores: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, eps: float = 0.0,
-             centred: torch.Tensor | None = None) -> torch.Tensor:
+def sparsity(
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    eps: float = 0.0,
+    centred: torch.Tensor | None = None,
+) -> torch.Tensor:
     """S per row (Definition 3.3) over attended keys with centred score below ``eps``; the reference
     ``s`` is the paper's suggestion, the smallest softmax probability of the row's attended scores.
     NaN for rows with no such key. ``centred``: as for :func:`multimodality`."""

@@ -124,8 +124,10 @@ def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2,
     name = task.task_metric.name
     metric = f"{split}/{name}"
     rows = []
-    with tempfile.TemporaryDirectory(prefix="mmlight-robustness-") as scratch, \
-            task.metric_evaluation(split, Path(scratch)):
+    with (
+        tempfile.TemporaryDirectory(prefix="mmlight-robustness-") as scratch,
+        task.metric_evaluation(split, Path(scratch)),
+    ):
         for intervention, level, observer in robustness_runs(task, skip_layers):
             results = evaluate(trainer, task, datamodule, split, observer)
             if metric not in results:
@@ -141,8 +143,10 @@ def robustness_runs(task, skip_layers: int = 2) -> list[tuple[str, float, Attent
     check_analysed_task(task)
     unknown = set(task.interventions) - {"sink_masking", "kv_eviction"}
     if unknown:
-        raise ValueError(f"{type(task).__name__}.interventions names unknown interventions {sorted(unknown)}; "
-                         "known: sink_masking, kv_eviction")
+        raise ValueError(
+            f"{type(task).__name__}.interventions names unknown interventions {sorted(unknown)}; "
+            "known: sink_masking, kv_eviction"
+        )
     runs: list[tuple[str, float, AttentionObserver | None]] = [("none", 0, None)]
     if "sink_masking" in task.interventions:
         runs += [("sink_masking", k, SinkMasking(k)) for k in SINK_LEVELS]

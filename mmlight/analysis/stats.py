@@ -20,8 +20,17 @@ from mmlight.nn.sites import AttentionSite
 from mmlight.tasks.protocol import check_analysed_task
 
 #: The per-head metrics (one value per head, plus their mean as the per-layer value).
-HEAD_METRICS = ("entropy", "normalized_entropy", "multimodality", "sparsity",
-                "frac_below_1e-3", "frac_zero", "max_weight", "null_mass", "frac_zero_mass")
+HEAD_METRICS = (
+    "entropy",
+    "normalized_entropy",
+    "multimodality",
+    "sparsity",
+    "frac_below_1e-3",
+    "frac_zero",
+    "max_weight",
+    "null_mass",
+    "frac_zero_mass",
+)
 #: Per-layer-only metrics.
 LAYER_METRICS = ("token_similarity", "rollout_discrepancy", "sink_ratio", "zero_mass_rows")
 
@@ -182,12 +191,13 @@ class BlockSimilarity:
     def __init__(self, network, query_keep):
         self.sums: dict[str, list] = {}
         self.blocks = {block.name: block for block in network.blocks()}
-        self._handles = [block.module.register_forward_hook(self._hook(block, query_keep))
-                         for block in self.blocks.values()]
+        self._handles = [
+            block.module.register_forward_hook(self._hook(block, query_keep)) for block in self.blocks.values()
+        ]
 
     def _hook(self, block, query_keep):
         def hook(module, args, output):
-            tokens = output[:, block.prefix:]  # (B, T, d): input positions only (no CLS token)
+            tokens = output[:, block.prefix :]  # (B, T, d): input positions only (no CLS token)
             sim = M.token_similarity(tokens, query_keep().get(block.stack))
             ok = ~torch.isnan(sim)
             total = self.sums.setdefault(block.name, [0.0, 0])
@@ -202,8 +212,14 @@ class BlockSimilarity:
 
     def summary(self) -> dict:
         """``{block: {"token_similarity": mean over samples or None, "stack", "layer"}}``."""
-        return {name: {"token_similarity": total / n if n else None, "stack": self.blocks[name].stack,
-                       "layer": self.blocks[name].layer} for name, (total, n) in self.sums.items()}
+        return {
+            name: {
+                "token_similarity": total / n if n else None,
+                "stack": self.blocks[name].stack,
+                "layer": self.blocks[name].layer,
+            }
+            for name, (total, n) in self.sums.items()
+        }
 
 
 @dataclass
@@ -220,8 +236,9 @@ class Recording:
 
 
 @torch.no_grad()
-def record_statistics(task, batches: list, settings: Settings = Settings(), progress=None,
-                      keep_bytes: int = 0) -> Recording:
+def record_statistics(
+    task, batches: list, settings: Settings = Settings(), progress=None, keep_bytes: int = 0
+) -> Recording:
     """Run ``task`` on ``batches`` under a :class:`StatsObserver` that may keep up to ``keep_bytes``
     of attention unreduced for :meth:`Recording.finish`.
 
@@ -294,7 +311,9 @@ def summarize(observer: StatsObserver, blocks: dict) -> dict:
             "histogram": sums.histogram.tolist(),
             "incoming_mean": nan_to_none(raw.tolist()),
             "incoming_relative": nan_to_none(relative.tolist()),
-            "top_sinks": [{"position": int(i), "relative": float(relative[i])} for i in order if not math.isnan(relative[i])],
+            "top_sinks": [
+                {"position": int(i), "relative": float(relative[i])} for i in order if not math.isnan(relative[i])
+            ],
         }
     return {"settings": asdict(settings), "histogram_edges": M.HIST_EDGES.tolist(), "sites": sites, "blocks": blocks}
 
@@ -317,7 +336,10 @@ def metric_rows(stats: dict) -> list[tuple[str, int | None, str, float | None]]:
         for metric in HEAD_METRICS:
             rows += [(site, h, metric, v) for h, v in enumerate(entry["heads"][metric])]
             rows.append((site, None, metric, entry["metrics"][metric]))
-        rows += [(site, None, m, entry["metrics"][m]) for m in ("rollout_discrepancy", "sink_ratio", "zero_mass_rows")
-                 if entry["metrics"].get(m) is not None]
+        rows += [
+            (site, None, m, entry["metrics"][m])
+            for m in ("rollout_discrepancy", "sink_ratio", "zero_mass_rows")
+            if entry["metrics"].get(m) is not None
+        ]
     rows += [(block, None, "token_similarity", entry["token_similarity"]) for block, entry in stats["blocks"].items()]
     return rows

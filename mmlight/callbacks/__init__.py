@@ -12,6 +12,16 @@ from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, monitored_
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 from mmlight.callbacks.step_seed import StepSeed
 
-__all__ = ["AttentionStats", "DataPosition", "DataWaitMonitor", "FinalMetrics", "LastCheckpoint",
-           "ReweightingMonitor", "SkippedSamplesMonitor", "StepProgressBar", "StepSeed", "monitored_scalars",
-           "reweighting_sites"]
+__all__ = [
+    "AttentionStats",
+    "DataPosition",
+    "DataWaitMonitor",
+    "FinalMetrics",
+    "LastCheckpoint",
+    "ReweightingMonitor",
+    "SkippedSamplesMonitor",
+    "StepProgressBar",
+    "StepSeed",
+    "monitored_scalars",
+    "reweighting_sites",
+]

@@ -50,9 +50,14 @@ class AttentionStats(L.Callback):
             background thread; past it, the recording reduces on the loop (0: all on the loop).
     """
 
-    def __init__(self, every_n_epochs: int = 10, num_samples: int = 32,
-                 figures: Literal["every", "end", "off"] = "every",
-                 settings: Settings | None = None, keep_mib: int = 256):
+    def __init__(
+        self,
+        every_n_epochs: int = 10,
+        num_samples: int = 32,
+        figures: Literal["every", "end", "off"] = "every",
+        settings: Settings | None = None,
+        keep_mib: int = 256,
+    ):
         if every_n_epochs < 1 or num_samples < 1:
             raise ValueError(f"every_n_epochs and num_samples must be >= 1, got {every_n_epochs}, {num_samples}")
         if figures not in ("every", "end", "off"):
@@ -158,8 +163,11 @@ class AttentionStats(L.Callback):
         self.similarity_history = {label: entry for label, entry in history.items() if _has_depths(entry)}
         dropped = len(history) - len(self.similarity_history)
         if dropped:
-            log.warning("AttentionStats: %d recorded epoch(s) of the checkpoint name no stack and layer per block "
-                        "(written by an older mmlight); the token-similarity figure leaves them out", dropped)
+            log.warning(
+                "AttentionStats: %d recorded epoch(s) of the checkpoint name no stack and layer per block "
+                "(written by an older mmlight); the token-similarity figure leaves them out",
+                dropped,
+            )
 
 
 def _has_depths(entry: dict) -> bool:
@@ -176,8 +184,11 @@ def finish_recording(recording: Recording, label: str, similarity_history: dict 
     when ``similarity_history`` (every recorded epoch's, this one included) is given."""
     start = time.perf_counter()
     stats = recording.finish()
-    scalars = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(stats)
-               if head is None and value is not None}
+    scalars = {
+        f"attention/{layer}/{metric}": value
+        for layer, head, metric, value in metric_rows(stats)
+        if head is None and value is not None
+    }
     scalars["attention/reduce_seconds"] = time.perf_counter() - start
     done = {"label": label, "stats": stats, "scalars": scalars, "images": {}}
     if similarity_history is not None:
@@ -201,7 +212,9 @@ def draw_figures(stats: dict, similarity_history: dict[str, dict]) -> tuple[dict
     from mmlight.analysis import figures
 
     start = time.perf_counter()
-    images = {"attention/weight_histogram": figures.to_image(figures.layers_figure(stats)),
-              "attention/weight_cdf": figures.to_image(figures.layers_figure(stats, cdf=True)),
-              "attention/token_similarity": figures.to_image(figures.similarity_figure(similarity_history))}
+    images = {
+        "attention/weight_histogram": figures.to_image(figures.layers_figure(stats)),
+        "attention/weight_cdf": figures.to_image(figures.layers_figure(stats, cdf=True)),
+        "attention/token_similarity": figures.to_image(figures.similarity_figure(similarity_history)),
+    }
     return images, time.perf_counter() - start

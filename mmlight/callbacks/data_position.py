@@ -37,11 +37,16 @@ class DataPosition(Callback):
             return
         loaders = trainer.train_dataloader
         flat = loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
-        stateful = [loader for loader in flat if callable(getattr(loader, "load_state_dict", None))
-                    and callable(getattr(loader, "state_dict", None))]
+        stateful = [
+            loader
+            for loader in flat
+            if callable(getattr(loader, "load_state_dict", None)) and callable(getattr(loader, "state_dict", None))
+        ]
         if len(stateful) != len(self._states):
-            raise RuntimeError(f"the checkpoint holds {len(self._states)} training loader state(s), but this run "
-                               f"has {len(stateful)} stateful training loader(s)")
+            raise RuntimeError(
+                f"the checkpoint holds {len(self._states)} training loader state(s), but this run "
+                f"has {len(stateful)} stateful training loader(s)"
+            )
         for loader, state in zip(stateful, self._states):
             loader.load_state_dict(state)
         self._states = []

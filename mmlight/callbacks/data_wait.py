@@ -84,9 +84,11 @@ class DataWaitMonitor(L.Callback):
         if share <= self.max_wait_share:
             return
         measured = self.measured
-        figures = (f"The training step waited on the data loader for {share:.0%} of the time over {measured} steps "
-                   f"(fetch {1e3 * self.wait_s / measured:.1f} ms, step {1e3 * self.step_s / measured:.1f} ms "
-                   f"per batch; threshold {self.max_wait_share:.0%})")
+        figures = (
+            f"The training step waited on the data loader for {share:.0%} of the time over {measured} steps "
+            f"(fetch {1e3 * self.wait_s / measured:.1f} ms, step {1e3 * self.step_s / measured:.1f} ms "
+            f"per batch; threshold {self.max_wait_share:.0%})"
+        )
         workers = getattr(trainer.datamodule, "num_workers", None) if trainer.datamodule is not None else None
         text = advice(device_kind(trainer), workers, self.wait_s, self.step_s)
         if text is None:
@@ -112,17 +114,23 @@ def advice(device: str, workers: int | None, wait_s: float, step_s: float) -> st
     if device == "cpu":
         if not workers:
             return None
-        return (f"the loader ({workers} workers) does not keep up with the step. On the CPU the workers share the "
-                f"cores with it: about {needed} would keep up, if the machine has cores to spare (data.num_workers).")
+        return (
+            f"the loader ({workers} workers) does not keep up with the step. On the CPU the workers share the "
+            f"cores with it: about {needed} would keep up, if the machine has cores to spare (data.num_workers)."
+        )
     accelerator = "GPU" if device == "cuda" else f"accelerator ({device})"
     if workers == 0:
-        return (f"the batches are loaded in the training process (data.num_workers 0), and the {accelerator} idles "
-                f"meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during "
-                f"the step.")
+        return (
+            f"the batches are loaded in the training process (data.num_workers 0), and the {accelerator} idles "
+            f"meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during "
+            f"the step."
+        )
     text = f"the input pipeline, not the {accelerator}, sets the speed."
     if workers:
-        text += (f" With {workers} workers per device now, about {needed} would keep up "
-                 f"(data.num_workers, and as many CPUs per task).")
+        text += (
+            f" With {workers} workers per device now, about {needed} would keep up "
+            f"(data.num_workers, and as many CPUs per task)."
+        )
     if device == "cuda":
         text += " See BENCHMARKS.md, 'Image loader', for the cores one GPU needs."
     return text

@@ -74,9 +74,13 @@ class FinalMetrics(L.Callback):
 
     def _report(self, trainer, stage: str, log_dir: str | None) -> None:
         step, epoch = self._weights_step(trainer)
-        record = {"stage": stage, "global_step": step, "epoch": epoch,
-                  "checkpoint": None if stage == "fit" else trainer.ckpt_path,
-                  "metrics": dict(sorted(self._seen.items()))}
+        record = {
+            "stage": stage,
+            "global_step": step,
+            "epoch": epoch,
+            "checkpoint": None if stage == "fit" else trainer.ckpt_path,
+            "metrics": dict(sorted(self._seen.items())),
+        }
         if stage == "fit":
             record["checkpoints"] = checkpoint_files(trainer)
         print(summary(record), flush=True)
@@ -110,15 +114,20 @@ def summary(record: dict) -> str:
     kind = "test" if stage == "test" else "validation"
     if not record["metrics"]:
         return f"Final {kind} metrics: none were logged (step {step})."
-    where = f"training ended at step {step}, epoch {record['epoch']}" if stage == "fit" else \
-        f"checkpoint {record['checkpoint']} at step {step}"
+    where = (
+        f"training ended at step {step}, epoch {record['epoch']}"
+        if stage == "fit"
+        else f"checkpoint {record['checkpoint']} at step {step}"
+    )
     lines = [f"Final {kind} metrics ({where}):"]
     for key, entry in record["metrics"].items():
         stale = "" if entry["step"] == step else "   <- not the final weights"
         lines.append(f"  {key:<16} {entry['value']:.4f}   from step {entry['step']} (epoch {entry['epoch']}){stale}")
     if any(entry["step"] != step for entry in record["metrics"].values()):
-        lines.append(f"  The last validation ran before the final step {step}; "
-                     "`mmlight validate --ckpt_path <last.ckpt>` evaluates the final weights.")
+        lines.append(
+            f"  The last validation ran before the final step {step}; "
+            "`mmlight validate --ckpt_path <last.ckpt>` evaluates the final weights."
+        )
     return "\n".join(lines)
 
 

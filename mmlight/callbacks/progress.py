@@ -24,5 +24,6 @@ class StepProgressBar(RichProgressBar):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._step_limited() and self.progress is not None and self.train_progress_bar_id is not None:
-            self.progress.update(self.train_progress_bar_id,
-                                 description=self._get_train_description(trainer.current_epoch))
+            self.progress.update(
+                self.train_progress_bar_id, description=self._get_train_description(trainer.current_epoch)
+            )

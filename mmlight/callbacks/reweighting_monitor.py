@@ -81,7 +81,7 @@ class ReweightingMonitor(L.Callback):
             ax.plot(x, x, "k--", lw=1, label="identity")
             ax.plot(x, y, lw=1.5, label="sigma")
             ax.set_title(name, fontsize=9)
-        for ax in list(axes.flat)[len(modules):]:
+        for ax in list(axes.flat)[len(modules) :]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=7)
         fig.tight_layout()

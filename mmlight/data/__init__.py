@@ -9,5 +9,15 @@ from mmlight.data.text import WikiTextDataModule
 from mmlight.data.toy_translation import ToyTranslationDataModule
 from mmlight.data.translation import TranslationDataModule
 
-__all__ = ["DigitsDataModule", "write_digits_shards", "ImageAugment", "ImageShardDataModule", "RecallDataModule",
-           "ToyTranslationDataModule", "TranslationDataModule", "WikiTextDataModule", "read_info", "write_info"]
+__all__ = [
+    "DigitsDataModule",
+    "write_digits_shards",
+    "ImageAugment",
+    "ImageShardDataModule",
+    "RecallDataModule",
+    "ToyTranslationDataModule",
+    "TranslationDataModule",
+    "WikiTextDataModule",
+    "read_info",
+    "write_info",
+]

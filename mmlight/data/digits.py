@@ -24,9 +24,17 @@ def digit_classes(kept: list[int]) -> ClassMap:
     """The class map of a subset of the digits, relabelled in the order given (label i is ``kept[i]``)."""
     return ClassMap(tuple(DIGIT_CLASSES.names[d] for d in kept))
 
+
 DIGITS_AUGMENT = ImageAugment(
-    image_size=8, channels=1, scale=(0.7, 1.0), hflip=0.0, color_jitter=None,
-    interpolation="bilinear", crop_pct=1.0, mean=(0.5,), std=(0.5,),
+    image_size=8,
+    channels=1,
+    scale=(0.7, 1.0),
+    hflip=0.0,
+    color_jitter=None,
+    interpolation="bilinear",
+    crop_pct=1.0,
+    mean=(0.5,),
+    std=(0.5,),
 )
 
 
@@ -43,8 +51,9 @@ def check_digits(digits: list[int] | None) -> list[int]:
     return digits
 
 
-def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0, maxcount: int = 300,
-                        digits: list[int] | None = None) -> dict:
+def write_digits_shards(
+    out_dir: Path, val_fraction: float = 0.2, seed: int = 0, maxcount: int = 300, digits: list[int] | None = None
+) -> dict:
     """Write the digits as ``train``/``val`` PNG shards with a fixed, seeded split; return the info.
     With ``digits``, only those digits are written, labelled by their position in the list."""
     from sklearn.datasets import load_digits
@@ -71,9 +80,12 @@ def write_digits_shards(out_dir: Path, val_fraction: float = 0.2, seed: int = 0,
         "seed": seed,
         "digits": kept,
         **digit_classes(kept).to_dict(),
-        "splits": {name: write_shards(plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample,
-                                      desc=f"digits {name}")
-                   for name, idx in splits.items()},
+        "splits": {
+            name: write_shards(
+                plan_shards(name, list(items(idx)), maxcount), out_dir, _as_sample, desc=f"digits {name}"
+            )
+            for name, idx in splits.items()
+        },
     }
     return write_info(out_dir, info)
 
@@ -107,8 +119,14 @@ class DigitsDataModule(ImageShardDataModule):
         normalize_on_device: bool = False,
         digits: list[int] | None = None,
     ):
-        super().__init__(os.path.expanduser(cache_dir), batch_size, num_workers, augment, shuffle_buffer=2000,
-                         normalize_on_device=normalize_on_device)
+        super().__init__(
+            os.path.expanduser(cache_dir),
+            batch_size,
+            num_workers,
+            augment,
+            shuffle_buffer=2000,
+            normalize_on_device=normalize_on_device,
+        )
         self.val_fraction = val_fraction
         self.seed = seed
         self.digits = check_digits(digits)
@@ -129,4 +147,5 @@ class DigitsDataModule(ImageShardDataModule):
             raise ValueError(
                 f"{self.root} holds digits shards split with val_fraction={found[0]}, seed={found[1]}, "
                 f"not {self.val_fraction}, {self.seed}, or of digits {found[2]}, not {self.digits}: "
-                "choose another cache_dir or delete that folder")
+                "choose another cache_dir or delete that folder"
+            )

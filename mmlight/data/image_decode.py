@@ -24,11 +24,11 @@ import importlib.metadata
 import io
 import random
 import warnings
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
-import torch
 import PIL
+import torch
 from PIL import Image
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
@@ -75,10 +75,10 @@ class SplitTransform:
         if at is None or at + 1 >= len(ops) or not isinstance(ops[at + 1], tv.Normalize):
             raise ValueError(f"expected PIL ops, ToTensor, Normalize, tensor ops; got {transform}")
         self.crop = ops[0] if isinstance(ops[0], RandomResizedCropAndInterpolation) else None
-        self.pil_ops = tv.Compose(ops[1 if self.crop else 0:at])
+        self.pil_ops = tv.Compose(ops[1 if self.crop else 0 : at])
         self.mean = torch.as_tensor(ops[at + 1].mean, dtype=torch.float32)
         self.std = torch.as_tensor(ops[at + 1].std, dtype=torch.float32)
-        self.tensor_ops = ops[at + 2:]
+        self.tensor_ops = ops[at + 2 :]
 
 
 def crop_box(crop: RandomResizedCropAndInterpolation, image: Image.Image):
@@ -95,7 +95,7 @@ def crop_box(crop: RandomResizedCropAndInterpolation, image: Image.Image):
 def draft_scale(boxes: Iterable[tuple[int, int, int, int]], out_size: tuple[int, int]) -> int:
     """The largest libjpeg reduction (8, 4, 2 or 1) that leaves every crop box at least
     ``out_size = (W, H)`` pixels on both sides, so no crop is upsampled because of the reduction."""
-    room = min(min((r - l) / out_size[0], (b - t) / out_size[1]) for l, t, r, b in boxes)
+    room = min(min((right - left) / out_size[0], (bottom - top) / out_size[1]) for left, top, right, bottom in boxes)
     return next(s for s in DCT_SCALES if s <= room or s == 1)
 
 
@@ -274,8 +274,10 @@ class Uint8Batches(Batches):
         super().__init__(batch_size, partial)
         others = [op for op in split.tensor_ops if not isinstance(op, RandomErasing)]
         if others or len(split.tensor_ops) > 1:
-            raise ValueError(f"uint8 batches finish on the device only timm's RandomErasing; the transform "
-                             f"also has {split.tensor_ops}: use normalize_on_device=False")
+            raise ValueError(
+                f"uint8 batches finish on the device only timm's RandomErasing; the transform "
+                f"also has {split.tensor_ops}: use normalize_on_device=False"
+            )
         self.erasing = split.tensor_ops[0] if split.tensor_ops else None
 
     def collate(self, samples: list[tuple[Image.Image, int]]) -> tuple:

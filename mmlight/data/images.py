@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Literal
 
 import torch
 import webdataset as wds
@@ -13,8 +14,7 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment as timm_auto_augment
 from timm.data import create_transform
 
-from mmlight.data.image_decode import (AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, flatten,
-                                      open_image)
+from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches, flatten, open_image
 from mmlight.data.on_device import normalized_batch
 from mmlight.data.shards import MemberReader, split_urls
 from mmlight.data.skips import SkipCounter, Skipping, is_kept
@@ -71,13 +71,22 @@ class ImageAugment:
     def build(self, train: bool):
         if len(self.mean) != self.channels or len(self.std) != self.channels:
             raise ValueError(f"mean/std need {self.channels} values, got {self.mean} and {self.std}")
-        common = dict(input_size=(self.channels, self.image_size, self.image_size),
-                      interpolation=self.interpolation, mean=self.mean, std=self.std)
+        common = dict(
+            input_size=(self.channels, self.image_size, self.image_size),
+            interpolation=self.interpolation,
+            mean=self.mean,
+            std=self.std,
+        )
         if not train:
             return create_transform(is_training=False, crop_pct=self.crop_pct, **common)
         return create_transform(
-            is_training=True, scale=self.scale, hflip=self.hflip, auto_augment=self.auto_augment,
-            color_jitter=self.color_jitter or 0.0, re_prob=self.re_prob, **common,
+            is_training=True,
+            scale=self.scale,
+            hflip=self.hflip,
+            auto_augment=self.auto_augment,
+            color_jitter=self.color_jitter or 0.0,
+            re_prob=self.re_prob,
+            **common,
         )
 
 
@@ -163,8 +172,16 @@ class ImageStream(StreamSource):
             instead of normalised float32 ones.
     """
 
-    def __init__(self, urls: list[str], batch_size: int, shuffle_buffer: int, repeats: int,
-                 decode: AugmentGroup | None, counter: SkipCounter, uint8: bool = False):
+    def __init__(
+        self,
+        urls: list[str],
+        batch_size: int,
+        shuffle_buffer: int,
+        repeats: int,
+        decode: AugmentGroup | None,
+        counter: SkipCounter,
+        uint8: bool = False,
+    ):
         self.urls, self.batch_size, self.shuffle_buffer, self.repeats = urls, batch_size, shuffle_buffer, repeats
         self.counter = counter
         self.load = Skipping(ReadSample(decode), counter)
@@ -184,8 +201,9 @@ class ImageStream(StreamSource):
                 rows[row] = copy
         kept = [row for row in rows if is_kept(row)]
         if not kept:
-            raise RuntimeError(f"no sample of a training batch could be read, e.g. {unit[0]['__key__']} "
-                               f"in {unit[0]['__url__']}")
+            raise RuntimeError(
+                f"no sample of a training batch could be read, e.g. {unit[0]['__key__']} in {unit[0]['__url__']}"
+            )
         return self.collate.collate([row if is_kept(row) else kept[i % len(kept)] for i, row in enumerate(rows)])
 
 
@@ -267,8 +285,15 @@ class ImageShardDataModule(ShardDataModule):
         steps = self.epoch_steps(num_samples, self.batch_size, f"{self.batch_size} samples")
         split = SplitTransform(self.augment.build(train=True))
         decode = AugmentGroup(self.augment.channels, split, self.repeated_augmentation, draft=self.draft_decode)
-        stream = ImageStream(split_urls(self.root, info, self.train_split), self.batch_size, self.shuffle_buffer,
-                             self.repeated_augmentation, decode, self.skipped, uint8=self.normalize_on_device)
+        stream = ImageStream(
+            split_urls(self.root, info, self.train_split),
+            self.batch_size,
+            self.shuffle_buffer,
+            self.repeated_augmentation,
+            decode,
+            self.skipped,
+            uint8=self.normalize_on_device,
+        )
         return self.resumable_loader(stream, steps)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
@@ -283,7 +308,11 @@ class ImageShardDataModule(ShardDataModule):
         transform = SplitTransform(self.augment.build(train=False))
         decode = AugmentGroup(self.augment.channels, transform, copies=1, draft=False)
         batches = Uint8Batches if self.normalize_on_device else NormalizedBatches
-        dataset = wds.DataPipeline(*self.eval_stages(split_urls(self.root, self._info(), split)),
-                                   wds.map(Skipping(decode, self.skipped)), wds.select(is_kept), flatten,
-                                   batches(self.batch_size, transform, partial=True))
+        dataset = wds.DataPipeline(
+            *self.eval_stages(split_urls(self.root, self._info(), split)),
+            wds.map(Skipping(decode, self.skipped)),
+            wds.select(is_kept),
+            flatten,
+            batches(self.batch_size, transform, partial=True),
+        )
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)

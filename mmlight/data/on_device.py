@@ -52,8 +52,11 @@ def draw_boxes(erasing: RandomErasing, height: int, width: int) -> list[tuple[in
     if random.random() > erasing.probability:
         return []
     area = height * width
-    count = erasing.min_count if erasing.min_count == erasing.max_count else \
-        random.randint(erasing.min_count, erasing.max_count)
+    count = (
+        erasing.min_count
+        if erasing.min_count == erasing.max_count
+        else random.randint(erasing.min_count, erasing.max_count)
+    )
     boxes = []
     for _ in range(count):
         for _attempt in range(10):
@@ -76,7 +79,7 @@ def draw_erasing(erasing: RandomErasing, batch: int, height: int, width: int) ->
     for row in range(batch):
         for slot, box in enumerate(draw_boxes(erasing, height, width)):
             boxes[row, slot] = torch.tensor(box)
-    seed = int(torch.randint(2 ** 62, ()))
+    seed = int(torch.randint(2**62, ()))
     return ErasingBoxes(boxes, erasing.mode, seed)
 
 
@@ -113,8 +116,9 @@ def erased(images: torch.Tensor, erasing: ErasingBoxes) -> torch.Tensor:
     if erasing.mode == "pixel":  # one draw serves every slot: each pixel's values are N(0, 1) either way
         fill = torch.randn(images.shape, generator=generator, device=images.device, dtype=images.dtype)
     elif erasing.mode == "rand":
-        colours = torch.randn(batch, boxes.shape[1], channels, generator=generator, device=images.device,
-                              dtype=images.dtype)  # (B, K, C)
+        colours = torch.randn(
+            batch, boxes.shape[1], channels, generator=generator, device=images.device, dtype=images.dtype
+        )  # (B, K, C)
     for slot in range(boxes.shape[1]):  # timm's max_count: 1 for DeiT
         if erasing.mode == "rand":
             fill = colours[:, slot, :, None, None]  # (B, C, 1, 1)

@@ -36,8 +36,9 @@ from mmlight.data.vocab import SPECIALS, Vocab, VocabAttributes
 SPLITS = ("train", "val", "test")
 
 
-def mqar_sequences(n: int, num_keys: int, num_values: int, num_pairs: int, num_queries: int,
-                   rng: np.random.Generator) -> np.ndarray:
+def mqar_sequences(
+    n: int, num_keys: int, num_values: int, num_pairs: int, num_queries: int, rng: np.random.Generator
+) -> np.ndarray:
     """``n`` MQAR sequences as an ``(n, 2 * num_pairs + 2 * num_queries)`` int64 array of token ids."""
     keys = np.argsort(rng.random((n, num_keys)), axis=1)[:, :num_pairs]  # distinct keys per row
     values = rng.integers(num_values, size=(n, num_pairs))
@@ -48,10 +49,10 @@ def mqar_sequences(n: int, num_keys: int, num_values: int, num_pairs: int, num_q
     key_ids = len(SPECIALS) + keys
     value_ids = len(SPECIALS) + num_keys + values
     seq = np.empty((n, 2 * num_pairs + 2 * num_queries), dtype=np.int64)
-    seq[:, 0:2 * num_pairs:2] = key_ids
-    seq[:, 1:2 * num_pairs:2] = value_ids
-    seq[:, 2 * num_pairs::2] = np.take_along_axis(key_ids, picks, axis=1)
-    seq[:, 2 * num_pairs + 1::2] = np.take_along_axis(value_ids, picks, axis=1)
+    seq[:, 0 : 2 * num_pairs : 2] = key_ids
+    seq[:, 1 : 2 * num_pairs : 2] = value_ids
+    seq[:, 2 * num_pairs :: 2] = np.take_along_axis(key_ids, picks, axis=1)
+    seq[:, 2 * num_pairs + 1 :: 2] = np.take_along_axis(value_ids, picks, axis=1)
     return seq
 
 
@@ -90,11 +91,15 @@ class RecallStream(StreamSource):
     def units(self, rand: RankRandom, count_skips: bool):
         order = rand.numpy("order", per_rank=False).permutation(len(self.data))
         for batch in range(self.rank, len(order) // self.batch_size, self.world_size):
-            yield order[batch * self.batch_size:(batch + 1) * self.batch_size]
+            yield order[batch * self.batch_size : (batch + 1) * self.batch_size]
 
     def materialise(self, unit: np.ndarray) -> dict:
         rows = torch.from_numpy(unit)
-        return {"input": self.data.input[rows], "target": self.data.target[rows], "loss_mask": self.data.loss_mask[rows]}
+        return {
+            "input": self.data.input[rows],
+            "target": self.data.target[rows],
+            "loss_mask": self.data.loss_mask[rows],
+        }
 
 
 class RecallDataModule(VocabAttributes, L.LightningDataModule):
@@ -130,17 +135,27 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
-        for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs),
-                            ("num_queries", num_queries), ("train_size", train_size), ("val_size", val_size),
-                            ("test_size", test_size), ("batch_size", batch_size)):
+        for name, value in (
+            ("num_keys", num_keys),
+            ("num_values", num_values),
+            ("num_pairs", num_pairs),
+            ("num_queries", num_queries),
+            ("train_size", train_size),
+            ("val_size", val_size),
+            ("test_size", test_size),
+            ("batch_size", batch_size),
+        ):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if num_pairs > num_keys:
-            raise ValueError(f"num_pairs={num_pairs} distinct keys per sequence need num_keys >= num_pairs, "
-                             f"got num_keys={num_keys}")
+            raise ValueError(
+                f"num_pairs={num_pairs} distinct keys per sequence need num_keys >= num_pairs, got num_keys={num_keys}"
+            )
         if train_size < batch_size:
-            raise ValueError(f"train_size={train_size} is smaller than one batch (batch_size={batch_size}); "
-                             "partial training batches are dropped, so no step would run")
+            raise ValueError(
+                f"train_size={train_size} is smaller than one batch (batch_size={batch_size}); "
+                "partial training batches are dropped, so no step would run"
+            )
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
@@ -153,13 +168,16 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
 
     def __str__(self) -> str:
         # Lightning's would build (and may iterate) every loader; jsonargparse prints DataModules in messages
-        return f"{type(self).__name__}(num_keys={self.num_keys}, num_values={self.num_values}, num_pairs={self.num_pairs})"
+        return (
+            f"{type(self).__name__}(num_keys={self.num_keys}, num_values={self.num_values}, num_pairs={self.num_pairs})"
+        )
 
     # ------------------------------------------------------------------ vocabulary
     def load_vocab(self) -> Vocab:
         """Id -> token: the four specials, ``k0 .. k{num_keys-1}``, ``v0 .. v{num_values-1}``."""
-        return Vocab(SPECIALS + tuple(f"k{i}" for i in range(self.num_keys))
-                     + tuple(f"v{j}" for j in range(self.num_values)))
+        return Vocab(
+            SPECIALS + tuple(f"k{i}" for i in range(self.num_keys)) + tuple(f"v{j}" for j in range(self.num_values))
+        )
 
     @property
     def seq_len(self) -> int:
@@ -172,8 +190,7 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
         if split not in SPLITS:
             raise KeyError(f"unknown split {split!r}; the splits are {SPLITS}")
         rng = np.random.default_rng([self.seed, SPLITS.index(split)])
-        return mqar_sequences(self.sizes[split], self.num_keys, self.num_values, self.num_pairs,
-                              self.num_queries, rng)
+        return mqar_sequences(self.sizes[split], self.num_keys, self.num_values, self.num_pairs, self.num_queries, rng)
 
     def dataset(self, split: str) -> Dataset:
         """``split`` as a map-style dataset of ``{"input", "target", "loss_mask"}`` rows (built once)."""
@@ -187,16 +204,24 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
             self.dataset(split)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=train, drop_last=train,
-                          num_workers=self.num_workers, persistent_workers=train and self.num_workers > 0)
+        return DataLoader(
+            self.dataset(split),
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=train and self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> ResumableLoader:
         """Batches in an order fixed by the seed and epoch, resumable at any batch (:class:`RecallStream`)."""
         rank, world = trainer_layout(self.trainer)
         steps = self.sizes["train"] // (self.batch_size * world)
         if steps < 1:
-            raise ValueError(f"train_size={self.sizes['train']} is smaller than one global batch "
-                             f"({self.batch_size} x {world} devices)")
+            raise ValueError(
+                f"train_size={self.sizes['train']} is smaller than one global batch "
+                f"({self.batch_size} x {world} devices)"
+            )
         stream = RecallStream(self.dataset("train"), self.batch_size, rank, world)
         return ResumableLoader(StreamDataset(stream, steps, run_seed(), rank), self.num_workers, world)
 

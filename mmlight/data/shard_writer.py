@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import webdataset as wds
 from tqdm import tqdm
@@ -62,8 +63,9 @@ def plan_shards(split: str, items: list[Any], per_shard: int) -> list[ShardJob]:
     """Cut ``items`` into consecutive shards of ``per_shard`` items named ``{split}-{i:06d}.tar``."""
     if per_shard < 1:
         raise ValueError(f"samples per shard must be >= 1, got {per_shard}")
-    return [ShardJob(f"{split}-{i // per_shard:06d}.tar", items[i:i + per_shard])
-            for i in range(0, len(items), per_shard)]
+    return [
+        ShardJob(f"{split}-{i // per_shard:06d}.tar", items[i : i + per_shard]) for i in range(0, len(items), per_shard)
+    ]
 
 
 def _finished(out_dir: Path, job: ShardJob) -> dict | None:
@@ -96,8 +98,14 @@ def _write_one(job: ShardJob, out_dir: Path, make_sample: SampleMaker) -> dict:
                 continue
             writer.write(sample)
             count += 1
-    record = {"name": job.name, "num_samples": count, "num_items": len(job.items), "skipped": skipped,
-              "bytes": shard.stat().st_size, "sha256": sha256(shard)}
+    record = {
+        "name": job.name,
+        "num_samples": count,
+        "num_items": len(job.items),
+        "skipped": skipped,
+        "bytes": shard.stat().st_size,
+        "sha256": sha256(shard),
+    }
     write_text_atomic(out_dir / (job.name + DONE_SUFFIX), json.dumps(record))
     return record
 
@@ -109,8 +117,9 @@ def _run_job(job: ShardJob, out_dir: Path, make_sample: SampleMaker) -> tuple[di
     return _write_one(job, out_dir, make_sample), True
 
 
-def write_shards(jobs: list[ShardJob], out_dir: Path, make_sample: SampleMaker, workers: int = 1,
-                 desc: str = "shards") -> dict:
+def write_shards(
+    jobs: list[ShardJob], out_dir: Path, make_sample: SampleMaker, workers: int = 1, desc: str = "shards"
+) -> dict:
     """Write (or verify and keep) every shard of one split; return the split's ``_info.json`` entry.
 
     Args:
@@ -142,8 +151,17 @@ def write_shards(jobs: list[ShardJob], out_dir: Path, make_sample: SampleMaker, 
     skipped = [s for job in jobs for s in records[job.name]["skipped"]]
     for s in skipped:
         log.warning("skipped %s: %s", s["path"], s["reason"])
-    log.info("%s: %d shards written, %d verified and kept, %d items skipped", desc, written,
-             len(jobs) - written, len(skipped))
+    log.info(
+        "%s: %d shards written, %d verified and kept, %d items skipped",
+        desc,
+        written,
+        len(jobs) - written,
+        len(skipped),
+    )
     shards = [{k: records[job.name][k] for k in ("name", "num_samples", "sha256")} for job in jobs]
-    return {"num_samples": sum(s["num_samples"] for s in shards), "num_skipped": len(skipped),
-            "skipped": skipped, "shards": shards}
+    return {
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
+        "shards": shards,
+    }

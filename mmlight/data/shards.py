@@ -17,9 +17,9 @@ import io
 import json
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -83,9 +83,7 @@ def read_info(root: str | Path) -> dict:
     missing; a version-1 file is upgraded in memory (:func:`upgrade_info`)."""
     path = Path(root) / INFO_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no shard set at {Path(root)}: expected {path} (write one with `mmlight prepare`)"
-        )
+        raise FileNotFoundError(f"no shard set at {Path(root)}: expected {path} (write one with `mmlight prepare`)")
     return upgrade_info(json.loads(path.read_text()), root)
 
 
@@ -93,21 +91,36 @@ def upgrade_info(info: dict, root: str | Path) -> dict:
     """``_info.json`` content of any schema version -> the current one (see :data:`INFO_VERSION`)."""
     version = info.get("version", 1)
     if not isinstance(version, int) or version > INFO_VERSION:
-        raise ValueError(f"{Path(root) / INFO_FILE} has schema version {version!r}; this mmlight reads up to "
-                         f"{INFO_VERSION}: update mmlight")
+        raise ValueError(
+            f"{Path(root) / INFO_FILE} has schema version {version!r}; this mmlight reads up to "
+            f"{INFO_VERSION}: update mmlight"
+        )
     if version == INFO_VERSION:
         return info
     info = {"version": INFO_VERSION, **info}
     specials = ("bos", "pad", "eos", "unk")
     if "vocab_file" in info:  # WikiText-103: vocab.txt, special ids as a mapping
-        info["vocab"] = {"file": info.pop("vocab_file"), "format": "lines", "size": info.pop("vocab_size"),
-                         "special_ids": info.pop("special_ids"), "tokenizer": {"moses": False}}
+        info["vocab"] = {
+            "file": info.pop("vocab_file"),
+            "format": "lines",
+            "size": info.pop("vocab_size"),
+            "special_ids": info.pop("special_ids"),
+            "tokenizer": {"moses": False},
+        }
     elif "dict_file" in info:  # IWSLT14: dict.txt, special ids as flat keys, Moses + BPE
         info["vocab"] = {
-            "file": info.pop("dict_file"), "format": "dict", "size": info.pop("vocab_size"),
+            "file": info.pop("dict_file"),
+            "format": "dict",
+            "size": info.pop("vocab_size"),
             "special_ids": {name: info.pop(f"{name}_id") for name in specials},
-            "tokenizer": {"moses": True, "src_lang": info.pop("src_lang"), "tgt_lang": info.pop("tgt_lang"),
-                          "bpe_file": info.pop("bpe_file"), "bpe_merges": info.pop("bpe_merges")}}
+            "tokenizer": {
+                "moses": True,
+                "src_lang": info.pop("src_lang"),
+                "tgt_lang": info.pop("tgt_lang"),
+                "bpe_file": info.pop("bpe_file"),
+                "bpe_merges": info.pop("bpe_merges"),
+            },
+        }
         info.pop("specials", None)
     return info
 
@@ -125,9 +138,9 @@ def split_urls(root: str | Path, info: dict, split: str) -> list[str]:
 
 def _pax_records(data: bytes) -> dict[str, str]:
     records, pos = {}, 0
-    while pos < len(data) and data[pos:pos + 1] != b"\0":
-        length = int(data[pos:data.index(b" ", pos)])
-        key, _, value = data[data.index(b" ", pos) + 1:pos + length - 1].partition(b"=")
+    while pos < len(data) and data[pos : pos + 1] != b"\0":
+        length = int(data[pos : data.index(b" ", pos)])
+        key, _, value = data[data.index(b" ", pos) + 1 : pos + length - 1].partition(b"=")
         records[key.decode()] = value.decode()
         pos += length
     return records
@@ -144,8 +157,9 @@ def _check_header(header: bytes, path, at: int) -> None:
         stored = int(field, 8)
         if stored == unsigned or stored == unsigned - 256 * sum(byte > 127 for byte in header[:148] + header[156:]):
             return
-    raise ValueError(f"{path}: not a tar header at byte {at} (checksum field {header[148:156]!r}, "
-                     f"header bytes sum to {unsigned})")
+    raise ValueError(
+        f"{path}: not a tar header at byte {at} (checksum field {header[148:156]!r}, header bytes sum to {unsigned})"
+    )
 
 
 def _walk_tar(f, path, read_data: bool) -> Iterator[tuple[str, int, int, bytes | None]]:
@@ -233,7 +247,7 @@ def group_samples(members: Iterable[tuple[str, object]], url: str) -> Iterator[d
         yield sample
 
 
-def npy_header(reader: "MemberReader", url: str, offset: int, size: int) -> tuple[np.dtype, tuple, int]:
+def npy_header(reader: MemberReader, url: str, offset: int, size: int) -> tuple[np.dtype, tuple, int]:
     """``(dtype, shape, data offset in the shard)`` of a ``.npy`` member, from its header alone."""
     head = io.BytesIO(reader.read(url, offset, min(size, 4096)))
     version = np.lib.format.read_magic(head)

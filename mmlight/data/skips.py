@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,13 @@ class Skipping:
             return self.fn(sample)
         except Exception as err:  # a corrupt sample may raise anything from PIL, numpy, int()...
             self.counter.add()
-            log.warning("skipped corrupt sample %s in %s: %s: %s", sample.get("__key__"), sample.get("__url__"),
-                        type(err).__name__, err)
+            log.warning(
+                "skipped corrupt sample %s in %s: %s: %s",
+                sample.get("__key__"),
+                sample.get("__url__"),
+                type(err).__name__,
+                err,
+            )
             return None
 
 

@@ -139,8 +139,9 @@ def resampled_samples(urls: list[str], rng: random.Random, counter: SkipCounter 
         if not samples:
             failed.add(url)
             if len(failed) == len(set(urls)):
-                raise RuntimeError(f"no readable sample in any of the {len(failed)} training shards, "
-                                   f"e.g. {sorted(failed)[:3]}")
+                raise RuntimeError(
+                    f"no readable sample in any of the {len(failed)} training shards, e.g. {sorted(failed)[:3]}"
+                )
             continue
         failed.clear()
         yield from samples
@@ -265,8 +266,12 @@ class ResumableLoader:
             yield batch
 
     def layout(self) -> dict:
-        return {"seed": self.dataset.seed, "world_size": self.world_size, "steps": self.dataset.steps,
-                "num_workers": self.num_workers}
+        return {
+            "seed": self.dataset.seed,
+            "world_size": self.world_size,
+            "steps": self.dataset.steps,
+            "num_workers": self.num_workers,
+        }
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, **self.layout()}
@@ -279,10 +284,14 @@ class ResumableLoader:
             rank_zero_warn(
                 f"resuming a training stream written with {_describe(saved)} under {_describe(now)}: the "
                 f"run continues at epoch {state['epoch']}, batch {state['position']}, but the data order "
-                "from this point on differs from an uninterrupted run's")
+                "from this point on differs from an uninterrupted run's"
+            )
         elif state.get("num_workers") != self.num_workers:
-            log.info("resuming with %s loader workers (checkpoint: %s): the order does not depend on them",
-                     self.num_workers, state.get("num_workers"))
+            log.info(
+                "resuming with %s loader workers (checkpoint: %s): the order does not depend on them",
+                self.num_workers,
+                state.get("num_workers"),
+            )
         self.epoch, self.position = state["epoch"], state["position"]
         self._resume = dict(state)
 
@@ -338,8 +347,9 @@ class ShardDataModule(L.LightningDataModule):
         world = self._world_size()
         steps = total // (per_rank_step * world)
         if steps < 1:
-            raise ValueError(f"the training split ({total}) is smaller than one global batch "
-                             f"({what} x {world} devices)")
+            raise ValueError(
+                f"the training split ({total}) is smaller than one global batch ({what} x {world} devices)"
+            )
         return steps
 
     def eval_stages(self, urls: list[str]) -> list:

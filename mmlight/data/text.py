@@ -82,8 +82,13 @@ class BlockStream(StreamSource):
         except Exception as err:  # a corrupt header may raise anything from numpy's parser
             if count_skips:
                 self.counter.add()
-                log.warning("skipped corrupt chunk %s in %s: %s: %s", chunk["__key__"], chunk["__url__"],
-                            type(err).__name__, err)
+                log.warning(
+                    "skipped corrupt chunk %s in %s: %s: %s",
+                    chunk["__key__"],
+                    chunk["__url__"],
+                    type(err).__name__,
+                    err,
+                )
             return
         for s in block_starts(int(np.prod(shape)), self.block_size, rng):
             yield chunk["__url__"], data + s * dtype.itemsize, dtype
@@ -91,8 +96,9 @@ class BlockStream(StreamSource):
     def units(self, rand: RankRandom, count_skips: bool):
         chunks = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
         offsets = rand.python("offsets")
-        blocks = (block for chunk in chunks if "ids.npy" in chunk
-                  for block in self._blocks(chunk, offsets, count_skips))
+        blocks = (
+            block for chunk in chunks if "ids.npy" in chunk for block in self._blocks(chunk, offsets, count_skips)
+        )
         return batched(shuffled(blocks, self.shuffle_buffer, rand.python("shuffle")), self.batch_size)
 
     def materialise(self, unit: list[tuple]) -> dict:
@@ -150,8 +156,17 @@ class EvalWindows(IterableDataset):
         world_size: number of ranks.
     """
 
-    def __init__(self, stream: np.ndarray, block_size: int, context: int, batch_size: int, pad_id: int,
-                 eos_id: int, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        stream: np.ndarray,
+        block_size: int,
+        context: int,
+        batch_size: int,
+        pad_id: int,
+        eos_id: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         super().__init__()
         self.stream = np.concatenate([[eos_id], np.asarray(stream, dtype=np.int64)])  # input of target j: [j]
         self.block_size = block_size
@@ -168,17 +183,20 @@ class EvalWindows(IterableDataset):
         targets = np.full(self.block_size, self.pad_id, dtype=np.int64)
         mask = np.zeros(self.block_size, dtype=bool)
         inputs[:n] = self.stream[start:stop]
-        targets[:n] = self.stream[start + 1:stop + 1]
-        mask[first - start:n] = True
+        targets[:n] = self.stream[start + 1 : stop + 1]
+        mask[first - start : n] = True
         return inputs, targets, mask
 
     def __iter__(self):
         for b in range(0, len(self.windows), self.batch_size):
-            part = self.windows[b:b + self.batch_size]
+            part = self.windows[b : b + self.batch_size]
             inputs, targets, masks = zip(*(self._window(*w) for w in part))
-            yield {"input": torch.from_numpy(np.stack(inputs)), "target": torch.from_numpy(np.stack(targets)),
-                   "loss_mask": torch.from_numpy(np.stack(masks)),
-                   "start": torch.tensor([w[0] for w in part], dtype=torch.int64)}
+            yield {
+                "input": torch.from_numpy(np.stack(inputs)),
+                "target": torch.from_numpy(np.stack(targets)),
+                "loss_mask": torch.from_numpy(np.stack(masks)),
+                "start": torch.tensor([w[0] for w in part], dtype=torch.int64),
+            }
 
 
 def read_stream(root: str | Path, info: dict, split: str) -> np.ndarray:
@@ -188,7 +206,7 @@ def read_stream(root: str | Path, info: dict, split: str) -> np.ndarray:
         with tarfile.open(url) as tar:
             for member in tar:
                 if member.isfile() and member.name.endswith(".ids.npy"):
-                    key = member.name[:-len(".ids.npy")]
+                    key = member.name[: -len(".ids.npy")]
                     chunks[key] = np.load(io.BytesIO(tar.extractfile(member).read()), allow_pickle=False)
     keys = sorted(chunks)
     if keys != [f"{i:06d}" for i in range(len(keys))]:
@@ -251,8 +269,9 @@ class WikiTextDataModule(VocabAttributes, ShardDataModule):
         self.eval_block_size = block_size if eval_block_size is None else eval_block_size
         self.eval_context = 0 if eval_context is None else eval_context
         if not 0 <= self.eval_context < self.eval_block_size:
-            raise ValueError(f"eval_context must be in [0, eval_block_size={self.eval_block_size}), "
-                             f"got {self.eval_context}")
+            raise ValueError(
+                f"eval_context must be in [0, eval_block_size={self.eval_block_size}), got {self.eval_context}"
+            )
         self.shuffle_buffer = shuffle_buffer
         self.train_split = train_split
         self._streams: dict[str, np.ndarray] = {}
@@ -263,13 +282,19 @@ class WikiTextDataModule(VocabAttributes, ShardDataModule):
 
     def train_steps(self) -> int:
         """Training steps per epoch on every rank."""
-        return self.epoch_steps(self.num_train_tokens, self.block_size * self.batch_size,
-                                f"{self.batch_size} x {self.block_size} tokens")
+        return self.epoch_steps(
+            self.num_train_tokens, self.block_size * self.batch_size, f"{self.batch_size} x {self.block_size} tokens"
+        )
 
     # -- loaders ----------------------------------------------------------------------------------
     def train_dataloader(self):
-        stream = BlockStream(split_urls(self.root, self._info(), self.train_split), self.block_size,
-                             self.batch_size, self.shuffle_buffer, self.skipped)
+        stream = BlockStream(
+            split_urls(self.root, self._info(), self.train_split),
+            self.block_size,
+            self.batch_size,
+            self.shuffle_buffer,
+            self.skipped,
+        )
         return self.resumable_loader(stream, self.train_steps())
 
     def stream(self, split: str) -> np.ndarray:
@@ -281,9 +306,16 @@ class WikiTextDataModule(VocabAttributes, ShardDataModule):
     def eval_dataset(self, split: str) -> EvalWindows:
         """This rank's evaluation windows of ``split``."""
         rank, world = self._rank_and_world()
-        return EvalWindows(self.stream(split), self.eval_block_size, self.eval_context, self.batch_size,
-                           self.pad_id, self.eos_id, rank, world)
+        return EvalWindows(
+            self.stream(split),
+            self.eval_block_size,
+            self.eval_context,
+            self.batch_size,
+            self.pad_id,
+            self.eos_id,
+            rank,
+            world,
+        )
 
     def _eval_loader(self, split: str) -> DataLoader:
         return DataLoader(self.eval_dataset(split), batch_size=None, num_workers=0)
-

@@ -62,6 +62,7 @@ def moses_detokenize(text: str, lang: str) -> str:
     """Undo :func:`moses_tokenize`'s spacing and escaping (``detokenizer.perl -l lang``)."""
     if lang not in _DETOKENIZERS:
         from sacremoses import MosesDetokenizer
+
         _DETOKENIZERS[lang] = MosesDetokenizer(lang=lang)
     return _DETOKENIZERS[lang].detokenize(text.split())
 
@@ -72,6 +73,7 @@ def apply_bpe(line: str, codes: str) -> str:
         import io
 
         from subword_nmt.apply_bpe import BPE
+
         _BPES[codes] = BPE(io.StringIO(codes))
     return _BPES[codes].process_line(line)
 
@@ -83,5 +85,6 @@ def remove_bpe(text: str) -> str:
 
 def count_bpe_merges(codes: Path) -> int:
     """Merge operations in a subword-nmt codes file (its ``#version`` header is not one)."""
-    return sum(1 for line in codes.read_text(encoding="utf-8").splitlines()
-               if line.strip() and not line.startswith("#"))
+    return sum(
+        1 for line in codes.read_text(encoding="utf-8").splitlines() if line.strip() and not line.startswith("#")
+    )

@@ -52,15 +52,48 @@ ARGS_FILE = "toy_translation.json"
 SPLITS = ("train", "valid", "test")
 
 # (German, English); German determiners as (nominative, accusative), adjectives as stems.
-DETERMINERS = [(("der", "den"), "the"), (("ein", "einen"), "a"), (("mein", "meinen"), "my"),
-               (("dein", "deinen"), "your")]
-ADJECTIVES = [("rot", "red"), ("gross", "big"), ("klein", "small"), ("alt", "old"), ("jung", "young"),
-              ("schnell", "fast"), ("gruen", "green"), ("blau", "blue")]
-NOUNS = [("hund", "dog"), ("vogel", "bird"), ("lehrer", "teacher"), ("fisch", "fish"), ("koch", "cook"),
-         ("koenig", "king"), ("freund", "friend"), ("baecker", "baker"), ("arzt", "doctor"), ("fuchs", "fox"),
-         ("maler", "painter"), ("onkel", "uncle")]
-VERBS = [("sieht", "sees"), ("findet", "finds"), ("liebt", "loves"), ("hoert", "hears"), ("fragt", "asks"),
-         ("kennt", "knows"), ("ruft", "calls"), ("malt", "paints"), ("fuettert", "feeds"), ("besucht", "visits")]
+DETERMINERS = [
+    (("der", "den"), "the"),
+    (("ein", "einen"), "a"),
+    (("mein", "meinen"), "my"),
+    (("dein", "deinen"), "your"),
+]
+ADJECTIVES = [
+    ("rot", "red"),
+    ("gross", "big"),
+    ("klein", "small"),
+    ("alt", "old"),
+    ("jung", "young"),
+    ("schnell", "fast"),
+    ("gruen", "green"),
+    ("blau", "blue"),
+]
+NOUNS = [
+    ("hund", "dog"),
+    ("vogel", "bird"),
+    ("lehrer", "teacher"),
+    ("fisch", "fish"),
+    ("koch", "cook"),
+    ("koenig", "king"),
+    ("freund", "friend"),
+    ("baecker", "baker"),
+    ("arzt", "doctor"),
+    ("fuchs", "fox"),
+    ("maler", "painter"),
+    ("onkel", "uncle"),
+]
+VERBS = [
+    ("sieht", "sees"),
+    ("findet", "finds"),
+    ("liebt", "loves"),
+    ("hoert", "hears"),
+    ("fragt", "asks"),
+    ("kennt", "knows"),
+    ("ruft", "calls"),
+    ("malt", "paints"),
+    ("fuettert", "feeds"),
+    ("besucht", "visits"),
+]
 PRONOUNS = [("er", "he"), ("sie", "she"), ("es", "it")]
 ADVERBS = [("heute", "today"), ("morgen", "tomorrow"), ("oft", "often"), ("jetzt", "now")]
 CONJUNCTIONS = [("weil", "because"), ("obwohl", "although"), ("wenn", "when")]
@@ -144,8 +177,9 @@ def toy_bpe_codes() -> str:
     words = sorted(set(lexicon()) | set(lexicon().values()))
     out = io.StringIO()
     with contextlib.redirect_stderr(io.StringIO()):  # its progress bar and "Stopping" message
-        learn_bpe(io.StringIO("".join(f"{w} 2\n" for w in words)), out, num_symbols=10_000,
-                  min_frequency=2, is_dict=True)
+        learn_bpe(
+            io.StringIO("".join(f"{w} 2\n" for w in words)), out, num_symbols=10_000, min_frequency=2, is_dict=True
+        )
     return out.getvalue()
 
 
@@ -164,12 +198,12 @@ def _write_fairseq_layout(src_dir: Path, texts: ParallelText, codes: str) -> Pat
     return src_dir
 
 
-def write_toy_corpus(src_dir: Path, seed: int = 0, train_size: int = 20000, valid_size: int = 500,
-                     test_size: int = 500) -> Path:
+def write_toy_corpus(
+    src_dir: Path, seed: int = 0, train_size: int = 20000, valid_size: int = 500, test_size: int = 500
+) -> Path:
     """Write ``{train,valid,test}.{de,en}`` and the BPE ``code`` (IWSLT14's fairseq layout) into
     ``src_dir``; the same arguments give byte-identical files. Returns ``src_dir``."""
-    return _write_fairseq_layout(Path(src_dir), toy_corpus(seed, train_size, valid_size, test_size),
-                                 toy_bpe_codes())
+    return _write_fairseq_layout(Path(src_dir), toy_corpus(seed, train_size, valid_size, test_size), toy_bpe_codes())
 
 
 class ToyTranslationDataModule(TranslationDataModule):
@@ -212,10 +246,21 @@ class ToyTranslationDataModule(TranslationDataModule):
         bucket_buffer: int = 2000,
         src_file: str | None = None,
     ):
-        super().__init__(os.path.expanduser(cache_dir), max_tokens, num_workers, max_source_positions,
-                         max_target_positions, bucket_buffer, src_file)
-        for name, value in (("train_size", train_size), ("valid_size", valid_size), ("test_size", test_size),
-                            ("samples_per_shard", samples_per_shard)):
+        super().__init__(
+            os.path.expanduser(cache_dir),
+            max_tokens,
+            num_workers,
+            max_source_positions,
+            max_target_positions,
+            bucket_buffer,
+            src_file,
+        )
+        for name, value in (
+            ("train_size", train_size),
+            ("valid_size", valid_size),
+            ("test_size", test_size),
+            ("samples_per_shard", samples_per_shard),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if seed < 0:
@@ -226,9 +271,14 @@ class ToyTranslationDataModule(TranslationDataModule):
 
     def generation_args(self) -> dict:
         """What the cache's content depends on (kept in ``toy_translation.json``)."""
-        return {"version": GENERATOR_VERSION, "seed": self.seed, "train_size": self.train_size,
-                "valid_size": self.valid_size, "test_size": self.test_size,
-                "samples_per_shard": self.samples_per_shard}
+        return {
+            "version": GENERATOR_VERSION,
+            "seed": self.seed,
+            "train_size": self.train_size,
+            "valid_size": self.valid_size,
+            "test_size": self.test_size,
+            "samples_per_shard": self.samples_per_shard,
+        }
 
     def prepare_data(self) -> None:
         """Write the corpus and its shard set into ``cache_dir`` unless a complete one with the same
@@ -237,13 +287,17 @@ class ToyTranslationDataModule(TranslationDataModule):
         args, args_path = self.generation_args(), root / ARGS_FILE
         if (root / INFO_FILE).is_file():
             if not args_path.is_file():
-                raise ValueError(f"{root} holds a shard set that is not the toy translation corpus "
-                                 f"(no {ARGS_FILE}): choose another cache_dir or delete that folder")
+                raise ValueError(
+                    f"{root} holds a shard set that is not the toy translation corpus "
+                    f"(no {ARGS_FILE}): choose another cache_dir or delete that folder"
+                )
             old = json.loads(args_path.read_text(encoding="utf-8"))
             diff = [f"{k}={old.get(k)!r} (asked {v!r})" for k, v in args.items() if old.get(k) != v]
             if diff:
-                raise ValueError(f"{root} holds a toy translation corpus written with other arguments: "
-                                 f"{', '.join(diff)}; choose another cache_dir or delete that folder")
+                raise ValueError(
+                    f"{root} holds a toy translation corpus written with other arguments: "
+                    f"{', '.join(diff)}; choose another cache_dir or delete that folder"
+                )
             return
         # no complete shard set (none, or an interrupted write): write everything; _info.json comes last
         root.mkdir(parents=True, exist_ok=True)
@@ -252,8 +306,13 @@ class ToyTranslationDataModule(TranslationDataModule):
         codes = toy_bpe_codes()
         _write_fairseq_layout(root / "raw", texts, codes)  # the corpus as text, for reading and reference
         write_text_atomic(root / BPE_FILE, codes)  # BPE leaves every word whole: the text is already BPE'd
-        write_translation_shards(texts, root, layout="fairseq", bpe_merges=count_bpe_merges(root / BPE_FILE),
-                                 samples_per_shard=self.samples_per_shard)
+        write_translation_shards(
+            texts,
+            root,
+            layout="fairseq",
+            bpe_merges=count_bpe_merges(root / BPE_FILE),
+            samples_per_shard=self.samples_per_shard,
+        )
         self.info, self._vocab = None, None
 
     @property
@@ -267,6 +326,8 @@ class ToyTranslationDataModule(TranslationDataModule):
 
     def _info(self) -> dict:
         if self.info is None and not (Path(self.root) / INFO_FILE).is_file():
-            raise FileNotFoundError(f"no toy translation data in {self.root} yet: call prepare_data() first "
-                                    "(Lightning's fit/validate/test/predict call it before any loader)")
+            raise FileNotFoundError(
+                f"no toy translation data in {self.root} yet: call prepare_data() first "
+                "(Lightning's fit/validate/test/predict call it before any loader)"
+            )
         return super()._info()

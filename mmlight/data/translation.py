@@ -59,11 +59,18 @@ def _from_shard(sample: dict) -> dict:
     return {"key": key, "id": int(key.rsplit("-", 1)[1]), "src": src.astype(np.int64), "tgt": tgt.astype(np.int64)}
 
 
-def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffle: bool,
-                   max_source_positions: int = 1024, max_target_positions: int = 1024,
-                   sort: bool = True, rng: random.Random | None = None,
-                   lengths: Callable[[dict], tuple[int, int]] = array_lengths, warn: bool = True
-                   ) -> Iterator[list[dict]]:
+def budget_batches(
+    samples: Iterable[dict],
+    max_tokens: int,
+    buffer: int,
+    shuffle: bool,
+    max_source_positions: int = 1024,
+    max_target_positions: int = 1024,
+    sort: bool = True,
+    rng: random.Random | None = None,
+    lengths: Callable[[dict], tuple[int, int]] = array_lengths,
+    warn: bool = True,
+) -> Iterator[list[dict]]:
     """Cut a sample stream into batches with ``len(batch) * max(sample_size) <= max_tokens``.
 
     ``buffer`` samples are gathered, sorted by size (when ``sort``), cut greedily into budget-bounded
@@ -95,12 +102,19 @@ def budget_batches(samples: Iterable[dict], max_tokens: int, buffer: int, shuffl
     pool: list[dict] = []
     for s in samples:
         src_len, tgt_len = lengths(s)
-        if src_len + 1 > max_source_positions or tgt_len + 1 > max_target_positions or max(src_len, tgt_len) + 1 > max_tokens:
+        if (
+            src_len + 1 > max_source_positions
+            or tgt_len + 1 > max_target_positions
+            or max(src_len, tgt_len) + 1 > max_tokens
+        ):
             skipped += 1
             if warn:
-                warnings.warn(f"skipping sample {s.get('key')} ({src_len} source, {tgt_len} target "
-                              f"tokens): over max_tokens={max_tokens} or the position limits; "
-                              f"{skipped} skipped so far in this worker")
+                warnings.warn(
+                    f"skipping sample {s.get('key')} ({src_len} source, {tgt_len} target "
+                    f"tokens): over max_tokens={max_tokens} or the position limits; "
+                    f"{skipped} skipped so far in this worker",
+                    stacklevel=2,
+                )
             continue
         pool.append(s)
         if len(pool) >= buffer:
@@ -117,8 +131,12 @@ def decoder_start_id(vocab: Vocab) -> int:
 
 def source_sample(sample_id: int, ids: list[int]) -> dict:
     """A sample of source ids alone (no target), as :func:`collate` takes it: raw text to translate."""
-    return {"key": f"line-{sample_id:07d}", "id": sample_id, "src": np.asarray(ids, dtype=np.int64),
-            "tgt": np.zeros(0, dtype=np.int64)}
+    return {
+        "key": f"line-{sample_id:07d}",
+        "id": sample_id,
+        "src": np.asarray(ids, dtype=np.int64),
+        "tgt": np.zeros(0, dtype=np.int64),
+    }
 
 
 def collate(batch: list[dict], pad_id: int, eos_id: int, start_id: int) -> dict:
@@ -131,20 +149,27 @@ def collate(batch: list[dict], pad_id: int, eos_id: int, start_id: int) -> dict:
     tgt_out = torch.full((n, t_len), pad_id, dtype=torch.int64)
     for i, b in enumerate(batch):
         s, t = torch.as_tensor(b["src"], dtype=torch.int64), torch.as_tensor(b["tgt"], dtype=torch.int64)
-        src[i, :len(s)] = s
+        src[i, : len(s)] = s
         src[i, len(s)] = eos_id
         tgt_in[i, 0] = start_id
-        tgt_in[i, 1:len(t) + 1] = t
-        tgt_out[i, :len(t)] = t
+        tgt_in[i, 1 : len(t) + 1] = t
+        tgt_out[i, : len(t)] = t
         tgt_out[i, len(t)] = eos_id
     src_mask = torch.zeros((n, s_len), dtype=torch.bool)
     tgt_mask = torch.zeros((n, t_len), dtype=torch.bool)
     for i, b in enumerate(batch):
-        src_mask[i, :len(b["src"]) + 1] = True
-        tgt_mask[i, :len(b["tgt"]) + 1] = True
-    return {"src": src, "src_mask": src_mask, "tgt_in": tgt_in, "tgt_out": tgt_out, "tgt_mask": tgt_mask,
-            "ntokens": int(tgt_mask.sum()), "keys": [b["key"] for b in batch],
-            "ids": torch.tensor([b["id"] for b in batch], dtype=torch.int64)}
+        src_mask[i, : len(b["src"]) + 1] = True
+        tgt_mask[i, : len(b["tgt"]) + 1] = True
+    return {
+        "src": src,
+        "src_mask": src_mask,
+        "tgt_in": tgt_in,
+        "tgt_out": tgt_out,
+        "tgt_mask": tgt_mask,
+        "ntokens": int(tgt_mask.sum()),
+        "keys": [b["key"] for b in batch],
+        "ids": torch.tensor([b["id"] for b in batch], dtype=torch.int64),
+    }
 
 
 def _batch_stage(src: Iterable[dict], **kwargs) -> Iterator[list[dict]]:
@@ -177,26 +202,40 @@ class BudgetStream(StreamSource):
     def _with_lengths(self, refs: Iterable[dict], count_skips: bool) -> Iterator[dict]:
         for ref in refs:
             try:
-                lengths = [int(np.prod(npy_header(self.reader, ref["__url__"], *ref[name])[1]))
-                           for name in ("src.npy", "tgt.npy")]
+                lengths = [
+                    int(np.prod(npy_header(self.reader, ref["__url__"], *ref[name])[1]))
+                    for name in ("src.npy", "tgt.npy")
+                ]
             except Exception as err:  # a missing member or a corrupt header
                 if count_skips:
                     self.counter.add()
-                    log.warning("skipped corrupt sample %s in %s: %s: %s", ref.get("__key__"), ref.get("__url__"),
-                                type(err).__name__, err)
+                    log.warning(
+                        "skipped corrupt sample %s in %s: %s: %s",
+                        ref.get("__key__"),
+                        ref.get("__url__"),
+                        type(err).__name__,
+                        err,
+                    )
                 continue
             yield {**ref, "key": ref["__key__"], "src_len": lengths[0], "tgt_len": lengths[1]}
 
     def units(self, rand: RankRandom, count_skips: bool):
         refs = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
         refs = shuffled(self._with_lengths(refs, count_skips), self.shuffle_buffer, rand.python("shuffle"))
-        return budget_batches(refs, shuffle=True, rng=rand.python("batches"), lengths=ref_lengths,
-                              warn=count_skips, **self.batching)
+        return budget_batches(
+            refs, shuffle=True, rng=rand.python("batches"), lengths=ref_lengths, warn=count_skips, **self.batching
+        )
 
     def materialise(self, unit: list[dict]) -> dict:
-        samples = [_from_shard({"__key__": ref["__key__"],
-                                **{name: self.reader.read(ref["__url__"], *ref[name]) for name in ("src.npy", "tgt.npy")}})
-                   for ref in unit]
+        samples = [
+            _from_shard(
+                {
+                    "__key__": ref["__key__"],
+                    **{name: self.reader.read(ref["__url__"], *ref[name]) for name in ("src.npy", "tgt.npy")},
+                }
+            )
+            for ref in unit
+        ]
         return self.collate_fn(samples)
 
 
@@ -204,7 +243,8 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
     """Streams a translation shard set (``mmlight prepare iwslt14``) in token-budget batches.
 
     Training reads resampled shards in an order fixed by the seed, epoch and rank, resumable at any
-    batch (:class:`BudgetStream`), for a fixed number of batches per epoch, ``num_tokens(train) // (max_tokens * world_size)`` where ``num_tokens`` sums the sample sizes
+    batch (:class:`BudgetStream`), for a fixed number of batches per epoch,
+    ``num_tokens(train) // (max_tokens * world_size)`` where ``num_tokens`` sums the sample sizes
     of the split (``_info.json``), so every DDP rank runs the same number of steps. Padding makes real
     batches hold fewer than ``max_tokens`` sizes, so an "epoch" sees somewhat fewer samples than the
     split holds; it is an approximate epoch. Validation and test read each shard once, split by node and
@@ -257,16 +297,25 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
 
     # ------------------------------------------------------------------ loaders
     def _batching(self) -> dict:
-        return {"max_tokens": self.max_tokens, "buffer": self.bucket_buffer,
-                "max_source_positions": self.max_source_positions, "max_target_positions": self.max_target_positions}
+        return {
+            "max_tokens": self.max_tokens,
+            "buffer": self.bucket_buffer,
+            "max_source_positions": self.max_source_positions,
+            "max_target_positions": self.max_target_positions,
+        }
 
     def _collate(self):
         return partial(collate, pad_id=self.pad_id, eos_id=self.eos_id, start_id=self.decoder_start_id)
 
     def _eval_pipeline(self, urls: list[str]) -> wds.DataPipeline:
         batches = partial(_batch_stage, shuffle=False, **self._batching())
-        return wds.DataPipeline(*self.eval_stages(urls), wds.map(Skipping(_from_shard, self.skipped)),
-                                wds.select(is_kept), batches, wds.map(self._collate()))
+        return wds.DataPipeline(
+            *self.eval_stages(urls),
+            wds.map(Skipping(_from_shard, self.skipped)),
+            wds.select(is_kept),
+            batches,
+            wds.map(self._collate()),
+        )
 
     def train_steps(self) -> int:
         """Batches per rank per epoch: the split's summed sample sizes // (max_tokens x world size)."""
@@ -274,8 +323,13 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
         return self.epoch_steps(num_tokens, self.max_tokens, f"{self.max_tokens} tokens")
 
     def train_dataloader(self):
-        stream = BudgetStream(split_urls(self.root, self._info(), self.train_split), self.bucket_buffer,
-                              self._batching(), self._collate(), self.skipped)
+        stream = BudgetStream(
+            split_urls(self.root, self._info(), self.train_split),
+            self.bucket_buffer,
+            self._batching(),
+            self._collate(),
+            self.skipped,
+        )
         return self.resumable_loader(stream, self.train_steps())
 
     def _eval_loader(self, split: str):
@@ -283,7 +337,8 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
         return wds.WebLoader(dataset, batch_size=None, num_workers=self.num_workers)
 
     def predict_dataloader(self):
-        """Batches of ``src_file`` in file order (``ids`` = 0-based line numbers; ``tgt_*`` empty), or the test split."""
+        """Batches of ``src_file`` in file order (``ids`` = 0-based line numbers; ``tgt_*`` empty), or the
+        test split."""
         if self.src_file is None:
             return self._eval_loader(self.test_split)
         with open(self.src_file, encoding="utf-8") as f:
@@ -291,10 +346,20 @@ class TranslationDataModule(VocabAttributes, ShardDataModule):
         samples = [source_sample(i, self.encode(line)) for i, line in enumerate(lines)]
         for s in samples:  # every line must come back: a too-long one is an error here, not a skip
             if len(s["src"]) + 1 > min(self.max_source_positions, self.max_tokens):
-                raise ValueError(f"{self.src_file}:{s['id'] + 1} has {len(s['src']) + 1} tokens with </s>, over "
-                                 f"max_tokens={self.max_tokens} or max_source_positions={self.max_source_positions}")
-        batches = [collate(b, self.pad_id, self.eos_id, self.decoder_start_id)
-                   for b in budget_batches(samples, self.max_tokens, buffer=len(samples) or 1, shuffle=False,
-                                           max_source_positions=self.max_source_positions,
-                                           max_target_positions=self.max_target_positions, sort=False)]
+                raise ValueError(
+                    f"{self.src_file}:{s['id'] + 1} has {len(s['src']) + 1} tokens with </s>, over "
+                    f"max_tokens={self.max_tokens} or max_source_positions={self.max_source_positions}"
+                )
+        batches = [
+            collate(b, self.pad_id, self.eos_id, self.decoder_start_id)
+            for b in budget_batches(
+                samples,
+                self.max_tokens,
+                buffer=len(samples) or 1,
+                shuffle=False,
+                max_source_positions=self.max_source_positions,
+                max_target_positions=self.max_target_positions,
+                sort=False,
+            )
+        ]
         return DataLoader(batches, batch_size=None, shuffle=False)

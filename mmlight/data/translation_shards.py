@@ -21,8 +21,7 @@ import numpy as np
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import write_info
 from mmlight.data.tokenizers import TOKENIZER
-from mmlight.data.vocab import (UNK_ID, Tokenizer, build_dictionary, load_dictionary, vocab_entry,
-                                write_dictionary)
+from mmlight.data.vocab import UNK_ID, Tokenizer, build_dictionary, load_dictionary, vocab_entry, write_dictionary
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +36,26 @@ ParallelText = dict[str, tuple[list[str], list[str]]]
 def make_sample(item: tuple) -> dict:
     """``(key, de_bpe, en_bpe, de_ids, en_ids)`` -> webdataset sample (module level: picklable)."""
     key, de, en, de_ids, en_ids = item
-    return {"__key__": key, "src.npy": np.asarray(de_ids, dtype=np.int32),
-            "tgt.npy": np.asarray(en_ids, dtype=np.int32), "src.txt": de, "tgt.txt": en}
+    return {
+        "__key__": key,
+        "src.npy": np.asarray(de_ids, dtype=np.int32),
+        "tgt.npy": np.asarray(en_ids, dtype=np.int32),
+        "src.txt": de,
+        "tgt.txt": en,
+    }
 
 
-def write_translation_shards(texts: ParallelText, out: Path, *, layout: str, bpe_merges: int,
-                             skipped: dict[str, list[dict]] | None = None, cleaning: dict | None = None,
-                             samples_per_shard: int = SAMPLES_PER_SHARD, workers: int = 1) -> dict:
+def write_translation_shards(
+    texts: ParallelText,
+    out: Path,
+    *,
+    layout: str,
+    bpe_merges: int,
+    skipped: dict[str, list[dict]] | None = None,
+    cleaning: dict | None = None,
+    samples_per_shard: int = SAMPLES_PER_SHARD,
+    workers: int = 1,
+) -> dict:
     """Write ``dict.txt``, every split's shards and ``_info.json`` into ``out``; return the info.
 
     Args:
@@ -69,8 +81,9 @@ def write_translation_shards(texts: ParallelText, out: Path, *, layout: str, bpe
             en_ids = [index.get(t, UNK_ID) for t in en.split()]
             num_tokens += max(len(de_ids), len(en_ids)) + 1  # + </s>, as the DataModule counts
             items.append((f"{split}-{i:07d}", de, en, de_ids, en_ids))
-        entry = write_shards(plan_shards(split, items, samples_per_shard), out, make_sample, workers,
-                             desc=f"iwslt14 {split}")
+        entry = write_shards(
+            plan_shards(split, items, samples_per_shard), out, make_sample, workers, desc=f"iwslt14 {split}"
+        )
         before = skipped.get(split, [])
         for s in before:
             log.warning("skipped %s: %s", s["path"], s["reason"])
@@ -81,8 +94,10 @@ def write_translation_shards(texts: ParallelText, out: Path, *, layout: str, bpe
 
     tokenizer = Tokenizer(moses=True, src_lang=SRC_LANG, tgt_lang=TGT_LANG, version=TOKENIZER)
     info = {
-        "dataset": "iwslt14", "layout": layout,
+        "dataset": "iwslt14",
+        "layout": layout,
         "vocab": vocab_entry(DICT_FILE, "dict", len(index), tokenizer, bpe_file=BPE_FILE, bpe_merges=bpe_merges),
-        "cleaning": cleaning or {}, "splits": splits,
+        "cleaning": cleaning or {},
+        "splits": splits,
     }
     return write_info(out, info)

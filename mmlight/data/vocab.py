@@ -142,26 +142,25 @@ class Vocab:
 
     def to_dict(self) -> dict:
         """Plain types only (a checkpoint entry; :meth:`from_dict` reads it back)."""
-        return {"tokens": list(self.tokens), "special_ids": dict(self.special_ids),
-                "tokenizer": asdict(self.tokenizer)}
+        return {"tokens": list(self.tokens), "special_ids": dict(self.special_ids), "tokenizer": asdict(self.tokenizer)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Vocab":
+    def from_dict(cls, data: dict) -> Vocab:
         return cls(tuple(data["tokens"]), dict(data["special_ids"]), Tokenizer(**data.get("tokenizer", {})))
 
     @classmethod
-    def from_shards(cls, root: str | Path, info: dict) -> "Vocab":
+    def from_shards(cls, root: str | Path, info: dict) -> Vocab:
         """The vocabulary of a shard set, from its ``_info.json`` content ``info`` (``vocab`` entry,
         see :func:`vocab_entry`) and the files it names."""
         entry = info.get("vocab")
         if entry is None:
-            raise ValueError(f"the shard set {root} has no vocabulary in its _info.json: "
-                             f"{reprepare_hint(root, info)}")
+            raise ValueError(f"the shard set {root} has no vocabulary in its _info.json: {reprepare_hint(root, info)}")
         path = Path(root) / entry["file"]
         tokens = load_dictionary(path) if entry["format"] == "dict" else load_vocab(path)
         if len(tokens) != entry["size"]:
-            raise ValueError(f"{path} has {len(tokens)} entries, _info.json says {entry['size']}: "
-                             f"{reprepare_hint(root, info)}")
+            raise ValueError(
+                f"{path} has {len(tokens)} entries, _info.json says {entry['size']}: {reprepare_hint(root, info)}"
+            )
         settings = dict(entry.get("tokenizer") or {})
         bpe_file = settings.pop("bpe_file", None)
         settings.pop("bpe_merges", None)
@@ -169,8 +168,14 @@ class Vocab:
         return cls(tuple(tokens), dict(entry["special_ids"]), Tokenizer(bpe_codes=codes, **settings))
 
 
-def vocab_entry(file: str, fmt: VocabFormat, size: int, tokenizer: Tokenizer = Tokenizer(),
-                bpe_file: str | None = None, bpe_merges: int | None = None) -> dict:
+def vocab_entry(
+    file: str,
+    fmt: VocabFormat,
+    size: int,
+    tokenizer: Tokenizer = Tokenizer(),
+    bpe_file: str | None = None,
+    bpe_merges: int | None = None,
+) -> dict:
     """The ``vocab`` entry of ``_info.json``: the vocabulary file and its format, its size, the special
     ids and the tokenizer settings (the BPE codes by file name and merge count)."""
     settings = {k: v for k, v in asdict(tokenizer).items() if k != "bpe_codes"}
@@ -208,13 +213,14 @@ class ClassMap:
         return {"classes": list(self.names)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ClassMap":
+    def from_dict(cls, data: dict) -> ClassMap:
         if "classes" not in data:
             raise ValueError("no 'classes' entry: not a class map")
         return cls(tuple(data["classes"]))
 
 
 # ----------------------------------------------------------------------------- vocabulary files
+
 
 def _write_or_verify(path: Path, text: str, entries: int) -> None:
     """Write a vocabulary file atomically, or keep an identical one untouched.
@@ -228,9 +234,11 @@ def _write_or_verify(path: Path, text: str, entries: int) -> None:
         if existing == text:
             log.info("vocabulary %s verified (%d entries)", path, entries)
             return
-        raise ValueError(f"{path} differs from the vocabulary built from the raw data "
-                         f"({len(existing.splitlines())} vs {entries} entries): the raw data or its "
-                         "tokenisation changed; prepare into an empty --out folder")
+        raise ValueError(
+            f"{path} differs from the vocabulary built from the raw data "
+            f"({len(existing.splitlines())} vs {entries} entries): the raw data or its "
+            "tokenisation changed; prepare into an empty --out folder"
+        )
     write_text_atomic(path, text)
     log.info("vocabulary %s written (%d entries)", path, entries)
 
@@ -241,6 +249,7 @@ def _read_text(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- dict.txt
+
 
 def build_dictionary(sides: Iterable[Iterable[str]]) -> list[tuple[str, int]]:
     """``(token, count)`` of the whitespace-separated tokens of every line of every side, specials
@@ -267,6 +276,7 @@ def load_dictionary(path: str | Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- vocab.txt
 
+
 def save_vocab(path: Path, vocab: list[str]) -> Path:
     """Write ``vocab.txt`` (see :func:`_write_or_verify`); returns ``path``."""
     _write_or_verify(path, "".join(w + "\n" for w in vocab), len(vocab))
@@ -279,6 +289,7 @@ def load_vocab(path: str | Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- DataModules
+
 
 class VocabAttributes:
     """The vocabulary attributes of a text DataModule, all read from one :class:`Vocab`

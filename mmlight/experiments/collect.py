@@ -74,7 +74,8 @@ def paper_value(cell: Cell) -> tuple[float | None, float | None]:
     """The paper's mean and std for a cell (from its per-run numbers when it gives them)."""
     if isinstance(cell.paper, list):
         return statistics.fmean(cell.paper), cell.paper_std if cell.paper_std is not None else (
-            statistics.pstdev(cell.paper) if len(cell.paper) > 1 else None)
+            statistics.pstdev(cell.paper) if len(cell.paper) > 1 else None
+        )
     return cell.paper, cell.paper_std
 
 
@@ -89,7 +90,11 @@ def entry(result: CellResult, table: Table, best: bool) -> str:
         for run, status in zip(result.runs, result.statuses):
             if status != "done":
                 by_status.setdefault(status, []).append(str(run.seed))
-        ours += f" ({n}/{total}; " + "; ".join(f"{status}: seed {', '.join(seeds)}" for status, seeds in by_status.items()) + ")"
+        ours += (
+            f" ({n}/{total}; "
+            + "; ".join(f"{status}: seed {', '.join(seeds)}" for status, seeds in by_status.items())
+            + ")"
+        )
     mean, std = paper_value(result.cell)
     return ours if mean is None else f"{ours} · paper {mean_std(mean, std, table.digits)}"
 
@@ -99,21 +104,33 @@ def markdown(table: Table, results: list[CellResult], command: str) -> str:
     columns = list(dict.fromkeys(r.cell.column for r in results))
     pick = max if table.higher_is_better else min
     # per column (columns may be different tasks), among the cells with every seed done
-    best = {col: pick([r.mean for r in results if r.cell.column == col and len(r.finished) == len(r.runs)],
-                      default=None) for col in columns}
+    best = {
+        col: pick([r.mean for r in results if r.cell.column == col and len(r.finished) == len(r.runs)], default=None)
+        for col in columns
+    }
     grid = {(r.cell.row, r.cell.column): r for r in results}
     with_paper = any(r.cell.paper is not None for r in results)
-    metrics = ", ".join(dict.fromkeys(f"{r.cell.metric}{f' x {r.cell.scale:g}' if r.cell.scale != 1 else ''}"
-                                      for r in results))
-    lines = [f"# {table.title}", "",
-             f"{metrics} from the {table.checkpoint} "
-             f"checkpoint; mean ± std (population, ddof=0) over seeds {table.seeds}"
-             f"{'; the paper' + chr(39) + 's numbers after `paper`' if with_paper else ''}; the best complete mean of "
-             f"each column in bold. Written by `{command}`.", "",
-             "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    metrics = ", ".join(
+        dict.fromkeys(f"{r.cell.metric}{f' x {r.cell.scale:g}' if r.cell.scale != 1 else ''}" for r in results)
+    )
+    lines = [
+        f"# {table.title}",
+        "",
+        f"{metrics} from the {table.checkpoint} "
+        f"checkpoint; mean ± std (population, ddof=0) over seeds {table.seeds}"
+        f"{'; the paper' + chr(39) + 's numbers after `paper`' if with_paper else ''}; the best complete mean of "
+        f"each column in bold. Written by `{command}`.",
+        "",
+        "| | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for row in rows:
-        cells = [entry(grid[row, col], table, best[col] is not None and grid[row, col].mean == best[col])
-                 if (row, col) in grid else "" for col in columns]
+        cells = [
+            entry(grid[row, col], table, best[col] is not None and grid[row, col].mean == best[col])
+            if (row, col) in grid
+            else ""
+            for col in columns
+        ]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     problems = [(run, status) for r in results for run, status in zip(r.runs, r.statuses) if status != "done"]
     if problems:
@@ -128,15 +145,39 @@ def markdown(table: Table, results: list[CellResult], command: str) -> str:
 def write_csv(path: Path, table: Table, results: list[CellResult]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["cell", "row", "column", "n", "mean", "std", "min", "max", "paper", "paper_std",
-                         *[f"seed{s}" for s in table.seeds]])
+        writer.writerow(
+            [
+                "cell",
+                "row",
+                "column",
+                "n",
+                "mean",
+                "std",
+                "min",
+                "max",
+                "paper",
+                "paper_std",
+                *[f"seed{s}" for s in table.seeds],
+            ]
+        )
         for r in results:
             paper, paper_std = paper_value(r.cell)
             per_seed = [fmt(v, 6) if v is not None else status for v, status in zip(r.values, r.statuses)]
-            writer.writerow([r.cell.name, r.cell.row, r.cell.column, len(r.finished), fmt(r.mean, 6), fmt(r.std, 6),
-                             fmt(min(r.finished), 6) if r.finished else "",
-                             fmt(max(r.finished), 6) if r.finished else "",
-                             fmt(paper, 6), fmt(paper_std, 6), *per_seed])
+            writer.writerow(
+                [
+                    r.cell.name,
+                    r.cell.row,
+                    r.cell.column,
+                    len(r.finished),
+                    fmt(r.mean, 6),
+                    fmt(r.std, 6),
+                    fmt(min(r.finished), 6) if r.finished else "",
+                    fmt(max(r.finished), 6) if r.finished else "",
+                    fmt(paper, 6),
+                    fmt(paper_std, 6),
+                    *per_seed,
+                ]
+            )
 
 
 def main(argv: list[str]) -> None:

@@ -45,17 +45,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="mmlight sweep", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="mmlight sweep", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("table", help="a table file, e.g. configs/tables/table4.yaml")
     parser.add_argument("--dry_run", action="store_true", help="list every run and its command; run nothing")
     parser.add_argument("--only", nargs="+", metavar="CELL", help="run only these cells")
     parser.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at the same time (default 1)")
     parser.add_argument("--out", default="runs/tables", help="root of the run directories (default runs/tables)")
     parser.add_argument("--task", type=int, metavar="N", help="one run by its index (as SLURM_ARRAY_TASK_ID)")
-    parser.add_argument("--print", choices=("fit", "eval"), dest="print_step",
-                        help="with --task: print that step's arguments, one per line (for slurm/sweep.sh)")
+    parser.add_argument(
+        "--print",
+        choices=("fit", "eval"),
+        dest="print_step",
+        help="with --task: print that step's arguments, one per line (for slurm/sweep.sh)",
+    )
     parser.add_argument("--failed", type=int, metavar="CODE", help="with --task: record that the run failed")
     parser.add_argument("--log", help="with --failed: the run's log file")
     args = parser.parse_args(argv)
@@ -71,7 +76,9 @@ def select(table: Table, out: str, only: list[str] | None, task: int | None) -> 
     runs = table.runs(out)
     if task is not None:
         if not 0 <= task < len(runs):
-            raise TableError(f"{table.path}: task {task} out of range: the table has {len(runs)} runs (0-{len(runs) - 1})")
+            raise TableError(
+                f"{table.path}: task {task} out of range: the table has {len(runs)} runs (0-{len(runs) - 1})"
+            )
         return [runs[task]]
     if only:
         for name in only:
@@ -90,8 +97,10 @@ def dry_run(table: Table, runs: list[Run], extra: list[str]) -> None:
     if table.checkpoint == "last" and stages == ["validate"]:
         eval_note += " unless fit validated the final step"
     metrics = sorted({cell.metric for cell in table.cells})
-    print(f"{table.name}: {len(table.cells)} cells x {len(table.seeds)} seeds; metric {', '.join(metrics)} "
-          f"from the {table.checkpoint} checkpoint")
+    print(
+        f"{table.name}: {len(table.cells)} cells x {len(table.seeds)} seeds; metric {', '.join(metrics)} "
+        f"from the {table.checkpoint} checkpoint"
+    )
     for run in runs:
         print(f"[{run.index}] {run.label}  {run.directory}  ({run.status()})")
         print(f"    {command_line(run.fit_args(extra))}")
@@ -107,8 +116,9 @@ def execute(args: list[str], log: Path, threads: int | None) -> int:
     with open(log, "a") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {command_line(args)}\n")
         out.flush()
-        return subprocess.run([sys.executable, "-m", "mmlight.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                              env=env).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "mmlight.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        ).returncode
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -139,12 +149,24 @@ def run_one(run: Run, extra: list[str], threads: int | None) -> str:
         if code != 0:
             return failed(run, step, code, log)
         if step == "fit" and not run.fit_done():
-            return failed(run, step, code, log, "fit exited 0 but wrote no final_metrics.json "
-                          "(keep mmlight.callbacks.FinalMetrics in trainer.callbacks)")
+            return failed(
+                run,
+                step,
+                code,
+                log,
+                "fit exited 0 but wrote no final_metrics.json "
+                "(keep mmlight.callbacks.FinalMetrics in trainer.callbacks)",
+            )
     value = run.result()
     if value is None:
-        return failed(run, "collect", 0, log, f"no {run.cell.metric} from the {run.table.checkpoint} checkpoint "
-                      "in the metrics files; is the metric logged?")
+        return failed(
+            run,
+            "collect",
+            0,
+            log,
+            f"no {run.cell.metric} from the {run.table.checkpoint} checkpoint "
+            "in the metrics files; is the metric logged?",
+        )
     write_status(run.directory, status="done", log=str(log), seconds=round(time.time() - start, 1))
     say(f"[{run.index}] {run.label}: {run.cell.metric} = {value:.4g} ({time.time() - start:.0f} s)")
     return "done"
@@ -152,8 +174,10 @@ def run_one(run: Run, extra: list[str], threads: int | None) -> str:
 
 def failed(run: Run, step: str, code: int | None, log: Path, reason: str = "") -> str:
     write_status(run.directory, status="failed", step=step, returncode=code, log=str(log), reason=reason)
-    say(f"[{run.index}] {run.label}: FAILED in {step} (exit {code}){': ' + reason if reason else ''}\n"
-        f"  log: {log}\n{tail(log)}")
+    say(
+        f"[{run.index}] {run.label}: FAILED in {step} (exit {code}){': ' + reason if reason else ''}\n"
+        f"  log: {log}\n{tail(log)}"
+    )
     return "failed"
 
 
@@ -193,7 +217,9 @@ def main(argv: list[str]) -> None:
     except (TableError, FileNotFoundError) as err:
         raise SystemExit(f"mmlight sweep: {err}") from None
     counts = run_all(runs, extra, args.parallel)
-    print(f"{table.name}: {counts['done']} run(s) finished, {counts['skipped']} already done, {counts['failed']} failed; "
-          f"`mmlight collect {args.table}` writes the table")
+    print(
+        f"{table.name}: {counts['done']} run(s) finished, {counts['skipped']} already done, {counts['failed']} failed; "
+        f"`mmlight collect {args.table}` writes the table"
+    )
     if counts["failed"]:
         raise SystemExit(1)

@@ -30,8 +30,8 @@ events, ``checkpoints/``, ``final_metrics.json``) and, when the metric needs ano
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +40,18 @@ import yaml
 
 METRICS_FILE = "final_metrics.json"
 STATUS_FILE = "sweep_status.json"
-TABLE_KEYS = {"title", "config", "seeds", "metric", "checkpoint", "scale", "digits", "overrides", "cells", "higher_is_better"}
+TABLE_KEYS = {
+    "title",
+    "config",
+    "seeds",
+    "metric",
+    "checkpoint",
+    "scale",
+    "digits",
+    "overrides",
+    "cells",
+    "higher_is_better",
+}
 #: keys starting with this are ignored (a place for YAML anchors that cells share)
 EXTENSION_PREFIX = "x-"
 CELL_KEYS = {"row", "column", "config", "overrides", "paper", "paper_std", "metric", "scale"}
@@ -112,11 +123,14 @@ class Table:
     higher_is_better: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
 
-    def runs(self, out: Path | str = "runs/tables") -> list["Run"]:
+    def runs(self, out: Path | str = "runs/tables") -> list[Run]:
         """Every (cell, seed) run, cells in file order, seeds inner; the list index is the run's
         task index (``SLURM_ARRAY_TASK_ID`` in ``slurm/sweep.sh``)."""
-        return [Run(self, cell, seed, Path(out) / self.name / cell.name / f"seed{seed}", index=i * len(self.seeds) + j)
-                for i, cell in enumerate(self.cells) for j, seed in enumerate(self.seeds)]
+        return [
+            Run(self, cell, seed, Path(out) / self.name / cell.name / f"seed{seed}", index=i * len(self.seeds) + j)
+            for i, cell in enumerate(self.cells)
+            for j, seed in enumerate(self.seeds)
+        ]
 
     def cell(self, name: str) -> Cell:
         for cell in self.cells:
@@ -163,11 +177,20 @@ class Run:
     def overrides(self, stage: str, extra: list[str] = ()) -> list[str]:
         """Command-line options of one step, after ``--config``: the table's and the cell's overrides,
         ``extra``, the seed, and a TensorBoard logger whose version is the step's folder."""
-        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                  "init_args": {"save_dir": str(self.directory.parent), "name": self.directory.name, "version": stage}}
-        return [*override_args({**self.table.overrides, **self.cell.overrides}), *extra,
-                "--seed_everything", str(self.seed), "--trainer.logger", json.dumps(logger),
-                "--trainer.default_root_dir", str(self.stage_dir(stage))]
+        logger = {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {"save_dir": str(self.directory.parent), "name": self.directory.name, "version": stage},
+        }
+        return [
+            *override_args({**self.table.overrides, **self.cell.overrides}),
+            *extra,
+            "--seed_everything",
+            str(self.seed),
+            "--trainer.logger",
+            json.dumps(logger),
+            "--trainer.default_root_dir",
+            str(self.stage_dir(stage)),
+        ]
 
     def fit_args(self, extra: list[str] = ()) -> list[str]:
         """``mmlight`` arguments that train this run, resuming from its newest checkpoint (the run's
@@ -185,13 +208,17 @@ class Run:
         final step). Needs a finished fit (its metrics file names the checkpoints)."""
         fit = read_metrics(self.stage_dir("fit"))
         if fit is None:
-            raise FileNotFoundError(f"{self.label}: fit has not finished ({self.stage_dir('fit') / METRICS_FILE} is missing)")
+            raise FileNotFoundError(
+                f"{self.label}: fit has not finished ({self.stage_dir('fit') / METRICS_FILE} is missing)"
+            )
         if self.value_from(fit, fit) is not None:
             return None
         checkpoint = self.reported_checkpoint(fit)
         if not checkpoint:
-            raise FileNotFoundError(f"{self.label}: fit recorded no {self.table.checkpoint!r} checkpoint "
-                                    f"(checkpoints: {fit.get('checkpoints')}); is best_checkpoint's monitor logged?")
+            raise FileNotFoundError(
+                f"{self.label}: fit recorded no {self.table.checkpoint!r} checkpoint "
+                f"(checkpoints: {fit.get('checkpoints')}); is best_checkpoint's monitor logged?"
+            )
         stage = self.cell.eval_stage
         return [stage, "--config", str(self.cell.config), *self.overrides(stage, extra), "--ckpt_path", checkpoint]
 
@@ -281,10 +308,17 @@ def _parse_cell(name: str, spec: Any, table: dict, path: Path) -> Cell:
     paper_std = spec.get("paper_std")
     config = _config_path(spec.get("config", table.get("config")), f"cell {name!r}", path)
     metric = _metric(spec.get("metric", table["metric"]), f"cell {name!r} metric", path)
-    return Cell(name=name, row=str(spec.get("row", name)), column=str(spec.get("column", metric)),
-                config=config, metric=metric, scale=_number(spec.get("scale", table.get("scale", 1.0)), f"cell {name!r} scale", path),
-                overrides=overrides, paper=paper,
-                paper_std=None if paper_std is None else _number(paper_std, f"cell {name!r} paper_std", path))
+    return Cell(
+        name=name,
+        row=str(spec.get("row", name)),
+        column=str(spec.get("column", metric)),
+        config=config,
+        metric=metric,
+        scale=_number(spec.get("scale", table.get("scale", 1.0)), f"cell {name!r} scale", path),
+        overrides=overrides,
+        paper=paper,
+        paper_std=None if paper_std is None else _number(paper_std, f"cell {name!r} paper_std", path),
+    )
 
 
 def _overrides(value: Any, where: str, path: Path) -> dict[str, Any]:
@@ -303,7 +337,9 @@ def _metric(value: Any, where: str, path: Path) -> str:
 def _config_path(value: Any, where: str, path: Path) -> Path:
     if not isinstance(value, str):
         raise TableError(f"{path}: {where} needs a base config (key `config`, a path relative to the table file)")
-    config = Path(os.path.normpath(path.parent / value))  # relative to the table file; stays relative to the cwd when the table path is
+    config = Path(
+        os.path.normpath(path.parent / value)
+    )  # relative to the table file; stays relative to the cwd when the table path is
     if not config.is_file():
         raise TableError(f"{path}: {where}: base config {value!r} not found (looked for {config})")
     return config
@@ -328,24 +364,35 @@ def load_table(path: str | Path) -> Table:
     if checkpoint not in ("best", "last"):
         raise TableError(f"{path}: checkpoint must be 'best' or 'last', got {checkpoint!r}")
     seeds = spec.get("seeds", [0])
-    if (not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-            or len(set(seeds)) != len(seeds)):
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
         raise TableError(f"{path}: seeds must be a non-empty list of distinct integers, got {seeds!r}")
     cells = spec.get("cells")
     if not isinstance(cells, dict) or not cells:
         raise TableError(f"{path}: cells must be a non-empty mapping of cell name -> cell")
     for name in cells:
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").replace(".", "").isalnum():
-            raise TableError(f"{path}: cell name {name!r} must be letters, digits, '_', '-' or '.' (it is a folder name)")
+            raise TableError(
+                f"{path}: cell name {name!r} must be letters, digits, '_', '-' or '.' (it is a folder name)"
+            )
     overrides = _overrides(spec.get("overrides"), "table", path)
     digits = spec.get("digits", 2)
     if not isinstance(digits, int) or isinstance(digits, bool) or not 0 <= digits <= 10:
         raise TableError(f"{path}: digits must be an integer from 0 to 10, got {digits!r}")
     return Table(
-        name=path.stem, path=path, title=str(spec.get("title", path.stem)),
+        name=path.stem,
+        path=path,
+        title=str(spec.get("title", path.stem)),
         cells=[_parse_cell(name, cell, spec, path) for name, cell in cells.items()],
-        seeds=seeds, metric=metric, checkpoint=checkpoint,
-        scale=_number(spec.get("scale", 1.0), "scale", path), digits=digits,
+        seeds=seeds,
+        metric=metric,
+        checkpoint=checkpoint,
+        scale=_number(spec.get("scale", 1.0), "scale", path),
+        digits=digits,
         higher_is_better=bool(spec.get("higher_is_better", not metric.endswith(("ppl", "loss")))),
         overrides=overrides,
     )

@@ -4,5 +4,12 @@ from mmlight.models.transformer import TransformerConfig, TransformerLM, Transfo
 from mmlight.models.vit import VARIANTS, ReweightedViT, ViTConfig
 from mmlight.reweighting import ReweightingSpec
 
-__all__ = ["VARIANTS", "ReweightedViT", "ReweightingSpec", "ViTConfig",
-           "TransformerConfig", "TransformerLM", "TransformerSeq2Seq"]
+__all__ = [
+    "VARIANTS",
+    "ReweightedViT",
+    "ReweightingSpec",
+    "ViTConfig",
+    "TransformerConfig",
+    "TransformerLM",
+    "TransformerSeq2Seq",
+]

@@ -78,10 +78,12 @@ class _Finalised:
 
     @classmethod
     def empty(cls, batch: int, max_len: int, device: torch.device) -> _Finalised:
-        return cls(counts=torch.zeros(batch, dtype=torch.long, device=device),
-                   scores=torch.full((batch,), -math.inf, dtype=torch.float32, device=device),
-                   lengths=torch.zeros(batch, dtype=torch.long, device=device),
-                   tokens=torch.zeros(batch, max_len, dtype=torch.long, device=device))
+        return cls(
+            counts=torch.zeros(batch, dtype=torch.long, device=device),
+            scores=torch.full((batch,), -math.inf, dtype=torch.float32, device=device),
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
+            tokens=torch.zeros(batch, max_len, dtype=torch.long, device=device),
+        )
 
     def add(self, alive, cand_scores, cand_beams, ends, tokens, length_penalty) -> None:
         """Count the hypotheses ending at this step and keep the best of each sentence if it improves.
@@ -96,7 +98,7 @@ class _Finalised:
         """
         N, K, t = cand_scores.shape[0], cand_scores.shape[1], tokens.shape[1]
         self.counts[alive] += ends.sum(1)
-        normalised = (cand_scores / t ** length_penalty).masked_fill(~ends, -math.inf)  # (N, K)
+        normalised = (cand_scores / t**length_penalty).masked_fill(~ends, -math.inf)  # (N, K)
         score, pos = normalised.max(1)  # (N,)
         better = score > self.scores[alive]  # (N,)
         beam = cand_beams.gather(1, pos[:, None])[:, 0]  # (N,)
@@ -224,8 +226,10 @@ def _check_arguments(model, src, src_mask, config, start_id, eos_id, pad_id, ban
     if src.shape[0] and not src.shape[1]:
         raise ValueError("src has no source positions (S == 0)")
     if src_mask is not None and (src_mask.shape != src.shape or src_mask.dtype != torch.bool):
-        raise ValueError(f"src_mask must be a bool tensor of src's shape {tuple(src.shape)}, "
-                         f"got {src_mask.dtype} {tuple(src_mask.shape)}")
+        raise ValueError(
+            f"src_mask must be a bool tensor of src's shape {tuple(src.shape)}, "
+            f"got {src_mask.dtype} {tuple(src_mask.shape)}"
+        )
     V = model.config.vocab_size
     named = [("start_id", start_id), ("eos_id", eos_id), ("pad_id", pad_id)] + [("banned_ids", i) for i in banned_ids]
     for name, i in named:

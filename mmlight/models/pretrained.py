@@ -68,7 +68,7 @@ def read_pretrained(source: str) -> dict[str, torch.Tensor]:
     """The state dict of a timm ``VisionTransformer`` named by ``source`` (a file or ``timm:<name>``),
     before any adaptation to the model."""
     if source.startswith(TIMM_PREFIX):
-        return _timm_weights(source[len(TIMM_PREFIX):])
+        return _timm_weights(source[len(TIMM_PREFIX) :])
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"pretrained weights file {path} does not exist (give a file, or timm:<model name>)")
@@ -84,7 +84,7 @@ def _mmlight_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     # load only checkpoints you trust, as with Lightning's own `--ckpt_path`.
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     state = checkpoint.get("state_dict", {})
-    weights = {k[len(MMLIGHT_PREFIX):]: v for k, v in state.items() if k.startswith(MMLIGHT_PREFIX)}
+    weights = {k[len(MMLIGHT_PREFIX) :]: v for k, v in state.items() if k.startswith(MMLIGHT_PREFIX)}
     if not weights:
         raise PretrainedMismatch(f"{path} holds no ImageClassifier weights (no '{MMLIGHT_PREFIX}*' keys)")
     return weights
@@ -118,15 +118,14 @@ def architecture_of(state: dict[str, torch.Tensor]) -> tuple[int, int]:
     """``(embed_dim, depth)`` of a ViT state dict, from the patch embedding and the block indices."""
     if "patch_embed.proj.weight" not in state:
         raise PretrainedMismatch(
-            f"the weights are not a timm VisionTransformer: no 'patch_embed.proj.weight' among "
-            f"{_some(state)}")
+            f"the weights are not a timm VisionTransformer: no 'patch_embed.proj.weight' among {_some(state)}"
+        )
     embed_dim = state["patch_embed.proj.weight"].shape[0]
     depth = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("blocks.")), default=-1)
     return embed_dim, depth
 
 
-def load_pretrained(vit: nn.Module, state: dict[str, torch.Tensor], source: str,
-                    new_ok: set[str]) -> LoadReport:
+def load_pretrained(vit: nn.Module, state: dict[str, torch.Tensor], source: str, new_ok: set[str]) -> LoadReport:
     """Copy ``state`` (already adapted by timm's filter) into ``vit``.
 
     Args:
@@ -144,20 +143,33 @@ def load_pretrained(vit: nn.Module, state: dict[str, torch.Tensor], source: str,
         if key in own and own[key].shape == state[key].shape:
             continue
         shape = tuple(state.pop(key).shape)
-        report.dropped[key] = f"shape {shape} does not fit the new head {tuple(own[key].shape)}" if key in own \
+        report.dropped[key] = (
+            f"shape {shape} does not fit the new head {tuple(own[key].shape)}"
+            if key in own
             else f"shape {shape}; the model has no {key}"
+        )
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    reshaped = sorted(f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-                      for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    reshaped = sorted(
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in set(own) & set(state)
+        if own[k].shape != state[k].shape
+    )
     not_new = [k for k in missing if k not in new_ok and not k.startswith(HEAD_PREFIX)]
     if not_new or unexpected or reshaped:
         raise PretrainedMismatch(
             f"the pretrained weights {source} do not fit the model: "
-            + "; ".join(f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
-                        for what, keys in (("missing", not_new), ("unexpected", unexpected),
-                                           ("different shape (weights vs model)", reshaped)) if keys)
-            + ". Pick the variant, image size, patch size and class_token of the weights' architecture.")
+            + "; ".join(
+                f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+                for what, keys in (
+                    ("missing", not_new),
+                    ("unexpected", unexpected),
+                    ("different shape (weights vs model)", reshaped),
+                )
+                if keys
+            )
+            + ". Pick the variant, image size, patch size and class_token of the weights' architecture."
+        )
     vit.load_state_dict(state, strict=False)
     report.new = missing
     log.info(report.summary())

@@ -98,9 +98,20 @@ class TransformerConfig:
         (``--share-decoder-input-output-embed``). With the 267,744-word vocabulary: 155,999,232
         parameters (137.1M embedding + 18.9M layers), plus 8 per MultiMax (order 2) layer.
         ``overrides`` replace any field (e.g. ``attention``, ``output_multimax``)."""
-        config = cls(vocab_size=vocab_size, d_model=512, n_heads=8, ffn_dim=2048, n_layers=6,
-                     n_encoder_layers=0, dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
-                     max_positions=512, pre_norm=False, share_output_embedding=True)
+        config = cls(
+            vocab_size=vocab_size,
+            d_model=512,
+            n_heads=8,
+            ffn_dim=2048,
+            n_layers=6,
+            n_encoder_layers=0,
+            dropout=0.1,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            max_positions=512,
+            pre_norm=False,
+            share_output_embedding=True,
+        )
         return replace(config, **overrides)
 
     @classmethod
@@ -109,9 +120,21 @@ class TransformerConfig:
         d 512, FFN 1024, 4 heads, dropout 0.3, sinusoidal positions, with one joint vocabulary shared
         by encoder input, decoder input and output (``--share-all-embeddings``). With 10,000 tokens:
         36,663,296 parameters (5.1M embedding + 31.5M layers). ``overrides`` replace any field."""
-        config = cls(vocab_size=vocab_size, d_model=512, n_heads=4, ffn_dim=1024, n_layers=6,
-                     n_encoder_layers=6, dropout=0.3, attention_dropout=0.0, activation_dropout=0.0,
-                     max_positions=1024, pre_norm=False, share_embeddings=True, share_output_embedding=True)
+        config = cls(
+            vocab_size=vocab_size,
+            d_model=512,
+            n_heads=4,
+            ffn_dim=1024,
+            n_layers=6,
+            n_encoder_layers=6,
+            dropout=0.3,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            max_positions=1024,
+            pre_norm=False,
+            share_embeddings=True,
+            share_output_embedding=True,
+        )
         return replace(config, **overrides)
 
 
@@ -229,8 +252,9 @@ class MultiHeadAttention(nn.Module):
             (appended to the cache each step).
     """
 
-    def __init__(self, d_model: int, n_heads: int, reweight: reweighting.Reweighting,
-                 dropout: float = 0.0, cross: bool = False):
+    def __init__(
+        self, d_model: int, n_heads: int, reweight: reweighting.Reweighting, dropout: float = 0.0, cross: bool = False
+    ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
         self.q_proj = nn.Linear(d_model, d_model)
@@ -244,7 +268,7 @@ class MultiHeadAttention(nn.Module):
     def reset_parameters(self) -> None:
         """fairseq's init: Xavier-uniform, gain 1/sqrt(2) on q/k/v (as for its fused projection), zero biases."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=1.0 if proj is self.out_proj else 2 ** -0.5)
+            nn.init.xavier_uniform_(proj.weight, gain=1.0 if proj is self.out_proj else 2**-0.5)
             nn.init.zeros_(proj.bias)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,8 +311,9 @@ class MultiHeadAttention(nn.Module):
         q = self._heads(self.q_proj(x))  # (B, nh, T, hs)
         k, v, keep = self._keys_values(x, memory, keep, cache)  # (B, nh, Tk, hs), (B, Tk)
         mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, Tk)
-        y = attention(q, k, v, self.reweight, mask=mask, is_causal=is_causal,
-                      dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = attention(
+            q, k, v, self.reweight, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, d)
         return self.out_proj(y)
 
@@ -428,7 +453,7 @@ class TokenPositionEmbedding(nn.Module):
             self.positions = None
         else:
             self.positions = nn.Embedding(config.max_positions, config.d_model)
-            nn.init.normal_(self.positions.weight, std=config.d_model ** -0.5)
+            nn.init.normal_(self.positions.weight, std=config.d_model**-0.5)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -449,7 +474,7 @@ class TokenPositionEmbedding(nn.Module):
 def token_embedding(vocab_size: int, d_model: int, pad_id: int) -> nn.Embedding:
     """fairseq's init: N(0, d^-0.5), zero padding row (which gets no gradient)."""
     emb = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
-    nn.init.normal_(emb.weight, std=d_model ** -0.5)
+    nn.init.normal_(emb.weight, std=d_model**-0.5)
     with torch.no_grad():
         emb.weight[pad_id].zero_()
     return emb
@@ -536,7 +561,7 @@ class _OutputHead(nn.Module):
         if config.share_output_embedding:
             self.output_projection.weight = tokens.weight
         else:
-            nn.init.normal_(self.output_projection.weight, std=config.d_model ** -0.5)
+            nn.init.normal_(self.output_projection.weight, std=config.d_model**-0.5)
         self.output = None
         if config.output_multimax:
             self.output = reweighting.MultiMax(order=config.output_multimax_order, backend=config.backend)
@@ -548,14 +573,24 @@ class _OutputHead(nn.Module):
         sites = []
         encoder = getattr(self, "encoder", None)
         for i, layer in enumerate([] if encoder is None else encoder.layers):
-            sites.append(AttentionSite(f"encoder.layers.{i}.self_attn", "encoder_self", "encoder", i,
-                                       layer.self_attn.reweight))
+            sites.append(
+                AttentionSite(f"encoder.layers.{i}.self_attn", "encoder_self", "encoder", i, layer.self_attn.reweight)
+            )
         for i, layer in enumerate(self.decoder.layers):
-            sites.append(AttentionSite(f"decoder.layers.{i}.self_attn", "decoder_self", "decoder", i,
-                                       layer.self_attn.reweight))
+            sites.append(
+                AttentionSite(f"decoder.layers.{i}.self_attn", "decoder_self", "decoder", i, layer.self_attn.reweight)
+            )
             if layer.cross_attn is not None:
-                sites.append(AttentionSite(f"decoder.layers.{i}.cross_attn", "cross", "decoder", i,
-                                           layer.cross_attn.reweight, key_stack="encoder"))
+                sites.append(
+                    AttentionSite(
+                        f"decoder.layers.{i}.cross_attn",
+                        "cross",
+                        "decoder",
+                        i,
+                        layer.cross_attn.reweight,
+                        key_stack="encoder",
+                    )
+                )
         return sites_by_name(sites)
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
@@ -565,8 +600,12 @@ class _OutputHead(nn.Module):
     def blocks(self) -> list[Block]:
         """The encoder layers (if any), then the decoder layers, in depth order."""
         stacks = {"encoder": getattr(self, "encoder", None), "decoder": self.decoder}
-        return [Block(f"{name}.layers.{i}", name, i, layer)
-                for name, stack in stacks.items() if stack is not None for i, layer in enumerate(stack.layers)]
+        return [
+            Block(f"{name}.layers.{i}", name, i, layer)
+            for name, stack in stacks.items()
+            if stack is not None
+            for i, layer in enumerate(stack.layers)
+        ]
 
     def new_cache(self) -> DecoderCache:
         """An empty incremental-decoding cache (its batch size is set by the first step)."""
@@ -593,8 +632,9 @@ class _OutputHead(nn.Module):
         if self.output is not None:
             total = self.output.cross_entropy(raw, targets, label_smoothing, ignore_index, reduction="sum")
         else:
-            total = F.cross_entropy(raw, targets, ignore_index=ignore_index,
-                                    label_smoothing=label_smoothing, reduction="sum")
+            total = F.cross_entropy(
+                raw, targets, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum"
+            )
         return total, (targets != ignore_index).sum()
 
 

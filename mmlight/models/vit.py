@@ -81,7 +81,8 @@ def _check_variant(variant: str, found: tuple[int, int], source: str) -> None:
         fitting = [name for name, (d, n, _) in VARIANTS.items() if (d, n) == found] or ["none of the variants"]
         raise PretrainedMismatch(
             f"the pretrained weights {source} are another architecture: width {found[0]}, {found[1]} blocks; "
-            f"model.variant {variant} has width {embed_dim}, {depth} blocks (fitting: {', '.join(fitting)})")
+            f"model.variant {variant} has width {embed_dim}, {depth} blocks (fitting: {', '.join(fitting)})"
+        )
 
 
 def _class_token(config: ViTConfig, weights: dict | None) -> bool:
@@ -126,23 +127,35 @@ class ReweightedViT(nn.Module):
             attn_layer=ReweightedAttention,
         )
         for block in self.vit.blocks:
-            block.attn.reweight = config.attention.build(config.backend, num_heads, causal=False,
-                                                         site="ViT self-attention")
+            block.attn.reweight = config.attention.build(
+                config.backend, num_heads, causal=False, site="ViT self-attention"
+            )
         self.output = None
         if config.output_multimax:
-            self.output = reweighting.MultiMax(order=config.output_multimax_order, terms=config.output_multimax_terms,
-                                               init_std=config.output_multimax_init_std, backend=config.backend)
+            self.output = reweighting.MultiMax(
+                order=config.output_multimax_order,
+                terms=config.output_multimax_terms,
+                init_std=config.output_multimax_init_std,
+                backend=config.backend,
+            )
         self.pretrained_report = None
         if weights is not None:
-            reweighting_keys = {f"blocks.{i}.attn.reweight.{name}" for i, block in enumerate(self.vit.blocks)
-                                for name, _ in block.attn.reweight.named_parameters()}
+            reweighting_keys = {
+                f"blocks.{i}.attn.reweight.{name}"
+                for i, block in enumerate(self.vit.blocks)
+                for name, _ in block.attn.reweight.named_parameters()
+            }
             self.pretrained_report = load_pretrained(self.vit, weights, config.pretrained, reweighting_keys)
 
     def attention_sites(self) -> dict[str, AttentionSite]:
         """Each attention layer as a typed record, by its stable name (``blocks.<i>``), in depth order:
         the names that monitoring and attention analysis report."""
-        return sites_by_name([AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight)
-                              for i, block in enumerate(self.vit.blocks)])
+        return sites_by_name(
+            [
+                AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight)
+                for i, block in enumerate(self.vit.blocks)
+            ]
+        )
 
     def reweighting_sites(self) -> dict[str, reweighting.Reweighting]:
         """The reweighting module of every attention site, plus ``output`` when the logits are modulated."""

@@ -2,10 +2,26 @@
 point), its timm adapter, and the typed records of attention sites and blocks."""
 
 from mmlight.nn.attention import (
-    AttentionObserver, AttentionRecorder, RecordedAttention, ReweightedAttention, attention, causal_mask,
-    observe_attention, record_attention,
+    AttentionObserver,
+    AttentionRecorder,
+    RecordedAttention,
+    ReweightedAttention,
+    attention,
+    causal_mask,
+    observe_attention,
+    record_attention,
 )
 from mmlight.nn.sites import AttentionSite, Block
 
-__all__ = ["attention", "causal_mask", "ReweightedAttention", "AttentionObserver", "AttentionRecorder",
-           "RecordedAttention", "observe_attention", "record_attention", "AttentionSite", "Block"]
+__all__ = [
+    "attention",
+    "causal_mask",
+    "ReweightedAttention",
+    "AttentionObserver",
+    "AttentionRecorder",
+    "RecordedAttention",
+    "observe_attention",
+    "record_attention",
+    "AttentionSite",
+    "Block",
+]

@@ -11,15 +11,16 @@ context the fused paths are unchanged.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 
-from mmlight.reweighting import Reweighting, Softmax
 from mmlight.nn.sites import AttentionSite
+from mmlight.reweighting import Reweighting, Softmax
 from mmlight.reweighting.backend import Backend, check_backend, resolve_backend, run_fused
 
 
@@ -50,8 +51,9 @@ class AttentionObserver:
     :meth:`record` to collect weights.
     """
 
-    def edit_mask(self, site: AttentionSite, q: torch.Tensor, k: torch.Tensor,
-                  mask: torch.Tensor | None) -> torch.Tensor | None:
+    def edit_mask(
+        self, site: AttentionSite, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """The mask this call uses (default: ``mask`` unchanged).
 
         Args:
@@ -93,7 +95,8 @@ class AttentionRecorder(AttentionObserver):
     def record(self, site, weights, keep):
         self._sites[site.name] = site
         self.calls.setdefault(site.name, []).append(
-            RecordedAttention(weights.detach(), None if keep is None else keep.detach()))
+            RecordedAttention(weights.detach(), None if keep is None else keep.detach())
+        )
 
     def site(self, name: str) -> AttentionSite:
         """The record of a site seen under ``name``."""
@@ -108,8 +111,9 @@ class AttentionRecorder(AttentionObserver):
 
 
 # (id of a reweighting module -> its site, observer) while observe_attention is active.
-_OBSERVED: contextvars.ContextVar[tuple[dict[int, AttentionSite], AttentionObserver] | None] = \
-    contextvars.ContextVar("mmlight_observed_attention", default=None)
+_OBSERVED: contextvars.ContextVar[tuple[dict[int, AttentionSite], AttentionObserver] | None] = contextvars.ContextVar(
+    "mmlight_observed_attention", default=None
+)
 
 
 def network_of(module: torch.nn.Module) -> torch.nn.Module:
@@ -141,9 +145,9 @@ def observe_attention(model: torch.nn.Module, observer: AttentionObserver) -> It
 def record_attention(model: torch.nn.Module) -> Iterator[AttentionRecorder]:
     """Record the weights of every attention layer of ``model`` by site name::
 
-        with record_attention(model) as rec:
-            model(x)
-        weights, keep = rec["blocks.3"][0]   # (B, nh, N, N)
+    with record_attention(model) as rec:
+        model(x)
+    weights, keep = rec["blocks.3"][0]   # (B, nh, N, N)
     """
     with observe_attention(model, AttentionRecorder()) as recorder:
         yield recorder
@@ -191,8 +195,9 @@ def attention(
     q_len, k_len = q.shape[-2], k.shape[-2]
     backend = check_backend(backend or reweight.backend)
     if reweight.causal_only and not is_causal:
-        raise ValueError(f"{type(reweight).__name__} weighs keys by their position before the query and needs "
-                         "is_causal=True")
+        raise ValueError(
+            f"{type(reweight).__name__} weighs keys by their position before the query and needs is_causal=True"
+        )
     observed = _OBSERVED.get()
     if observed is not None and id(reweight) in observed[0]:
         site, observer = observed[0][id(reweight)], observed[1]
@@ -204,10 +209,19 @@ def attention(
         # Fused kernels take no empty tensors; the explicit path handles an empty batch.
         fusable = (mask is None or key_padding is not None) and q.numel() > 0 and k_len > 0
         if fusable and resolve_backend(backend, q, True, type(reweight).__name__) == "triton":
-            y = run_fused(backend, f"{type(reweight).__name__} attention", fused.attention,
-                          # the explicit path on the compile backend, if the kernel cannot run here
-                          lambda *_: attention(q, k, v, reweight, mask, is_causal, dropout_p, scale, "compile"),
-                          q, k, v, scale, is_causal, key_padding)
+            y = run_fused(
+                backend,
+                f"{type(reweight).__name__} attention",
+                fused.attention,
+                # the explicit path on the compile backend, if the kernel cannot run here
+                lambda *_: attention(q, k, v, reweight, mask, is_causal, dropout_p, scale, "compile"),
+                q,
+                k,
+                v,
+                scale,
+                is_causal,
+                key_padding,
+            )
             if y is not None:
                 return y
 
@@ -289,9 +303,7 @@ class ReweightedAttention(TimmAttention):
         super().__init__(*args, **kwargs)
         self.reweight: Reweighting = Softmax()
 
-    def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             raise TypeError("ReweightedAttention takes a boolean attn_mask (True = attend)")
         B, N, C = x.shape
@@ -300,9 +312,14 @@ class ReweightedAttention(TimmAttention):
         q, k, v = qkv.unbind(0)  # (B, nh, N, hs) each
         q, k = self.q_norm(q), self.k_norm(k)
         x = attention(
-            q, k, v, self.reweight,
-            mask=attn_mask, is_causal=is_causal,
-            dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale,
+            q,
+            k,
+            v,
+            self.reweight,
+            mask=attn_mask,
+            is_causal=is_causal,
+            dropout_p=self.attn_drop.p if self.training else 0.0,
+            scale=self.scale,
         )
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)

@@ -27,7 +27,21 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "Reweighting", "ReweightingSpec", "FusedOps", "build", "register", "available",
-    "Softmax", "MultiMax", "multimax_sigma", "Sparsemax", "Entmax15", "EvSoftmax", "TopK",
-    "multimodality", "sparsity", "entropy", "fraction_below",
+    "Reweighting",
+    "ReweightingSpec",
+    "FusedOps",
+    "build",
+    "register",
+    "available",
+    "Softmax",
+    "MultiMax",
+    "multimax_sigma",
+    "Sparsemax",
+    "Entmax15",
+    "EvSoftmax",
+    "TopK",
+    "multimodality",
+    "sparsity",
+    "entropy",
+    "fraction_below",
 ]

@@ -39,8 +39,9 @@ class AlphaEntmax(Reweighting):
         backend: ``auto``, ``reference`` or ``compile`` (no Triton kernel).
     """
 
-    def __init__(self, num_heads: int = 1, init: float = 1.5, learnable: bool = True, n_iter: int = 50,
-                 backend: Backend = "auto"):
+    def __init__(
+        self, num_heads: int = 1, init: float = 1.5, learnable: bool = True, n_iter: int = 50, backend: Backend = "auto"
+    ):
         super().__init__(backend)
         if num_heads < 1:
             raise ValueError(f"alpha_entmax needs num_heads >= 1, got {num_heads}")

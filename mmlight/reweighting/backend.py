@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Literal, TypeVar, get_args
+from collections.abc import Callable
+from typing import Literal, TypeVar, get_args
 
 import torch
 
@@ -50,8 +51,10 @@ def resolve_backend(backend: str, tensor: torch.Tensor, has_kernel: bool, owner:
         if not has_kernel:
             raise ValueError(f"{owner} has no Triton kernel; use backend 'reference' or 'compile'")
         if not triton_runs_on(tensor):
-            raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), "
-                             f"got a tensor on {tensor.device}")
+            raise ValueError(
+                f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), "
+                f"got a tensor on {tensor.device}"
+            )
         if tensor.dtype not in TRITON_DTYPES:
             raise ValueError(f"backend 'triton' takes {[str(d) for d in TRITON_DTYPES]}, got {tensor.dtype}")
     return backend
@@ -105,18 +108,26 @@ def run_fused(requested: str, kernel: str, fused: Callable[..., T], fallback: Ca
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # noqa: BLE001 - any kernel failure; auto must not break the run
-        FAILED_KERNELS[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        warnings.warn(f"mmlight: the Triton kernel for {key} failed on this device ({FAILED_KERNELS[key]}); "
-                      "backend 'auto' computes it with 'compile' from now on. Run `mmlight doctor` for details, "
-                      "or set backend 'triton' to get the error raised.", RuntimeWarning, stacklevel=2)
+        FAILED_KERNELS[key] = (
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+        warnings.warn(
+            f"mmlight: the Triton kernel for {key} failed on this device ({FAILED_KERNELS[key]}); "
+            "backend 'auto' computes it with 'compile' from now on. Run `mmlight doctor` for details, "
+            "or set backend 'triton' to get the error raised.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return fallback(*inputs)
 
 
 def _run_backward_once(fused: Callable, inputs: tuple) -> None:
     """Forward and backward of ``fused`` on detached copies of ``inputs`` (none accumulates a
     gradient anywhere), when any tensor input requires grad."""
-    copies = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                   else t for t in inputs)
+    copies = tuple(
+        t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in inputs
+    )
     leaves = [t for t in copies if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         return

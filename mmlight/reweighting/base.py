@@ -62,8 +62,10 @@ def per_head(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if values.numel() == 1:
         return values.reshape(())
     if x.dim() < 3 or x.shape[-3] not in (1, values.numel()):
-        raise ValueError(f"a parameter with {values.numel()} heads needs scores (..., {values.numel()}, Tq, Tk), "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"a parameter with {values.numel()} heads needs scores (..., {values.numel()}, Tq, Tk), "
+            f"got shape {tuple(x.shape)}"
+        )
     return values.view(-1, 1, 1)
 
 
@@ -140,8 +142,14 @@ class Reweighting(nn.Module):
         fused = self.fused()
         resolved = resolve_backend(backend, scores, fused is not None, type(self).__name__)
         if resolved == "triton":
-            return run_fused(backend, f"{type(self).__name__} row-wise", fused.rowwise,
-                             lambda s, m: self.compute(s, m, "compile"), scores, mask)
+            return run_fused(
+                backend,
+                f"{type(self).__name__} row-wise",
+                fused.rowwise,
+                lambda s, m: self.compute(s, m, "compile"),
+                scores,
+                mask,
+            )
         backend = resolved
         if backend == "compile":
             if getattr(self, "_compiled_reference", None) is None:

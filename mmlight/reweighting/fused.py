@@ -65,5 +65,6 @@ class SigmaKernels(FusedOps):
 
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             return None
-        return multimax_attention(q, k, v, self.ranges, self.ts, scale * self.scale,
-                                  causal=causal, key_padding=key_padding)
+        return multimax_attention(
+            q, k, v, self.ranges, self.ts, scale * self.scale, causal=causal, key_padding=key_padding
+        )

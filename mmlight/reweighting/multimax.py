@@ -33,7 +33,9 @@ def multimax_sigma(x: torch.Tensor, ranges: torch.Tensor, ts: torch.Tensor) -> t
         ts: same shape as ``ranges``: ``(1 - t_b, t_d - 1[, 1 - t_b2, t_d2 - 1])``.
     """
     if ranges.shape != ts.shape or ranges.shape not in ((2,), (4,)):
-        raise ValueError(f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}")
+        raise ValueError(
+            f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
+        )
     out = x + ts[0] * torch.relu(ranges[0] - x) + ts[1] * torch.relu(x - ranges[1])
     if ranges.shape[0] == 4:
         out = out + ts[2] * torch.relu(ranges[2] - x) ** 2 + ts[3] * torch.relu(x - ranges[3]) ** 2
@@ -52,8 +54,13 @@ def multimax_cross_entropy_reference(
     """``cross_entropy(sigma(logits), target)`` in eager PyTorch (fp32 at least): the definition the
     fused kernel :func:`mmlight.kernels.multimax_cross_entropy` is tested against."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(multimax_sigma(x, ranges, ts), target, label_smoothing=label_smoothing,
-                           ignore_index=ignore_index, reduction=reduction)
+    return F.cross_entropy(
+        multimax_sigma(x, ranges, ts),
+        target,
+        label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
 
 
 @functools.cache
@@ -84,8 +91,14 @@ class MultiMax(Reweighting):
         backend: ``auto``, ``reference``, ``compile`` or ``triton`` (see :mod:`mmlight.reweighting.backend`).
     """
 
-    def __init__(self, order: int = 2, init_std: float = 0.02, learnable: bool = True,
-                 terms: Literal["both", "low"] = "both", backend: Backend = "auto"):
+    def __init__(
+        self,
+        order: int = 2,
+        init_std: float = 0.02,
+        learnable: bool = True,
+        terms: Literal["both", "low"] = "both",
+        backend: Backend = "auto",
+    ):
         super().__init__(backend)
         if order not in (1, 2):
             raise ValueError(f"MultiMax order must be 1 or 2, got {order}")
@@ -143,8 +156,13 @@ class MultiMax(Reweighting):
         if backend == "triton":
             from mmlight.kernels import multimax_cross_entropy  # imports Triton only when it is used
 
-            return run_fused(self.backend, "MultiMax cross-entropy", multimax_cross_entropy,
-                             lambda *a: _compiled_cross_entropy()(*a), *args)
+            return run_fused(
+                self.backend,
+                "MultiMax cross-entropy",
+                multimax_cross_entropy,
+                lambda *a: _compiled_cross_entropy()(*a),
+                *args,
+            )
         if backend == "compile":
             return _compiled_cross_entropy()(*args)
         return multimax_cross_entropy_reference(*args)

@@ -30,8 +30,9 @@ class ReweightingSpec:
         if self.name not in available():
             raise ValueError(f"unknown reweighting {self.name!r}; choose one of {available()}")
 
-    def build(self, backend: Backend = "auto", num_heads: int | None = None, causal: bool = True,
-              site: str = "attention") -> Reweighting:
+    def build(
+        self, backend: Backend = "auto", num_heads: int | None = None, causal: bool = True, site: str = "attention"
+    ) -> Reweighting:
         """The module for one attention layer of a model.
 
         Args:
@@ -46,8 +47,10 @@ class ReweightingSpec:
             raise ValueError("set the backend with the model's `backend` key, not in the reweighting options")
         cls = registered(self.name)
         if cls.causal_only and not causal:
-            raise ValueError(f"reweighting {self.name!r} attends only to earlier keys and needs causal attention; "
-                             f"the {site} is not causal (use it in decoder self-attention only)")
+            raise ValueError(
+                f"reweighting {self.name!r} attends only to earlier keys and needs causal attention; "
+                f"the {site} is not causal (use it in decoder self-attention only)"
+            )
         options = dict(self.options)
         if num_heads is not None and "num_heads" in options_of(cls):
             options.setdefault("num_heads", num_heads)

@@ -37,8 +37,9 @@ class StickBreaking(Reweighting):
 
     def weights(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2:
-            raise ValueError("stickbreaking needs scores (..., Tq, Tk) to know each query's position, "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(
+                f"stickbreaking needs scores (..., Tq, Tk) to know each query's position, got {tuple(x.shape)}"
+            )
         q_len, k_len = x.shape[-2:]
         before = torch.ones(q_len, k_len, dtype=torch.bool, device=x.device).tril(diagonal=k_len - q_len - 1)
         attended = keep & before  # (..., Tq, Tk)

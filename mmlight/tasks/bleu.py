@@ -27,8 +27,9 @@ class BleuScores:
         return asdict(self)
 
 
-def corpus_bleu(hypotheses: list[str], references: list[str], hypotheses_tok: list[str],
-                references_tok: list[str]) -> BleuScores:
+def corpus_bleu(
+    hypotheses: list[str], references: list[str], hypotheses_tok: list[str], references_tok: list[str]
+) -> BleuScores:
     """Score detokenised ``hypotheses`` against ``references`` and the tokenised lowercased
     ``hypotheses_tok`` against ``references_tok`` (one reference per sentence, same order)."""
     lengths = {len(hypotheses), len(references), len(hypotheses_tok), len(references_tok)}

@@ -10,10 +10,10 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_info
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
-from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -21,7 +21,6 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmlight.data.images import ImageAugment, eval_images
 from mmlight.data.vocab import ClassMap
 from mmlight.models import ReweightedViT, ViTConfig
-from mmlight.tasks.checkpoint import check_checkpoint_matches
 from mmlight.tasks.inference import CarriesData, device_of, evaluating
 from mmlight.tasks.optim import param_groups, reweighting_parameter_ids, warmup_cosine
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
@@ -88,8 +87,10 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         if layer_decay is not None and not 0 < layer_decay <= 1:
             raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
         if not (head_lr_mult >= 0 and reweighting_lr_mult >= 0):
-            raise ValueError(f"learning-rate multipliers must be >= 0, got head_lr_mult {head_lr_mult}, "
-                             f"reweighting_lr_mult {reweighting_lr_mult}")
+            raise ValueError(
+                f"learning-rate multipliers must be >= 0, got head_lr_mult {head_lr_mult}, "
+                f"reweighting_lr_mult {reweighting_lr_mult}"
+            )
         if freeze_backbone_epochs < 0:
             raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
         self.save_hyperparameters()
@@ -99,8 +100,13 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         num_classes = model.num_classes
         self.mixup = None
         if mixup_alpha > 0 or cutmix_alpha > 0:
-            self.mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, switch_prob=mixup_switch_prob,
-                               label_smoothing=label_smoothing, num_classes=num_classes)
+            self.mixup = Mixup(
+                mixup_alpha=mixup_alpha,
+                cutmix_alpha=cutmix_alpha,
+                switch_prob=mixup_switch_prob,
+                label_smoothing=label_smoothing,
+                num_classes=num_classes,
+            )
             self.soft_ce = SoftTargetCrossEntropy()
         self.ema = None
         if ema_decay is not None:
@@ -109,11 +115,13 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         self.eval_metrics = nn.ModuleDict({stage: self._metrics(num_classes) for stage in ("val", "test")})
 
     def _metrics(self, num_classes: int) -> nn.ModuleDict:
-        metrics = nn.ModuleDict({
-            "loss": MeanMetric(),
-            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
-            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
-        })
+        metrics = nn.ModuleDict(
+            {
+                "loss": MeanMetric(),
+                "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+                "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
+            }
+        )
         if self.ema is not None:
             metrics["ema_top1"] = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         return metrics
@@ -133,8 +141,9 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         if not isinstance(class_map, ClassMap) or not isinstance(augment, ImageAugment):
             raise TypeError(f"{type(datamodule).__name__} has no class map and image transforms (.class_map, .augment)")
         if len(class_map) != self.model.config.num_classes:
-            raise ValueError(f"the data has {len(class_map)} classes but model.num_classes is "
-                             f"{self.model.config.num_classes}")
+            raise ValueError(
+                f"the data has {len(class_map)} classes but model.num_classes is {self.model.config.num_classes}"
+            )
         self.class_map, self.augment = class_map, augment
 
     def data_state(self) -> dict:
@@ -145,8 +154,10 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
     def load_data_state(self, state: dict) -> None:
         saved = ClassMap.from_dict(state)
         if self.class_map is not None and self.class_map != saved:
-            raise ValueError(f"the checkpoint's classes are not the data's ({list(saved.names[:3])}... vs "
-                             f"{list(self.class_map.names[:3])}...): the model was trained on other data")
+            raise ValueError(
+                f"the checkpoint's classes are not the data's ({list(saved.names[:3])}... vs "
+                f"{list(self.class_map.names[:3])}...): the model was trained on other data"
+            )
         if self.class_map is None:  # a DataModule attached before keeps its transforms
             self.class_map, self.augment = saved, ImageAugment(**state["augment"])
 
@@ -167,11 +178,13 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         results = []
         with evaluating(self):
             for start in range(0, len(images), batch_size):
-                batch = eval_images(list(images[start:start + batch_size]), self.augment).to(device_of(self))
+                batch = eval_images(list(images[start : start + batch_size]), self.augment).to(device_of(self))
                 probs = torch.softmax(self(batch).float(), dim=-1)  # (B, num_classes)
                 top = probs.topk(k, dim=-1)
-                results += [[(self.class_map.names[c], p) for c, p in zip(idx.tolist(), val.tolist())]
-                            for val, idx in zip(top.values, top.indices)]
+                results += [
+                    [(self.class_map.names[c], p) for c, p in zip(idx.tolist(), val.tolist())]
+                    for val, idx in zip(top.values, top.indices)
+                ]
         return results
 
     def on_fit_start(self) -> None:
@@ -181,8 +194,9 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
             raise ValueError(f"mixup/cutmix needs an even per-device batch size, got {batch_size}")
         data_classes = getattr(datamodule, "num_classes", None)
         if data_classes is not None and data_classes != self.model.config.num_classes:
-            raise ValueError(f"the data has {data_classes} classes but model.num_classes is "
-                             f"{self.model.config.num_classes}")
+            raise ValueError(
+                f"the data has {data_classes} classes but model.num_classes is {self.model.config.num_classes}"
+            )
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
@@ -266,8 +280,12 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
 
     def example_inputs(self, batch) -> ExampleInputs:
         vit = self.model.vit
-        return ExampleInputs(image=batch[0], patch_grid=tuple(vit.patch_embed.grid_size),
-                             prefix=vit.num_prefix_tokens, cam_layer=vit.blocks[-1].norm1)
+        return ExampleInputs(
+            image=batch[0],
+            patch_grid=tuple(vit.patch_embed.grid_size),
+            prefix=vit.num_prefix_tokens,
+            cam_layer=vit.blocks[-1].norm1,
+        )
 
     def metric_evaluation(self, split: str, scratch):
         return nullcontext()  # validate and test both log top1 and write nothing
@@ -291,6 +309,8 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
     def _global_batch_size(self) -> int:
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         if batch_size is None:
-            raise ValueError("lr_reference_batch needs a datamodule with a batch_size attribute; "
-                             "set model.lr_reference_batch: null to use lr as given")
+            raise ValueError(
+                "lr_reference_batch needs a datamodule with a batch_size attribute; "
+                "set model.lr_reference_batch: null to use lr as given"
+            )
         return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches

@@ -62,7 +62,8 @@ class CarriesData:
             f"this {type(self).__name__} has no {what}: its checkpoint was written before mmlight kept them "
             f"in checkpoints (or the model was never attached to data). Attach the data it was trained on "
             f"once: `model.use_data({datamodule}(...))` with the data section of the run's config.yaml; "
-            "checkpoints written afterwards carry it")
+            "checkpoints written afterwards carry it"
+        )
 
 
 @contextlib.contextmanager

@@ -3,21 +3,20 @@ swappable attention reweighting and an optional MultiMax output layer."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchmetrics import SumMetric
 from torch import nn
+from torchmetrics import SumMetric
 
 from mmlight.data.text import EvalWindows
 from mmlight.models.transformer import TransformerConfig, TransformerLM
-from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.inference import device_of, evaluating
+from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
 
 
@@ -82,8 +81,9 @@ class LanguageModel(SequenceTask):
         return self.model.logits(self.model(tokens))
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(batch["input"], batch["target"], batch["loss_mask"],
-                                          label_smoothing=self.hparams.label_smoothing)
+        loss_sum, count = self.model.loss(
+            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
+        )
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -109,8 +109,10 @@ class LanguageModel(SequenceTask):
         """Scores text: for each sequence of the batch, the summed NLL (nats) of its scored targets and
         their count, ``{"nll": (B,), "tokens": (B,)}`` (e.g. per-window or per-document perplexity)."""
         hidden = self.model(batch["input"])  # (B, T, d)
-        rows = [self.model.summed_loss(hidden[b:b + 1], batch["target"][b:b + 1], batch["loss_mask"][b:b + 1])
-                for b in range(hidden.shape[0])]
+        rows = [
+            self.model.summed_loss(hidden[b : b + 1], batch["target"][b : b + 1], batch["loss_mask"][b : b + 1])
+            for b in range(hidden.shape[0])
+        ]
         return {"nll": torch.stack([nll for nll, _ in rows]), "tokens": torch.stack([n for _, n in rows])}
 
     # ------------------------------------------------------------------ attention analysis
@@ -126,8 +128,14 @@ class LanguageModel(SequenceTask):
     def metric_evaluation(self, split: str, scratch):
         return nullcontext()  # validate and test both log ppl and write nothing
 
-    def score(self, texts: Sequence[str], block_size: int | None = None, context: int = 0, joined: bool = False,
-              batch_size: int = 8) -> list[TextScore]:
+    def score(
+        self,
+        texts: Sequence[str],
+        block_size: int | None = None,
+        context: int = 0,
+        joined: bool = False,
+        batch_size: int = 8,
+    ) -> list[TextScore]:
         """Log-probability of each text and the number of tokens scored: its words (split on
         whitespace, unknown ones as ``<unk>``) and the ``</s>`` that ends it, as WikiText's evaluation
         counts a line. ``exp(-sum(log_prob) / sum(tokens))`` is the perplexity over the texts.
@@ -157,12 +165,20 @@ class LanguageModel(SequenceTask):
         log_probs = torch.zeros(len(ids), dtype=torch.float64)
         with evaluating(self):
             for members in streams:
-                self._score_stream([ids[i] for i in members], torch.tensor(members), log_probs, block_size,
-                                   context, batch_size)
+                self._score_stream(
+                    [ids[i] for i in members], torch.tensor(members), log_probs, block_size, context, batch_size
+                )
         return [TextScore(float(lp), len(x)) for lp, x in zip(log_probs, ids)]
 
-    def _score_stream(self, texts: list[list[int]], members: torch.Tensor, log_probs: torch.Tensor,
-                      block_size: int, context: int, batch_size: int) -> None:
+    def _score_stream(
+        self,
+        texts: list[list[int]],
+        members: torch.Tensor,
+        log_probs: torch.Tensor,
+        block_size: int,
+        context: int,
+        batch_size: int,
+    ) -> None:
         """Add the log-probability of each token of the stream ``texts`` (id lists, concatenated) to
         ``log_probs[members[k]]``, ``k`` the text the token belongs to."""
         owner = torch.repeat_interleave(members, torch.tensor([len(t) for t in texts]))  # stream position -> text

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,8 +16,7 @@ def reweighting_parameter_ids(model: nn.Module) -> set[int]:
     return {id(p) for m in model.modules() if isinstance(m, Reweighting) for p in m.parameters()}
 
 
-def param_groups(model: nn.Module, weight_decay: float,
-                 lr_scale: Callable[[str], float] | None = None) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, lr_scale: Callable[[str], float] | None = None) -> list[dict]:
     """Split ``model``'s trainable parameters into decayed and non-decayed groups.
 
     Not decayed: 1-D and 0-D parameters (biases, norms), names in ``model.no_weight_decay()``
@@ -39,8 +38,11 @@ def param_groups(model: nn.Module, weight_decay: float,
             continue
         decayed = not (p.ndim <= 1 or name in skip_names or id(p) in skip_ids)
         groups.setdefault((decayed, 1.0 if lr_scale is None else lr_scale(name)), []).append(p)
-    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale}
-            for (decayed, scale), params in groups.items() if params or scale == 1.0]
+    return [
+        {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale}
+        for (decayed, scale), params in groups.items()
+        if params or scale == 1.0
+    ]
 
 
 def warmup_cosine(

@@ -99,5 +99,7 @@ def check_analysed_task(task) -> None:
     else:
         missing += [f"{name}() on {type(network).__name__}" for name in ("blocks",) if not hasattr(network, name)]
     if missing:
-        raise TypeError(f"{type(task).__name__} lacks what attention analysis needs: {', '.join(missing)} "
-                        "(see mmlight.tasks.protocol.AnalysedTask)")
+        raise TypeError(
+            f"{type(task).__name__} lacks what attention analysis needs: {', '.join(missing)} "
+            "(see mmlight.tasks.protocol.AnalysedTask)"
+        )

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torchmetrics import SumMetric
 
-from mmlight.models.transformer import TransformerConfig
 from mmlight.data.vocab import Vocab
+from mmlight.models.transformer import TransformerConfig
 from mmlight.tasks.inference import CarriesData
 from mmlight.tasks.optim import param_groups, warmup_cosine, warmup_inverse_sqrt
 from mmlight.tasks.stages import EvalStages
@@ -75,8 +75,10 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
             return
         vocab_size, pad_id = getattr(datamodule, "vocab_size", None), getattr(datamodule, "pad_id", None)
         if vocab_size is not None and vocab_size != self.config.vocab_size:
-            raise ValueError(f"the data's vocabulary has {vocab_size} tokens but model.vocab_size is "
-                             f"{self.config.vocab_size}: set model.model.vocab_size: {vocab_size}")
+            raise ValueError(
+                f"the data's vocabulary has {vocab_size} tokens but model.vocab_size is "
+                f"{self.config.vocab_size}: set model.model.vocab_size: {vocab_size}"
+            )
         if pad_id is not None and pad_id != self.config.pad_id:
             raise ValueError(f"the data pads with id {pad_id} but model.pad_id is {self.config.pad_id}")
         if isinstance(getattr(datamodule, "vocab", None), Vocab):
@@ -89,8 +91,9 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
         if not isinstance(vocab, Vocab):
             raise TypeError(f"{type(datamodule).__name__} has no typed vocabulary (.vocab)")
         if len(vocab) != self.config.vocab_size:
-            raise ValueError(f"the data's vocabulary has {len(vocab)} tokens but model.vocab_size is "
-                             f"{self.config.vocab_size}")
+            raise ValueError(
+                f"the data's vocabulary has {len(vocab)} tokens but model.vocab_size is {self.config.vocab_size}"
+            )
         self.vocab = vocab
 
     def data_state(self) -> dict:
@@ -100,10 +103,14 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
         saved = Vocab.from_dict(state["vocab"])
         if self.vocab is not None and (self.vocab.tokens, self.vocab.special_ids) != (saved.tokens, saved.special_ids):
             differ = next((i for i, (a, b) in enumerate(zip(saved.tokens, self.vocab.tokens)) if a != b), None)
-            where = f"id {differ} is {saved.tokens[differ]!r} there, {self.vocab.tokens[differ]!r} here" \
-                if differ is not None else f"{len(saved)} vs {len(self.vocab)} tokens"
-            raise ValueError(f"the checkpoint's vocabulary is not the data's ({where}): the model was trained "
-                             "on other data")
+            where = (
+                f"id {differ} is {saved.tokens[differ]!r} there, {self.vocab.tokens[differ]!r} here"
+                if differ is not None
+                else f"{len(saved)} vs {len(self.vocab)} tokens"
+            )
+            raise ValueError(
+                f"the checkpoint's vocabulary is not the data's ({where}): the model was trained on other data"
+            )
         if self.vocab is None:
             self.vocab = saved
 
@@ -136,8 +143,9 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas),
-                                      eps=hp.eps)
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
+        )
         if hp.schedule == "inverse_sqrt":
             scheduler = warmup_inverse_sqrt(optimizer, hp.warmup_steps)
         else:
@@ -145,6 +153,7 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
             if not math.isfinite(total) or total <= 0:
                 raise ValueError("the cosine schedule needs a finite run: set trainer.max_steps or max_epochs")
             total = int(total)
-            scheduler = warmup_cosine(optimizer, min(hp.warmup_steps, total), total,
-                                      min_lr_ratio=min(1.0, hp.min_lr / hp.lr))
+            scheduler = warmup_cosine(
+                optimizer, min(hp.warmup_steps, total), total, min_lr_ratio=min(1.0, hp.min_lr / hp.lr)
+            )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

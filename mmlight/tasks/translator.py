@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,8 +16,8 @@ from mmlight.data.translation import collate, decoder_start_id, source_sample
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
-from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.inference import device_of, evaluating
+from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
 
 log = logging.getLogger(__name__)
@@ -94,16 +93,23 @@ class Translator(SequenceTask):
         return self.model.logits(self.model(src, tgt_in, src_mask))
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(batch["src"], batch["tgt_in"], batch["tgt_out"], batch["src_mask"],
-                                          batch["tgt_mask"], label_smoothing=self.hparams.label_smoothing)
+        loss_sum, count = self.model.loss(
+            batch["src"],
+            batch["tgt_in"],
+            batch["tgt_out"],
+            batch["src_mask"],
+            batch["tgt_mask"],
+            label_smoothing=self.hparams.label_smoothing,
+        )
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", count.float(), reduce_fx="sum")
         return loss
 
     # ------------------------------------------------------------------ generation
-    def translate(self, sentences: Sequence[str], beam: BeamSearchConfig | None = None,
-                  batch_size: int = 32) -> list[str]:
+    def translate(
+        self, sentences: Sequence[str], beam: BeamSearchConfig | None = None, batch_size: int = 32
+    ) -> list[str]:
         """Translations of raw source sentences, detokenised, in order: what ``mmlight predict`` writes
         to ``predict.hyp`` for the same lines. Each sentence is tokenised, lowercased and BPE-encoded
         like the training data (the checkpoint's :attr:`vocab`), then decoded by beam search.
@@ -119,24 +125,37 @@ class Translator(SequenceTask):
         samples = [source_sample(i, vocab.encode(text)) for i, text in enumerate(sentences)]
         for s in samples:  # the encoder has no positions beyond max_positions
             if len(s["src"]) + 1 > self.config.max_positions:
-                raise ValueError(f"sentence {s['id']} has {len(s['src']) + 1} tokens with </s>, over the model's "
-                                 f"max_positions={self.config.max_positions}")
+                raise ValueError(
+                    f"sentence {s['id']} has {len(s['src']) + 1} tokens with </s>, over the model's "
+                    f"max_positions={self.config.max_positions}"
+                )
         translations = []
         with evaluating(self):
             for start in range(0, len(samples), batch_size):
-                batch = collate(samples[start:start + batch_size], vocab.pad_id, vocab.eos_id, decoder_start_id(vocab))
+                batch = collate(
+                    samples[start : start + batch_size], vocab.pad_id, vocab.eos_id, decoder_start_id(vocab)
+                )
                 src, src_mask = batch["src"].to(device_of(self)), batch["src_mask"].to(device_of(self))
                 translations += [vocab.decode(ids) for ids in self.generate(src, src_mask, beam)]
         return translations
 
     @torch.no_grad()
-    def generate(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
-                 beam: BeamSearchConfig | None = None) -> list[torch.Tensor]:
+    def generate(
+        self, src: torch.Tensor, src_mask: torch.Tensor | None = None, beam: BeamSearchConfig | None = None
+    ) -> list[torch.Tensor]:
         """Beam-search translations of ``src`` ``(B, S)``: one id tensor per sentence, without ``</s>``
         (settings ``beam``, or :attr:`beam` when None; special ids from :attr:`vocab`)."""
         vocab = self.require_vocab()
-        hypotheses, _ = beam_search(self.model, src, src_mask, beam or self.beam, start_id=decoder_start_id(vocab),
-                                    eos_id=vocab.eos_id, pad_id=self.config.pad_id, banned_ids=(vocab.bos_id,))
+        hypotheses, _ = beam_search(
+            self.model,
+            src,
+            src_mask,
+            beam or self.beam,
+            start_id=decoder_start_id(vocab),
+            eos_id=vocab.eos_id,
+            pad_id=self.config.pad_id,
+            banned_ids=(vocab.bos_id,),
+        )
         return hypotheses
 
     def _generate(self, stage: str, batch) -> list[dict]:
@@ -165,8 +184,14 @@ class Translator(SequenceTask):
             self.log(f"{stage}/bleu", scores.bleu, prog_bar=True, sync_dist=False)
             self.log(f"{stage}/bleu_tok", scores.bleu_tok, sync_dist=False)
             if self.trainer.is_global_zero:
-                log.info("%s BLEU %.2f (%s); tokenised BLEU %.2f (%s)", stage, scores.bleu, scores.signature,
-                         scores.bleu_tok, scores.signature_tok)
+                log.info(
+                    "%s BLEU %.2f (%s); tokenised BLEU %.2f (%s)",
+                    stage,
+                    scores.bleu,
+                    scores.signature,
+                    scores.bleu_tok,
+                    scores.signature_tok,
+                )
         if stage in ("test", "predict"):
             out = Path(self.output_dir or self.trainer.log_dir or ".")  # log_dir broadcasts: all ranks
             if self.trainer.is_global_zero:

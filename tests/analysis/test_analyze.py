@@ -24,8 +24,22 @@ def plain_argv(monkeypatch):
 
 def fit(config: Path, runs: Path, *extra: str) -> Path:
     """A 2-step checkpoint of ``config``; returns its last.ckpt."""
-    main(["fit", "--config", str(config), "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
-          "--trainer.logger.init_args.save_dir", str(runs), "--trainer.enable_model_summary", "false", *extra])
+    main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.logger.init_args.save_dir",
+            str(runs),
+            "--trainer.enable_model_summary",
+            "false",
+            *extra,
+        ]
+    )
     return max(runs.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
 
 
@@ -40,8 +54,15 @@ def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
     data = ["--data.init_args.cache_dir", str(root / "cache")]
     softmax = fit(QUICK / "digits_softmax.yaml", root / "runs", *data)
-    sparse = fit(QUICK / "digits_softmax.yaml", root / "runs", *data, "--model.init_args.model.attention.name",
-                 "sparsemax", "--trainer.logger.init_args.name", "digits_sparsemax")
+    sparse = fit(
+        QUICK / "digits_softmax.yaml",
+        root / "runs",
+        *data,
+        "--model.init_args.model.attention.name",
+        "sparsemax",
+        "--trainer.logger.init_args.name",
+        "digits_sparsemax",
+    )
     return root, data, softmax, sparse
 
 
@@ -50,8 +71,23 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
     root, data, softmax, sparse = digits
     out = tmp_path / "out"
     limit = ["--trainer.limit_val_batches", "1"]
-    main(["analyze", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path", str(softmax),
-          str(sparse), "--out", str(out), "--num_samples", "24", "--robustness"])
+    main(
+        [
+            "analyze",
+            "--config",
+            str(QUICK / "digits_softmax.yaml"),
+            *data,
+            *limit,
+            "--ckpt_path",
+            str(softmax),
+            str(sparse),
+            "--out",
+            str(out),
+            "--num_samples",
+            "24",
+            "--robustness",
+        ]
+    )
     rows = read_csv(out / "stats.csv")
     assert set(rows[0]) == {"checkpoint", "layer", "head", "metric", "value"}
     labels = {r["checkpoint"] for r in rows}
@@ -74,22 +110,50 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
     entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1).mean((0, 2))
     for h in range(weights.shape[1]):
         assert value[("digits_softmax", "blocks.2", str(h), "entropy")] == pytest.approx(entropy[h].item(), rel=1e-5)
-    assert value[("digits_softmax", "blocks.2", "", "max_weight")] == pytest.approx(weights.amax(-1).mean().item(), rel=1e-5)
+    assert value[("digits_softmax", "blocks.2", "", "max_weight")] == pytest.approx(
+        weights.amax(-1).mean().item(), rel=1e-5
+    )
     settings = json.loads((out / "stats.json").read_text())
     assert settings["num_samples"] == 24 and settings["split"] == "val" and settings["settings"]["sink_eps"] == 3.0
-    for name in ("fig4_token_similarity.png", "fig5_weight_histogram.png", "fig8_weight_cdf.png",
-                 "fig9_rollout_discrepancy.png", "fig7_attention_map_digits_softmax.png",
-                 "fig6_gradcam_digits_sparsemax.png", "robustness.png", "summary.md"):
+    for name in (
+        "fig4_token_similarity.png",
+        "fig5_weight_histogram.png",
+        "fig8_weight_cdf.png",
+        "fig9_rollout_discrepancy.png",
+        "fig7_attention_map_digits_softmax.png",
+        "fig6_gradcam_digits_sparsemax.png",
+        "robustness.png",
+        "summary.md",
+    ):
         assert (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     assert "| digits_sparsemax |" in summary and "fig4_token_similarity.png" in summary
     robust = read_csv(out / "robustness.csv")
     assert {(r["intervention"], r["level"]) for r in robust if r["checkpoint"] == "digits_softmax"} == {
-        ("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")}
+        ("none", "0"),
+        ("sink_masking", "1"),
+        ("sink_masking", "5"),
+        ("sink_masking", "10"),
+    }
     # no intervention reproduces `mmlight validate` on the same batches
-    cli = build_cli(["validate", "--config", str(QUICK / "digits_softmax.yaml"), *data, *limit, "--ckpt_path",
-                     str(softmax), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
-    plain = next(float(r["value"]) for r in robust if r["checkpoint"] == "digits_softmax" and r["intervention"] == "none")
+    cli = build_cli(
+        [
+            "validate",
+            "--config",
+            str(QUICK / "digits_softmax.yaml"),
+            *data,
+            *limit,
+            "--ckpt_path",
+            str(softmax),
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
+    plain = next(
+        float(r["value"]) for r in robust if r["checkpoint"] == "digits_softmax" and r["intervention"] == "none"
+    )
     assert plain == pytest.approx(float(cli.trainer.callback_metrics["val/top1"]))
 
 
@@ -117,8 +181,23 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     data = ["--data.init_args.train_size", "128", "--data.init_args.val_size", "16"]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
-    main(["analyze", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--out", str(out),
-          "--num_samples", "16", "--robustness", "--kv_skip_layers", "1"])
+    main(
+        [
+            "analyze",
+            "--config",
+            str(config),
+            *data,
+            "--ckpt_path",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--num_samples",
+            "16",
+            "--robustness",
+            "--kv_skip_layers",
+            "1",
+        ]
+    )
     robust = read_csv(out / "robustness.csv")
     ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
     assert all(r["metric"] == "ppl" for r in robust)
@@ -126,8 +205,20 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     assert ppl[("kv_streaming", 1.0)] == pytest.approx(ppl[("none", 0.0)], rel=1e-5)
     assert ppl[("kv_l2", 0.1)] != pytest.approx(ppl[("none", 0.0)], rel=1e-5)  # eviction does something
     assert {lvl for (i, lvl) in ppl if i == "kv_l2"} == {1.0, 0.9, 0.7, 0.5, 0.3, 0.1}
-    cli = build_cli(["validate", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--trainer.logger", "false",
-                     "--trainer.default_root_dir", str(tmp_path)])
+    cli = build_cli(
+        [
+            "validate",
+            "--config",
+            str(config),
+            *data,
+            "--ckpt_path",
+            str(ckpt),
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     assert ppl[("none", 0.0)] == pytest.approx(float(cli.trainer.callback_metrics["val/ppl"]), rel=1e-6)
     layers = {r["layer"] for r in read_csv(out / "stats.csv")}
     assert {"decoder.layers.0.self_attn", "decoder.layers.1.self_attn", "decoder.layers.1"} <= layers
@@ -138,18 +229,50 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
 def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the test runs' hypothesis files must not land in the working directory
     config = QUICK / "nmt_softmax.yaml"
-    data = ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.num_workers", "0",
-            "--data.init_args.train_size", "400", "--data.init_args.valid_size", "12",
-            "--data.init_args.test_size", "10", "--data.init_args.max_tokens", "256",
-            "--data.init_args.samples_per_shard", "10"]
+    data = [
+        "--data.init_args.cache_dir",
+        str(tmp_path / "cache"),
+        "--data.init_args.num_workers",
+        "0",
+        "--data.init_args.train_size",
+        "400",
+        "--data.init_args.valid_size",
+        "12",
+        "--data.init_args.test_size",
+        "10",
+        "--data.init_args.max_tokens",
+        "256",
+        "--data.init_args.samples_per_shard",
+        "10",
+    ]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
-    main(["analyze", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--out", str(out),
-          "--num_samples", "6", "--split", "test", "--robustness"])
+    main(
+        [
+            "analyze",
+            "--config",
+            str(config),
+            *data,
+            "--ckpt_path",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--num_samples",
+            "6",
+            "--split",
+            "test",
+            "--robustness",
+        ]
+    )
     rows = read_csv(out / "stats.csv")
     kinds = {r["layer"] for r in rows}
-    assert {"encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
-            "encoder.layers.1", "decoder.layers.1"} <= kinds
+    assert {
+        "encoder.layers.0.self_attn",
+        "decoder.layers.0.self_attn",
+        "decoder.layers.0.cross_attn",
+        "encoder.layers.1",
+        "decoder.layers.1",
+    } <= kinds
     robust = read_csv(out / "robustness.csv")
     assert {r["metric"] for r in robust} == {"bleu"} and len(robust) == 4
     assert all(0.0 <= float(r["value"]) <= 100.0 and not math.isnan(float(r["value"])) for r in robust)

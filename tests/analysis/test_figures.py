@@ -33,16 +33,17 @@ def reference_grad_cam(model, image: torch.Tensor) -> torch.Tensor:
         logits[0, logits[0].argmax()].backward()
     handle.remove()
     h, w = vit.patch_embed.grid_size
-    acts = saved["a"][0, vit.num_prefix_tokens:].detach().double()  # (h*w, C)
-    grads = saved["a"].grad[0, vit.num_prefix_tokens:].double()
+    acts = saved["a"][0, vit.num_prefix_tokens :].detach().double()  # (h*w, C)
+    grads = saved["a"].grad[0, vit.num_prefix_tokens :].double()
     cam = torch.relu(acts @ grads.mean(0)).reshape(h, w)  # (h, w)
 
     def scaled(x):
         x = x - x.min()
         return x / (1e-7 + x.max())
 
-    up = torch.nn.functional.interpolate(scaled(cam)[None, None], size=image.shape[-2:], mode="bilinear",
-                                         align_corners=False)[0, 0]
+    up = torch.nn.functional.interpolate(
+        scaled(cam)[None, None], size=image.shape[-2:], mode="bilinear", align_corners=False
+    )[0, 0]
     return scaled(up)
 
 
@@ -52,8 +53,9 @@ def test_grad_cam_on_gap_and_cls_heads_is_grad_cam_by_its_definition(pool):
     written out from the activations and gradients, so a wrong layer, class, token offset or grid
     orientation shows; the map is not uniform (it would pass a range check whatever it held)."""
     torch.manual_seed(0)
-    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                                    global_pool=pool)).eval()
+    model = ReweightedViT(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool=pool)
+    ).eval()
     image = torch.randn(1, 1, 8, 8)
     vit = model.vit
     heat = grad_cam_map(model, image, vit.blocks[-1].norm1, vit.num_prefix_tokens, (4, 4))

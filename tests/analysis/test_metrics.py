@@ -189,7 +189,8 @@ def test_normalized_entropy_uses_the_given_nats_and_the_number_of_attended_keys(
     nats = 1.5 * math.log(2)  # entropy of (1/2, 1/4, 1/4) by hand
     assert M.normalized_entropy(w, keys).item() == pytest.approx(nats / math.log(3), rel=1e-12)
     assert M.normalized_entropy(w, keys, torch.tensor([2.0], dtype=torch.float64)).item() == pytest.approx(
-        2.0 / math.log(3), rel=1e-12)
+        2.0 / math.log(3), rel=1e-12
+    )
 
 
 def test_centred_scores_by_hand_including_a_one_key_row():
@@ -258,15 +259,14 @@ def test_incoming_attention_by_hand():
     """Two heads, 2 queries x 3 keys; query 1 of head 1 is not counted. raw = sum of counted weights
     per key, relative = sum of weight x (number of the row's attended keys), seen = counted (head, row)
     pairs that attend the key."""
-    w = torch.tensor([[[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]],
-                       [[1.0, 0.0, 0.0], [0.1, 0.1, 0.8]]]], dtype=torch.float64)
-    keep = torch.tensor([[[[True, True, False], [True, True, True]],
-                          [[True, False, False], [True, True, True]]]])
+    w = torch.tensor([[[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], [[1.0, 0.0, 0.0], [0.1, 0.1, 0.8]]]], dtype=torch.float64)
+    keep = torch.tensor([[[[True, True, False], [True, True, True]], [[True, False, False], [True, True, True]]]])
     rows = torch.tensor([[[True, True], [True, False]]])
     raw, relative, seen = M.incoming_attention(w, keep, rows)
     assert raw.tolist() == [[pytest.approx(1.7), pytest.approx(0.8), pytest.approx(0.5)]]
-    assert relative.tolist() == [[pytest.approx(0.5 * 2 + 0.2 * 3 + 1.0 * 1), pytest.approx(0.5 * 2 + 0.3 * 3),
-                                  pytest.approx(0.5 * 3)]]
+    assert relative.tolist() == [
+        [pytest.approx(0.5 * 2 + 0.2 * 3 + 1.0 * 1), pytest.approx(0.5 * 2 + 0.3 * 3), pytest.approx(0.5 * 3)]
+    ]
     assert seen.tolist() == [[3.0, 2.0, 1.0]]
 
 

@@ -46,8 +46,8 @@ def brute_force_streaming(keep, ratio, heads):
         for q in range(T):
             past = [j for j in range(T) if keep[b, q, j] and j != q]
             n_keep = math.ceil(round(ratio * len(past), 9))
-            start = past[:min(4, n_keep)]
-            recent = past[len(past) - (n_keep - len(start)):] if n_keep > len(start) else []
+            start = past[: min(4, n_keep)]
+            recent = past[len(past) - (n_keep - len(start)) :] if n_keep > len(start) else []
             for j in set(start + recent + ([q] if keep[b, q, q] else [])):
                 out[b, :, q, j] = True
     return out
@@ -141,8 +141,11 @@ class StandInTrainer:
         self.tasks.append(task)
         self.settings.append((getattr(task, "bleu_in_validation", None), getattr(task, "output_dir", None)))
         # one dict per evaluation loader; the first is the split's own
-        return [] if self.empty else [{f"{split}/{self.metric}": float(len(self.calls)), "other": 0.5},
-                                      {f"{split}/{self.metric}": -1.0}]
+        return (
+            []
+            if self.empty
+            else [{f"{split}/{self.metric}": float(len(self.calls)), "other": 0.5}, {f"{split}/{self.metric}": -1.0}]
+        )
 
     def validate(self, task, datamodule=None, verbose=True):
         return self._run("val", task, datamodule, verbose)
@@ -158,23 +161,31 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=3,
-                                                 n_encoder_layers=0, max_positions=32))
+    task = LanguageModel(
+        model=TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=3, n_encoder_layers=0, max_positions=32
+        )
+    )
     trainer, ticks = StandInTrainer("ppl"), []
     rows = robustness_rows(trainer, task, "the datamodule", "test", skip_layers=1, progress=ticks.append)
-    want = [("none", 0)] + [("sink_masking", k) for k in SINK_LEVELS] + [
-        (f"kv_{method}", r) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+    want = (
+        [("none", 0)]
+        + [("sink_masking", k) for k in SINK_LEVELS]
+        + [(f"kv_{method}", r) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+    )
     assert [(name, level) for name, level, _, _ in rows] == want
     assert [(metric, value) for _, _, metric, value in rows] == [("ppl", float(i + 1)) for i in range(len(want))]
     assert len(rows) == len(robustness_runs(task, skip_layers=1)) == 16 and ticks == [1] * 16
     observers = [observer for _, observer, _, _ in trainer.calls]
-    assert observers[0] is None and all(split == "test" and dm == "the datamodule" and verbose is False
-                                        for split, _, dm, verbose in trainer.calls)
+    assert observers[0] is None and all(
+        split == "test" and dm == "the datamodule" and verbose is False for split, _, dm, verbose in trainer.calls
+    )
     assert [o.k for o in observers[1:4]] == list(SINK_LEVELS)
     assert all(t is task for t in trainer.tasks)  # every run evaluates the task itself
     evictions = observers[4:]
     assert [(o.method, o.ratio, o.skip_layers) for o in evictions] == [
-        (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+        (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS
+    ]
     assert observed_now() is None  # nothing left observing after the runs
 
 
@@ -190,10 +201,17 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
     image = ImageClassifier(model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3))
     trainer = StandInTrainer("top1")
     rows = robustness_rows(trainer, image, None, "val")
-    assert [r[:3] for r in rows] == [("none", 0, "top1"), ("sink_masking", 1, "top1"), ("sink_masking", 5, "top1"),
-                                     ("sink_masking", 10, "top1")]
-    translator = Translator(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
-                                              n_encoder_layers=1, max_positions=32))
+    assert [r[:3] for r in rows] == [
+        ("none", 0, "top1"),
+        ("sink_masking", 1, "top1"),
+        ("sink_masking", 5, "top1"),
+        ("sink_masking", 10, "top1"),
+    ]
+    translator = Translator(
+        TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=1, max_positions=32
+        )
+    )
     assert len(rows) == len(robustness_runs(image)) == len(robustness_runs(translator)) == 4
     assert {split for split, *_ in trainer.calls} == {"val"}
     assert translator.hparams.bleu_in_validation is False
@@ -306,8 +324,11 @@ def test_robustness_rows_evict_from_layer_2_by_default():
     from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
-                                                 n_encoder_layers=0, max_positions=32))
+    task = LanguageModel(
+        model=TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=0, max_positions=32
+        )
+    )
     trainer = StandInTrainer("ppl")
     robustness_rows(trainer, task, None, "val")
     assert {observer.skip_layers for _, observer, _, _ in trainer.calls[4:]} == {2}

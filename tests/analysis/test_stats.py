@@ -20,8 +20,19 @@ PAD = 1
 
 
 def tiny_config(**overrides) -> TransformerConfig:
-    return TransformerConfig(**{"vocab_size": 20, "d_model": 16, "n_heads": 2, "ffn_dim": 32, "n_layers": 2,
-                                "n_encoder_layers": 0, "max_positions": 32, "pad_id": PAD, **overrides})
+    return TransformerConfig(
+        **{
+            "vocab_size": 20,
+            "d_model": 16,
+            "n_heads": 2,
+            "ffn_dim": 32,
+            "n_layers": 2,
+            "n_encoder_layers": 0,
+            "max_positions": 32,
+            "pad_id": PAD,
+            **overrides,
+        }
+    )
 
 
 def manual_entropy_per_head(weights, keep, query_ok):
@@ -60,7 +71,8 @@ def test_lm_statistics_skip_padding_and_future_keys():
         zero = (weights[counted] == 0).double().mean().item()
         assert stats["sites"][site]["metrics"]["frac_zero"] == pytest.approx(zero)
         assert stats["sites"][site]["metrics"]["frac_below_1e-3"] == pytest.approx(
-            (weights[counted] < 1e-3).double().mean().item())
+            (weights[counted] < 1e-3).double().mean().item()
+        )
         assert sum(stats["sites"][site]["histogram"]) == counted.sum().item()
 
 
@@ -94,8 +106,9 @@ def test_translation_reports_encoder_decoder_and_cross_attention_separately():
 
 def test_vit_token_similarity_and_rollout_against_a_manual_pass():
     torch.manual_seed(0)
-    task = ImageClassifier(model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1,
-                                           num_classes=10, global_pool="token"))
+    task = ImageClassifier(
+        model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool="token")
+    )
     task.eval()
     images = torch.randn(3, 1, 8, 8)
     stats = collect_statistics(task, [(images, torch.zeros(3, dtype=torch.long))])
@@ -125,8 +138,11 @@ def test_statistics_leave_attention_unobserved_afterwards():
 
     task = LanguageModel(model=tiny_config())
     samples = []
-    collect_statistics(task, [{"input": torch.randint(2, 20, (2, 5))}, {"input": torch.randint(2, 20, (3, 5))}],
-                       progress=samples.append)
+    collect_statistics(
+        task,
+        [{"input": torch.randint(2, 20, (2, 5))}, {"input": torch.randint(2, 20, (3, 5))}],
+        progress=samples.append,
+    )
     assert attn_module._OBSERVED.get() is None
     assert task.model.training  # the mode is restored
     assert samples == [2, 3]  # the progress bar advances by each batch's samples
@@ -157,14 +173,20 @@ def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded()
 
 # ---- StatsObserver and summarize on hand-made attention calls, against loops over the rows ----
 
-ENC, DEC9, DEC10, CROSS = ("encoder.layers.0.self_attn", "decoder.layers.9.self_attn",
-                           "decoder.layers.10.self_attn", "decoder.layers.9.cross_attn")
+ENC, DEC9, DEC10, CROSS = (
+    "encoder.layers.0.self_attn",
+    "decoder.layers.9.self_attn",
+    "decoder.layers.10.self_attn",
+    "decoder.layers.9.cross_attn",
+)
 #: The records a model would give these sites (and three ViT blocks): what the observer is called with.
-SITES = {ENC: AttentionSite(ENC, "encoder_self", "encoder", 0, Softmax()),
-         DEC9: AttentionSite(DEC9, "decoder_self", "decoder", 9, Softmax()),
-         DEC10: AttentionSite(DEC10, "decoder_self", "decoder", 10, Softmax()),
-         CROSS: AttentionSite(CROSS, "cross", "decoder", 9, Softmax(), key_stack="encoder"),
-         **{f"blocks.{i}": AttentionSite(f"blocks.{i}", "self", "blocks", i, Softmax()) for i in (0, 2, 10)}}
+SITES = {
+    ENC: AttentionSite(ENC, "encoder_self", "encoder", 0, Softmax()),
+    DEC9: AttentionSite(DEC9, "decoder_self", "decoder", 9, Softmax()),
+    DEC10: AttentionSite(DEC10, "decoder_self", "decoder", 10, Softmax()),
+    CROSS: AttentionSite(CROSS, "cross", "decoder", 9, Softmax(), key_stack="encoder"),
+    **{f"blocks.{i}": AttentionSite(f"blocks.{i}", "self", "blocks", i, Softmax()) for i in (0, 2, 10)},
+}
 
 
 def synthetic_batch(gen, t_enc, t_dec, enc_real, dec_real):
@@ -191,8 +213,12 @@ def synthetic_batch(gen, t_enc, t_dec, enc_real, dec_real):
     enc_keep = enc_real[:, None, None, :].expand(B, H, t_enc, t_enc)
     dec_keep = (causal & dec_real[:, None, :])[:, None].expand(B, H, t_dec, t_dec)
     cross_keep = enc_real[:, None, None, :].expand(B, H, t_dec, t_enc)
-    calls = [call(ENC, t_enc, t_enc, enc_keep), call(DEC9, t_dec, t_dec, dec_keep),
-             call(CROSS, t_dec, t_enc, cross_keep), call(DEC10, t_dec, t_dec, dec_keep)]
+    calls = [
+        call(ENC, t_enc, t_enc, enc_keep),
+        call(DEC9, t_dec, t_dec, dec_keep),
+        call(CROSS, t_dec, t_enc, cross_keep),
+        call(DEC10, t_dec, t_dec, dec_keep),
+    ]
     return calls, {"encoder": enc_real, "decoder": dec_real}
 
 
@@ -200,8 +226,10 @@ def synthetic_batches():
     gen = torch.Generator().manual_seed(3)
     # batch 1: encoder position 3 is padding in both samples (never attended), decoder sample 1 has one
     # real token; batch 2 is longer on the decoder side and shorter on the encoder side
-    return [synthetic_batch(gen, 4, 3, [[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 1], [1, 0, 0]]),
-            synthetic_batch(gen, 3, 5, [[1, 1, 1], [1, 1, 1]], [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])]
+    return [
+        synthetic_batch(gen, 4, 3, [[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 1], [1, 0, 0]]),
+        synthetic_batch(gen, 3, 5, [[1, 1, 1], [1, 1, 1]], [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+    ]
 
 
 def observe(settings, batches):
@@ -243,13 +271,22 @@ def reference_statistics(settings, batches):
                 counted_any[b, i] = True
                 p, x = w[b, h, i], x_all[b, h, i]
                 mass = p.sum()
-                row = {"max_weight": p.max(), "null_mass": 1 - mass,
-                       "frac_zero_mass": float(mass <= settings.zero_mass)}
+                row = {
+                    "max_weight": p.max(),
+                    "null_mass": 1 - mass,
+                    "frac_zero_mass": float(mass <= settings.zero_mass),
+                }
                 if mass > settings.zero_mass:  # the shape of the distribution, on the renormalised weights
                     ent = -sum(v / mass * math.log(v / mass) for v in p if v > 0)
                     m, s = naive_m_and_s(x, p / mass, kept, settings.eps_multimodality, settings.eps_sparsity)
-                    row.update({"entropy": ent, "normalized_entropy": ent / math.log(n) if n >= 2 else math.nan,
-                                "multimodality": m, "sparsity": s})
+                    row.update(
+                        {
+                            "entropy": ent,
+                            "normalized_entropy": ent / math.log(n) if n >= 2 else math.nan,
+                            "multimodality": m,
+                            "sparsity": s,
+                        }
+                    )
                 for metric, value in row.items():
                     ref["rows"].setdefault(metric, {0: [], 1: []})[h].append(value)
                 for j in np.flatnonzero(kept):
@@ -259,7 +296,7 @@ def reference_statistics(settings, batches):
                     ref["incoming"][j] = (raw + p[j], rel + p[j] * n, seen + 1)
             if "cross" not in site:
                 head_means.setdefault(stack, []).append((site, w.mean(1), counted_any))
-        for stack, layers in head_means.items():  # rollout in layer order, per batch
+        for _stack, layers in head_means.items():  # rollout in layer order, per batch
             rolled = None
             for site, a, rows in sorted(layers, key=lambda t: int(t[0].split(".")[2])):
                 a_hat = (a + np.eye(a.shape[-1])) / (a.sum(-1, keepdims=True) + 1)
@@ -283,16 +320,26 @@ def reference_statistics(settings, batches):
         values = np.array(ref["values"])
         histogram = [int((values < 1e-8).sum()), *np.histogram(values[values >= 1e-8], bins=edges)[0].tolist()]
         positions = ref["Tk"]  # the longest key length seen; unattended positions are None
-        raw = [ref["incoming"][j][0] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)]
-        rel = [ref["incoming"][j][1] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)]
+        raw = [
+            ref["incoming"][j][0] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)
+        ]
+        rel = [
+            ref["incoming"][j][1] / ref["incoming"][j][2] if j in ref["incoming"] else None for j in range(positions)
+        ]
         known = [j for j in range(positions) if rel[j] is not None]
         metrics["sink_ratio"] = sum(rel[j] > settings.sink_eps for j in known) / len(known)
         total, n = rollout_tv.get(site, (0.0, 0))
         metrics["rollout_discrepancy"] = total / n if n else None
         metrics["zero_mass_rows"] = int(sum(sum(by_head) for by_head in ref["rows"]["frac_zero_mass"].values()))
         top = sorted(known, key=lambda j: -rel[j])[: settings.top_sinks]
-        want[site] = {"heads": heads, "metrics": metrics, "histogram": histogram, "incoming_mean": raw,
-                      "incoming_relative": rel, "top_sinks": [(j, rel[j]) for j in top]}
+        want[site] = {
+            "heads": heads,
+            "metrics": metrics,
+            "histogram": histogram,
+            "incoming_mean": raw,
+            "incoming_relative": rel,
+            "top_sinks": [(j, rel[j]) for j in top],
+        }
     return want
 
 
@@ -318,14 +365,24 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
     batches = synthetic_batches()
     stats = observe(settings, batches)
     want = reference_statistics(settings, batches)
-    assert stats["settings"] == {"eps_multimodality": 0.1, "eps_sparsity": -0.1, "near_zero": 0.05,
-                                 "sink_eps": 1.0, "top_sinks": 3, "zero_mass": 1e-9}
+    assert stats["settings"] == {
+        "eps_multimodality": 0.1,
+        "eps_sparsity": -0.1,
+        "near_zero": 0.05,
+        "sink_eps": 1.0,
+        "top_sinks": 3,
+        "zero_mass": 1e-9,
+    }
     assert stats["histogram_edges"] == pytest.approx(np.logspace(-8, 0, 33).tolist(), rel=1e-12)
     assert stats["blocks"] == {"decoder.layers.9": {"token_similarity": 0.25}}
     # ordered by stack, kind, then layer number
     assert list(stats["sites"]) == [CROSS, DEC9, DEC10, ENC]
     assert [(stats["sites"][s]["kind"], stats["sites"][s]["layer"]) for s in stats["sites"]] == [
-        ("cross", 9), ("decoder_self", 9), ("decoder_self", 10), ("encoder_self", 0)]
+        ("cross", 9),
+        ("decoder_self", 9),
+        ("decoder_self", 10),
+        ("encoder_self", 0),
+    ]
     for site, entry in stats["sites"].items():
         ref = want[site]
         assert set(entry["heads"]) == set(HEAD_METRICS_REF) and close(entry["heads"], ref["heads"]), site
@@ -346,8 +403,17 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
     assert all(0 < stats["sites"][s]["metrics"]["sink_ratio"] < 1 for s in stats["sites"])
 
 
-HEAD_METRICS_REF = ("entropy", "normalized_entropy", "multimodality", "sparsity", "frac_below_1e-3", "frac_zero",
-                    "max_weight", "null_mass", "frac_zero_mass")
+HEAD_METRICS_REF = (
+    "entropy",
+    "normalized_entropy",
+    "multimodality",
+    "sparsity",
+    "frac_below_1e-3",
+    "frac_zero",
+    "max_weight",
+    "null_mass",
+    "frac_zero_mass",
+)
 
 
 def test_default_thresholds_are_the_documented_ones():
@@ -357,8 +423,14 @@ def test_default_thresholds_are_the_documented_ones():
 
     from mmlight.analysis.stats import Settings
 
-    assert asdict(Settings()) == {"eps_multimodality": 0.0, "eps_sparsity": 0.0, "near_zero": 1e-3,
-                                  "sink_eps": 3.0, "top_sinks": 5, "zero_mass": 1e-9}
+    assert asdict(Settings()) == {
+        "eps_multimodality": 0.0,
+        "eps_sparsity": 0.0,
+        "near_zero": 1e-3,
+        "sink_eps": 3.0,
+        "top_sinks": 5,
+        "zero_mass": 1e-9,
+    }
 
 
 def test_rows_without_a_relevant_or_small_key_give_none():
@@ -422,17 +494,22 @@ def test_metric_rows_of_a_hand_built_result():
     assert HEAD_METRICS == HEAD_METRICS_REF
     heads = {m: [i + 0.1, None] for i, m in enumerate(HEAD_METRICS)}
     metrics = {m: i + 0.5 for i, m in enumerate(HEAD_METRICS)}
-    stats = {"sites": {"blocks.0": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": 0.25,
-                                                                 "sink_ratio": None}},
-                       "blocks.1": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": None,
-                                                                 "sink_ratio": 0.75}}},
-             "blocks": {"blocks.0": {"token_similarity": 0.3}, "blocks.1": {"token_similarity": None}}}
+    stats = {
+        "sites": {
+            "blocks.0": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": 0.25, "sink_ratio": None}},
+            "blocks.1": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": None, "sink_ratio": 0.75}},
+        },
+        "blocks": {"blocks.0": {"token_similarity": 0.3}, "blocks.1": {"token_similarity": None}},
+    }
     want = []
     for site in ("blocks.0", "blocks.1"):
         for i, m in enumerate(HEAD_METRICS_REF):
             want += [(site, 0, m, i + 0.1), (site, 1, m, None), (site, None, m, i + 0.5)]
-        want.append(("blocks.0", None, "rollout_discrepancy", 0.25) if site == "blocks.0"
-                    else ("blocks.1", None, "sink_ratio", 0.75))
+        want.append(
+            ("blocks.0", None, "rollout_discrepancy", 0.25)
+            if site == "blocks.0"
+            else ("blocks.1", None, "sink_ratio", 0.75)
+        )
     want += [("blocks.0", None, "token_similarity", 0.3), ("blocks.1", None, "token_similarity", None)]
     assert metric_rows(stats) == want
 
@@ -442,8 +519,10 @@ def manual_block_similarity(layers, run, valid):
     valid tokens of the block's output, by forward hooks of the test's own and a loop over pairs (the
     model runs unobserved here, on its fused attention path: equal to float32 rounding)."""
     outputs = {}
-    handles = [layer.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out))
-               for i, layer in enumerate(layers)]
+    handles = [
+        layer.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out))
+        for i, layer in enumerate(layers)
+    ]
     with torch.no_grad():
         run()
     for h in handles:
@@ -453,8 +532,12 @@ def manual_block_similarity(layers, run, valid):
         per_sample = []
         for b in range(out.shape[0]):
             idx = valid[b].nonzero().flatten().tolist()
-            pairs = [torch.cosine_similarity(out[b, s].double(), out[b, t].double(), dim=0).item()
-                     for s in idx for t in idx if s != t]
+            pairs = [
+                torch.cosine_similarity(out[b, s].double(), out[b, t].double(), dim=0).item()
+                for s in idx
+                for t in idx
+                if s != t
+            ]
             if pairs:
                 per_sample.append(sum(pairs) / len(pairs))
         result[i] = sum(per_sample) / len(per_sample) if per_sample else None
@@ -478,7 +561,9 @@ def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
     want = manual_block_similarity(task.model.decoder.layers, lambda: task.model(tokens), tokens != PAD)
     assert stats["blocks"].keys() == {"decoder.layers.0", "decoder.layers.1"}
     for i in (0, 1):
-        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(want[i], rel=1e-6)  # float32 forward passes
+        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(
+            want[i], rel=1e-6
+        )  # float32 forward passes
     padded = collect_statistics(task, [{"input": tokens[2:]}])["blocks"]["decoder.layers.0"]
     assert padded == {"token_similarity": None, "stack": "decoder", "layer": 0}
 
@@ -488,14 +573,20 @@ def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
     tgt[1, 2:] = PAD
     stats = collect_statistics(translator, [{"src": src, "src_mask": src != PAD, "tgt_in": tgt}])
     assert not translator.model.training
-    enc = manual_block_similarity(translator.model.encoder.layers,
-                                  lambda: translator.model(src, tgt, src != PAD), src != PAD)
-    dec = manual_block_similarity(translator.model.decoder.layers,
-                                  lambda: translator.model(src, tgt, src != PAD), tgt != PAD)
+    enc = manual_block_similarity(
+        translator.model.encoder.layers, lambda: translator.model(src, tgt, src != PAD), src != PAD
+    )
+    dec = manual_block_similarity(
+        translator.model.decoder.layers, lambda: translator.model(src, tgt, src != PAD), tgt != PAD
+    )
     assert list(stats["blocks"]) == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1"]
     for i in (0, 1):
-        assert stats["blocks"][f"encoder.layers.{i}"]["token_similarity"] == pytest.approx(enc[i], rel=1e-6)  # float32 forward passes
-        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(dec[i], rel=1e-6)  # float32 forward passes
+        assert stats["blocks"][f"encoder.layers.{i}"]["token_similarity"] == pytest.approx(
+            enc[i], rel=1e-6
+        )  # float32 forward passes
+        assert stats["blocks"][f"decoder.layers.{i}"]["token_similarity"] == pytest.approx(
+            dec[i], rel=1e-6
+        )  # float32 forward passes
 
 
 def test_one_counted_row_by_hand():
@@ -550,9 +641,13 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
     from mmlight.analysis.stats import Settings, StatsObserver, summarize
     from tests.analysis.test_metrics import naive_m_and_s
 
-    w = torch.tensor([[[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.2, 0.2, 0.2]],  # head 0: masses 0.75, 0, 0.6
-                      [[0.6, 0.2, 0.2], [0.9, 0.0, 0.0], [0.1, 0.1, 0.1]]],  # head 1: masses 1, 0.9, 0.3
-                     dtype=torch.float64)[None]  # (1, 2, 3, 3)
+    w = torch.tensor(
+        [
+            [[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.2, 0.2, 0.2]],  # head 0: masses 0.75, 0, 0.6
+            [[0.6, 0.2, 0.2], [0.9, 0.0, 0.0], [0.1, 0.1, 0.1]],
+        ],  # head 1: masses 1, 0.9, 0.3
+        dtype=torch.float64,
+    )[None]  # (1, 2, 3, 3)
     q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 3, 4, dtype=torch.float64)
     observer = StatsObserver(Settings(sink_eps=1.2))
     observer.edit_mask(SITES["blocks.0"], q, k, None)

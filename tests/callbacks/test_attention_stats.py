@@ -40,14 +40,27 @@ class ObservationProbe(L.Callback):
 
 def tiny_run(tmp_path, callbacks, epochs=2):
     torch.manual_seed(0)
-    data = RecallDataModule(num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24,
-                            batch_size=8)
-    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
-                                           n_encoder_layers=0, max_positions=32), warmup_steps=2)
+    data = RecallDataModule(
+        num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24, batch_size=8
+    )
+    task = LanguageModel(
+        TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
+        ),
+        warmup_steps=2,
+    )
     logger = CSVLogger(tmp_path, name="run")
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=1)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+    )
     trainer.fit(task, datamodule=data)
     logger.save()
     return task, data, Path(logger.log_dir) / "metrics.csv"
@@ -70,7 +83,8 @@ def test_logged_values_equal_statistics_of_the_first_samples(tmp_path):
     value = float(last["attention/decoder.layers.1.self_attn/entropy"])
     assert value == pytest.approx(want["sites"]["decoder.layers.1.self_attn"]["metrics"]["entropy"], rel=1e-6)
     assert float(last["attention/decoder.layers.0/token_similarity"]) == pytest.approx(
-        want["blocks"]["decoder.layers.0"]["token_similarity"], rel=1e-6)
+        want["blocks"]["decoder.layers.0"]["token_similarity"], rel=1e-6
+    )
     assert not any(probe.observed)  # validation itself never runs observed (fused paths stay fused)
 
 
@@ -90,14 +104,27 @@ def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     torch.manual_seed(0)
-    data = RecallDataModule(num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24,
-                            batch_size=8)
-    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
-                                           n_encoder_layers=0, max_positions=32), warmup_steps=2)
+    data = RecallDataModule(
+        num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24, batch_size=8
+    )
+    task = LanguageModel(
+        TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
+        ),
+        warmup_steps=2,
+    )
     stats_cb = AttentionStats(every_n_epochs=1, num_samples=6)  # figures: every recording (the default)
-    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=TensorBoardLogger(tmp_path, name="run"),
-                        callbacks=[stats_cb], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(tmp_path, name="run"),
+        callbacks=[stats_cb],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(task, datamodule=data)
     assert stats_cb._worker is None and not stats_cb._pending  # drained and shut down at teardown
 
@@ -120,8 +147,11 @@ def test_drawn_figures_are_images_of_the_recorded_statistics():
     from mmlight.callbacks.attention_stats import draw_figures
 
     torch.manual_seed(0)
-    task = LanguageModel(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
-                                           n_encoder_layers=0, max_positions=32))
+    task = LanguageModel(
+        TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
+        )
+    )
     stats = collect_statistics(task, [{"input": torch.randint(0, 20, (4, 12))}])
     images, seconds = draw_figures(stats, {"epoch 0": {"blocks": stats["blocks"]}})
     assert set(images) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
@@ -144,13 +174,33 @@ def test_bad_arguments():
 def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    args = ["fit", "--config", str(LM), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
-            "--trainer.strategy", "ddp", "--trainer.max_epochs", "2", "--data.init_args.train_size", "256",
-            "--data.init_args.val_size", "64", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-            "--trainer.callbacks+=mmlight.callbacks.AttentionStats", "--trainer.callbacks.every_n_epochs", "1",
-            "--trainer.callbacks.num_samples", "8"]
-    result = subprocess.run([sys.executable, "-m", "mmlight.cli", *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=420)
+    args = [
+        "fit",
+        "--config",
+        str(LM),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.max_epochs",
+        "2",
+        "--data.init_args.train_size",
+        "256",
+        "--data.init_args.val_size",
+        "64",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        "--trainer.callbacks+=mmlight.callbacks.AttentionStats",
+        "--trainer.callbacks.every_n_epochs",
+        "1",
+        "--trainer.callbacks.num_samples",
+        "8",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "mmlight.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -160,7 +210,9 @@ def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("attention/decoder.layers.1.self_attn/entropy")]
     assert len(steps) == 2 and steps[0] < steps[1]
-    assert {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"} <= set(acc.Tags()["images"])
+    assert {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"} <= set(
+        acc.Tags()["images"]
+    )
 
 
 def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_afresh(caplog):
@@ -190,8 +242,11 @@ class Board(TensorBoardLogger):
 
     @property
     def experiment(self):
-        return SimpleNamespace(add_image=lambda tag, image, global_step, dataformats: self.images.append(
-            (tag, image.shape, global_step, dataformats)))
+        return SimpleNamespace(
+            add_image=lambda tag, image, global_step, dataformats: self.images.append(
+                (tag, image.shape, global_step, dataformats)
+            )
+        )
 
     def log_metrics(self, metrics, step=None):
         self.metrics.append((metrics, step))
@@ -208,6 +263,7 @@ def test_figures_at_the_end_go_to_every_tensorboard_at_the_step(tmp_path, monkey
             fig = figures.new_figure((2, 1))
             fig.subplots().plot([0, 1], [0, 1])
             return fig
+
         return draw
 
     monkeypatch.setattr(figures, "layers_figure", fake("layers"))
@@ -221,8 +277,11 @@ def test_figures_at_the_end_go_to_every_tensorboard_at_the_step(tmp_path, monkey
     callback.on_fit_end(trainer, None)
     callback.teardown(trainer, None, "fit")  # waits for the background thread and logs
 
-    assert drawn == [("layers", stats, {}), ("layers", stats, {"cdf": True}),
-                     ("similarity", callback.similarity_history, {})]
+    assert drawn == [
+        ("layers", stats, {}),
+        ("layers", stats, {"cdf": True}),
+        ("similarity", callback.similarity_history, {}),
+    ]
     tags = ["attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"]
     for board in boards:
         assert [(tag, step, fmt) for tag, _, step, fmt in board.images] == [(tag, 42, "HWC") for tag in tags]
@@ -254,14 +313,22 @@ class Recorder:
 
 
 def stand_in_trainer(step=7, rank_zero=True, loggers=None):
-    return SimpleNamespace(global_step=step, is_global_zero=rank_zero, sanity_checking=False, current_epoch=2,
-                           loggers=[Recorder()] if loggers is None else loggers)
+    return SimpleNamespace(
+        global_step=step,
+        is_global_zero=rank_zero,
+        sanity_checking=False,
+        current_epoch=2,
+        loggers=[Recorder()] if loggers is None else loggers,
+    )
 
 
 def tiny_lm_and_batch():
     torch.manual_seed(0)
-    task = LanguageModel(model=TransformerConfig(vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2,
-                                                 n_encoder_layers=0, max_positions=32, pad_id=1))
+    task = LanguageModel(
+        model=TransformerConfig(
+            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32, pad_id=1
+        )
+    )
     return task, {"input": torch.randint(2, 20, (3, 6)), "target": torch.randint(2, 20, (3, 6))}
 
 
@@ -312,7 +379,9 @@ def test_a_recording_is_due_every_k_validations_with_the_callbacks_settings(monk
                     assert 0 <= scalars[key] <= took + 1e-3
     assert stats.validations == 5
     assert calls == [("module", 1, stats.settings, 2**20)] * 3
-    assert [(job, args[1], args[2]) for job, args in submitted] == [(attention_stats_module.finish_recording, "epoch 2", None)] * 3
+    assert [(job, args[1], args[2]) for job, args in submitted] == [
+        (attention_stats_module.finish_recording, "epoch 2", None)
+    ] * 3
 
 
 def test_finish_recording_keeps_per_layer_values_and_times_itself():
@@ -324,8 +393,11 @@ def test_finish_recording_keeps_per_layer_values_and_times_itself():
     done = attention_stats_module.finish_recording(recording, "epoch 3", None)
     took = time.perf_counter() - before
     assert done["label"] == "epoch 3" and done["images"] == {}
-    layer_rows = {f"attention/{layer}/{metric}": value for layer, head, metric, value in metric_rows(done["stats"])
-                  if head is None}
+    layer_rows = {
+        f"attention/{layer}/{metric}": value
+        for layer, head, metric, value in metric_rows(done["stats"])
+        if head is None
+    }
     scalars = dict(done["scalars"])
     assert 0 <= scalars.pop("attention/reduce_seconds") <= took
     assert scalars == {key: value for key, value in layer_rows.items() if value is not None}  # no per-head values
@@ -368,9 +440,11 @@ def test_finished_results_are_logged_in_order_at_their_steps_and_remember_the_la
 
 def waiting_job(release: threading.Event, ran: list):
     """A background job that waits (at most 2 s) to be released, noting its thread and whether it was."""
+
     def job():
         ran.append((threading.current_thread().name, release.wait(2.0)))
         return {"label": "epoch 0", "stats": {"s": 1}, "scalars": {}, "images": {}}
+
     return job
 
 

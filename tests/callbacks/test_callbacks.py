@@ -16,13 +16,29 @@ from mmlight.tasks import ImageClassifier
 def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
     write_digits_shards(tmp_path / "digits")
     model = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                  attention=ReweightingSpec("multimax"), output_multimax=True),
-        lr_reference_batch=None, warmup_epochs=0)
+        ViTConfig(
+            variant="vit_micro",
+            img_size=8,
+            patch_size=2,
+            in_chans=1,
+            num_classes=10,
+            attention=ReweightingSpec("multimax"),
+            output_multimax=True,
+        ),
+        lr_reference_batch=None,
+        warmup_epochs=0,
+    )
     trainer = L.Trainer(
-        accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=2, log_every_n_steps=1, enable_progress_bar=False,
-        logger=TensorBoardLogger(tmp_path / "runs", name="t"), callbacks=[ReweightingMonitor(), FinalMetrics()],
-        enable_checkpointing=False)
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        logger=TensorBoardLogger(tmp_path / "runs", name="t"),
+        callbacks=[ReweightingMonitor(), FinalMetrics()],
+        enable_checkpointing=False,
+    )
     trainer.fit(model, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
 
     events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
@@ -66,11 +82,22 @@ def test_skipped_samples_are_logged_as_a_running_count(tmp_path):
     with wds.TarWriter(str(tmp_path / "digits" / "val-000000.tar")) as writer:  # replace a val shard
         writer.write({"__key__": "fine", "png": buf.getvalue(), "cls": "0"})
         writer.write({"__key__": "corrupt", "png": b"\x89PNG truncated", "cls": "1"})
-    model = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10),
-                            lr_reference_batch=None, warmup_epochs=0)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, log_every_n_steps=1,
-                        enable_progress_bar=False, logger=TensorBoardLogger(tmp_path / "runs", name="t"),
-                        callbacks=[SkippedSamplesMonitor()], enable_checkpointing=False, num_sanity_val_steps=0)
+    model = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10),
+        lr_reference_batch=None,
+        warmup_epochs=0,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=2,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        logger=TensorBoardLogger(tmp_path / "runs", name="t"),
+        callbacks=[SkippedSamplesMonitor()],
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
     assert trainer.callback_metrics["data/skipped_samples"] == 1
     events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
@@ -85,9 +112,18 @@ def test_monitor_reports_any_learnable_reweighting_by_site_name():
     from mmlight.models import ReweightedViT
 
     model = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                  attention=ReweightingSpec("softmax", {"temperature": 0.5, "learnable": True}), output_multimax=True),
-        lr_reference_batch=None, warmup_epochs=0)
+        ViTConfig(
+            variant="vit_micro",
+            img_size=8,
+            patch_size=2,
+            in_chans=1,
+            num_classes=10,
+            attention=ReweightingSpec("softmax", {"temperature": 0.5, "learnable": True}),
+            output_multimax=True,
+        ),
+        lr_reference_batch=None,
+        warmup_epochs=0,
+    )
     with torch.no_grad():
         model.model.vit.blocks[2].attn.reweight.log_temperature.fill_(0.7)
     scalars = monitored_scalars(reweighting_sites(model))

@@ -20,9 +20,16 @@ class SeenAtEpochStart(L.Callback):
 
 def fit(tmp_path, epochs: int, **checkpoint) -> SeenAtEpochStart:
     seen = SeenAtEpochStart(tmp_path / "last.ckpt")
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=3, limit_val_batches=0,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[seen, LastCheckpoint(dirpath=tmp_path, save_top_k=0, **checkpoint)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[seen, LastCheckpoint(dirpath=tmp_path, save_top_k=0, **checkpoint)],
+    )
     trainer.fit(BoringModel())
     return seen
 

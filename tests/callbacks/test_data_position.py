@@ -33,8 +33,14 @@ class Loader:
 
 
 def test_states_reach_the_loaders_with_lightnings_position():
-    saved = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"epoch": 2, "position": 5}]},
-                                    "epoch_loop.batch_progress": {"current": progress(5, 5, 4, 4)}}}}
+    saved = {
+        "loops": {
+            "fit_loop": {
+                "state_dict": {"combined_loader": [{"epoch": 2, "position": 5}]},
+                "epoch_loop.batch_progress": {"current": progress(5, 5, 4, 4)},
+            }
+        }
+    }
     loader = Loader()
     callback = DataPosition()
     callback.on_load_checkpoint(None, None, saved)
@@ -45,8 +51,9 @@ def test_states_reach_the_loaders_with_lightnings_position():
         callback.on_train_start(SimpleNamespace(train_dataloader=[Loader(), Loader()]), None)
 
 
-@pytest.mark.parametrize("saved", [{}, {"loops": {}}, {"loops": {"fit_loop": {}}},
-                                   {"loops": {"fit_loop": {"state_dict": {}}}}])
+@pytest.mark.parametrize(
+    "saved", [{}, {"loops": {}}, {"loops": {"fit_loop": {}}}, {"loops": {"fit_loop": {"state_dict": {}}}}]
+)
 def test_a_checkpoint_without_loader_states_hands_nothing_over(saved):
     """Checkpoints from before the resumable loaders (or without a fit loop) leave the loaders alone."""
     callback = DataPosition()
@@ -59,8 +66,18 @@ def test_a_checkpoint_without_loader_states_hands_nothing_over(saved):
 def test_only_states_with_a_position_get_lightnings_and_without_progress_they_stay_as_saved():
     states = [{"epoch": 0, "position": 9}, {"kind": "another stateful loader"}]
     callback = DataPosition()
-    callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {
-        "state_dict": {"combined_loader": states}, "epoch_loop.batch_progress": {"current": progress(3, 3, 3, 3)}}}})
+    callback.on_load_checkpoint(
+        None,
+        None,
+        {
+            "loops": {
+                "fit_loop": {
+                    "state_dict": {"combined_loader": states},
+                    "epoch_loop.batch_progress": {"current": progress(3, 3, 3, 3)},
+                }
+            }
+        },
+    )
     loaders = [Loader(), Loader()]
     callback.on_train_start(SimpleNamespace(train_dataloader=loaders), None)
     assert [loader.loaded for loader in loaders] == [{"epoch": 0, "position": 3}, {"kind": "another stateful loader"}]
@@ -87,8 +104,9 @@ def test_only_fully_stateful_loaders_of_a_combined_loader_get_states_and_only_on
     first, load_only, plain, second = Loader(), LoadOnly(), [1, 2, 3], Loader()
     combined = CombinedLoader({"a": first, "b": load_only, "c": plain, "d": second}, mode="max_size_cycle")
     callback = DataPosition()
-    callback.on_load_checkpoint(None, None, {"loops": {"fit_loop": {
-        "state_dict": {"combined_loader": [{"position": 1}, {"position": 2}]}}}})
+    callback.on_load_checkpoint(
+        None, None, {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"position": 1}, {"position": 2}]}}}}
+    )
     callback.on_train_start(SimpleNamespace(train_dataloader=combined), None)
     assert (first.loaded, second.loaded, load_only.loaded) == ({"position": 1}, {"position": 2}, None)
     first.loaded = second.loaded = None

@@ -54,8 +54,15 @@ class SleepyDataModule(L.LightningDataModule):
 
 def fit(fetch_s: float, step_s: float, num_workers: int = 1) -> tuple[DataWaitMonitor, list[str]]:
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=2, window=5)
-    trainer = L.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(SleepyStep(step_s), datamodule=SleepyDataModule(fetch_s, num_workers))
@@ -130,12 +137,15 @@ def test_the_warning_gives_the_measured_figures_and_the_workers_that_would_keep_
         "The training step waited on the data loader for 75% of the time over 2 steps (fetch 3000.0 ms, step "
         "1000.0 ms per batch; threshold 50%): the input pipeline, not the GPU, sets the speed. With 2 "
         "workers per device now, about 8 would keep up (data.num_workers, and as many CPUs per task). See "
-        "BENCHMARKS.md, 'Image loader', for the cores one GPU needs."]
+        "BENCHMARKS.md, 'Image loader', for the cores one GPU needs."
+    ]
     for datamodule in (None, SimpleNamespace()):  # no worker count: no worker advice
         _, messages = drive(monkeypatch, datamodule, [1.0, 4.0, 5.0, 8.0, 9.0])
-        assert len(messages) == 1 and messages[0].endswith("threshold 50%): the input pipeline, not the GPU, sets the "
-                                                           "speed. See BENCHMARKS.md, 'Image loader', for the cores "
-                                                           "one GPU needs.")
+        assert len(messages) == 1 and messages[0].endswith(
+            "threshold 50%): the input pipeline, not the GPU, sets the "
+            "speed. See BENCHMARKS.md, 'Image loader', for the cores "
+            "one GPU needs."
+        )
 
 
 def test_the_advice_names_gpus_and_workers_only_where_they_apply(monkeypatch):
@@ -146,15 +156,18 @@ def test_the_advice_names_gpus_and_workers_only_where_they_apply(monkeypatch):
     _, messages = drive(monkeypatch, SimpleNamespace(num_workers=0), times)
     assert len(messages) == 1 and messages[0].endswith(
         "threshold 50%): the batches are loaded in the training process (data.num_workers 0), and the GPU idles "
-        "meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during the step.")
+        "meanwhile. Loader workers (data.num_workers, and as many CPUs per task) would load them during the step."
+    )
     _, messages = drive(monkeypatch, SimpleNamespace(num_workers=2), times, device="mps")
     assert len(messages) == 1 and messages[0].endswith(
         "the input pipeline, not the accelerator (mps), sets the speed. With 2 workers per device now, about 8 "
-        "would keep up (data.num_workers, and as many CPUs per task).")
+        "would keep up (data.num_workers, and as many CPUs per task)."
+    )
     _, messages = drive(monkeypatch, SimpleNamespace(num_workers=2), times, device="cpu")
     assert len(messages) == 1 and messages[0].endswith(
         "threshold 50%): the loader (2 workers) does not keep up with the step. On the CPU the workers share the "
-        "cores with it: about 8 would keep up, if the machine has cores to spare (data.num_workers).")
+        "cores with it: about 8 would keep up, if the machine has cores to spare (data.num_workers)."
+    )
     for datamodule in (None, SimpleNamespace(num_workers=0), SimpleNamespace()):
         monitor, messages = drive(monkeypatch, datamodule, times, device="cpu")
         assert monitor.wait_share() == 0.75 and messages == []
@@ -177,8 +190,9 @@ def test_warmup_counts_every_step_and_short_steps_give_the_right_worker_count(mo
     clock = iter([0.0, 0.125, 0.25, 0.625, 0.75, 1.125, 1.25])  # ends of 0-2; start, end of 3; start, end of 4
     monkeypatch.setattr(data_wait.time, "perf_counter", lambda: next(clock))
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=3, window=2)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_workers=4),
-                              strategy=SimpleNamespace(root_device=torch.device("cuda")))
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(num_workers=4), strategy=SimpleNamespace(root_device=torch.device("cuda"))
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor.on_fit_start(trainer, None)
@@ -211,12 +225,29 @@ def test_no_loader_warning_on_the_quick_starts_as_shipped(config, cache_dir, tmp
     cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cli = build_cli(["fit", "--config", str(config), "--trainer.max_steps", "4",
-                         "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(tmp_path),
-                         "--trainer.logger.init_args.save_dir", str(tmp_path), *cache,
-                         "--trainer.callbacks+=mmlight.callbacks.DataWaitMonitor",
-                         "--trainer.callbacks.max_wait_share", "0.0001", "--trainer.callbacks.warmup", "1",
-                         "--trainer.callbacks.window", "2"])
+        cli = build_cli(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.max_steps",
+                "4",
+                "--trainer.limit_val_batches",
+                "0",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--trainer.logger.init_args.save_dir",
+                str(tmp_path),
+                *cache,
+                "--trainer.callbacks+=mmlight.callbacks.DataWaitMonitor",
+                "--trainer.callbacks.max_wait_share",
+                "0.0001",
+                "--trainer.callbacks.warmup",
+                "1",
+                "--trainer.callbacks.window",
+                "2",
+            ]
+        )
     monitors = [c for c in cli.trainer.callbacks if isinstance(c, DataWaitMonitor)]
     assert sorted(m.max_wait_share for m in monitors) == [0.0001, 0.1]  # this test's and the shipped one
     [strict] = [m for m in monitors if m.max_wait_share == 0.0001]

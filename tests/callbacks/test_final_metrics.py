@@ -58,15 +58,31 @@ def mse_of(checkpoint_path) -> float:
 
 
 def trainer(tmp_path, version, **kwargs):
-    return L.Trainer(accelerator="cpu", logger=TensorBoardLogger(tmp_path, name="r", version=version),
-                     enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="r", version=version),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def test_stale_validation_keeps_its_step_and_validate_gives_the_final_weights(tmp_path, capsys):
-    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}-{step}", save_top_k=-1, save_last=True,
-                                  save_on_train_epoch_end=True)
-    fit = trainer(tmp_path, "fit", max_epochs=3, check_val_every_n_epoch=2, num_sanity_val_steps=0,
-                  callbacks=[FinalMetrics(), every_epoch])
+    every_epoch = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        filename="{epoch}-{step}",
+        save_top_k=-1,
+        save_last=True,
+        save_on_train_epoch_end=True,
+    )
+    fit = trainer(
+        tmp_path,
+        "fit",
+        max_epochs=3,
+        check_val_every_n_epoch=2,
+        num_sanity_val_steps=0,
+        callbacks=[FinalMetrics(), every_epoch],
+    )
     fit.fit(Regression())  # validates after epoch 1 (step 8) only; training ends at step 12
 
     record = json.loads((tmp_path / "r" / "fit" / "final_metrics.json").read_text())
@@ -100,7 +116,9 @@ def test_stale_validation_keeps_its_step_and_validate_gives_the_final_weights(tm
 
 
 def test_a_run_without_validation_says_so(tmp_path, capsys):
-    fit = trainer(tmp_path, "fit", max_epochs=1, limit_val_batches=0, callbacks=[FinalMetrics()], enable_checkpointing=False)
+    fit = trainer(
+        tmp_path, "fit", max_epochs=1, limit_val_batches=0, callbacks=[FinalMetrics()], enable_checkpointing=False
+    )
     fit.fit(Regression())
     record = json.loads((tmp_path / "r" / "fit" / "final_metrics.json").read_text())
     assert record["metrics"] == {} and record["global_step"] == 4
@@ -115,11 +133,13 @@ def test_checkpoint_files_name_the_monitored_best_and_the_last(tmp_path):
     unmonitored.best_model_path = str(tmp_path / "l" / "epoch=3.ckpt")  # its newest file, not a best one
     unmonitored.last_model_path = str(tmp_path / "l" / "last.ckpt")
     trainer = SimpleNamespace(checkpoint_callbacks=[SimpleNamespace(), monitored, unmonitored])
-    assert checkpoint_files(trainer) == {"best": str((tmp_path / "b" / "best-1-10.ckpt").resolve()),
-                                         "best_score": 95.5, "last": str((tmp_path / "l" / "last.ckpt").resolve())}
+    assert checkpoint_files(trainer) == {
+        "best": str((tmp_path / "b" / "best-1-10.ckpt").resolve()),
+        "best_score": 95.5,
+        "last": str((tmp_path / "l" / "last.ckpt").resolve()),
+    }
     monitored.best_model_score = None  # a best file whose score is unknown
     assert checkpoint_files(trainer)["best_score"] is None
-
 
 
 def test_a_forgotten_last_path_falls_back_to_the_last_file_on_disk(tmp_path):
@@ -142,9 +162,11 @@ def test_a_forgotten_last_path_falls_back_to_the_last_file_on_disk(tmp_path):
     callback.dirpath = str(folder)
     assert checkpoint_files(trainer) == {}
 
+
 def stand_in(fn, global_step=80, current_epoch=3, ckpt_path="/runs/last.ckpt"):
-    return SimpleNamespace(state=SimpleNamespace(fn=fn), global_step=global_step, current_epoch=current_epoch,
-                           ckpt_path=ckpt_path)
+    return SimpleNamespace(
+        state=SimpleNamespace(fn=fn), global_step=global_step, current_epoch=current_epoch, ckpt_path=ckpt_path
+    )
 
 
 def test_the_weights_step_is_the_trainers_in_fit_and_the_checkpoints_otherwise():
@@ -170,23 +192,42 @@ def test_summary_text_line_by_line():
     """The printed summary, exactly: fresh values plain, stale ones marked, and the advice once."""
     from mmlight.callbacks.final_metrics import summary
 
-    record = {"stage": "fit", "global_step": 40, "epoch": 3, "checkpoint": None, "metrics": {
-        "val/loss": {"value": 0.123456, "step": 40, "epoch": 3}, "val/top1": {"value": 91.5, "step": 30, "epoch": 2}}}
+    record = {
+        "stage": "fit",
+        "global_step": 40,
+        "epoch": 3,
+        "checkpoint": None,
+        "metrics": {
+            "val/loss": {"value": 0.123456, "step": 40, "epoch": 3},
+            "val/top1": {"value": 91.5, "step": 30, "epoch": 2},
+        },
+    }
     assert summary(record).split("\n") == [
         "Final validation metrics (training ended at step 40, epoch 3):",
         f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)",
         f"  {'val/top1':<16} 91.5000   from step 30 (epoch 2)   <- not the final weights",
         "  The last validation ran before the final step 40; `mmlight validate --ckpt_path <last.ckpt>` "
-        "evaluates the final weights."]
+        "evaluates the final weights.",
+    ]
     fresh = dict(record, metrics={"val/loss": record["metrics"]["val/loss"]})
     assert summary(fresh).split("\n") == [
-        "Final validation metrics (training ended at step 40, epoch 3):", f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)"]
+        "Final validation metrics (training ended at step 40, epoch 3):",
+        f"  {'val/loss':<16} 0.1235   from step 40 (epoch 3)",
+    ]
     # a validation inside the last epoch (val_check_interval < 1) that ran before its final step is
     # stale too: the step decides, not the epoch
     mid_epoch = dict(record, metrics={"val/loss": {"value": 0.5, "step": 35, "epoch": 3}})
-    assert summary(mid_epoch).split("\n")[1] == f"  {'val/loss':<16} 0.5000   from step 35 (epoch 3)   <- not the final weights"
-    tested = {"stage": "test", "global_step": 40, "epoch": 3, "checkpoint": "/r/last.ckpt",
-              "metrics": {"test/bleu": {"value": 30.0, "step": 40, "epoch": 3}}}
+    assert (
+        summary(mid_epoch).split("\n")[1]
+        == f"  {'val/loss':<16} 0.5000   from step 35 (epoch 3)   <- not the final weights"
+    )
+    tested = {
+        "stage": "test",
+        "global_step": 40,
+        "epoch": 3,
+        "checkpoint": "/r/last.ckpt",
+        "metrics": {"test/bleu": {"value": 30.0, "step": 40, "epoch": 3}},
+    }
     assert summary(tested).split("\n")[0] == "Final test metrics (checkpoint /r/last.ckpt at step 40):"
 
 

@@ -4,7 +4,6 @@ parameter scalars every ``log_every_n_steps``, and when the sigma figure goes to
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -14,8 +13,17 @@ from mmlight.tasks import ImageClassifier
 
 
 def classifier(attention="multimax", output_multimax=True) -> ImageClassifier:
-    return ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3,
-                                     attention=ReweightingSpec(attention), output_multimax=output_multimax))
+    return ImageClassifier(
+        ViTConfig(
+            variant="vit_micro",
+            img_size=8,
+            patch_size=2,
+            in_chans=1,
+            num_classes=3,
+            attention=ReweightingSpec(attention),
+            output_multimax=output_multimax,
+        )
+    )
 
 
 def test_reweighting_sites_are_named_by_layer():
@@ -39,7 +47,7 @@ def test_parameters_are_logged_every_n_steps():
     module = classifier()
     with torch.no_grad():
         module.model.output.ts.copy_(torch.tensor([0.1, 0.2, 0.3, 0.4]))
-    (values, options), = logged_scalars(module, 6, 3)
+    ((values, options),) = logged_scalars(module, 6, 3)
     assert options == {"on_step": True, "on_epoch": False}
     assert len(values) == 5 * 2 * 4  # 5 modules x (ranges, ts) x 4 entries at order 2
     assert [values[f"reweighting/output/ts_{i}"] for i in range(4)] == torch.tensor([0.1, 0.2, 0.3, 0.4]).tolist()
@@ -61,8 +69,12 @@ class RecordingLogger(TensorBoardLogger):
 def test_figure_after_validation_but_not_in_the_sanity_check(tmp_path):
     tb = RecordingLogger(tmp_path)
     monitor = ReweightingMonitor()
-    for sanity, module, loggers in [(True, classifier(), [tb]), (False, classifier("softmax", False), [tb]),
-                                    (False, classifier(), []), (False, classifier(), [tb])]:
+    for sanity, module, loggers in [
+        (True, classifier(), [tb]),
+        (False, classifier("softmax", False), [tb]),
+        (False, classifier(), []),
+        (False, classifier(), [tb]),
+    ]:
         trainer = SimpleNamespace(sanity_checking=sanity, loggers=loggers, global_step=12)
         monitor.on_validation_epoch_end(trainer, module)
     assert tb.figures == [("multimax/sigma_curves", 12)]
@@ -82,7 +94,9 @@ def test_sigma_figure_layout_and_style():
     assert (identity.get_linestyle(), identity.get_color(), identity.get_linewidth()) == ("--", "k", 1.0)
     assert sigma.get_linewidth() == 1.5 and first.title.get_fontsize() == 9
     legend = first.get_legend()
-    assert [t.get_text() for t in legend.get_texts()] == ["identity", "sigma"] and legend.get_texts()[0].get_fontsize() == 7
+    assert [t.get_text() for t in legend.get_texts()] == ["identity", "sigma"] and legend.get_texts()[
+        0
+    ].get_fontsize() == 7
     assert all(ax.get_legend() is None for ax in figure.axes[1:])
     single = monitor.figure({"output": MultiMax()})  # one panel: still a grid, not a bare Axes
     assert [ax.get_title() for ax in single.axes] == ["output"]

@@ -16,8 +16,12 @@ def stand_ins(skipped: int | None, global_step=0, log_every_n_steps=50, sanity_c
         counter.add(skipped)
     calls = []
     module = SimpleNamespace(device=torch.device("cpu"), log=lambda *a, **k: calls.append((a, k)))
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(skipped=counter), global_step=global_step,
-                              log_every_n_steps=log_every_n_steps, sanity_checking=sanity_checking)
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(skipped=counter),
+        global_step=global_step,
+        log_every_n_steps=log_every_n_steps,
+        sanity_checking=sanity_checking,
+    )
     return trainer, module, calls
 
 
@@ -25,8 +29,9 @@ def logged(calls) -> list[tuple[str, float, dict]]:
     return [(a[0], a[1].item(), k) for a, k in calls]
 
 
-@pytest.mark.parametrize("step, every, logs", [(0, 50, True), (100, 50, True), (30, 50, False), (7, 1, True),
-                                               (3, 0, True), (9, 4, False)])
+@pytest.mark.parametrize(
+    "step, every, logs", [(0, 50, True), (100, 50, True), (30, 50, False), (7, 1, True), (3, 0, True), (9, 4, False)]
+)
 def test_training_steps_log_the_running_count_every_n_steps(step, every, logs):
     trainer, module, calls = stand_ins(5, global_step=step, log_every_n_steps=every)
     SkippedSamplesMonitor().on_train_batch_end(trainer, module, None, None, 0)

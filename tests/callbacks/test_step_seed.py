@@ -13,8 +13,12 @@ def draws(seed, epoch, batch_idx, rank, monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
     random.random(), np.random.rand(), torch.rand(1)  # whatever ran before must not matter
     StepSeed().on_train_batch_start(SimpleNamespace(current_epoch=epoch, global_rank=rank), None, None, batch_idx)
-    return random.random(), float(np.random.rand()), float(torch.rand(1)), float(torch.nn.functional.dropout(
-        torch.ones(64), 0.5).sum())
+    return (
+        random.random(),
+        float(np.random.rand()),
+        float(torch.rand(1)),
+        float(torch.nn.functional.dropout(torch.ones(64), 0.5).sum()),
+    )
 
 
 def test_draws_are_a_function_of_the_position(monkeypatch):
@@ -29,9 +33,12 @@ def test_generators_are_seeded_from_the_seed_sequence_of_the_position(monkeypatc
     first two 32-bit words, NumPy's legacy one the first word (it takes 32 bits): hand-seeded copies draw
     the same. (The derivation is part of every run's draws: changing it changes resumed runs.)"""
     high, low = np.random.SeedSequence([3, 1, 5, 2]).generate_state(2, np.uint32)
-    seed = int(high) * 2 ** 32 + int(low)
-    want = (random.Random(seed).random(), float(np.random.RandomState(int(high)).rand()),
-            float(torch.rand(1, generator=torch.Generator().manual_seed(seed))))
+    seed = int(high) * 2**32 + int(low)
+    want = (
+        random.Random(seed).random(),
+        float(np.random.RandomState(int(high)).rand()),
+        float(torch.rand(1, generator=torch.Generator().manual_seed(seed))),
+    )
     assert draws(3, 1, 5, 2, monkeypatch)[:3] == want
 
 
@@ -46,6 +53,6 @@ def test_every_gpu_is_seeded_with_the_same_number(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
     high, low = np.random.SeedSequence([3, 1, 5, 2]).generate_state(2, np.uint32)
     draws(3, 1, 5, 2, monkeypatch)
-    assert seeded == [int(high) * 2 ** 32 + int(low)]
+    assert seeded == [int(high) * 2**32 + int(low)]
     seed_global_generators([3, 1, 5, 2])
     assert len(seeded) == 1

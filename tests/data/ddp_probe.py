@@ -21,9 +21,13 @@ class Probe(L.Callback):
             self.val_samples += len(batch[1]) if isinstance(batch, (list, tuple)) else len(batch["ids"])
 
     def _write(self, trainer, stage):
-        record = {"global_step": trainer.global_step, "train_batches": self.train_batches,
-                  "val_samples": self.val_samples, "world_size": trainer.world_size,
-                  "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))}}
+        record = {
+            "global_step": trainer.global_step,
+            "train_batches": self.train_batches,
+            "val_samples": self.val_samples,
+            "world_size": trainer.world_size,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))},
+        }
         path = Path(os.environ["MMLIGHT_PROBE_DIR"]) / f"rank{trainer.global_rank}-{stage}.json"
         path.write_text(json.dumps(record))
 

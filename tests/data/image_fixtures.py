@@ -31,8 +31,7 @@ def rgb_to_grey(rgb) -> float:
 AWKWARD = {
     "greyscale JPEG": (_encoded(Image.new("L", SIZE, 90), "JPEG"), (90, 90, 90), 2),
     "CMYK JPEG": (_encoded(Image.new("CMYK", SIZE, (200, 30, 60, 40)), "JPEG"), cmyk_to_rgb(200, 30, 60, 40), 3),
-    "progressive JPEG": (_encoded(Image.new("RGB", SIZE, (20, 120, 200)), "JPEG", progressive=True),
-                         (20, 120, 200), 3),
+    "progressive JPEG": (_encoded(Image.new("RGB", SIZE, (20, 120, 200)), "JPEG", progressive=True), (20, 120, 200), 3),
     "PNG named .JPEG": (_encoded(Image.new("RGB", SIZE, (200, 30, 60)), "PNG"), (200, 30, 60), 0),
     "GIF named .JPEG": (_encoded(Image.new("RGB", SIZE, (10, 200, 30)).quantize(4), "GIF"), (10, 200, 30), 0),
 }

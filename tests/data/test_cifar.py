@@ -19,8 +19,12 @@ def batch(seed: int, n: int, labels_key: bytes, num_classes: int) -> dict:
     rng = np.random.default_rng(seed)
     labels = [int(x) for x in rng.integers(0, num_classes, n)]
     data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-    return {b"batch_label": b"batch", labels_key: labels, b"data": data,
-            b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)]}
+    return {
+        b"batch_label": b"batch",
+        labels_key: labels,
+        b"data": data,
+        b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)],
+    }
 
 
 def write_cifar10(folder):
@@ -38,8 +42,10 @@ def write_cifar100(folder):
     batches = {"train": batch(1, 7, b"fine_labels", 100), "test": batch(2, 5, b"fine_labels", 100)}
     for content in batches.values():
         content[b"coarse_labels"] = [label // 5 for label in content[b"fine_labels"]]
-    batches["meta"] = {b"fine_label_names": [f"fine{i}".encode() for i in range(100)],
-                       b"coarse_label_names": [f"coarse{i}".encode() for i in range(20)]}
+    batches["meta"] = {
+        b"fine_label_names": [f"fine{i}".encode() for i in range(100)],
+        b"coarse_label_names": [f"coarse{i}".encode() for i in range(20)],
+    }
     for name, content in batches.items():
         (folder / name).write_bytes(pickle.dumps(content, protocol=2))
     return batches
@@ -47,8 +53,11 @@ def write_cifar100(folder):
 
 def raw_images(batches, names, labels_key):
     """(pixels (32, 32, 3), label) of every image of the named pickles, in file order."""
-    return [(row.reshape(3, 32, 32).transpose(1, 2, 0), label)
-            for name in names for row, label in zip(batches[name][b"data"], batches[name][labels_key])]
+    return [
+        (row.reshape(3, 32, 32).transpose(1, 2, 0), label)
+        for name in names
+        for row, label in zip(batches[name][b"data"], batches[name][labels_key])
+    ]
 
 
 def check_split(out, split, want):
@@ -81,15 +90,31 @@ def test_cifar100_from_the_archive_with_fine_labels(tmp_path, capsys):
 def test_cifar_shards_stream_with_the_test_split_as_validation(tmp_path):
     batches = write_cifar10(tmp_path / "raw")
     prepare("cifar10", tmp_path / "raw", tmp_path / "out")
-    augment = ImageAugment(image_size=32, channels=3, scale=(1.0, 1.0), hflip=0.0, color_jitter=None,
-                           crop_pct=1.0, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
-    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=3, augment=augment, val_split="test",
-                              test_split="test", normalize_on_device=False)
+    augment = ImageAugment(
+        image_size=32,
+        channels=3,
+        scale=(1.0, 1.0),
+        hflip=0.0,
+        color_jitter=None,
+        crop_pct=1.0,
+        mean=(0.0, 0.0, 0.0),
+        std=(1.0, 1.0, 1.0),
+    )
+    dm = ImageShardDataModule(
+        str(tmp_path / "out"),
+        batch_size=3,
+        augment=augment,
+        val_split="test",
+        test_split="test",
+        normalize_on_device=False,
+    )
     assert dm.num_classes == 10
     images, labels = next(iter(dm.val_dataloader()))
     want = sorted((p.tobytes(), label) for p, label in raw_images(batches, ["test_batch"], b"labels"))
-    got = sorted(((img * 255).round().to(torch.uint8).permute(1, 2, 0).numpy().tobytes(), int(label))
-                 for img, label in zip(images, labels))
+    got = sorted(
+        ((img * 255).round().to(torch.uint8).permute(1, 2, 0).numpy().tobytes(), int(label))
+        for img, label in zip(images, labels)
+    )
     assert got == want
 
 

@@ -40,18 +40,45 @@ def write_uneven_shards(out: Path) -> None:
 
 
 def run_mmlight(args, probe_dir, tmp_path, timeout):
-    env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    common = ["--config", str(QUICKSTART), "--data", "mmlight.data.ImageShardDataModule",
-              "--data.root", str(tmp_path / "shards"), "--data.batch_size", "4", "--data.num_workers", "0",
-              "--data.augment", json.dumps({"image_size": 8, "channels": 1, "scale": [0.7, 1.0], "hflip": 0.0,
-                                            "color_jitter": None, "interpolation": "bilinear", "crop_pct": 1.0,
-                                            "mean": [0.5], "std": [0.5]}),
-              "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-              "--trainer.callbacks+=tests.data.ddp_probe.Probe"]
-    result = subprocess.run([sys.executable, "-m", "mmlight.cli", *args[:1], *common, *args[1:]], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=timeout)
+    common = [
+        "--config",
+        str(QUICKSTART),
+        "--data",
+        "mmlight.data.ImageShardDataModule",
+        "--data.root",
+        str(tmp_path / "shards"),
+        "--data.batch_size",
+        "4",
+        "--data.num_workers",
+        "0",
+        "--data.augment",
+        json.dumps(
+            {
+                "image_size": 8,
+                "channels": 1,
+                "scale": [0.7, 1.0],
+                "hflip": 0.0,
+                "color_jitter": None,
+                "interpolation": "bilinear",
+                "crop_pct": 1.0,
+                "mean": [0.5],
+                "std": [0.5],
+            }
+        ),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        "--trainer.callbacks+=tests.data.ddp_probe.Probe",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "mmlight.cli", *args[:1], *common, *args[1:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -61,8 +88,24 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     ddp_dir.mkdir()
     single_dir.mkdir()
-    run_mmlight(["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                 "--trainer.max_epochs", "2", "--model.init_args.warmup_epochs", "0"], ddp_dir, tmp_path, timeout=300)
+    run_mmlight(
+        [
+            "fit",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.max_epochs",
+            "2",
+            "--model.init_args.warmup_epochs",
+            "0",
+        ],
+        ddp_dir,
+        tmp_path,
+        timeout=300,
+    )
     ranks = [json.loads((ddp_dir / f"rank{r}-fit.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     steps_per_epoch = 50 // (4 * 2)
@@ -72,8 +115,9 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     assert [r["val_samples"] for r in ranks] == [2 * 13, 2 * 10]
 
     checkpoint = next((tmp_path / "runs").rglob("last.ckpt"))  # the final weights (best-*.ckpt may be older)
-    run_mmlight(["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path,
-                timeout=200)
+    run_mmlight(
+        ["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path, timeout=200
+    )
     single = json.loads((single_dir / "rank0-validate.json").read_text())
     assert single["val_samples"] == 23
     for name in ("val/top1", "val/loss"):

@@ -89,7 +89,8 @@ def test_a_subset_of_digits_is_relabelled_in_list_order(tmp_path):
     assert info["classes"] == ["7", "2"] and info["digits"] == [7, 2]
     for split in ("train", "val"):
         assert info["splits"][split]["num_samples"] == sum(
-            1 for key in split_keys(tmp_path / "all", split) if target[int(key[5:])] in (7, 2))
+            1 for key in split_keys(tmp_path / "all", split) if target[int(key[5:])] in (7, 2)
+        )
         for key, label in split_labels(tmp_path / "sub", split).items():
             assert [7, 2][label] == target[int(key[5:])]
     assert full["splits"]["train"]["num_samples"] + full["splits"]["val"]["num_samples"] == len(target)

@@ -27,8 +27,9 @@ def write_release(root):
 def test_splits_and_labels_follow_the_mat_files(tmp_path, capsys):
     files = write_release(tmp_path / "raw")
     main(["flowers102", "--src", str(tmp_path / "raw"), "--out", str(tmp_path / "out"), "--workers", "2"])
-    assert "train 3 samples (0 skipped), val 3 samples (0 skipped), test 4 samples (0 skipped)" in \
-        capsys.readouterr().out
+    assert (
+        "train 3 samples (0 skipped), val 3 samples (0 skipped), test 4 samples (0 skipped)" in capsys.readouterr().out
+    )
     for split, key in (("train", "trnid"), ("val", "valid"), ("test", "tstid")):
         got = sorted((image_bytes(s), int(s["cls"])) for s in split_samples(tmp_path / "out", split).values())
         assert got == sorted((files[i], LABELS[i - 1] - 1) for i in SETID[key])
@@ -45,7 +46,8 @@ def test_a_missing_image_is_skipped_and_counted(tmp_path):
     info = prepare("flowers102", tmp_path / "raw", tmp_path / "out")
     assert info["splits"]["test"]["num_samples"] == 3
     assert [(s["path"].split("/")[-1], s["reason"]) for s in info["splits"]["test"]["skipped"]] == [
-        ("image_00004.jpg", "listed but missing")]
+        ("image_00004.jpg", "listed but missing")
+    ]
 
 
 def test_missing_label_file_is_named(tmp_path):

@@ -8,8 +8,10 @@ from mmlight.data.prepare import prepare
 from tests.data.shard_contents import encoded, image_bytes, split_samples
 
 CLASSES = ["apple_pie", "baby_back_ribs", "baklava"]
-LISTS = {"train": ["apple_pie/101", "apple_pie/102", "baklava/301", "baby_back_ribs/201"],
-         "test": ["baklava/302", "apple_pie/103"]}
+LISTS = {
+    "train": ["apple_pie/101", "apple_pie/102", "baklava/301", "baby_back_ribs/201"],
+    "test": ["baklava/302", "apple_pie/103"],
+}
 
 
 def write_release(root):

@@ -134,6 +134,7 @@ def test_pillow_build_names_the_distribution_that_provides_pil(monkeypatch):
             if name not in versions:
                 raise importlib.metadata.PackageNotFoundError(name)
             return versions[name]
+
         return version
 
     monkeypatch.setattr(PIL, "__version__", "12.1.1.post0")
@@ -168,14 +169,16 @@ def test_every_real_format_decodes_to_its_colour_in_the_requested_mode(path, cha
     """Greyscale, CMYK and progressive JPEGs and a PNG and a GIF named .JPEG, in one batch: each row
     has ``channels`` channels holding the colour the file was made from (converted by the published
     formulas), on the evaluation path and on both training paths. The reduced decode is really used."""
-    augment = dataclasses.replace(PLAIN_TRAIN, channels=channels, crop_pct=1.0, mean=(0.5,) * channels,
-                                  std=(0.5,) * channels)
+    augment = dataclasses.replace(
+        PLAIN_TRAIN, channels=channels, crop_pct=1.0, mean=(0.5,) * channels, std=(0.5,) * channels
+    )
     split = SplitTransform(augment.build(train=path != "eval"))
     scales = []
     monkeypatch.setattr(image_decode, "open_image", lambda *a: scales.append(a[2:]) or _open(*a))
     group = AugmentGroup(channels, split, copies=2, draft=path == "train, reduced decode")
-    pairs = [pair for label, (data, _, _) in enumerate(AWKWARD.values())
-             for pair in group({"jpg": data, "cls": str(label)})]
+    pairs = [
+        pair for label, (data, _, _) in enumerate(AWKWARD.values()) for pair in group({"jpg": data, "cls": str(label)})
+    ]
     images, labels = Uint8Batches(len(pairs), split, partial=True).collate(pairs)
     assert images.shape == (2 * len(AWKWARD), 8, 8, channels) and images.dtype == torch.uint8
     assert labels.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]

@@ -53,8 +53,9 @@ def test_formats_are_kept_converted_or_skipped_with_reasons(tmp_path, caplog):
         info = prepare("imagefolder", tmp_path / "raw", tmp_path / "out")
     assert info["classes"] == ["cat", "dog"]
     assert {s: info["splits"][s]["num_samples"] for s in info["splits"]} == {"train": 4, "val": 2}
-    skipped = {s["path"].split("raw/")[1]: s["reason"] for split in ("train", "val")
-               for s in info["splits"][split]["skipped"]}
+    skipped = {
+        s["path"].split("raw/")[1]: s["reason"] for split in ("train", "val") for s in info["splits"][split]["skipped"]
+    }
     assert set(skipped) == {"train/cat/cut.jpg", "val/dog/notes.txt"}
     assert all(reason.startswith("not a readable image") for reason in skipped.values())
     for split, want in cases.items():

@@ -85,7 +85,10 @@ def test_prepare_counts_labels_and_skips(tmp_path, small_shards, layout, caplog)
     assert (train["num_samples"], train["num_skipped"], val["num_samples"], val["num_skipped"]) == (12, 2, 6, 0)
     assert len(train["shards"]) == 4 and sum(s["num_samples"] for s in train["shards"]) == 12  # 14 items, 4 per shard
     reasons = {s["path"].rsplit("/", 1)[-1]: s["reason"] for s in train["skipped"]}
-    assert set(reasons) == {f"{WNIDS[0]}_truncated.JPEG", f"{WNIDS[1]}_empty.JPEG"} and reasons[f"{WNIDS[1]}_empty.JPEG"] == "empty file"
+    assert (
+        set(reasons) == {f"{WNIDS[0]}_truncated.JPEG", f"{WNIDS[1]}_empty.JPEG"}
+        and reasons[f"{WNIDS[1]}_empty.JPEG"] == "empty file"
+    )
     assert f"{WNIDS[0]}_truncated.JPEG" in caplog.text  # logged with its path
     # bytes stored as they were, labels from the label file / folders
     val_samples = dict(read_shards(tmp_path / "out", "val"))
@@ -161,16 +164,18 @@ def test_repeated_augmentation_decodes_each_image_once_and_batches_arrive_in_sha
     decodes = []
     opened = image_decode.open_image
     monkeypatch.setattr(image_decode, "open_image", lambda *a: decodes.append(a) or opened(*a))
-    dm = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=0, augment=SMALL,
-                              shuffle_buffer=1, repeated_augmentation=3)
+    dm = ImageShardDataModule(
+        str(tmp_path / "out"), batch_size=6, num_workers=0, augment=SMALL, shuffle_buffer=1, repeated_augmentation=3
+    )
     batches = list(dm.train_dataloader())  # 12 // 6 = 2 batches of 2 images x 3 copies
     assert len(batches) == 2 and len(decodes) == 12 // 3
     for _, labels in batches:
         assert all(count % 3 == 0 for count in torch.bincount(labels).tolist())  # whole groups
     images = torch.cat([x for x, _ in batches])
     assert not any(torch.equal(images[i], images[j]) for i in range(12) for j in range(i))  # each copy augmented
-    dm_worker = ImageShardDataModule(str(tmp_path / "out"), batch_size=6, num_workers=1, augment=SMALL,
-                                     repeated_augmentation=3)
+    dm_worker = ImageShardDataModule(
+        str(tmp_path / "out"), batch_size=6, num_workers=1, augment=SMALL, repeated_augmentation=3
+    )
     images, labels = next(iter(dm_worker.train_dataloader()))
     assert images.is_shared() and images.shape == (6, 16, 16, 3) and images.dtype == torch.uint8
     dm_worker.normalize_on_device = False
@@ -206,7 +211,14 @@ def test_copy_groups_cover_every_row_once_and_split_a_straddling_image():
         assert all(g["__copies__"] == len(g["__rows__"]) for g in groups)
     copies = [(g["__key__"], g["__copies__"]) for groups in batches for g in groups]
     assert copies == [("a", 3), ("b", 1), ("b", 2), ("c", 2), ("c", 1), ("d", 3)]
-    assert {tuple(g["__rows__"]) for groups in batches for g in groups} != {(0, 1, 2), (3,), (0, 1), (2, 3), (0,), (1, 2, 3)}
+    assert {tuple(g["__rows__"]) for groups in batches for g in groups} != {
+        (0, 1, 2),
+        (3,),
+        (0, 1),
+        (2, 3),
+        (0,),
+        (1, 2, 3),
+    }
 
 
 def test_the_awkward_real_formats_are_kept_as_they_are_and_stream_in_their_colours(tmp_path):

@@ -13,15 +13,32 @@ from sacremoses import MosesTokenizer
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info
-from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 from mmlight.data.translation import TranslationDataModule
+from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
-SUBJECTS = [("der Hund", "the dog"), ("die Katze", "the cat"), ("mein Vater", "my father"),
-            ("unsere Lehrerin", "our teacher"), ("das Kind", "the child"), ("ein Wissenschaftler", "a scientist")]
-VERBS = [("sieht", "sees"), ("liebt", "loves"), ("findet", "finds"), ("beobachtet", "watches"),
-         ("versteht", "understands")]
-OBJECTS = [("den Garten", "the garden"), ("die Sonne", "the sun"), ("das Wasser", "the water"),
-           ("den Computer", "the computer"), ("die Zukunft", "the future"), ("die Musik", "the music")]
+SUBJECTS = [
+    ("der Hund", "the dog"),
+    ("die Katze", "the cat"),
+    ("mein Vater", "my father"),
+    ("unsere Lehrerin", "our teacher"),
+    ("das Kind", "the child"),
+    ("ein Wissenschaftler", "a scientist"),
+]
+VERBS = [
+    ("sieht", "sees"),
+    ("liebt", "loves"),
+    ("findet", "finds"),
+    ("beobachtet", "watches"),
+    ("versteht", "understands"),
+]
+OBJECTS = [
+    ("den Garten", "the garden"),
+    ("die Sonne", "the sun"),
+    ("das Wasser", "the water"),
+    ("den Computer", "the computer"),
+    ("die Zukunft", "the future"),
+    ("die Musik", "the music"),
+]
 ENDS = [(".", "."), ("!", "!"), (" heute.", " today."), (" nicht.", " not."), (", oder?", ", doesn't it?")]
 
 
@@ -44,15 +61,25 @@ def _write_raw(root):
     pairs = _sentences(60)
     de, en, kept = [], [], []
     for talk in range(2):
-        de += [f"<url>http://www.ted.com/talks/{talk}.html</url>", "<keywords>talks, science</keywords>",
-               f"<talkid>{talk}</talkid>", f"<title>Anna Weber: Über Hunde {talk}</title>",
-               "<description>Sie spricht über Hunde.</description>"]
-        en += [f"<url>http://www.ted.com/talks/{talk}.html</url>", "<keywords>talks, science</keywords>",
-               f"<talkid>{talk}</talkid>", f"<title>Anna Weber: About dogs {talk}</title>",
-               "<description>She talks about dogs.</description>"]
-        kept += [(f"Anna Weber: Über Hunde {talk}", f"Anna Weber: About dogs {talk}"),
-                 ("Sie spricht über Hunde.", "She talks about dogs.")]
-        for d, e in pairs[talk * 30:(talk + 1) * 30]:
+        de += [
+            f"<url>http://www.ted.com/talks/{talk}.html</url>",
+            "<keywords>talks, science</keywords>",
+            f"<talkid>{talk}</talkid>",
+            f"<title>Anna Weber: Über Hunde {talk}</title>",
+            "<description>Sie spricht über Hunde.</description>",
+        ]
+        en += [
+            f"<url>http://www.ted.com/talks/{talk}.html</url>",
+            "<keywords>talks, science</keywords>",
+            f"<talkid>{talk}</talkid>",
+            f"<title>Anna Weber: About dogs {talk}</title>",
+            "<description>She talks about dogs.</description>",
+        ]
+        kept += [
+            (f"Anna Weber: Über Hunde {talk}", f"Anna Weber: About dogs {talk}"),
+            ("Sie spricht über Hunde.", "She talks about dogs."),
+        ]
+        for d, e in pairs[talk * 30 : (talk + 1) * 30]:
             de.append(d)
             en.append(e)
             kept.append((d, e))
@@ -76,13 +103,19 @@ def _write_raw(root):
     tests[0] = ("Der Hund sieht die Sonne, oder?", "The dog sees the sun, doesn't it?")  # ’ in the XML
     for k, name in enumerate(RAW_TEST_SETS):
         for lang, side in (("de", 0), ("en", 1)):
-            segs = tests[2 * k:2 * k + 2]
-            lines = ['<?xml version="1.0" encoding="UTF-8"?>', '<mteval>', f'<srcset setid="{name}" srclang="{lang}">',
-                     '<doc docid="1" genre="lectures">', f"<talkid>{k}</talkid>", "<title>Ein Titel</title>"]
+            segs = tests[2 * k : 2 * k + 2]
+            lines = [
+                '<?xml version="1.0" encoding="UTF-8"?>',
+                "<mteval>",
+                f'<srcset setid="{name}" srclang="{lang}">',
+                '<doc docid="1" genre="lectures">',
+                f"<talkid>{k}</talkid>",
+                "<title>Ein Titel</title>",
+            ]
             lines += [f'<seg id="{i + 1}"> {s[side].replace(chr(39), chr(8217))} </seg>' for i, s in enumerate(segs)]
             lines += ["</doc>", "</srcset>", "</mteval>"]
             (root / f"{name}.de-en.{lang}.xml").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        test += tests[2 * k:2 * k + 2]
+        test += tests[2 * k : 2 * k + 2]
     return kept, test
 
 
@@ -124,17 +157,24 @@ def test_raw_counts_cleaning_and_skips(raw, shards):
     assert info["cleaning"] == {"tag_lines_dropped": 6, "cleaned_out": 2}
     assert len(kept) == 64
     splits = info["splits"]
-    assert (splits["train"]["num_samples"], splits["valid"]["num_samples"], splits["test"]["num_samples"]) == (62, 2, 10)
+    assert (splits["train"]["num_samples"], splits["valid"]["num_samples"], splits["test"]["num_samples"]) == (
+        62,
+        2,
+        10,
+    )
     assert splits["train"]["num_skipped"] == 2 and splits["valid"]["num_skipped"] == splits["test"]["num_skipped"] == 0
     where = {s["path"]: s["reason"] for s in splits["train"]["skipped"]}
-    assert where == {f"{root}/train.tags.de-en.en:10": "empty English side",
-                     f"{root}/train.tags.de-en.de:20": where.get(f"{root}/train.tags.de-en.de:20")}
+    assert where == {
+        f"{root}/train.tags.de-en.en:10": "empty English side",
+        f"{root}/train.tags.de-en.de:20": where.get(f"{root}/train.tags.de-en.de:20"),
+    }
     assert "invalid UTF-8" in where[f"{root}/train.tags.de-en.de:20"]
     # valid = every 23rd kept pair, lowercased and tokenised; train = the rest in order
     valid = _read_split(shards, "valid")
     expect_valid = [kept[22], kept[45]]
-    assert [(_unbpe(s["src.txt"]), _unbpe(s["tgt.txt"])) for s in valid] == \
-        [(_tok(d, "de"), _tok(e, "en")) for d, e in expect_valid]
+    assert [(_unbpe(s["src.txt"]), _unbpe(s["tgt.txt"])) for s in valid] == [
+        (_tok(d, "de"), _tok(e, "en")) for d, e in expect_valid
+    ]
     train = _read_split(shards, "train")
     expect_train = [p for i, p in enumerate(kept, 1) if i % 23]
     assert [_unbpe(s["src.txt"]) for s in train] == [_tok(d, "de") for d, _ in expect_train]
@@ -150,7 +190,9 @@ def test_raw_counts_cleaning_and_skips(raw, shards):
     for s in train[:5]:
         assert s["src.npy"].dtype == np.int32 and [vocab[i] for i in s["src.npy"]] == s["src.txt"].split()
     # dict order: descending count, ties alphabetical
-    counts = [(line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in (shards / "dict.txt").read_text().splitlines()]
+    counts = [
+        (line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in (shards / "dict.txt").read_text().splitlines()
+    ]
     assert counts == sorted(counts, key=lambda tc: (-tc[1], tc[0]))
     assert any("@@" in tok for tok, _ in counts)  # BPE did merge subwords
 
@@ -164,7 +206,13 @@ def test_rerun_writes_nothing_and_resume_is_identical(raw, shards, tmp_path):
     # an interrupted run: copy, lose the last train shards and the dictionary, leave a half-written tmp
     out = tmp_path / "resumed"
     shutil.copytree(shards, out)
-    for name in ("train-000015.tar", "train-000015.tar.done.json", "train-000014.tar.done.json", "dict.txt", "_info.json"):
+    for name in (
+        "train-000015.tar",
+        "train-000015.tar.done.json",
+        "train-000014.tar.done.json",
+        "dict.txt",
+        "_info.json",
+    ):
         (out / name).unlink()
     (out / "train-000015.tar.tmp").write_bytes(b"partial")
     resumed = prepare_iwslt(raw[0], out, workers=2, merges=50, samples_per_shard=4)
@@ -172,8 +220,9 @@ def test_rerun_writes_nothing_and_resume_is_identical(raw, shards, tmp_path):
     assert resumed["splits"]["train"]["num_samples"] == 62
     for split in ("train", "valid", "test"):
         a, b = _read_split(shards, split), _read_split(out, split)
-        assert [(s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in a] == \
-            [(s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in b]
+        assert [(s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in a] == [
+            (s["__key__"], s["src.txt"], s["tgt.txt"], s["src.npy"].tolist()) for s in b
+        ]
     assert (out / "dict.txt").read_text() == (shards / "dict.txt").read_text()
 
 
@@ -206,12 +255,14 @@ def test_fairseq_layout_via_cli(shards, tmp_path, capsys):
     prepare_main(["iwslt14", "--src", str(src), "--out", str(out), "--workers", "1"])
     assert "train 62 samples (0 skipped), valid 2 samples (1 skipped), test 10 samples" in capsys.readouterr().out
     info = read_info(out)
-    assert info["layout"] == "fairseq" and info["splits"]["valid"]["skipped"] == \
-        [{"path": f"{src}/valid.en:3", "reason": "empty English side"}]
+    assert info["layout"] == "fairseq" and info["splits"]["valid"]["skipped"] == [
+        {"path": f"{src}/valid.en:3", "reason": "empty English side"}
+    ]
     assert (out / "code").read_bytes() == (shards / "code").read_bytes()
     assert (out / "dict.txt").read_text() == (shards / "dict.txt").read_text()
-    assert [s["src.npy"].tolist() for s in _read_split(out, "test")] == \
-        [s["src.npy"].tolist() for s in _read_split(shards, "test")]
+    assert [s["src.npy"].tolist() for s in _read_split(out, "test")] == [
+        s["src.npy"].tolist() for s in _read_split(shards, "test")
+    ]
 
 
 def _check_batch(batch, dm, max_tokens):
@@ -222,7 +273,7 @@ def _check_batch(batch, dm, max_tokens):
     assert (tgt_in[:, 0] == dm.eos_id).all()  # fairseq's decoder start symbol
     for i in range(len(src)):
         t = int(batch["tgt_mask"][i].sum())
-        assert torch.equal(tgt_in[i, 1:t], tgt_out[i, :t - 1]) and tgt_out[i, t - 1] == dm.eos_id
+        assert torch.equal(tgt_in[i, 1:t], tgt_out[i, : t - 1]) and tgt_out[i, t - 1] == dm.eos_id
         assert (tgt_in[i, t:] == dm.pad_id).all()
         assert src[i, int(batch["src_mask"][i].sum()) - 1] == dm.eos_id
     assert batch["ntokens"] == int(batch["tgt_mask"].sum())
@@ -261,7 +312,9 @@ def test_train_epoch_length_and_budget(shards):
     assert dm.train_steps() == steps // 2
     # a sample bigger than the budget is skipped with a warning
     with pytest.warns(UserWarning, match="skipping sample"):
-        assert next(iter(TranslationDataModule(str(shards), max_tokens=4, num_workers=0).val_dataloader()), None) is None
+        assert (
+            next(iter(TranslationDataModule(str(shards), max_tokens=4, num_workers=0).val_dataloader()), None) is None
+        )
 
 
 def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
@@ -290,19 +343,27 @@ def _words(n: int, word: str = "w") -> str:
     return " ".join([word] * n)
 
 
-@pytest.mark.parametrize("de, en, kept", [
-    ("eins", "one", ("eins", "one")),                                   # 1 token per side: the lower bound
-    ("", "one", None), ("eins", "", None), ("| |", "one", None),      # 0 tokens (a side of factor bars only)
-    (_words(175), _words(175), (_words(175), _words(175))),           # 175: the upper bound
-    (_words(176), _words(175), None), (_words(175), _words(176), None),
-    ("a b c", "x y", ("a b c", "x y")), ("a b", "x y z", ("a b", "x y z")),  # ratio exactly 1.5 either way
-    ("a b c d e", "x y z", None),                                       # de / en = 5 / 3 > 1.5
-    ("a b c", "v w x y z", None),                                       # en / de = 5 / 3 > 1.5
-    (_words(3), _words(2), (_words(3), _words(2))),
-    ("a" * 1000 + " b", "x y", ("a" * 1000 + " b", "x y")),             # a 1000-character token is kept
-    ("a" * 1001 + " b", "x y", None), ("a b", "x" * 1001 + " y", None),  # 1001 characters, either side
-    ("a  |b |  c", "x\ty  z", ("a b c", "x y z")),                      # bars removed, whitespace normalised
-])
+@pytest.mark.parametrize(
+    "de, en, kept",
+    [
+        ("eins", "one", ("eins", "one")),  # 1 token per side: the lower bound
+        ("", "one", None),
+        ("eins", "", None),
+        ("| |", "one", None),  # 0 tokens (a side of factor bars only)
+        (_words(175), _words(175), (_words(175), _words(175))),  # 175: the upper bound
+        (_words(176), _words(175), None),
+        (_words(175), _words(176), None),
+        ("a b c", "x y", ("a b c", "x y")),
+        ("a b", "x y z", ("a b", "x y z")),  # ratio exactly 1.5 either way
+        ("a b c d e", "x y z", None),  # de / en = 5 / 3 > 1.5
+        ("a b c", "v w x y z", None),  # en / de = 5 / 3 > 1.5
+        (_words(3), _words(2), (_words(3), _words(2))),
+        ("a" * 1000 + " b", "x y", ("a" * 1000 + " b", "x y")),  # a 1000-character token is kept
+        ("a" * 1001 + " b", "x y", None),
+        ("a b", "x" * 1001 + " y", None),  # 1001 characters, either side
+        ("a  |b |  c", "x\ty  z", ("a b c", "x y z")),  # bars removed, whitespace normalised
+    ],
+)
 def test_clean_pair_applies_each_rule_of_clean_corpus_n(de, en, kept):
     """``clean-corpus-n.perl -ratio 1.5 ... 1 175``, rule by rule at its boundaries."""
     assert clean_pair(de, en) == kept
@@ -315,16 +376,16 @@ def test_raw_pairs_removed_by_each_rule_are_counted_and_the_rest_kept_in_order(r
     src = tmp_path / "raw"
     shutil.copytree(raw[0], src)
     lines = [  # (de, en, what happens)
-        (b"eins zwei drei", b"one two", "kept"),                      # ratio 1.5
+        (b"eins zwei drei", b"one two", "kept"),  # ratio 1.5
         (b"<url>http://x</url>", b"<url>http://x</url>", "tag"),
-        (b"eins zwei", b"one two three", "kept"),                     # ratio 1.5 the other way
-        (b"a b c d e", b"x y z", "cleaned"),                          # de / en > 1.5
+        (b"eins zwei", b"one two three", "kept"),  # ratio 1.5 the other way
+        (b"a b c d e", b"x y z", "cleaned"),  # de / en > 1.5
         (b"   ", b"hello there", "empty de"),
-        (b"a b c", b"v w x y z", "cleaned"),                          # en / de > 1.5
+        (b"a b c", b"v w x y z", "cleaned"),  # en / de > 1.5
         (_words(176).encode(), _words(176).encode(), "cleaned"),
         (_words(175).encode(), _words(175).encode(), "kept"),
         (b"gut", b"good \xff", "bad utf-8 en"),
-        (_words(170).encode(), _words(176).encode(), "cleaned"),      # only English over 175
+        (_words(170).encode(), _words(176).encode(), "cleaned"),  # only English over 175
         (b"a" * 1001 + b" b", b"x y", "cleaned"),
         (b"a b", b"x" * 1001 + b" y", "cleaned"),
         (b"a" * 1000 + b" b", b"x y", "kept"),

@@ -50,9 +50,9 @@ def damage(path, kind: str) -> None:
     data = bytearray(path.read_bytes())
     at = header_at(path, f"{BROKEN}.jpg")
     if kind == "truncated":  # cut inside the member's data
-        del data[at + 512 + 100:]
+        del data[at + 512 + 100 :]
     elif kind == "garbage header":  # e.g. a disk block of something else
-        data[at:at + 512] = np.random.default_rng(0).integers(0, 256, 512, dtype=np.uint8).tobytes()
+        data[at : at + 512] = np.random.default_rng(0).integers(0, 256, 512, dtype=np.uint8).tobytes()
     elif kind == "bad checksum":  # one flipped bit in the name: s2.jpg would read as s3.jpg
         assert data[at + 1] == ord("2")
         data[at + 1] ^= 0x01
@@ -64,8 +64,12 @@ def damage(path, kind: str) -> None:
 
 
 ERRORS = {"truncated": EOFError, "garbage header": ValueError, "bad checksum": ValueError, "empty file": EOFError}
-MESSAGES = {"truncated": "truncated member", "garbage header": "not a tar header", "bad checksum": "not a tar header",
-            "empty file": "empty file"}
+MESSAGES = {
+    "truncated": "truncated member",
+    "garbage header": "not a tar header",
+    "bad checksum": "not a tar header",
+    "empty file": "empty file",
+}
 
 
 @pytest.mark.parametrize("kind", list(ERRORS))
@@ -165,7 +169,7 @@ def test_a_training_stream_of_only_broken_shards_stops_naming_them(tmp_path):
     for path in (empty, cut):
         write_shard(path)
     damage(empty, "empty file")
-    cut.write_bytes(cut.read_bytes()[:header_at(cut, "s0.jpg") + 600])
+    cut.write_bytes(cut.read_bytes()[: header_at(cut, "s0.jpg") + 600])
     counter = SkipCounter()
     with pytest.raises(RuntimeError, match="no readable sample in any of the 2 training shards.*a.tar.*b.tar"):
         next(resampled_samples([str(empty), str(cut)], Draws([0, 1, 0]), counter))
@@ -181,8 +185,12 @@ def test_ustar_headers_with_path_prefixes_and_six_digit_checksums_are_read(tmp_p
     path = tmp_path / "s.tar"
     names = ["ÿ" * 76 + "X/" + "ÿ" * 38 + ".clsX", "ÿ" * 76 + "X/" + "ÿ" * 38 + ".txtX"]
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data, kind in ((names[0], b"7", tarfile.REGTYPE), ("folder", b"", tarfile.DIRTYPE),
-                                 ("old.cls", b"8", tarfile.AREGTYPE), (names[1], b"9", tarfile.REGTYPE)):
+        for name, data, kind in (
+            (names[0], b"7", tarfile.REGTYPE),
+            ("folder", b"", tarfile.DIRTYPE),
+            ("old.cls", b"8", tarfile.AREGTYPE),
+            (names[1], b"9", tarfile.REGTYPE),
+        ):
             info = tarfile.TarInfo(name)
             info.size, info.type, info.uname, info.gname = len(data), kind, "ÿ" * 16, "ÿ" * 16
             tar.addfile(info, io.BytesIO(data))
@@ -197,8 +205,8 @@ def test_an_empty_size_field_is_a_member_of_no_bytes(tmp_path):
     write_shard(path, empty_key="s0")
     data = bytearray(path.read_bytes())
     at = header_at(path, "s0.jpg")
-    data[at + 124:at + 136] = b"\0" * 12
-    data[at + 148:at + 156] = b"%06o\0 " % (256 + sum(data[at:at + 148]) + sum(data[at + 156:at + 512]))
+    data[at + 124 : at + 136] = b"\0" * 12
+    data[at + 148 : at + 156] = b"%06o\0 " % (256 + sum(data[at : at + 148]) + sum(data[at + 156 : at + 512]))
     path.write_bytes(bytes(data))
     with tarfile.open(path) as tar:
         assert tar.getmember("s0.jpg").size == 0  # the reference
@@ -228,13 +236,16 @@ def image_shard_set(root, kind: str):
     write_info(root, {"classes": [str(i) for i in range(8)], "splits": {"val": {"num_samples": 8, "shards": shards}}})
 
 
-@pytest.mark.parametrize("kind, labels, reason", [
-    ("truncated", [0, 1, 4, 5, 6, 7], "EOFError"),
-    ("garbage header", [0, 1, 4, 5, 6, 7], "ValueError"),
-    ("bad checksum", [0, 1, 4, 5, 6, 7], "ValueError"),
-    ("empty file", [4, 5, 6, 7], "EOFError"),
-    ("empty member", [0, 1, 3, 4, 5, 6, 7], "skipped corrupt sample s2"),  # s2's jpg has 0 bytes: not an image
-])
+@pytest.mark.parametrize(
+    "kind, labels, reason",
+    [
+        ("truncated", [0, 1, 4, 5, 6, 7], "EOFError"),
+        ("garbage header", [0, 1, 4, 5, 6, 7], "ValueError"),
+        ("bad checksum", [0, 1, 4, 5, 6, 7], "ValueError"),
+        ("empty file", [4, 5, 6, 7], "EOFError"),
+        ("empty member", [0, 1, 3, 4, 5, 6, 7], "skipped corrupt sample s2"),  # s2's jpg has 0 bytes: not an image
+    ],
+)
 def test_image_validation_labels_skips_and_reasons(tmp_path, kind, labels, reason, caplog):
     image_shard_set(tmp_path / "set", kind)
     dm = ImageShardDataModule(str(tmp_path / "set"), batch_size=3, num_workers=0, augment=SMALL)

@@ -20,7 +20,7 @@ def box_mask(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``(H, W)`` bool: the union of ``(top, left, height, width)`` rows, painted with a loop."""
     mask = torch.zeros(height, width, dtype=torch.bool)
     for top, left, h, w in boxes.tolist():
-        mask[top:top + h, left:left + w] = True
+        mask[top : top + h, left : left + w] = True
     return mask
 
 
@@ -90,7 +90,7 @@ def test_fills_follow_timms_modes_and_the_seed():
     expected = base.clone()
     for b in range(2):
         for top, left, h, w in boxes[b].tolist():
-            expected[b, :, top:top + h, left:left + w] = 0
+            expected[b, :, top : top + h, left : left + w] = 0
     assert torch.equal(const, expected)
 
 
@@ -111,8 +111,16 @@ def shards(tmp_path_factory):
 
 def loaders(root, normalize_on_device: bool, monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "3")
-    data = ImageShardDataModule(str(root), batch_size=4, num_workers=0, augment=DEIT_LIKE, shuffle_buffer=10,
-                                repeated_augmentation=2, normalize_on_device=normalize_on_device, val_split="train")
+    data = ImageShardDataModule(
+        str(root),
+        batch_size=4,
+        num_workers=0,
+        augment=DEIT_LIKE,
+        shuffle_buffer=10,
+        repeated_augmentation=2,
+        normalize_on_device=normalize_on_device,
+        val_split="train",
+    )
     return data, list(data.train_dataloader()), list(data.val_dataloader())
 
 
@@ -163,14 +171,24 @@ def test_trainer_steps_receive_normalised_float_images(shards, monkeypatch, tmp_
     dtype (Lightning casts inputs before the transfer, when they are still uint8) and labels only."""
     data, _, _ = loaders(shards, True, monkeypatch)
     module = Recorder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        precision=precision)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        precision=precision,
+    )
     trainer.fit(module, datamodule=data)
     stages = {stage for stage, _ in module.seen}
     assert stages == {"train", "val"}
-    low, high = min(-m / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std)), max(
-        (1 - m) / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std))
+    low, high = (
+        min(-m / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std)),
+        max((1 - m) / s for m, s in zip(DEIT_LIKE.mean, DEIT_LIKE.std)),
+    )
     for stage, batch in module.seen:
         assert len(batch) == 2 and batch[0].dtype == dtype and batch[0].shape == (4, 3, 16, 16)
         if stage == "val":  # no erasing noise: every value in the normalised range of 0..255

@@ -8,8 +8,17 @@ import torch
 
 from mmlight.data import RecallDataModule
 
-SMALL = {"num_keys": 12, "num_values": 10, "num_pairs": 5, "num_queries": 3, "train_size": 64, "val_size": 40,
-         "test_size": 30, "batch_size": 16, "seed": 0}
+SMALL = {
+    "num_keys": 12,
+    "num_values": 10,
+    "num_pairs": 5,
+    "num_queries": 3,
+    "train_size": 64,
+    "val_size": 40,
+    "test_size": 30,
+    "batch_size": 16,
+    "seed": 0,
+}
 
 
 def _full_sequences(dm, split):
@@ -100,8 +109,16 @@ def test_determinism_and_split_independence():
 
 
 def test_oracle_reaches_one_and_the_majority_baseline_is_chance():
-    dm = RecallDataModule(num_keys=64, num_values=64, num_pairs=16, num_queries=8, train_size=64,
-                          val_size=2000, test_size=10, batch_size=64)
+    dm = RecallDataModule(
+        num_keys=64,
+        num_values=64,
+        num_pairs=16,
+        num_queries=8,
+        train_size=64,
+        val_size=2000,
+        test_size=10,
+        batch_size=64,
+    )
     correct = oracle = total = 0
     counts: Counter = Counter()
     for batch in dm.train_dataloader():
@@ -123,17 +140,20 @@ def test_oracle_reaches_one_and_the_majority_baseline_is_chance():
     assert abs(correct / total - 1 / 64) < 0.01
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"num_pairs": 13}, "num_keys >= num_pairs"),
-    ({"num_keys": 0}, "num_keys must be a positive integer"),
-    ({"num_values": -1}, "num_values must be a positive integer"),
-    ({"num_queries": 0}, "num_queries must be a positive integer"),
-    ({"val_size": 0}, "val_size"),
-    ({"batch_size": 0}, "batch_size"),
-    ({"train_size": 8}, "smaller than one batch"),
-    ({"seed": -1}, "seed"),
-    ({"num_workers": -2}, "num_workers"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"num_pairs": 13}, "num_keys >= num_pairs"),
+        ({"num_keys": 0}, "num_keys must be a positive integer"),
+        ({"num_values": -1}, "num_values must be a positive integer"),
+        ({"num_queries": 0}, "num_queries must be a positive integer"),
+        ({"val_size": 0}, "val_size"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"train_size": 8}, "smaller than one batch"),
+        ({"seed": -1}, "seed"),
+        ({"num_workers": -2}, "num_workers"),
+    ],
+)
 def test_bad_arguments_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         RecallDataModule(**{**SMALL, **bad})

@@ -71,5 +71,7 @@ def test_one_global_batch_makes_a_one_step_epoch():
     data = module()
     data.trainer = SimpleNamespace(global_rank=3, world_size=4)
     assert data.epoch_steps(32, 8, "8 samples") == 1 and data.epoch_steps(63, 8, "8 samples") == 1
-    with pytest.raises(ValueError, match=r"^the training split \(31\) is smaller than one global batch \(8 samples x 4 devices\)$"):
+    with pytest.raises(
+        ValueError, match=r"^the training split \(31\) is smaller than one global batch \(8 samples x 4 devices\)$"
+    ):
         data.epoch_steps(31, 8, "8 samples")

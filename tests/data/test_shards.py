@@ -19,7 +19,7 @@ def write_shard(path, samples):
 SAMPLES = [
     {"__key__": "a0", "jpg": b"x" * 700, "cls": "3"},
     {"__key__": "dir/b1", "jpg": b"", "cls": "1"},  # an empty member and a key with a folder
-    {"__key__": "c" * 150, "txt": "long key: a GNU long name".encode(), "cls": "7"},
+    {"__key__": "c" * 150, "txt": b"long key: a GNU long name", "cls": "7"},
 ]
 
 
@@ -71,7 +71,10 @@ def test_the_writer_records_every_skip_even_one_that_opens_a_shard(tmp_path, wor
     assert (entry["num_samples"], entry["num_skipped"]) == (2, 3)
     assert entry["skipped"] == [{"path": f"raw/{i}.jpg", "reason": "not an image"} for i in (1, 3, 5)]
     assert [(s["name"], s["num_samples"]) for s in entry["shards"]] == [
-        ("train-000000.tar", 1), ("train-000001.tar", 1), ("train-000002.tar", 0)]
+        ("train-000000.tar", 1),
+        ("train-000001.tar", 1),
+        ("train-000002.tar", 0),
+    ]
     contents = []
     for shard in entry["shards"]:
         with tarfile.open(tmp_path / shard["name"]) as tar:
@@ -98,7 +101,7 @@ def test_the_header_index_gives_each_members_name_offset_and_size(tmp_path, fmt)
         want = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
     data = path.read_bytes()
     index = list(tar_index(path))
-    assert [(name, data[offset:offset + size]) for name, offset, size in index] == want
+    assert [(name, data[offset : offset + size]) for name, offset, size in index] == want
     assert any(len(name) > 100 for name, _, _ in index)  # the long name came from its record
 
 

@@ -46,8 +46,9 @@ def _parse_int(sample: dict) -> int:
 def test_skipping_counts_logs_and_drops_each_failure(caplog):
     counter = SkipCounter()
     decode = Skipping(_parse_int, counter)
-    samples = [{"__key__": f"k{i}", "__url__": "shard-7.tar", "txt": text} for i, text in
-               enumerate(["1", "x", "2", "", "3"])]
+    samples = [
+        {"__key__": f"k{i}", "__url__": "shard-7.tar", "txt": text} for i, text in enumerate(["1", "x", "2", "", "3"])
+    ]
     with caplog.at_level(logging.WARNING, logger="mmlight.data.skips"):
         decoded = [decode(s) for s in samples]
     assert decoded == [1, None, 2, None, 3]
@@ -108,7 +109,7 @@ def corrupt_digits(tmp_path_factory):
 def interleave(a: list, b: list) -> list:
     """a[0], b[0], a[1], b[1], ... then the rest of the longer one."""
     out = [x for pair in zip(a, b) for x in pair]
-    return out + a[len(b):] + b[len(a):]
+    return out + a[len(b) :] + b[len(a) :]
 
 
 def stream(root, workers: int) -> tuple[int, int]:

@@ -51,8 +51,9 @@ def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
 def test_tar_index_matches_tarfile_and_npy_header_matches_numpy(tmp_path):
     """Offsets and sizes from the headers alone agree with Python's tarfile (long names and pax
     headers included), and an .npy member's header gives numpy's dtype, shape and data bytes."""
-    arrays = {f"{'long' * 40}/k{i}.ids.npy": np.arange(i * 7, dtype=np.uint32 if i % 2 else np.int64)
-              for i in range(1, 4)}
+    arrays = {
+        f"{'long' * 40}/k{i}.ids.npy": np.arange(i * 7, dtype=np.uint32 if i % 2 else np.int64) for i in range(1, 4)
+    }
     path = tmp_path / "a.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, array in arrays.items():
@@ -111,7 +112,7 @@ def test_rank_random_seeds_each_stream_from_seed_epoch_rank_and_purpose():
     derivation is part of every run's data order: changing it reorders runs resumed from old checkpoints.)"""
     rand = RankRandom(7, 2, 3)
     high, low = np.random.SeedSequence([7, 2, 3, PURPOSES["shards"]]).generate_state(2, np.uint64)
-    want = random.Random(int(high) * 2 ** 64 + int(low))
+    want = random.Random(int(high) * 2**64 + int(low))
     draws = rand.python("shards")
     assert [draws.random() for _ in range(3)] == [want.random() for _ in range(3)]
     assert rand.python("shards").random() != RankRandom(7, 2, 0).python("shards").random()  # per rank by default
@@ -143,7 +144,7 @@ class DrawSource(StreamSource):
         self.asked.append(count_skips)
         draws = rand.python("order")
         while True:
-            yield draws.randrange(10 ** 9)
+            yield draws.randrange(10**9)
 
     def materialise(self, unit):
         return unit
@@ -153,9 +154,8 @@ def test_a_new_stream_dataset_gives_epoch_0_from_its_first_batch():
     source = DrawSource()
     got = list(StreamDataset(source, steps=4, seed=3, rank=1))
     draws = RankRandom(3, 0, 1).python("order")
-    assert got == [draws.randrange(10 ** 9) for _ in range(4)]
+    assert got == [draws.randrange(10**9) for _ in range(4)]
     assert source.asked == [True]  # the only process is the one that reports unreadable shards
-
 
 
 @pytest.mark.parametrize("worker, reports", [(0, True), (1, False)])
@@ -168,7 +168,7 @@ def test_only_loader_worker_0_reports_unreadable_shards(monkeypatch, worker, rep
     source = DrawSource()
     got = list(StreamDataset(source, steps=4, seed=3, rank=0))
     draws = RankRandom(3, 0, 0).python("order")
-    assert got == [draws.randrange(10 ** 9) for _ in range(4)][worker::2]
+    assert got == [draws.randrange(10**9) for _ in range(4)][worker::2]
     assert source.asked == [reports]
 
 
@@ -179,7 +179,7 @@ def test_seeded_rngs_seed_all_three_generators_from_both_words_and_restore_them(
     from mmlight.data.streaming import seeded_rngs
 
     words = [int(w) for w in np.random.SeedSequence([5, 1, 0, 4, 9]).generate_state(2, np.uint32)]
-    full = words[0] * 2 ** 32 + words[1]
+    full = words[0] * 2**32 + words[1]
     random.seed(123), np.random.seed(123), torch.manual_seed(123)
     before = random.Random(123).random(), np.random.RandomState(123).random_sample()  # the next draws outside
     with seeded_rngs([5, 1, 0, 4, 9]):
@@ -190,17 +190,25 @@ def test_seeded_rngs_seed_all_three_generators_from_both_words_and_restore_them(
     assert random.random() == before[0] and float(np.random.random()) == before[1]
     assert torch.rand(()).item() == torch.rand((), generator=torch.Generator().manual_seed(123)).item()
 
+
 class WorkerDrawSource(DrawSource):
     """Materialises a unit as (unit, the loader worker that made it, a draw of each seeded global generator)."""
 
     def materialise(self, unit):
         info = get_worker_info()
-        return unit, None if info is None else info.id, random.random(), float(np.random.random()), torch.rand(()).item()
+        return (
+            unit,
+            None if info is None else info.id,
+            random.random(),
+            float(np.random.random()),
+            torch.rand(()).item(),
+        )
 
 
 def test_worker_w_of_3_makes_batches_start_plus_w_and_each_unit_has_its_own_seed():
     """Resumed at batch 1 with 3 loader workers: batches 1..6 of the single-process run (units and
     augmentation draws), made by workers 0, 1, 2, 0, 1, 2; each unit's draws differ (seeded by its index)."""
+
     def resumed(workers):
         loader = ResumableLoader(StreamDataset(WorkerDrawSource(), steps=7, seed=3, rank=0), workers, world_size=1)
         loader.load_state_dict({**loader.state_dict(), "position": 1})
@@ -209,7 +217,7 @@ def test_worker_w_of_3_makes_batches_start_plus_w_and_each_unit_has_its_own_seed
 
     alone, got = resumed(0), resumed(3)
     draws = RankRandom(3, 0, 0).python("order")
-    assert [unit for unit, *_ in got] == [draws.randrange(10 ** 9) for _ in range(7)][1:]
+    assert [unit for unit, *_ in got] == [draws.randrange(10**9) for _ in range(7)][1:]
     assert [worker for _, worker, *_ in got] == [0, 1, 2, 0, 1, 2] and [w for _, w, *_ in alone] == [None] * 6
     assert [(unit, *rest) for unit, _, *rest in got] == [(unit, *rest) for unit, _, *rest in alone]
     for generator in (2, 3, 4):  # Python's, NumPy's, torch's
@@ -255,20 +263,22 @@ def test_resampled_samples_count_each_unreadable_draw_and_go_on(tmp_path, caplog
 def test_no_readable_shard_stops_the_stream_naming_them(tmp_path):
     urls = [str(tmp_path / f"missing-{i}.tar") for i in range(5)]
     named = ", ".join(repr(u) for u in sorted(urls)[:3])
-    with pytest.raises(RuntimeError, match=re.escape(f"no readable sample in any of the 5 training shards, e.g. [{named}]")):
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"no readable sample in any of the 5 training shards, e.g. [{named}]")
+    ):
         next(resampled_samples(urls + urls[:2], DrawLimit(0, 500), None))  # a repeated shard is one shard
 
 
 def test_loader_state_names_its_layout_and_a_new_worker_count_is_logged(image_shards, monkeypatch, caplog):
     loader = image_loader(image_shards, 0, monkeypatch)
-    assert loader.state_dict() == {"epoch": 0, "position": 0, "seed": 0, "world_size": 1, "steps": 10,
-                                   "num_workers": 0}
+    assert loader.state_dict() == {"epoch": 0, "position": 0, "seed": 0, "world_size": 1, "steps": 10, "num_workers": 0}
     with caplog.at_level("INFO", logger="mmlight.data.streaming"):
         loader.load_state_dict(loader.state_dict())
         assert caplog.records == []
         loader.load_state_dict({**loader.state_dict(), "num_workers": 3})
     assert [r.getMessage() for r in caplog.records] == [
-        "resuming with 0 loader workers (checkpoint: 3): the order does not depend on them"]
+        "resuming with 0 loader workers (checkpoint: 3): the order does not depend on them"
+    ]
 
 
 # ---------------------------------------------------------------- whole streams
@@ -303,8 +313,9 @@ def image_shards(tmp_path_factory):
 
 def image_loader(root, seed, monkeypatch, num_workers=0, world=(0, 1)):
     monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
-    data = ImageShardDataModule(str(root), batch_size=4, num_workers=num_workers, augment=DEIT_LIKE,
-                                shuffle_buffer=10, repeated_augmentation=2)
+    data = ImageShardDataModule(
+        str(root), batch_size=4, num_workers=num_workers, augment=DEIT_LIKE, shuffle_buffer=10, repeated_augmentation=2
+    )
     data.trainer = SimpleNamespace(global_rank=world[0], world_size=world[1])
     return data.train_dataloader()
 
@@ -324,16 +335,18 @@ def wikitext_shards(tmp_path_factory):
 
 def wikitext_loader(shards, seed, monkeypatch, num_workers=0):
     monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
-    return WikiTextDataModule(str(shards["wikitext103"]), block_size=4, batch_size=2, num_workers=num_workers,
-                              shuffle_buffer=16).train_dataloader()
+    return WikiTextDataModule(
+        str(shards["wikitext103"]), block_size=4, batch_size=2, num_workers=num_workers, shuffle_buffer=16
+    ).train_dataloader()
 
 
 def translation_loader(shards, seed, monkeypatch, num_workers=0):
     from mmlight.data import TranslationDataModule
 
     monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
-    return TranslationDataModule(str(shards["iwslt14"]), max_tokens=64, num_workers=num_workers,
-                                 bucket_buffer=6).train_dataloader()
+    return TranslationDataModule(
+        str(shards["iwslt14"]), max_tokens=64, num_workers=num_workers, bucket_buffer=6
+    ).train_dataloader()
 
 
 def flat(batch) -> list[torch.Tensor]:
@@ -350,8 +363,9 @@ def flat(batch) -> list[torch.Tensor]:
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(len(flat(x)) == len(flat(y)) and all(
-        torch.equal(s, t) for s, t in zip(flat(x), flat(y))) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        len(flat(x)) == len(flat(y)) and all(torch.equal(s, t) for s, t in zip(flat(x), flat(y))) for x, y in zip(a, b)
+    )
 
 
 def epochs(loader, n_epochs=2) -> list:
@@ -372,6 +386,7 @@ def make_loader(request, image_shards, wikitext_shards, monkeypatch):
         if request.param == "wikitext":
             return wikitext_loader(wikitext_shards, seed, monkeypatch, num_workers)
         return translation_loader(wikitext_shards, seed, monkeypatch, num_workers)
+
     return make
 
 
@@ -417,7 +432,7 @@ def test_loader_workers_do_not_change_the_batches(image_shards, wikitext_shards,
     resumed = image_loader(image_shards, 0, monkeypatch, num_workers=2)
     resumed.load_state_dict({**image_loader(image_shards, 0, monkeypatch).state_dict(), "epoch": 1, "position": 3})
     resumed.set_epoch(1)
-    assert same(list(resumed), reference[len(reference) // 2 + 3:])
+    assert same(list(resumed), reference[len(reference) // 2 + 3 :])
     tokens = wikitext_loader(wikitext_shards, 0, monkeypatch)
     assert same(epochs(wikitext_loader(wikitext_shards, 0, monkeypatch, num_workers=2)), epochs(tokens))
 
@@ -445,8 +460,9 @@ def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeyp
     decodes that were tried, seen where the decode is called)."""
     tried = []
     original = AugmentGroup.__call__
-    monkeypatch.setattr(AugmentGroup, "__call__", lambda self, sample: tried.append(sample["__key__"])
-                        or original(self, sample))
+    monkeypatch.setattr(
+        AugmentGroup, "__call__", lambda self, sample: tried.append(sample["__key__"]) or original(self, sample)
+    )
     loader = image_loader(image_shards, 0, monkeypatch)
     with caplog.at_level("WARNING"):
         batches = epochs(loader, 3)
@@ -460,8 +476,11 @@ def test_corrupt_image_keeps_the_batch_size_and_is_counted(image_shards, monkeyp
 def test_changed_layout_warns_naming_both(image_shards, monkeypatch):
     state = image_loader(image_shards, 0, monkeypatch, world=(0, 1)).state_dict()
     loader = image_loader(image_shards, 0, monkeypatch, world=(0, 2))
-    with pytest.warns(UserWarning, match=r"written with seed 0, 1 rank\(s\) and 10 batches per epoch under "
-                                         r"seed 0, 2 rank\(s\) and 5 batches per epoch.*order from this point"):
+    with pytest.warns(
+        UserWarning,
+        match=r"written with seed 0, 1 rank\(s\) and 10 batches per epoch under "
+        r"seed 0, 2 rank\(s\) and 5 batches per epoch.*order from this point",
+    ):
         loader.load_state_dict({**state, "position": 3})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: loading the same state again (DataPosition) is silent

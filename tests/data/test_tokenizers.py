@@ -49,8 +49,9 @@ UNCHANGED = [
 ]
 
 
-@pytest.mark.parametrize("lang, line, expected", FINAL_PERIOD_SPLIT + UNCHANGED,
-                         ids=[line for _, line, _ in FINAL_PERIOD_SPLIT + UNCHANGED])
+@pytest.mark.parametrize(
+    "lang, line, expected", FINAL_PERIOD_SPLIT + UNCHANGED, ids=[line for _, line, _ in FINAL_PERIOD_SPLIT + UNCHANGED]
+)
 def test_tokenisation_matches_tokenizer_perl(lang, line, expected):
     assert moses_tokenize(line, lang) == expected
 
@@ -64,7 +65,9 @@ def test_split_final_period_on_joined_words():
 
 def test_preparation_tokenises_with_the_perl_rule():
     assert iwslt._tokenize_chunk(("de", ["Wir fahren in die U.S.A.", "Er kam am 3."])) == [
-        "wir fahren in die u.s.a .", "er kam am 3 ."]
+        "wir fahren in die u.s.a .",
+        "er kam am 3 .",
+    ]
 
 
 def test_a_tokenised_cache_of_another_tokeniser_is_redone(tmp_path):
@@ -83,13 +86,16 @@ def test_a_tokenised_cache_of_another_tokeniser_is_redone(tmp_path):
     assert again["test"] == texts["test"] != (["stale"], ["stale"])
 
 
-@pytest.mark.parametrize("bpe, words", [
-    ("the dog@@ gy sees", "the doggy sees"),
-    ("un@@ be@@ liev@@ able", "unbelievable"),
-    ("cut off mid@@", "cut off mid"),  # a hypothesis that stopped inside a word: the marker still goes
-    ("@@", ""),
-    ("no markers", "no markers"),
-])
+@pytest.mark.parametrize(
+    "bpe, words",
+    [
+        ("the dog@@ gy sees", "the doggy sees"),
+        ("un@@ be@@ liev@@ able", "unbelievable"),
+        ("cut off mid@@", "cut off mid"),  # a hypothesis that stopped inside a word: the marker still goes
+        ("@@", ""),
+        ("no markers", "no markers"),
+    ],
+)
 def test_remove_bpe_joins_subwords_as_fairseqs_remove_bpe(bpe, words):
     """fairseq's ``--remove-bpe``: ``(line + " ").replace("@@ ", "").rstrip()``, written out per case."""
     assert remove_bpe(bpe) == words

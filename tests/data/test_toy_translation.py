@@ -6,7 +6,6 @@ import pytest
 from sacremoses import MosesDetokenizer
 
 from mmlight.data import ToyTranslationDataModule
-from mmlight.data.vocab import load_dictionary
 from mmlight.data.toy_translation import (
     ADJECTIVES,
     ADVERBS,
@@ -19,6 +18,7 @@ from mmlight.data.toy_translation import (
     toy_pairs,
     write_toy_corpus,
 )
+from mmlight.data.vocab import load_dictionary
 
 FILES = [f"{s}.{lang}" for s in ("train", "valid", "test") for lang in ("de", "en")] + ["code"]
 SMALL = {"train_size": 200, "valid_size": 30, "test_size": 20, "seed": 0, "max_tokens": 256, "samples_per_shard": 64}
@@ -49,7 +49,7 @@ def _reference_translation(de: str) -> str:
     words = de.split()
     assert words[-1] == "."
     words = words[:-1]
-    main, sub = (words, None) if "," not in words else (words[:words.index(",")], words[words.index(",") + 1:])
+    main, sub = (words, None) if "," not in words else (words[: words.index(",")], words[words.index(",") + 1 :])
     out = []
     if main[0] in ADVERB_WORDS:  # adv verb subj obj -> adv subj verb obj
         assert main[1] in VERB_WORDS
@@ -68,9 +68,12 @@ def _reference_translation(de: str) -> str:
         obj, j = _noun_phrase(sub, i)
         assert j == len(sub) - 1
         out += [",", sub[0], *subj, sub[-1], *obj]
-    words_en = {**{a: b for a, b in NOUNS + VERBS + PRONOUNS + ADVERBS + CONJUNCTIONS},
-                **{f: en for forms, en in DETERMINERS for f in forms},
-                **{stem + end: en for stem, en in ADJECTIVES for end in ("e", "er", "en")}, ",": ","}
+    words_en = {
+        **{a: b for a, b in NOUNS + VERBS + PRONOUNS + ADVERBS + CONJUNCTIONS},
+        **{f: en for forms, en in DETERMINERS for f in forms},
+        **{stem + end: en for stem, en in ADJECTIVES for end in ("e", "er", "en")},
+        ",": ",",
+    }
     return " ".join(words_en[w] for w in out) + " ."
 
 
@@ -80,8 +83,10 @@ def _lines(path):
 
 def test_documented_examples_follow_the_rule():
     assert _reference_translation("heute sieht mein alter koch den hund .") == "today my cook old sees the dog ."
-    assert (_reference_translation("der vogel findet einen blauen fisch , weil er den arzt fragt .")
-            == "the bird finds a fish blue , because he asks the doctor .")
+    assert (
+        _reference_translation("der vogel findet einen blauen fisch , weil er den arzt fragt .")
+        == "the bird finds a fish blue , because he asks the doctor ."
+    )
 
 
 def test_every_generated_pair_follows_the_reordering_rule():
@@ -127,8 +132,9 @@ def test_vocabulary_and_ids_are_iwslt_s(prepared):
     assert dm.vocab_size == len(dm.vocab) == dm._info()["vocab"]["size"]
     words = set(lexicon()) | set(lexicon().values())
     assert set(dm.vocab.tokens[4:]) <= words  # BPE left every word whole
-    assert dm.encode("Heute sieht der Hund den Fisch.") == [dm.vocab.tokens.index(w) for w in
-                                                            ("heute", "sieht", "der", "hund", "den", "fisch", ".")]
+    assert dm.encode("Heute sieht der Hund den Fisch.") == [
+        dm.vocab.tokens.index(w) for w in ("heute", "sieht", "der", "hund", "den", "fisch", ".")
+    ]
 
 
 def test_batches_decode_to_the_raw_target_lines(prepared):

@@ -22,8 +22,10 @@ def batches(samples, max_tokens, **kwargs):
 
 def test_a_sample_fits_the_budget_with_its_end_of_sentence_token_on_either_side():
     """max_tokens 8: 7 tokens + </s> fit on either side; 8 + </s> do not, on either side."""
-    got, warned = batches([sample("fits_src", 7, 3), sample("over_src", 8, 3), sample("fits_tgt", 2, 7),
-                           sample("over_tgt", 2, 8)], max_tokens=8)
+    got, warned = batches(
+        [sample("fits_src", 7, 3), sample("over_src", 8, 3), sample("fits_tgt", 2, 7), sample("over_tgt", 2, 8)],
+        max_tokens=8,
+    )
     assert got == [["fits_src"], ["fits_tgt"]]  # 8 tokens each: one per batch
     assert len(warned) == 2 and "over_src" in warned[0] and "over_tgt" in warned[1]
     assert "2 skipped so far" in warned[1]
@@ -33,8 +35,9 @@ def test_a_sample_fits_the_budget_with_its_end_of_sentence_token_on_either_side(
 def test_position_limits_count_the_end_of_sentence_token(side):
     limits = {"max_source_positions": 5, "max_target_positions": 5}
     lengths = {"source": [(4, 1), (5, 1)], "target": [(1, 4), (1, 5)]}[side]
-    got, warned = batches([sample(f"n{n}", *n_lengths) for n, n_lengths in enumerate(lengths)],
-                          max_tokens=100, **limits)
+    got, warned = batches(
+        [sample(f"n{n}", *n_lengths) for n, n_lengths in enumerate(lengths)], max_tokens=100, **limits
+    )
     assert got == [["n0"]] and len(warned) == 1 and "n1" in warned[0]
 
 

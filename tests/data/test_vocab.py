@@ -21,8 +21,10 @@ def test_encode_and_decode_by_whitespace():
 
 
 def test_a_vocabulary_travels_as_plain_types():
-    vocab = Vocab(SPECIALS + WORDS, tokenizer=Tokenizer(moses=True, src_lang="de", tgt_lang="en",
-                                                       bpe_codes="#version: 0.2\nd o\n", version="v"))
+    vocab = Vocab(
+        SPECIALS + WORDS,
+        tokenizer=Tokenizer(moses=True, src_lang="de", tgt_lang="en", bpe_codes="#version: 0.2\nd o\n", version="v"),
+    )
     data = vocab.to_dict()
     assert json.loads(json.dumps(data)) == data  # nothing but JSON types
     assert Vocab.from_dict(data) == vocab
@@ -87,11 +89,17 @@ def test_a_set_without_a_vocabulary_or_of_a_newer_schema_names_the_fix(wikitext,
     import shutil
 
     for name, change, message in [
-        ("novocab", lambda info: {k: v for k, v in info.items() if k != "vocab"},
-         rf"no vocabulary in its _info.json: prepare it again with `mmlight prepare wikitext103 --src <raw data> "
-         rf"--out {tmp_path / 'novocab'}`"),
-        ("newer", lambda info: {**info, "version": INFO_VERSION + 1},
-         f"schema version {INFO_VERSION + 1}; this mmlight reads up to {INFO_VERSION}: update mmlight"),
+        (
+            "novocab",
+            lambda info: {k: v for k, v in info.items() if k != "vocab"},
+            rf"no vocabulary in its _info.json: prepare it again with `mmlight prepare wikitext103 --src <raw data> "
+            rf"--out {tmp_path / 'novocab'}`",
+        ),
+        (
+            "newer",
+            lambda info: {**info, "version": INFO_VERSION + 1},
+            f"schema version {INFO_VERSION + 1}; this mmlight reads up to {INFO_VERSION}: update mmlight",
+        ),
     ]:
         shutil.copytree(wikitext, tmp_path / name)
         rewrite_info(tmp_path / name, change)
@@ -105,10 +113,17 @@ def iwslt_version_1(info: dict) -> dict:
     vocab = info.pop("vocab")
     info.pop("version")
     tokenizer = vocab["tokenizer"]
-    return {**info, "src_lang": tokenizer["src_lang"], "tgt_lang": tokenizer["tgt_lang"],
-            "bpe_file": tokenizer["bpe_file"], "bpe_merges": tokenizer["bpe_merges"], "dict_file": vocab["file"],
-            "vocab_size": vocab["size"], "specials": list(SPECIALS),
-            **{f"{name}_id": i for name, i in vocab["special_ids"].items()}}
+    return {
+        **info,
+        "src_lang": tokenizer["src_lang"],
+        "tgt_lang": tokenizer["tgt_lang"],
+        "bpe_file": tokenizer["bpe_file"],
+        "bpe_merges": tokenizer["bpe_merges"],
+        "dict_file": vocab["file"],
+        "vocab_size": vocab["size"],
+        "specials": list(SPECIALS),
+        **{f"{name}_id": i for name, i in vocab["special_ids"].items()},
+    }
 
 
 def test_a_version_1_translation_set_still_loads(tmp_path):

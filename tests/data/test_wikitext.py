@@ -21,32 +21,43 @@ from mmlight.data.vocab import load_vocab
 
 # The real raw format: every line starts with a space, "empty" lines hold one space, headings are
 # " = Title = ", and the text is pre-tokenised (`@-@`, `<unk>`, punctuation as words).
-TRAIN = (b" \n"
-         b" = Valkyria = \n"
-         b" \n"
-         b" The game @-@ play is <unk> . The <unk> game is fun . \n"
-         b"\xff\xfe bad \xc3 line \n"  # line 5: not UTF-8
-         b" = = Gameplay = = \n"
-         b" The play , the game . \n")
-VALID = (b" \n"
-         b" = Valkyria = \n"
-         b" The zebra game . \n")  # "zebra" is not in the training vocabulary
-TEST = (b" = Gameplay = \n"
-        b" \n"
-        b" fun is the play , <unk> . \n"
-        b" The game")  # no final newline
-VOCAB = ["<s>", "<pad>", "</s>", "<unk>",
-         "=",                                   # 6
-         ".", "The", "game",                    # 3 each, by code point
-         "is", "play",                          # 2
-         ",", "@-@", "Gameplay", "Valkyria", "fun", "the"]  # 1
+TRAIN = (
+    b" \n"
+    b" = Valkyria = \n"
+    b" \n"
+    b" The game @-@ play is <unk> . The <unk> game is fun . \n"
+    b"\xff\xfe bad \xc3 line \n"  # line 5: not UTF-8
+    b" = = Gameplay = = \n"
+    b" The play , the game . \n"
+)
+VALID = b" \n = Valkyria = \n The zebra game . \n"  # "zebra" is not in the training vocabulary
+TEST = b" = Gameplay = \n \n fun is the play , <unk> . \n The game"  # no final newline
+VOCAB = [
+    "<s>",
+    "<pad>",
+    "</s>",
+    "<unk>",
+    "=",  # 6
+    ".",
+    "The",
+    "game",  # 3 each, by code point
+    "is",
+    "play",  # 2
+    ",",
+    "@-@",
+    "Gameplay",
+    "Valkyria",
+    "fun",
+    "the",
+]  # 1
 CHUNK, PER_SHARD = 8, 2  # small chunks so that the splits span several samples and shards
 
 
 def write_raw(src, files=None):
     src.mkdir(parents=True, exist_ok=True)
-    for name, data in (files or {"wiki.train.tokens": TRAIN, "wiki.valid.tokens": VALID,
-                                 "wiki.test.tokens": TEST}).items():
+    for name, data in (
+        files or {"wiki.train.tokens": TRAIN, "wiki.valid.tokens": VALID, "wiki.test.tokens": TEST}
+    ).items():
         (src / name).write_bytes(data)
     return src
 
@@ -54,7 +65,7 @@ def write_raw(src, files=None):
 def tokens(data: bytes) -> list[str]:
     """The reference tokenisation, written independently: every good line + "</s>"."""
     out = []
-    for raw in data.split(b"\n")[:None if not data.endswith(b"\n") else -1]:
+    for raw in data.split(b"\n")[: None if not data.endswith(b"\n") else -1]:
         try:
             out += raw.decode("utf-8").split() + ["</s>"]
         except UnicodeDecodeError:
@@ -86,9 +97,13 @@ def test_vocabulary_and_counts(shards):
     assert load_vocab(out / "vocab.txt") == VOCAB
     assert (out / "vocab.txt").read_text() == "".join(w + "\n" for w in VOCAB)
     assert info["dataset"] == "wikitext103" and info["version"] == 2
-    assert info["vocab"] == {"file": "vocab.txt", "format": "lines", "size": 16,
-                             "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3},
-                             "tokenizer": {"moses": False, "src_lang": None, "tgt_lang": None, "version": None}}
+    assert info["vocab"] == {
+        "file": "vocab.txt",
+        "format": "lines",
+        "size": 16,
+        "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3},
+        "tokenizer": {"moses": False, "src_lang": None, "tgt_lang": None, "version": None},
+    }
     train, valid, test = (info["splits"][s] for s in ("train", "valid", "test"))
     assert (train["num_tokens"], valid["num_tokens"], test["num_tokens"]) == (33, 10, 16)
     assert (train["num_lines"], valid["num_lines"], test["num_lines"]) == (6, 3, 4)
@@ -129,8 +144,8 @@ def test_interrupted_run_resumes_identically(shards, tmp_path):
     src, out = shards
     copy = tmp_path / "shards"
     shutil.copytree(out, copy)
-    (copy / "train-000001.tar.done.json").unlink()          # killed before its record
-    (copy / "train-000002.tar").unlink()                   # killed while writing shard 2
+    (copy / "train-000001.tar.done.json").unlink()  # killed before its record
+    (copy / "train-000002.tar").unlink()  # killed while writing shard 2
     (copy / "train-000002.tar.done.json").unlink()
     (copy / "train-000002.tar.tmp").write_bytes(b"partial")
     (copy / "_info.json").unlink()
@@ -190,7 +205,9 @@ def test_parallel_writers_give_the_same_samples(shards, tmp_path):
     assert sorted(p.name for p in (tmp_path / "par").iterdir()) == sorted(p.name for p in out.iterdir())
     for tar in out.glob("*.tar"):
         assert members(tmp_path / "par" / tar.name) == members(tar)
-    assert info["splits"]["train"]["skipped"] == json.loads((out / "_info.json").read_text())["splits"]["train"]["skipped"]
+    assert (
+        info["splits"]["train"]["skipped"] == json.loads((out / "_info.json").read_text())["splits"]["train"]["skipped"]
+    )
 
 
 def test_training_with_loader_workers(shards):
@@ -250,8 +267,9 @@ def test_eval_window_geometry():
 def test_eval_scores_every_token_once(shards, block, context, world_size):
     _, out = shards
     stream = ids(TEST)
-    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0,
-                            eval_block_size=block, eval_context=context)
+    dm = WikiTextDataModule(
+        str(out), block_size=3, batch_size=2, num_workers=0, eval_block_size=block, eval_context=context
+    )
     pairs, counts = [], []
     for rank in range(world_size):
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=world_size)
@@ -260,13 +278,12 @@ def test_eval_scores_every_token_once(shards, block, context, world_size):
         for batch in batches:
             assert batch["input"].shape == batch["target"].shape == batch["loss_mask"].shape
             assert batch["input"].shape[1] == block and batch["loss_mask"].dtype == torch.bool
-            for start, inp, tgt, mask in zip(batch["start"], batch["input"], batch["target"],
-                                             batch["loss_mask"]):
+            for start, inp, tgt, mask in zip(batch["start"], batch["input"], batch["target"], batch["loss_mask"]):
                 s = int(start)
                 n = min(block, len(stream) - s)
                 # target t is stream[s + t]; input t is its predecessor ("</s>" before the first token)
-                np.testing.assert_array_equal(tgt[:n].numpy(), stream[s:s + n])
-                np.testing.assert_array_equal(inp[:n].numpy(), np.concatenate([[2], stream])[s:s + n])
+                np.testing.assert_array_equal(tgt[:n].numpy(), stream[s : s + n])
+                np.testing.assert_array_equal(inp[:n].numpy(), np.concatenate([[2], stream])[s : s + n])
                 assert (inp[n:] == 1).all() and (tgt[n:] == 1).all() and not mask[n:].any()
                 scored = torch.nonzero(mask).flatten()
                 if s > 0:  # every scored target sees >= context + 1 tokens of the window
@@ -310,11 +327,11 @@ def test_eval_windows_dataset_length():
 
 def test_datamodule_from_config(shards):
     import jsonargparse
+
     _, out = shards
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(WikiTextDataModule, "data")
-    cfg = parser.parse_args(["--data.root", str(out), "--data.eval_context", "400",
-                             "--data.eval_block_size", "512"])
+    cfg = parser.parse_args(["--data.root", str(out), "--data.eval_context", "400", "--data.eval_block_size", "512"])
     dm = getattr(parser, "instantiate", None) or parser.instantiate_classes
     dm = dm(cfg).data
     assert isinstance(dm, WikiTextDataModule) and dm.eval_context == 400 and dm.block_size == 512

@@ -29,22 +29,45 @@ def record(path: Path, rec: dict) -> None:
     (path / "final_metrics.json").write_text(json.dumps(rec))
 
 
-def write_fit(run_dir: Path, metrics: dict[str, float], *, step: int = 10, global_step: int = 10,
-              best: str | None = None, last: str | None = None) -> dict:
+def write_fit(
+    run_dir: Path,
+    metrics: dict[str, float],
+    *,
+    step: int = 10,
+    global_step: int = 10,
+    best: str | None = None,
+    last: str | None = None,
+) -> dict:
     """fit's final_metrics.json as FinalMetrics writes it; each metric logged at ``step``."""
     fit = run_dir / "fit"
-    checkpoints = {"best": best or str(fit / "checkpoints" / "best-0-5.ckpt"),
-                   "last": last or str(fit / "checkpoints" / "last.ckpt")}
-    rec = {"stage": "fit", "global_step": global_step, "epoch": 1, "checkpoint": None, "checkpoints": checkpoints,
-           "metrics": {name: {"value": value, "step": step, "epoch": 1} for name, value in metrics.items()}}
+    checkpoints = {
+        "best": best or str(fit / "checkpoints" / "best-0-5.ckpt"),
+        "last": last or str(fit / "checkpoints" / "last.ckpt"),
+    }
+    rec = {
+        "stage": "fit",
+        "global_step": global_step,
+        "epoch": 1,
+        "checkpoint": None,
+        "checkpoints": checkpoints,
+        "metrics": {name: {"value": value, "step": step, "epoch": 1} for name, value in metrics.items()},
+    }
     record(fit, rec)
     return rec
 
 
 def write_eval(run_dir: Path, stage: str, metrics: dict[str, float], checkpoint: str) -> None:
     """A validate/ or test/ final_metrics.json of ``checkpoint``."""
-    record(run_dir / stage, {"stage": stage, "global_step": 10, "epoch": 1, "checkpoint": checkpoint,
-                             "metrics": {name: {"value": value, "step": 10, "epoch": 1} for name, value in metrics.items()}})
+    record(
+        run_dir / stage,
+        {
+            "stage": stage,
+            "global_step": 10,
+            "epoch": 1,
+            "checkpoint": checkpoint,
+            "metrics": {name: {"value": value, "step": 10, "epoch": 1} for name, value in metrics.items()},
+        },
+    )
 
 
 # A table with every case in one grid: complete cells, a missing seed, a failed and an unfinished
@@ -69,14 +92,22 @@ cells:
   g: {{row: R3, column: C4}}
 """
 # the value each run's fit records (None: no metrics file); before the table's scale of 100 (f: 1)
-VALUES = {"a": [0.5, 0.625, 0.75], "b": [0.8, 0.9, 0.85], "c": [0.9, 0.95, None], "d": [0.3, None, None],
-          "e": [0.25, 0.25, 0.25], "f": [2.0, 3.0, 4.0], "g": [None, None, None]}
+VALUES = {
+    "a": [0.5, 0.625, 0.75],
+    "b": [0.8, 0.9, 0.85],
+    "c": [0.9, 0.95, None],
+    "d": [0.3, None, None],
+    "e": [0.25, 0.25, 0.25],
+    "f": [2.0, 3.0, 4.0],
+    "g": [None, None, None],
+}
 
 
 @pytest.fixture
 def grid(tmp_path):
     """GRID's runs under ``<tmp>/runs``: c/seed2 and g never started, d/seed1 failed (log recorded),
     d/seed2 started (its fit folder exists) but has no result yet."""
+
     def make(extra: str = ""):
         path = write_table(tmp_path, GRID.format(extra=extra))
         out = tmp_path / "runs"
@@ -88,6 +119,7 @@ def grid(tmp_path):
         write_status(out / "t" / "d" / "seed1", status="failed", step="fit", returncode=1, log="/logs/d1.out")
         (out / "t" / "d" / "seed2" / "fit").mkdir(parents=True)
         return path, out
+
     return make
 
 
@@ -147,7 +179,8 @@ def test_markdown_layout_bold_best_notes_and_paper(grid):
         "| | C1 | C2 | C3 | C4 |\n"
         "|---|---|---|---|---|\n"
         "| R1 | **62.50 ± 10.21** · paper 50.00 ± 1.50 | **85.00 ± 4.08** · paper 43.00 ± 2.94 |  |  |\n"
-        "| R2 | 92.50 ± 2.50 (2/3; missing: seed 2) | 30.00 (1/3; failed: seed 1; unfinished: seed 2) · paper 61.00 |  |  |\n"
+        "| R2 | 92.50 ± 2.50 (2/3; missing: seed 2) "
+        "| 30.00 (1/3; failed: seed 1; unfinished: seed 2) · paper 61.00 |  |  |\n"
         "| R3 | 25.00 ± 0.00 |  | **3.00 ± 0.82** | — (0/3; missing: seed 0, 1, 2) |\n"
         "\n"
         "Runs without a result:\n"
@@ -157,7 +190,8 @@ def test_markdown_layout_bold_best_notes_and_paper(grid):
         f"- d/seed2: unfinished — {d / 'd' / 'seed2'}\n"
         f"- g/seed0: missing — {d / 'g' / 'seed0'}\n"
         f"- g/seed1: missing — {d / 'g' / 'seed1'}\n"
-        f"- g/seed2: missing — {d / 'g' / 'seed2'}\n")
+        f"- g/seed2: missing — {d / 'g' / 'seed2'}\n"
+    )
 
 
 def test_lower_is_better_bolds_the_smallest_complete_mean(grid):
@@ -186,16 +220,64 @@ def test_csv_has_every_column_and_cells_in_file_order(grid):
     a, b, c = scaled("a"), scaled("b"), scaled("c")
     assert rows == [
         ["cell", "row", "column", "n", "mean", "std", "min", "max", "paper", "paper_std", "seed0", "seed1", "seed2"],
-        ["a", "R1", "C1", "3", six(np.mean(a)), six(np.std(a)), six(min(a)), six(max(a)), "50.000000", "1.500000",
-         *map(six, a)],
-        ["b", "R1", "C2", "3", six(np.mean(b)), six(np.std(b)), six(min(b)), six(max(b)),
-         "43.000000", six(np.std([40, 42, 47])), *map(six, b)],
+        [
+            "a",
+            "R1",
+            "C1",
+            "3",
+            six(np.mean(a)),
+            six(np.std(a)),
+            six(min(a)),
+            six(max(a)),
+            "50.000000",
+            "1.500000",
+            *map(six, a),
+        ],
+        [
+            "b",
+            "R1",
+            "C2",
+            "3",
+            six(np.mean(b)),
+            six(np.std(b)),
+            six(min(b)),
+            six(max(b)),
+            "43.000000",
+            six(np.std([40, 42, 47])),
+            *map(six, b),
+        ],
         ["c", "R2", "C1", "2", "92.500000", "2.500000", "90.000000", "95.000000", "", "", *map(six, c), "missing"],
-        ["d", "R2", "C2", "1", "30.000000", "", "30.000000", "30.000000", "61.000000", "", "30.000000",
-         "failed", "unfinished"],
+        [
+            "d",
+            "R2",
+            "C2",
+            "1",
+            "30.000000",
+            "",
+            "30.000000",
+            "30.000000",
+            "61.000000",
+            "",
+            "30.000000",
+            "failed",
+            "unfinished",
+        ],
         ["e", "R3", "C1", "3", "25.000000", "0.000000", "25.000000", "25.000000", "", "", *["25.000000"] * 3],
-        ["f", "R3", "C3", "3", "3.000000", six(np.std([2, 3, 4])), "2.000000", "4.000000", "", "",
-         "2.000000", "3.000000", "4.000000"],
+        [
+            "f",
+            "R3",
+            "C3",
+            "3",
+            "3.000000",
+            six(np.std([2, 3, 4])),
+            "2.000000",
+            "4.000000",
+            "",
+            "",
+            "2.000000",
+            "3.000000",
+            "4.000000",
+        ],
         ["g", "R3", "C4", "0", "", "", "", "", "", "", "missing", "missing", "missing"],
     ]
     assert rows[1][5] == "10.206207"  # sqrt(312.5 / 3)
@@ -203,8 +285,9 @@ def test_csv_has_every_column_and_cells_in_file_order(grid):
 
 def test_min_and_max_are_of_the_finished_runs_in_any_order(tmp_path):
     """min and max are not the first and last seed: values 0.7, 0.2, 0.9 give 20 and 90."""
-    path = write_table(tmp_path, "config: base.yaml\nseeds: [0, 1, 2]\nmetric: val/acc\ncheckpoint: last\n"
-                                 "scale: 100\ncells: {a: {}}\n")
+    path = write_table(
+        tmp_path, "config: base.yaml\nseeds: [0, 1, 2]\nmetric: val/acc\ncheckpoint: last\nscale: 100\ncells: {a: {}}\n"
+    )
     for seed, value in enumerate([0.7, 0.2, 0.9]):
         write_fit(tmp_path / "runs" / "t" / "a" / f"seed{seed}", {"val/acc": value})
     table = load_table(path)
@@ -213,15 +296,18 @@ def test_min_and_max_are_of_the_finished_runs_in_any_order(tmp_path):
     assert (row["min"], row["max"]) == ("20.000000", "90.000000")
 
 
-@pytest.mark.parametrize("paper, paper_std, expected", [
-    (28.7, None, (28.7, None)),
-    (28.7, 0.16, (28.7, 0.16)),
-    ([1.0, 2.0, 6.0], None, (3.0, statistics.pstdev([1.0, 2.0, 6.0]))),  # pstdev: sqrt(14/3)
-    ([1.0, 2.0, 6.0], 0.5, (3.0, 0.5)),  # the paper's own std wins over the runs'
-    ([4.5], None, (4.5, None)),
-    ([1.0, 4.0], None, (2.5, 1.5)),  # two runs have a std
-    (None, None, (None, None)),
-])
+@pytest.mark.parametrize(
+    "paper, paper_std, expected",
+    [
+        (28.7, None, (28.7, None)),
+        (28.7, 0.16, (28.7, 0.16)),
+        ([1.0, 2.0, 6.0], None, (3.0, statistics.pstdev([1.0, 2.0, 6.0]))),  # pstdev: sqrt(14/3)
+        ([1.0, 2.0, 6.0], 0.5, (3.0, 0.5)),  # the paper's own std wins over the runs'
+        ([4.5], None, (4.5, None)),
+        ([1.0, 4.0], None, (2.5, 1.5)),  # two runs have a std
+        (None, None, (None, None)),
+    ],
+)
 def test_paper_value_is_a_number_or_the_mean_and_pstdev_of_the_paper_runs(paper, paper_std, expected, tmp_path):
     text = "config: base.yaml\nmetric: val/acc\ncells:\n  a: {}\n"
     cell = load_table(write_table(tmp_path, text)).cells[0]
@@ -234,8 +320,9 @@ def test_paper_value_is_a_number_or_the_mean_and_pstdev_of_the_paper_runs(paper,
 
 
 def test_paper_list_and_paper_std_parsed_from_the_table_file(tmp_path):
-    path = write_table(tmp_path, "config: base.yaml\nmetric: val/acc\ndigits: 1\n"
-                                 "cells: {a: {paper: [10, 12], paper_std: 0.25}}\n")
+    path = write_table(
+        tmp_path, "config: base.yaml\nmetric: val/acc\ndigits: 1\ncells: {a: {paper: [10, 12], paper_std: 0.25}}\n"
+    )
     table = load_table(path)
     assert collect.paper_value(table.cells[0]) == (11.0, 0.25)
     text = collect.markdown(table, collect.gather(table, tmp_path / "runs"), "x")
@@ -245,8 +332,11 @@ def test_paper_list_and_paper_std_parsed_from_the_table_file(tmp_path):
 def test_digits_and_scale(tmp_path):
     """digits: 3 and a cell's own scale (1000) over the table's (100): 0.5 and 0.75 -> 500 and 750,
     mean 625 ± 125 in three decimals; the header names the scale."""
-    path = write_table(tmp_path, "config: base.yaml\nseeds: [0, 1]\nmetric: val/acc\ncheckpoint: last\n"
-                                 "scale: 100\ndigits: 3\ncells: {a: {scale: 1000}, b: {}}\n")
+    path = write_table(
+        tmp_path,
+        "config: base.yaml\nseeds: [0, 1]\nmetric: val/acc\ncheckpoint: last\n"
+        "scale: 100\ndigits: 3\ncells: {a: {scale: 1000}, b: {}}\n",
+    )
     out = tmp_path / "runs"
     for seed, value in enumerate([0.5, 0.75]):
         write_fit(out / "t" / "a" / f"seed{seed}", {"val/acc": value})
@@ -259,8 +349,7 @@ def test_digits_and_scale(tmp_path):
 
 
 def test_scale_one_is_not_named_and_digits_zero(tmp_path):
-    path = write_table(tmp_path, "config: base.yaml\nseeds: [0, 1]\nmetric: test/bleu\ndigits: 0\n"
-                                 "cells: {a: {}}\n")
+    path = write_table(tmp_path, "config: base.yaml\nseeds: [0, 1]\nmetric: test/bleu\ndigits: 0\ncells: {a: {}}\n")
     out = tmp_path / "runs"
     for seed, value in enumerate([27.25, 28.75]):
         fit = write_fit(out / "t" / "a" / f"seed{seed}", {})
@@ -276,14 +365,20 @@ def test_metric_from_the_last_checkpoint_needs_a_validation_at_the_final_step(tm
     before it (b: step 8 of 10) does not, unless validate/ evaluated the last checkpoint (c: the
     path written differently, same file); an evaluation of another checkpoint (d) does not count;
     an evaluation of the last checkpoint wins over fit's own value (e)."""
-    path = write_table(tmp_path, "config: base.yaml\nmetric: val/acc\ncheckpoint: last\n"
-                                 "cells: {a: {}, b: {}, c: {}, d: {}, e: {}}\n")
+    path = write_table(
+        tmp_path, "config: base.yaml\nmetric: val/acc\ncheckpoint: last\ncells: {a: {}, b: {}, c: {}, d: {}, e: {}}\n"
+    )
     out = tmp_path / "runs"
     write_fit(out / "t" / "a" / "seed0", {"val/acc": 0.5})
     write_fit(out / "t" / "b" / "seed0", {"val/acc": 0.5}, step=8)
     fit = write_fit(out / "t" / "c" / "seed0", {"val/acc": 0.5}, step=8)
     last = Path(fit["checkpoints"]["last"])
-    write_eval(out / "t" / "c" / "seed0", "validate", {"val/acc": 0.625}, str(last.parent / ".." / last.parent.name / last.name))
+    write_eval(
+        out / "t" / "c" / "seed0",
+        "validate",
+        {"val/acc": 0.625},
+        str(last.parent / ".." / last.parent.name / last.name),
+    )
     fit = write_fit(out / "t" / "d" / "seed0", {"val/acc": 0.5}, step=8)
     write_eval(out / "t" / "d" / "seed0", "validate", {"val/acc": 0.625}, fit["checkpoints"]["best"])
     fit = write_fit(out / "t" / "e" / "seed0", {"val/acc": 0.5})
@@ -297,12 +392,17 @@ def test_metric_from_the_best_checkpoint_is_read_from_the_evaluation_of_that_che
     """checkpoint: best, a test/* metric: fit's own value never counts (a, even at the final step);
     test/ of the best checkpoint does (b); test/ of the last one does not (c), nor a validate/
     folder (d), nor test/ without the metric (e)."""
-    path = write_table(tmp_path, "config: base.yaml\nmetric: test/acc\nscale: 10\n"
-                                 "cells: {a: {}, b: {}, c: {}, d: {}, e: {}}\n")
+    path = write_table(
+        tmp_path, "config: base.yaml\nmetric: test/acc\nscale: 10\ncells: {a: {}, b: {}, c: {}, d: {}, e: {}}\n"
+    )
     out = tmp_path / "runs"
     write_fit(out / "t" / "a" / "seed0", {"test/acc": 0.5})
-    for cell, stage, checkpoint, metric in [("b", "test", "best", "test/acc"), ("c", "test", "last", "test/acc"),
-                                            ("d", "validate", "best", "test/acc"), ("e", "test", "best", "test/f1")]:
+    for cell, stage, checkpoint, metric in [
+        ("b", "test", "best", "test/acc"),
+        ("c", "test", "last", "test/acc"),
+        ("d", "validate", "best", "test/acc"),
+        ("e", "test", "best", "test/f1"),
+    ]:
         fit = write_fit(out / "t" / cell / "seed0", {})
         write_eval(out / "t" / cell / "seed0", stage, {metric: 0.25}, fit["checkpoints"][checkpoint])
     results = collect.gather(load_table(path), out)
@@ -333,8 +433,10 @@ def test_status_file_done_without_metrics_is_unfinished_and_failed_without_log_s
     results = collect.gather(table, out)
     assert results[0].statuses == ["unfinished", "failed"]
     lines = collect.markdown(table, results, "x").splitlines()
-    assert lines[-2:] == [f"- a/seed0: unfinished (log: /l/0.log) — {out / 't' / 'a' / 'seed0'}",
-                          f"- a/seed1: failed — {out / 't' / 'a' / 'seed1'}"]
+    assert lines[-2:] == [
+        f"- a/seed0: unfinished (log: /l/0.log) — {out / 't' / 'a' / 'seed0'}",
+        f"- a/seed1: failed — {out / 't' / 'a' / 'seed1'}",
+    ]
     assert lines[6] == "| a | — (0/2; unfinished: seed 0; failed: seed 1) |"
 
 
@@ -362,7 +464,8 @@ def test_main_default_out_is_runs_tables_and_not_named(tmp_path, capsys, monkeyp
     assert "Written by `mmlight collect t.yaml`." in text
     assert (tmp_path / "runs" / "tables" / "t.csv").is_file()
     assert capsys.readouterr().out.endswith(
-        f"\n0/1 runs have a result; wrote {Path('runs/tables/t.md')} and {Path('runs/tables/t.csv')}\n")
+        f"\n0/1 runs have a result; wrote {Path('runs/tables/t.md')} and {Path('runs/tables/t.csv')}\n"
+    )
     assert path.is_file()
 
 
@@ -372,8 +475,11 @@ def test_main_stops_with_the_table_error(tmp_path):
     path = write_table(tmp_path, "config: base.yaml\nmetric: val/acc\ncells: {a: {}}\n")
     (tmp_path / "runs" / "t" / "a" / "seed0" / "fit").mkdir(parents=True)
     (tmp_path / "runs" / "t" / "a" / "seed0" / "fit" / "final_metrics.json").write_text("{not json")
-    with pytest.raises(SystemExit, match=r"^mmlight collect: .*final_metrics.json is not valid JSON .*; "
-                                         r"delete it to re-run that step$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^mmlight collect: .*final_metrics.json is not valid JSON .*; "
+        r"delete it to re-run that step$",
+    ):
         collect.main([str(path), "--out", str(tmp_path / "runs")])
     assert not (tmp_path / "runs" / "t.md").exists()
 
@@ -393,7 +499,9 @@ def test_help_describes_the_options(capsys, monkeypatch):
         collect.main(["--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert text.startswith("usage: mmlight collect [-h] [--out OUT] table ``mmlight collect TABLE``: the table of a "
-                           "sweep, from each run's ``final_metrics.json``. ")
+    assert text.startswith(
+        "usage: mmlight collect [-h] [--out OUT] table ``mmlight collect TABLE``: the table of a "
+        "sweep, from each run's ``final_metrics.json``. "
+    )
     assert " ``final_metrics.json``. positional arguments: table a table file, e.g. configs/tables/table4.yaml " in text
     assert text.endswith(" --out OUT root of the run directories and of the written table")

@@ -18,9 +18,25 @@ CPU_TASK = ["--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task",
 
 @pytest.mark.slow
 def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_path):  # noqa: F811
-    command = ["sbatch", "--parsable", "--wait", "--array=0-3%2", "--chdir", str(tmp_path),
-               "--output", str(tmp_path / "job-%A_%a.out"), *CPU_TASK, str(ROOT / "slurm" / "sweep.sh"), str(TINY),
-               "--trainer.accelerator", "cpu", "--data.init_args.train_size", "64", "--trainer.enable_model_summary", "false"]
+    command = [
+        "sbatch",
+        "--parsable",
+        "--wait",
+        "--array=0-3%2",
+        "--chdir",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "job-%A_%a.out"),
+        *CPU_TASK,
+        str(ROOT / "slurm" / "sweep.sh"),
+        str(TINY),
+        "--trainer.accelerator",
+        "cpu",
+        "--data.init_args.train_size",
+        "64",
+        "--trainer.enable_model_summary",
+        "false",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=job_env(), cwd=ROOT)
     array = result.stdout.strip().split(";")[0]
     logs = {i: (tmp_path / f"job-{array}_{i}.out") for i in range(4)}
@@ -31,21 +47,29 @@ def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_pat
     for run in load_table(TINY).runs(out):
         log = text[run.index]
         assert "mmlight sweep: task" in log and f"task {run.index} done" in log
-        assert f"restart 0" in log  # train.sh ran the fit
+        assert "restart 0" in log  # train.sh ran the fit
         assert "--ckpt_path last -> no checkpoint yet, starting fresh" in log
         record = json.loads((run.directory / "fit" / "final_metrics.json").read_text())
         assert record["global_step"] == 4 and record["metrics"]["val/acc"]["step"] == 4
-        assert f"--seed_everything {run.seed}" in (run.directory / "fit" / "config.yaml").read_text() or \
-            f"seed_everything: {run.seed}" in (run.directory / "fit" / "config.yaml").read_text()
+        assert (
+            f"--seed_everything {run.seed}" in (run.directory / "fit" / "config.yaml").read_text()
+            or f"seed_everything: {run.seed}" in (run.directory / "fit" / "config.yaml").read_text()
+        )
 
-    subprocess.run(["mmlight", "collect", str(TINY), "--out", str(out)], check=True, env=job_env(), cwd=tmp_path,
-                   capture_output=True)
+    subprocess.run(
+        ["mmlight", "collect", str(TINY), "--out", str(out)],
+        check=True,
+        env=job_env(),
+        cwd=tmp_path,
+        capture_output=True,
+    )
     rows = list(csv.DictReader(open(out / "tiny.csv")))
     assert [row["n"] for row in rows] == ["2", "2"]
 
     # a second submission of one task finds its run done and does nothing
-    again = subprocess.run([*command[:3], "--array=1", *command[4:]], capture_output=True, text=True, timeout=600,
-                           env=job_env(), cwd=ROOT)
+    again = subprocess.run(
+        [*command[:3], "--array=1", *command[4:]], capture_output=True, text=True, timeout=600, env=job_env(), cwd=ROOT
+    )
     job = again.stdout.strip().split(";")[0]
     log = (tmp_path / f"job-{job}_1.out").read_text()
     assert again.returncode == 0 and "task 1 done" in log and "restart 0" not in log

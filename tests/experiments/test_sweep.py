@@ -22,7 +22,9 @@ FAST = ["--", "--data.init_args.train_size", "64", "--trainer.enable_model_summa
 
 
 def mmlight(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mmlight.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "mmlight.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=900
+    )
 
 
 def logged_last(run_dir: Path, tag: str) -> float:
@@ -62,8 +64,11 @@ def test_sweep_writes_ordinary_run_directories(swept):
 def test_collect_writes_mean_and_std_per_cell_and_marks_missing_and_failed(swept, tmp_path):
     out, _ = swept
     table = load_table(TINY)
-    values = {run.label: 100 * json.loads((run.directory / "fit" / "final_metrics.json").read_text())
-              ["metrics"]["val/acc"]["value"] for run in table.runs(out)}
+    values = {
+        run.label: 100
+        * json.loads((run.directory / "fit" / "final_metrics.json").read_text())["metrics"]["val/acc"]["value"]
+        for run in table.runs(out)
+    }
     collect.main([str(TINY), "--out", str(out)])
     rows = {row["cell"]: row for row in csv.DictReader(open(out / "tiny.csv"))}
     for cell in ("softmax", "multimax"):
@@ -140,10 +145,17 @@ def table_file(tmp_path: Path, text: str) -> Path:
 
 def fit_record(fit_dir: Path, metrics: dict, *, step: int = 10, best: str | None = "auto") -> dict:
     """fit's final_metrics.json as FinalMetrics writes it (global step 10; each metric at ``step``)."""
-    rec = {"stage": "fit", "global_step": 10, "epoch": 1, "checkpoint": None,
-           "checkpoints": {"best": str(fit_dir / "checkpoints" / "best.ckpt") if best == "auto" else best,
-                           "last": str(fit_dir / "checkpoints" / "last.ckpt")},
-           "metrics": {k: {"value": v, "step": step, "epoch": 1} for k, v in metrics.items()}}
+    rec = {
+        "stage": "fit",
+        "global_step": 10,
+        "epoch": 1,
+        "checkpoint": None,
+        "checkpoints": {
+            "best": str(fit_dir / "checkpoints" / "best.ckpt") if best == "auto" else best,
+            "last": str(fit_dir / "checkpoints" / "last.ckpt"),
+        },
+        "metrics": {k: {"value": v, "step": step, "epoch": 1} for k, v in metrics.items()},
+    }
     fit_dir.mkdir(parents=True, exist_ok=True)
     (fit_dir / "final_metrics.json").write_text(json.dumps(rec))
     return rec
@@ -151,9 +163,17 @@ def fit_record(fit_dir: Path, metrics: dict, *, step: int = 10, best: str | None
 
 def eval_record(stage_dir: Path, metrics: dict, checkpoint: str) -> None:
     stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "final_metrics.json").write_text(json.dumps(
-        {"stage": stage_dir.name, "global_step": 10, "epoch": 1, "checkpoint": checkpoint,
-         "metrics": {k: {"value": v, "step": 10, "epoch": 1} for k, v in metrics.items()}}))
+    (stage_dir / "final_metrics.json").write_text(
+        json.dumps(
+            {
+                "stage": stage_dir.name,
+                "global_step": 10,
+                "epoch": 1,
+                "checkpoint": checkpoint,
+                "metrics": {k: {"value": v, "step": 10, "epoch": 1} for k, v in metrics.items()},
+            }
+        )
+    )
 
 
 class Clock:
@@ -187,7 +207,9 @@ def test_run_one_fits_then_tests_the_best_checkpoint_and_records_done(tmp_path, 
         if args[0] == "fit":
             fit_record(Path(option(args, "--trainer.default_root_dir")), {"val/loss": 1.0})
         else:
-            eval_record(Path(option(args, "--trainer.default_root_dir")), {"test/acc": 0.25}, option(args, "--ckpt_path"))
+            eval_record(
+                Path(option(args, "--trainer.default_root_dir")), {"test/acc": 0.25}, option(args, "--ckpt_path")
+            )
         return 0
 
     monkeypatch.setattr(sweep, "execute", stand_in)
@@ -202,9 +224,14 @@ def test_run_one_fits_then_tests_the_best_checkpoint_and_records_done(tmp_path, 
     assert option(test_args, "--data.root") == "/d" and option(test_args, "--seed_everything") == "0"
     assert option(test_args, "--trainer.default_root_dir") == str(run.directory / "test")
     assert json.loads(option(test_args, "--trainer.logger"))["init_args"]["version"] == "test"
-    assert capsys.readouterr().out == "[0] a/seed0: fit ...\n[0] a/seed0: test ...\n[0] a/seed0: test/acc = 2.5 (13 s)\n"
-    assert json.loads((run.directory / "sweep_status.json").read_text()) == {"status": "done", "log": str(log),
-                                                                             "seconds": 12.3}
+    assert (
+        capsys.readouterr().out == "[0] a/seed0: fit ...\n[0] a/seed0: test ...\n[0] a/seed0: test/acc = 2.5 (13 s)\n"
+    )
+    assert json.loads((run.directory / "sweep_status.json").read_text()) == {
+        "status": "done",
+        "log": str(log),
+        "seconds": 12.3,
+    }
     assert run.status() == "done" and run.result() == 2.5
 
 
@@ -252,9 +279,17 @@ def test_run_one_fit_that_exits_0_without_metrics_fails(tmp_path, capsys, monkey
     log = run.directory / "sweep.log"
     reason = "fit exited 0 but wrote no final_metrics.json (keep mmlight.callbacks.FinalMetrics in trainer.callbacks)"
     assert json.loads((run.directory / "sweep_status.json").read_text()) == {
-        "status": "failed", "step": "fit", "returncode": 0, "log": str(log), "reason": reason}
+        "status": "failed",
+        "step": "fit",
+        "returncode": 0,
+        "log": str(log),
+        "reason": reason,
+    }
     tail = "".join(f"    line {i}\n" for i in range(5, 30))  # the last 25 lines
-    assert capsys.readouterr().out == f"[0] a/seed0: fit ...\n[0] a/seed0: FAILED in fit (exit 0): {reason}\n  log: {log}\n{tail}"
+    assert (
+        capsys.readouterr().out
+        == f"[0] a/seed0: fit ...\n[0] a/seed0: FAILED in fit (exit 0): {reason}\n  log: {log}\n{tail}"
+    )
     assert run.status() == "failed"
 
 
@@ -276,8 +311,10 @@ def test_run_one_without_a_best_checkpoint_fails_in_eval_before_running_it(tmp_p
     rec = fit_record(run.directory / "fit", {}, best=None)
     monkeypatch.setattr(sweep, "execute", lambda *a: pytest.fail("executed"))
     assert sweep.run_one(run, [], None) == "failed"
-    reason = (f"a/seed0: fit recorded no 'best' checkpoint (checkpoints: {rec['checkpoints']}); "
-              "is best_checkpoint's monitor logged?")
+    reason = (
+        f"a/seed0: fit recorded no 'best' checkpoint (checkpoints: {rec['checkpoints']}); "
+        "is best_checkpoint's monitor logged?"
+    )
     status = json.loads((run.directory / "sweep_status.json").read_text())
     assert (status["step"], status["returncode"], status["reason"]) == ("eval", None, reason)
     assert capsys.readouterr().out.startswith(f"[0] a/seed0: FAILED in eval (exit None): {reason}\n")
@@ -364,8 +401,9 @@ def test_execute_runs_a_real_command(tmp_path, monkeypatch):
 def test_run_all_gives_each_run_its_share_of_the_cores(tmp_path, monkeypatch):
     """threads per run: none with one at a time, else cores // parallel, at least 1; the counts of
     each outcome; every run once, with the extra options."""
-    runs = load_table(table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n")
-                      ).runs(tmp_path / "runs")
+    runs = load_table(
+        table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n")
+    ).runs(tmp_path / "runs")
     outcome = {"a/seed0": "done", "a/seed1": "skipped", "b/seed0": "failed", "b/seed1": "done"}
     seen = []
 
@@ -392,8 +430,9 @@ def test_run_all_runs_in_parallel(tmp_path, monkeypatch):
     import threading
     import time
 
-    runs = load_table(table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n")
-                      ).runs(tmp_path)
+    runs = load_table(
+        table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n")
+    ).runs(tmp_path)
     barrier = threading.Barrier(2, timeout=10)
     lock, active, most = threading.Lock(), [0], [0]
 
@@ -413,7 +452,9 @@ def test_run_all_runs_in_parallel(tmp_path, monkeypatch):
 
 
 def test_select_by_task_or_cells(tmp_path):
-    table = load_table(table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n"))
+    table = load_table(
+        table_file(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [0, 1]\ncells: {a: {}, b: {}}\n")
+    )
     out = str(tmp_path / "runs")
 
     def labels(runs):
@@ -436,16 +477,27 @@ def test_select_by_task_or_cells(tmp_path):
 def test_parse_args_defaults_extra_options_and_errors(capsys):
     args, extra = sweep.parse_args(["t.yaml", "--only", "a", "--", "--x", "1", "--", "y"])
     assert extra == ["--x", "1", "--", "y"]  # everything after the first --
-    assert vars(args) == {"table": "t.yaml", "dry_run": False, "only": ["a"], "parallel": 1, "out": "runs/tables",
-                          "task": None, "print_step": None, "failed": None, "log": None}
+    assert vars(args) == {
+        "table": "t.yaml",
+        "dry_run": False,
+        "only": ["a"],
+        "parallel": 1,
+        "out": "runs/tables",
+        "task": None,
+        "print_step": None,
+        "failed": None,
+        "log": None,
+    }
     args, extra = sweep.parse_args(["t.yaml", "--task", "0", "--print", "eval", "--parallel", "2"])
     assert (args.task, args.print_step, args.parallel, extra) == (0, "eval", 2, [])
     args, _ = sweep.parse_args(["t.yaml", "--task", "0", "--failed", "0", "--log", "l"])
     assert (args.failed, args.log) == (0, "l")
     capsys.readouterr()
-    for argv, message in [(["t.yaml", "--parallel", "0"], "--parallel must be at least 1, got 0"),
-                          (["t.yaml", "--print", "fit"], "--print and --failed need --task N"),
-                          (["t.yaml", "--failed", "0"], "--print and --failed need --task N")]:
+    for argv, message in [
+        (["t.yaml", "--parallel", "0"], "--parallel must be at least 1, got 0"),
+        (["t.yaml", "--print", "fit"], "--print and --failed need --task N"),
+        (["t.yaml", "--failed", "0"], "--print and --failed need --task N"),
+    ]:
         with pytest.raises(SystemExit) as info:
             sweep.parse_args(argv)
         assert info.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")
@@ -455,8 +507,10 @@ def test_dry_run_lists_runs_statuses_and_the_evaluation(tmp_path, capsys):
     """The header (cells x seeds, the metrics, the checkpoint), each run with its index, folder,
     status and fit command, the evaluation note (with its exception for checkpoint last and
     validate-only metrics), and the count of listed runs (--only lists a subset)."""
-    path = table_file(tmp_path, "config: base.yaml\nmetric: val/acc\ncheckpoint: last\nseeds: [0, 1]\n"
-                                "cells: {a: {}, b: {metric: val/loss}}\n")
+    path = table_file(
+        tmp_path,
+        "config: base.yaml\nmetric: val/acc\ncheckpoint: last\nseeds: [0, 1]\ncells: {a: {}, b: {metric: val/loss}}\n",
+    )
     out = tmp_path / "runs"
     table = load_table(path)
     runs = table.runs(out)
@@ -470,21 +524,34 @@ def test_dry_run_lists_runs_statuses_and_the_evaluation(tmp_path, capsys):
         assert lines[1 + 2 * i] == f"[{i}] {run.label}  {run.directory}  ({status})"
         assert lines[2 + 2 * i].startswith("    mmlight fit --config ")
         assert shlex.split(lines[2 + 2 * i]) == ["mmlight", *run.fit_args(["--x", "1"])]
-    assert lines[9:] == ["    (then `mmlight validate ... --ckpt_path <last checkpoint>` unless fit validated the final step)",
-                         "4 runs"]
+    assert lines[9:] == [
+        "    (then `mmlight validate ... --ckpt_path <last checkpoint>` unless fit validated the final step)",
+        "4 runs",
+    ]
     sweep.main([str(path), "--dry_run", "--out", str(out), "--only", "b"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("t: 2 cells x 2 seeds;") and lines[-1] == "2 runs" and lines[1].startswith("[2] b/seed0 ")
+    assert (
+        lines[0].startswith("t: 2 cells x 2 seeds;") and lines[-1] == "2 runs" and lines[1].startswith("[2] b/seed0 ")
+    )
 
 
-@pytest.mark.parametrize("text, note", [
-    ("metric: test/acc\ncheckpoint: last\ncells: {a: {}}",
-     "(then `mmlight test ... --ckpt_path <last checkpoint>`)"),
-    ("metric: val/acc\ncheckpoint: best\ncells: {a: {}}",
-     "(then `mmlight validate ... --ckpt_path <best checkpoint>`)"),
-    ("metric: val/acc\ncheckpoint: last\ncells: {a: {}, b: {metric: test/acc}}",
-     "(then `mmlight test/validate ... --ckpt_path <last checkpoint>`)"),
-])
+@pytest.mark.parametrize(
+    "text, note",
+    [
+        (
+            "metric: test/acc\ncheckpoint: last\ncells: {a: {}}",
+            "(then `mmlight test ... --ckpt_path <last checkpoint>`)",
+        ),
+        (
+            "metric: val/acc\ncheckpoint: best\ncells: {a: {}}",
+            "(then `mmlight validate ... --ckpt_path <best checkpoint>`)",
+        ),
+        (
+            "metric: val/acc\ncheckpoint: last\ncells: {a: {}, b: {metric: test/acc}}",
+            "(then `mmlight test/validate ... --ckpt_path <last checkpoint>`)",
+        ),
+    ],
+)
 def test_dry_run_evaluation_note(tmp_path, capsys, text, note):
     sweep.main([str(table_file(tmp_path, "config: base.yaml\n" + text + "\n")), "--dry_run", "--out", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[-2] == "    " + note
@@ -494,8 +561,10 @@ def test_print_step_for_slurm(tmp_path, capsys):
     """``--task N --print fit|eval``: fit's config then its options (without --ckpt_path last), one
     per line, until fit is done; then the evaluation's whole command; nothing once the run is done
     or when fit's final validation is the result."""
-    path = table_file(tmp_path, "config: base.yaml\nmetric: test/acc\noverrides: {trainer.max_epochs: 3}\n"
-                                "seeds: [0, 1]\ncells: {a: {}}\n")
+    path = table_file(
+        tmp_path,
+        "config: base.yaml\nmetric: test/acc\noverrides: {trainer.max_epochs: 3}\nseeds: [0, 1]\ncells: {a: {}}\n",
+    )
     out = tmp_path / "runs"
     run = load_table(path).runs(out)[1]
 
@@ -504,13 +573,28 @@ def test_print_step_for_slurm(tmp_path, capsys):
         return capsys.readouterr().out
 
     lines = printed("fit").splitlines()
-    assert lines[:9] == [str(tmp_path / "base.yaml"), "--trainer.max_epochs", "3", "--data.root", "/d",
-                         "--seed_everything", "1", "--trainer.logger", lines[8]]
-    assert json.loads(lines[8]) == {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                                    "init_args": {"save_dir": str(out / "t" / "a"), "name": "seed1", "version": "fit"}}
+    assert lines[:9] == [
+        str(tmp_path / "base.yaml"),
+        "--trainer.max_epochs",
+        "3",
+        "--data.root",
+        "/d",
+        "--seed_everything",
+        "1",
+        "--trainer.logger",
+        lines[8],
+    ]
+    assert json.loads(lines[8]) == {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": str(out / "t" / "a"), "name": "seed1", "version": "fit"},
+    }
     assert lines[9:] == ["--trainer.default_root_dir", str(run.directory / "fit")]
-    with pytest.raises(SystemExit, match=re.escape(f"mmlight sweep: a/seed1: fit has not finished "
-                                                   f"({run.directory / 'fit' / 'final_metrics.json'} is missing)")):
+    with pytest.raises(
+        SystemExit,
+        match=re.escape(
+            f"mmlight sweep: a/seed1: fit has not finished ({run.directory / 'fit' / 'final_metrics.json'} is missing)"
+        ),
+    ):
         printed("eval")
 
     fit_record(run.directory / "fit", {"test/acc": 0.5})  # fit's own test/* value never counts
@@ -530,7 +614,10 @@ def test_print_step_eval_is_empty_when_fit_validated_the_final_step(tmp_path, ca
     run = load_table(path).runs(tmp_path / "runs")[0]
     fit_record(run.directory / "fit", {"val/acc": 0.5}, step=8)  # validated before the end
     sweep.print_step(run, "eval", [])
-    assert capsys.readouterr().out.splitlines()[-2:] == ["--ckpt_path", str(run.directory / "fit" / "checkpoints" / "last.ckpt")]
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "--ckpt_path",
+        str(run.directory / "fit" / "checkpoints" / "last.ckpt"),
+    ]
     fit_record(run.directory / "fit", {"val/acc": 0.5}, step=10)
     write_status(run.directory, status="failed")  # an old failure: the value makes the run done
     assert run.eval_args([]) is None and run.status() == "done"
@@ -539,9 +626,11 @@ def test_print_step_eval_is_empty_when_fit_validated_the_final_step(tmp_path, ca
 
 
 def test_print_step_refuses_an_argument_with_a_newline(tmp_path, capsys):
-    path = table_file(tmp_path, "config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: {model.x: \"a\\nb\"}}}\n")
-    with pytest.raises(SystemExit, match="^mmlight sweep: a/seed0: an argument contains a newline, which "
-                                         "slurm/sweep.sh cannot pass on$"):
+    path = table_file(tmp_path, 'config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: {model.x: "a\\nb"}}}\n')
+    with pytest.raises(
+        SystemExit,
+        match="^mmlight sweep: a/seed0: an argument contains a newline, which slurm/sweep.sh cannot pass on$",
+    ):
         sweep.main([str(path), "--out", str(tmp_path / "runs"), "--task", "0", "--print", "fit"])
     assert capsys.readouterr().out == ""
 
@@ -552,7 +641,11 @@ def test_failed_records_the_failure_for_collect(tmp_path, capsys):
     out = tmp_path / "runs"
     sweep.main([str(path), "--out", str(out), "--task", "1", "--failed", "0", "--log", "/logs/7.out"])
     assert json.loads((out / "t" / "a" / "seed1" / "sweep_status.json").read_text()) == {
-        "status": "failed", "step": "slurm", "returncode": 0, "log": "/logs/7.out"}
+        "status": "failed",
+        "step": "slurm",
+        "returncode": 0,
+        "log": "/logs/7.out",
+    }
     assert not (out / "t" / "a" / "seed0").exists() and capsys.readouterr().out == ""
     assert load_table(path).runs(out)[1].status() == "failed"
 
@@ -570,8 +663,9 @@ def test_main_runs_the_selected_runs_and_sums_up(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sweep, "run_all", stand_in)
     sweep.main([str(path), "--only", "b", "--parallel", "2", "--out", str(tmp_path / "runs"), "--", "--x"])
     assert seen == {"labels": ["b/seed0", "b/seed1"], "extra": ["--x"], "parallel": 2}
-    assert capsys.readouterr().out == (f"t: 1 run(s) finished, 1 already done, 0 failed; "
-                                       f"`mmlight collect {path}` writes the table\n")
+    assert capsys.readouterr().out == (
+        f"t: 1 run(s) finished, 1 already done, 0 failed; `mmlight collect {path}` writes the table\n"
+    )
 
 
 def test_help_describes_every_option(capsys, monkeypatch):
@@ -607,16 +701,20 @@ def test_help_keeps_the_description_as_written(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "40")
     with pytest.raises(SystemExit):
         sweep.parse_args(["--help"])
-    assert ("\n``mmlight sweep TABLE``: run every (cell, seed) of a table (see :mod:`mmlight.experiments.table`).\n"
-            in capsys.readouterr().out)
+    assert (
+        "\n``mmlight sweep TABLE``: run every (cell, seed) of a table (see :mod:`mmlight.experiments.table`).\n"
+        in capsys.readouterr().out
+    )
 
 
 def test_bad_option_values_are_refused(capsys):
     """--print takes fit or eval; --task, --failed and --parallel take integers."""
-    for argv, message in [(["t", "--task", "0", "--print", "all"], "argument --print: invalid choice: 'all'"),
-                          (["t", "--task", "x"], "argument --task: invalid int value: 'x'"),
-                          (["t", "--task", "0", "--failed", "x"], "argument --failed: invalid int value: 'x'"),
-                          (["t", "--parallel", "x"], "argument --parallel: invalid int value: 'x'")]:
+    for argv, message in [
+        (["t", "--task", "0", "--print", "all"], "argument --print: invalid choice: 'all'"),
+        (["t", "--task", "x"], "argument --task: invalid int value: 'x'"),
+        (["t", "--task", "0", "--failed", "x"], "argument --failed: invalid int value: 'x'"),
+        (["t", "--parallel", "x"], "argument --parallel: invalid int value: 'x'"),
+    ]:
         with pytest.raises(SystemExit):
             sweep.parse_args(argv)
         assert message in capsys.readouterr().err

@@ -16,9 +16,20 @@ from mmlight.models import ReweightingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = sorted((ROOT / "configs" / "tables").glob("*.yaml"))
-EXPECTED_RUNS = {"table1": 12, "table2": 12, "table3": 3, "table4": 15, "table5": 4, "table6": 6,
-                 "cpu_reweighting": 54, "tiny": 4, "cpu_sinks": 75, "iwslt14_sinks": 15, "wikitext103_sinks": 6,
-                 "finetune_cifar100": 12}
+EXPECTED_RUNS = {
+    "table1": 12,
+    "table2": 12,
+    "table3": 3,
+    "table4": 15,
+    "table5": 4,
+    "table6": 6,
+    "cpu_reweighting": 54,
+    "tiny": 4,
+    "cpu_sinks": 75,
+    "iwslt14_sinks": 15,
+    "wikitext103_sinks": 6,
+    "finetune_cifar100": 12,
+}
 
 
 def test_every_table_file_is_known():
@@ -42,7 +53,10 @@ def test_dry_run_lists_every_run(path, capsys, tmp_path):
 
 def parsed_config(args: list[str]):
     """The namespace LightningCLI builds from ``mmlight fit ARGS``, without building the classes."""
-    with mock.patch.object(MmlightCLI, "instantiate_classes", lambda self: None), mock.patch.object(sys, "argv", ["mmlight"]):
+    with (
+        mock.patch.object(MmlightCLI, "instantiate_classes", lambda self: None),
+        mock.patch.object(sys, "argv", ["mmlight"]),
+    ):
         return build_cli(args, run=False).config
 
 
@@ -80,19 +94,31 @@ def write(tmp_path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("text, match", [
-    ("config: base.yaml\nmetric: acc\ncells: {a: {}}\n", r"metric must be a logged val/\* or test/\*"),
-    ("config: base.yaml\nmetric: val/acc\ncheckpoint: best_ever\ncells: {a: {}}\n", "checkpoint must be 'best' or 'last'"),
-    ("config: base.yaml\nmetric: val/acc\nseeds: [0, 0]\ncells: {a: {}}\n", "seeds must be a non-empty list of distinct"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {}\n", "cells must be a non-empty mapping"),
-    ("config: missing.yaml\nmetric: val/acc\ncells: {a: {}}\n", "base config 'missing.yaml' not found"),
-    ("config: base.yaml\nmetric: val/acc\ncels: {a: {}}\n", r"unknown key\(s\) \['cels'\]"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {overides: {}}}\n", r"cell 'a' has unknown key\(s\) \['overides'\]"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: {--x: 1}}}\n", "dotted config keys"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {paper: high}}\n", "paper must be a finite number"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a/b: {}}\n", "must be letters, digits"),
-    ("config: [base.yaml\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("config: base.yaml\nmetric: acc\ncells: {a: {}}\n", r"metric must be a logged val/\* or test/\*"),
+        (
+            "config: base.yaml\nmetric: val/acc\ncheckpoint: best_ever\ncells: {a: {}}\n",
+            "checkpoint must be 'best' or 'last'",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\nseeds: [0, 0]\ncells: {a: {}}\n",
+            "seeds must be a non-empty list of distinct",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ncells: {}\n", "cells must be a non-empty mapping"),
+        ("config: missing.yaml\nmetric: val/acc\ncells: {a: {}}\n", "base config 'missing.yaml' not found"),
+        ("config: base.yaml\nmetric: val/acc\ncels: {a: {}}\n", r"unknown key\(s\) \['cels'\]"),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {overides: {}}}\n",
+            r"cell 'a' has unknown key\(s\) \['overides'\]",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: {--x: 1}}}\n", "dotted config keys"),
+        ("config: base.yaml\nmetric: val/acc\ncells: {a: {paper: high}}\n", "paper must be a finite number"),
+        ("config: base.yaml\nmetric: val/acc\ncells: {a/b: {}}\n", "must be letters, digits"),
+        ("config: [base.yaml\n", "not valid YAML"),
+    ],
+)
 def test_bad_tables_name_the_problem(tmp_path, text, match):
     with pytest.raises(TableError, match=match):
         load_table(write(tmp_path, text))
@@ -109,9 +135,12 @@ def test_bad_command_lines_stop_before_any_run(tmp_path, capsys):
 
 
 def test_overrides_become_options_the_parser_reads(tmp_path):
-    path = write(tmp_path, "config: base.yaml\nmetric: val/acc\noverrides: {trainer.max_epochs: 3}\n"
-                           "cells: {a: {overrides: {model.x: {name: multimax, options: {order: 1}}, trainer.max_epochs: 5, "
-                           "model.flag: true, model.none: null}}}\n")
+    path = write(
+        tmp_path,
+        "config: base.yaml\nmetric: val/acc\noverrides: {trainer.max_epochs: 3}\n"
+        "cells: {a: {overrides: {model.x: {name: multimax, options: {order: 1}}, trainer.max_epochs: 5, "
+        "model.flag: true, model.none: null}}}\n",
+    )
     run = load_table(path).runs(tmp_path / "runs")[0]
     args = run.fit_args(["--data.root", "/d"])
     pairs = dict(zip(args[1::2], args[2::2]))  # after "fit", options come in pairs
@@ -136,8 +165,11 @@ def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path, ca
             log.write_text("Traceback: the data root does not exist\n")
             return 1
         run_dir.mkdir(parents=True)
-        (run_dir / "final_metrics.json").write_text(json.dumps(
-            {"stage": "fit", "global_step": 10, "metrics": {"val/acc": {"value": 0.5, "step": 10, "epoch": 0}}}))
+        (run_dir / "final_metrics.json").write_text(
+            json.dumps(
+                {"stage": "fit", "global_step": 10, "metrics": {"val/acc": {"value": 0.5, "step": 10, "epoch": 0}}}
+            )
+        )
         return 0
 
     monkeypatch.setattr(sweep, "execute", fake_execute)
@@ -158,44 +190,96 @@ def test_a_failed_run_is_reported_with_its_log_and_the_others_go_on(tmp_path, ca
     assert calls == ["fit"] and "[1] b/seed0: done, skipped" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("text, match", [
-    ("- a\n- b\n", r"a table is a mapping with keys \['cells', 'checkpoint', 'config', 'digits', 'higher_is_better', "
-                   r"'metric', 'overrides', 'scale', 'seeds', 'title'\]$"),
-    ("config: base.yaml\ncells: {a: {}}\n", r"metric must be a logged val/\* or test/\* name \(e.g. test/bleu\), got None$"),
-    ("config: base.yaml\nmetric: val/acc\nseeds: []\ncells: {a: {}}\n", r"got \[\]$"),
-    ("config: base.yaml\nmetric: val/acc\nseeds: 0\ncells: {a: {}}\n", "seeds must be a non-empty list"),
-    ("config: base.yaml\nmetric: val/acc\nseeds: [0, true]\ncells: {a: {}}\n", "seeds must be a non-empty list"),
-    ("config: base.yaml\nmetric: val/acc\nseeds: [0, 1.5]\ncells: {a: {}}\n", "seeds must be a non-empty list"),
-    ("config: base.yaml\nmetric: val/acc\ncells: [a]\n", "cells must be a non-empty mapping of cell name -> cell$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {1: {}}\n", r"cell name 1 must be letters, digits, '_', '-' or '\.' "
-                                                             r"\(it is a folder name\)$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a b: {}}\n", r"cell name 'a b' must be"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {_: {}}\n", r"cell name '_' must be"),  # nothing but separators
-    ("config: base.yaml\nmetric: val/acc\ncells: {'-': {}}\n", r"cell name '-' must be"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {'..': {}}\n", r"cell name '\.\.' must be"),
-    ("config: base.yaml\nmetric: val/acc\noverrides: [x]\ncells: {a: {}}\n",
-     r"table: overrides must map dotted config keys \(no leading --\) to values$"),
-    ("config: base.yaml\nmetric: val/acc\noverrides: {1: x}\ncells: {a: {}}\n", "table: overrides must map"),
-    ("config: base.yaml\nmetric: val/acc\ndigits: 11\ncells: {a: {}}\n", "digits must be an integer from 0 to 10, got 11$"),
-    ("config: base.yaml\nmetric: val/acc\ndigits: -1\ncells: {a: {}}\n", "digits must be an integer from 0 to 10"),
-    ("config: base.yaml\nmetric: val/acc\ndigits: true\ncells: {a: {}}\n", "digits must be an integer from 0 to 10"),
-    ("config: base.yaml\nmetric: val/acc\ndigits: 1.0\ncells: {a: {}}\n", "digits must be an integer from 0 to 10"),
-    ("config: base.yaml\nmetric: val/acc\nscale: .nan\ncells: {a: {}}\n", "cell 'a' scale must be a finite number, got nan$"),
-    ("config: base.yaml\nmetric: val/acc\nscale: .nan\ncells: {a: {scale: 1}}\n", r"t\.yaml: scale must be a finite number, got nan$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {paper: high}}\n", "cell 'a' paper must be a finite number, got 'high'$"),
-    ("config: base.yaml\nmetric: val/acc\nscale: true\ncells: {a: {}}\n", "scale must be a finite number, got True$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {scale: .inf}}\n", "cell 'a' scale must be a finite number, got inf$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {paper: [1, x]}}\n", "cell 'a' paper must be a finite number, got 'x'$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {paper_std: x}}\n", "cell 'a' paper_std must be a finite number, got 'x'$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {metric: loss}}\n", r"cell 'a' metric must be a logged val/\* or test/\*"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: [x]}\n",
-     r"cell 'a' must be a mapping with keys from \['column', 'config', 'metric', 'overrides', 'paper', 'paper_std', "
-     r"'row', 'scale'\], got \['x'\]$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: x}}\n", "cell 'a': overrides must map dotted"),
-    ("metric: val/acc\ncells: {a: {}}\n", r"cell 'a' needs a base config \(key `config`, a path relative to the table file\)$"),
-    ("config: base.yaml\nmetric: val/acc\ncells: {a: {config: other.yaml}}\n",
-     r"cell 'a': base config 'other.yaml' not found \(looked for .*other.yaml\)$"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (
+            "- a\n- b\n",
+            r"a table is a mapping with keys \['cells', 'checkpoint', 'config', 'digits', 'higher_is_better', "
+            r"'metric', 'overrides', 'scale', 'seeds', 'title'\]$",
+        ),
+        (
+            "config: base.yaml\ncells: {a: {}}\n",
+            r"metric must be a logged val/\* or test/\* name \(e.g. test/bleu\), got None$",
+        ),
+        ("config: base.yaml\nmetric: val/acc\nseeds: []\ncells: {a: {}}\n", r"got \[\]$"),
+        ("config: base.yaml\nmetric: val/acc\nseeds: 0\ncells: {a: {}}\n", "seeds must be a non-empty list"),
+        ("config: base.yaml\nmetric: val/acc\nseeds: [0, true]\ncells: {a: {}}\n", "seeds must be a non-empty list"),
+        ("config: base.yaml\nmetric: val/acc\nseeds: [0, 1.5]\ncells: {a: {}}\n", "seeds must be a non-empty list"),
+        ("config: base.yaml\nmetric: val/acc\ncells: [a]\n", "cells must be a non-empty mapping of cell name -> cell$"),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {1: {}}\n",
+            r"cell name 1 must be letters, digits, '_', '-' or '\.' "
+            r"\(it is a folder name\)$",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ncells: {a b: {}}\n", r"cell name 'a b' must be"),
+        ("config: base.yaml\nmetric: val/acc\ncells: {_: {}}\n", r"cell name '_' must be"),  # nothing but separators
+        ("config: base.yaml\nmetric: val/acc\ncells: {'-': {}}\n", r"cell name '-' must be"),
+        ("config: base.yaml\nmetric: val/acc\ncells: {'..': {}}\n", r"cell name '\.\.' must be"),
+        (
+            "config: base.yaml\nmetric: val/acc\noverrides: [x]\ncells: {a: {}}\n",
+            r"table: overrides must map dotted config keys \(no leading --\) to values$",
+        ),
+        ("config: base.yaml\nmetric: val/acc\noverrides: {1: x}\ncells: {a: {}}\n", "table: overrides must map"),
+        (
+            "config: base.yaml\nmetric: val/acc\ndigits: 11\ncells: {a: {}}\n",
+            "digits must be an integer from 0 to 10, got 11$",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ndigits: -1\ncells: {a: {}}\n", "digits must be an integer from 0 to 10"),
+        (
+            "config: base.yaml\nmetric: val/acc\ndigits: true\ncells: {a: {}}\n",
+            "digits must be an integer from 0 to 10",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ndigits: 1.0\ncells: {a: {}}\n", "digits must be an integer from 0 to 10"),
+        (
+            "config: base.yaml\nmetric: val/acc\nscale: .nan\ncells: {a: {}}\n",
+            "cell 'a' scale must be a finite number, got nan$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\nscale: .nan\ncells: {a: {scale: 1}}\n",
+            r"t\.yaml: scale must be a finite number, got nan$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {paper: high}}\n",
+            "cell 'a' paper must be a finite number, got 'high'$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\nscale: true\ncells: {a: {}}\n",
+            "scale must be a finite number, got True$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {scale: .inf}}\n",
+            "cell 'a' scale must be a finite number, got inf$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {paper: [1, x]}}\n",
+            "cell 'a' paper must be a finite number, got 'x'$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {paper_std: x}}\n",
+            "cell 'a' paper_std must be a finite number, got 'x'$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {metric: loss}}\n",
+            r"cell 'a' metric must be a logged val/\* or test/\*",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: [x]}\n",
+            r"cell 'a' must be a mapping with keys from "
+            r"\['column', 'config', 'metric', 'overrides', 'paper', 'paper_std', "
+            r"'row', 'scale'\], got \['x'\]$",
+        ),
+        ("config: base.yaml\nmetric: val/acc\ncells: {a: {overrides: x}}\n", "cell 'a': overrides must map dotted"),
+        (
+            "metric: val/acc\ncells: {a: {}}\n",
+            r"cell 'a' needs a base config \(key `config`, a path relative to the table file\)$",
+        ),
+        (
+            "config: base.yaml\nmetric: val/acc\ncells: {a: {config: other.yaml}}\n",
+            r"cell 'a': base config 'other.yaml' not found \(looked for .*other.yaml\)$",
+        ),
+    ],
+)
 def test_more_bad_tables_name_the_problem(tmp_path, text, match):
     """Every check of load_table, with the message's end; each names the file first."""
     path = write(tmp_path, text)
@@ -210,25 +294,69 @@ def test_table_defaults_and_cell_fields(tmp_path):
     name, its column the metric; ``x-`` keys are ignored; values as written otherwise."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "other.yaml").write_text("{}\n")
-    table = load_table(write(tmp_path, "config: base.yaml\nmetric: val/acc\nx-anchor: &o {k: 1}\n"
-                                       "cells:\n  a: {}\n  b.c-d_e: {row: R, column: C, config: sub/other.yaml, "
-                                       "metric: test/bleu, scale: 100, paper: 2, paper_std: 0.5, overrides: *o}\n"))
+    table = load_table(
+        write(
+            tmp_path,
+            "config: base.yaml\nmetric: val/acc\nx-anchor: &o {k: 1}\n"
+            "cells:\n  a: {}\n  b.c-d_e: {row: R, column: C, config: sub/other.yaml, "
+            "metric: test/bleu, scale: 100, paper: 2, paper_std: 0.5, overrides: *o}\n",
+        )
+    )
     assert (table.name, table.path, table.title, table.metric) == ("t", tmp_path / "t.yaml", "t", "val/acc")
-    assert (table.seeds, table.checkpoint, table.scale, table.digits, table.higher_is_better, table.overrides) == \
-        ([0], "best", 1.0, 2, True, {})
+    assert (table.seeds, table.checkpoint, table.scale, table.digits, table.higher_is_better, table.overrides) == (
+        [0],
+        "best",
+        1.0,
+        2,
+        True,
+        {},
+    )
     a, b = table.cells
-    assert (a.name, a.row, a.column, a.config, a.metric, a.scale, a.overrides, a.paper, a.paper_std) == \
-        ("a", "a", "val/acc", tmp_path / "base.yaml", "val/acc", 1.0, {}, None, None)
-    assert (b.name, b.row, b.column, b.config, b.metric, b.scale, b.overrides, b.paper, b.paper_std) == \
-        ("b.c-d_e", "R", "C", tmp_path / "sub" / "other.yaml", "test/bleu", 100.0, {"k": 1}, 2.0, 0.5)
+    assert (a.name, a.row, a.column, a.config, a.metric, a.scale, a.overrides, a.paper, a.paper_std) == (
+        "a",
+        "a",
+        "val/acc",
+        tmp_path / "base.yaml",
+        "val/acc",
+        1.0,
+        {},
+        None,
+        None,
+    )
+    assert (b.name, b.row, b.column, b.config, b.metric, b.scale, b.overrides, b.paper, b.paper_std) == (
+        "b.c-d_e",
+        "R",
+        "C",
+        tmp_path / "sub" / "other.yaml",
+        "test/bleu",
+        100.0,
+        {"k": 1},
+        2.0,
+        0.5,
+    )
     assert (a.eval_stage, b.eval_stage) == ("validate", "test")
     assert table.cell("b.c-d_e") is b
     for metric, better in [("val/ppl", False), ("test/loss", False), ("val/acc", True)]:
-        assert load_table(write(tmp_path, f"config: base.yaml\nmetric: {metric}\ncells: {{a: {{}}}}\n")).higher_is_better is better
-    t = load_table(write(tmp_path, "config: base.yaml\nmetric: val/loss\nhigher_is_better: 1\ntitle: 7\n"
-                                   "scale: 3\ndigits: 10\ncheckpoint: last\nseeds: [3, 1]\ncells: {a: {paper: [1, 2]}}\n"))
-    assert (t.higher_is_better, t.title, t.scale, t.digits, t.checkpoint, t.seeds, t.cells[0].paper) == \
-        (True, "7", 3.0, 10, "last", [3, 1], [1.0, 2.0])
+        assert (
+            load_table(write(tmp_path, f"config: base.yaml\nmetric: {metric}\ncells: {{a: {{}}}}\n")).higher_is_better
+            is better
+        )
+    t = load_table(
+        write(
+            tmp_path,
+            "config: base.yaml\nmetric: val/loss\nhigher_is_better: 1\ntitle: 7\n"
+            "scale: 3\ndigits: 10\ncheckpoint: last\nseeds: [3, 1]\ncells: {a: {paper: [1, 2]}}\n",
+        )
+    )
+    assert (t.higher_is_better, t.title, t.scale, t.digits, t.checkpoint, t.seeds, t.cells[0].paper) == (
+        True,
+        "7",
+        3.0,
+        10,
+        "last",
+        [3, 1],
+        [1.0, 2.0],
+    )
     assert t.cells[0].scale == 3.0  # the table's scale for a cell without its own
     assert [r.label for r in t.runs(tmp_path)] == ["a/seed3", "a/seed1"]
 
@@ -236,8 +364,14 @@ def test_table_defaults_and_cell_fields(tmp_path):
 def test_runs_are_cells_then_seeds_with_their_index_and_folder(tmp_path):
     table = load_table(write(tmp_path, "config: base.yaml\nmetric: val/acc\nseeds: [5, 6, 7]\ncells: {a: {}, b: {}}\n"))
     runs = table.runs(tmp_path / "out")
-    assert [(r.index, r.cell.name, r.seed) for r in runs] == [(0, "a", 5), (1, "a", 6), (2, "a", 7),
-                                                              (3, "b", 5), (4, "b", 6), (5, "b", 7)]
+    assert [(r.index, r.cell.name, r.seed) for r in runs] == [
+        (0, "a", 5),
+        (1, "a", 6),
+        (2, "a", 7),
+        (3, "b", 5),
+        (4, "b", 6),
+        (5, "b", 7),
+    ]
     assert runs[4].directory == tmp_path / "out" / "t" / "b" / "seed6" and runs[4].table is table
     assert runs[4].stage_dir("test") == tmp_path / "out" / "t" / "b" / "seed6" / "test"
     assert table.runs()[0].directory == Path("runs/tables/t/a/seed5")
@@ -246,7 +380,21 @@ def test_runs_are_cells_then_seeds_with_their_index_and_folder(tmp_path):
 def test_override_args_formats_values_for_the_parser():
     """Strings and numbers as written; mappings, lists, booleans and None as JSON."""
     assert override_args({"a": "x y", "b": 3, "c": 0.5, "d": [1, "z"], "e": {"k": None}, "f": False, "g": None}) == [
-        "--a", "x y", "--b", "3", "--c", "0.5", "--d", '[1, "z"]', "--e", '{"k": null}', "--f", "false", "--g", "null"]
+        "--a",
+        "x y",
+        "--b",
+        "3",
+        "--c",
+        "0.5",
+        "--d",
+        '[1, "z"]',
+        "--e",
+        '{"k": null}',
+        "--f",
+        "false",
+        "--g",
+        "null",
+    ]
 
 
 def test_read_metrics_and_status(tmp_path):
@@ -256,7 +404,9 @@ def test_read_metrics_and_status(tmp_path):
     assert read_metrics(tmp_path) == {"stage": "fit"}
     write_status(tmp_path / "new" / "run", status="failed", returncode=None)
     assert read_status(tmp_path / "new" / "run") == {"status": "failed", "returncode": None}
-    assert (tmp_path / "new" / "run" / "sweep_status.json").read_text() == '{\n "status": "failed",\n "returncode": null\n}\n'
+    assert (
+        tmp_path / "new" / "run" / "sweep_status.json"
+    ).read_text() == '{\n "status": "failed",\n "returncode": null\n}\n'
     (tmp_path / "final_metrics.json").write_text("{")
     with pytest.raises(TableError, match=re.escape(f"{tmp_path / 'final_metrics.json'} is not valid JSON (")):
         read_metrics(tmp_path)

@@ -146,8 +146,8 @@ def test_saved_row_statistics(small_blocks):
     log-sum-exp; 0 and 0 for a row without keys."""
     q, k, v, ranges, ts = make_inputs(Tq=37, Tk=19, order=2)
     params, order = kernel.pack_sigma_params(ranges, ts, q.device)
-    _, row_max, row_inv_sum = kernel._forward(q.detach(), k.detach(), v.detach(), params, order, 32 ** -0.5, True, None)
-    x = q.detach().double() @ k.detach().double().transpose(-2, -1) * 32 ** -0.5
+    _, row_max, row_inv_sum = kernel._forward(q.detach(), k.detach(), v.detach(), params, order, 32**-0.5, True, None)
+    x = q.detach().double() @ k.detach().double().transpose(-2, -1) * 32**-0.5
     s = multimax_sigma(x, ranges.detach().double(), ts.detach().double())
     keep = torch.ones(37, 19, dtype=torch.bool).tril(19 - 37)
     masked = s.masked_fill(~keep, float("-inf"))
@@ -162,8 +162,9 @@ def test_saved_row_statistics(small_blocks):
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
 def test_head_dims_default_blocks(D):
     """The production tile sizes (one tile per head at these lengths), every supported D."""
-    check_against_reference(make_inputs(Tq=23, Tk=29, D=D, order=2), 1e-5, 2e-5, causal=True,
-                            key_padding=make_padding(2, 29))
+    check_against_reference(
+        make_inputs(Tq=23, Tk=29, D=D, order=2), 1e-5, 2e-5, causal=True, key_padding=make_padding(2, 29)
+    )
 
 
 @pytest.mark.parametrize("causal, Tq, Tk", [(False, 19, 37), (True, 37, 37), (True, 19, 37)])
@@ -185,8 +186,9 @@ def test_plain_softmax_matches_sdpa(small_blocks, causal, Tq, Tk):
 def test_half_precision(small_blocks, dtype, tol_out, tol_grad):
     """fp16/bf16 inputs (P and dS are rounded to the input dtype before the matmuls, as in FA2)."""
     inputs = make_inputs(Tq=19, Tk=37, order=2, dtype=dtype)
-    out, grads = check_against_reference(inputs, tol_out, tol_grad, tol_param=tol_grad, causal=True,
-                                         key_padding=make_padding(2, 37))
+    out, grads = check_against_reference(
+        inputs, tol_out, tol_grad, tol_param=tol_grad, causal=True, key_padding=make_padding(2, 37)
+    )
     assert all(g.dtype == dtype for g in grads[:3])
     assert grads[3].dtype == grads[4].dtype == torch.float32
 
@@ -251,8 +253,14 @@ def _bad(**changes):
         (_bad(v=torch.zeros(2, 2, 6, 16)), "same shape"),
         (_bad(q=torch.zeros(2, 2, 5, 48), k=torch.zeros(2, 2, 7, 48), v=torch.zeros(2, 2, 7, 48)), "head dim D=48"),
         (_bad(v=torch.zeros(2, 2, 7, 16, dtype=torch.float16)), "share a dtype"),
-        (_bad(q=torch.zeros(2, 2, 5, 16).double(), k=torch.zeros(2, 2, 7, 16).double(),
-              v=torch.zeros(2, 2, 7, 16).double()), "not supported"),
+        (
+            _bad(
+                q=torch.zeros(2, 2, 5, 16).double(),
+                k=torch.zeros(2, 2, 7, 16).double(),
+                v=torch.zeros(2, 2, 7, 16).double(),
+            ),
+            "not supported",
+        ),
         (_bad(q=torch.zeros(2, 2, 0, 16)), "empty"),
         (_bad(key_padding=torch.ones(2, 5, dtype=torch.bool)), r"shape \(B, Tk\)"),
         (_bad(key_padding=torch.ones(2, 7)), "bool tensor"),

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # a build check, outside the runtime package
 
 from compile_check import SHARED_MEMORY_LIMITS, parse_ptxas_log, shipped_cases  # noqa: E402
+
 ATTENTION_KERNELS = {"_forward_kernel", "_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"}
 
 
@@ -26,9 +27,23 @@ def compiled_env() -> dict:
 
 @pytest.mark.slow
 def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--matrix", "shipped",
-                          "--jobs", "2", "--out", str(tmp_path)], env=compiled_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "compile_report.py"),
+            "--matrix",
+            "shipped",
+            "--jobs",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        env=compiled_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = tmp_path / "compile_report-shipped.json"
     assert out.exists(), run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -52,20 +67,30 @@ def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
 # to allocate the sm_90 wgmma pipeline in 64 registers at all ("Register allocation failed"), where
 # the ptxas of the Triton used before (torch 2.14's) spilled.
 FORCED_REGISTERS = 96
-FORCED_SPILL = f"MAX_REGISTERS = {FORCED_REGISTERS}" + """
+FORCED_SPILL = (
+    f"MAX_REGISTERS = {FORCED_REGISTERS}"
+    + """
 import json
 import compile_check as C
 case = C.Case("attention", "bf16", n=197, head_dim=64)
 launch = next(l for l in C.launches_of(case, 90) if l.kernel.__name__ == "_forward_kernel")
 print(json.dumps(C.compile_launch(launch, case, 90, extra_options={"maxnreg": MAX_REGISTERS}).__dict__))
 """
+)
 
 
 @pytest.mark.slow
 def test_a_spilling_kernel_is_reported():
     """The check sees spills: the forward kernel capped below its register need must spill."""
-    run = subprocess.run([sys.executable, "-c", FORCED_SPILL], env=compiled_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", FORCED_SPILL],
+        env=compiled_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert not any("does not compile" in p for p in result["problems"]), result["problems"]
     assert result["registers"] <= FORCED_REGISTERS and result["spill_stores"] > 0

@@ -125,8 +125,9 @@ def test_all_targets_ignored_gives_zero_not_nan():
     for g in (d_logits, d_ranges, d_ts):
         assert torch.all(g == 0)
     # With "sum" torch agrees: 0 and zero gradients.
-    assert_matches(kernel(logits, target, ranges, ts, reduction="sum"),
-                   reference(logits, target, ranges, ts, reduction="sum"))
+    assert_matches(
+        kernel(logits, target, ranges, ts, reduction="sum"), reference(logits, target, ranges, ts, reduction="sum")
+    )
 
 
 def test_empty_batch():
@@ -135,8 +136,9 @@ def test_empty_batch():
     assert loss.item() == 0.0 and d_logits.shape == (0, 197)
     assert torch.all(d_ranges == 0) and torch.all(d_ts == 0)
     # "sum" over nothing is 0 in torch too.
-    assert_matches(kernel(logits, target, ranges, ts, reduction="sum"),
-                   reference(logits, target, ranges, ts, reduction="sum"))
+    assert_matches(
+        kernel(logits, target, ranges, ts, reduction="sum"), reference(logits, target, ranges, ts, reduction="sum")
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -178,8 +180,10 @@ def test_param_grads_are_bitwise_deterministic(small_block):
 def test_non_unit_grad_output(order):
     logits, target, ranges, ts = make_inputs(6, 197, order)
     kw = {"label_smoothing": 0.1, "reduction": "sum"}
-    assert_matches(kernel(logits, target, ranges, ts, grad_scale=2.0, **kw),
-                   reference(logits, target, ranges, ts, grad_scale=2.0, **kw))
+    assert_matches(
+        kernel(logits, target, ranges, ts, grad_scale=2.0, **kw),
+        reference(logits, target, ranges, ts, grad_scale=2.0, **kw),
+    )
 
 
 def test_param_grads_without_logit_grads_and_inference():
@@ -190,8 +194,12 @@ def test_param_grads_without_logit_grads_and_inference():
     loss.backward()
     assert_matches((loss.detach(), None, ranges.grad, ts.grad), (want[0], None, want[2], want[3]))
     with torch.no_grad():
-        torch.testing.assert_close(multimax_cross_entropy(logits, target, ranges, ts, label_smoothing=0.1).double(),
-                                   want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            multimax_cross_entropy(logits, target, ranges, ts, label_smoothing=0.1).double(),
+            want[0],
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_second_backward_through_same_graph_raises():
@@ -226,13 +234,24 @@ def _bad(name):
     return cases[name]
 
 
-@pytest.mark.parametrize("name, match", [
-    ("logits 1-D", "2-D"), ("logits int", "dtype"), ("last dim strided", "contiguous"),
-    ("target shape", "shape"), ("target dtype", "int64"), ("reduction none", "reduction"),
-    ("smoothing > 1", "label_smoothing"), ("smoothing < 0", "label_smoothing"), ("ranges only", "together"),
-    ("ranges shape", r"\(2,\) or \(4,\)"), ("ts shape", r"\(2,\) or \(4,\)"),
-    ("target too big", "target value 197 "), ("target negative", "target value -7 "),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("logits 1-D", "2-D"),
+        ("logits int", "dtype"),
+        ("last dim strided", "contiguous"),
+        ("target shape", "shape"),
+        ("target dtype", "int64"),
+        ("reduction none", "reduction"),
+        ("smoothing > 1", "label_smoothing"),
+        ("smoothing < 0", "label_smoothing"),
+        ("ranges only", "together"),
+        ("ranges shape", r"\(2,\) or \(4,\)"),
+        ("ts shape", r"\(2,\) or \(4,\)"),
+        ("target too big", "target value 197 "),
+        ("target negative", "target value -7 "),
+    ],
+)
 def test_bad_inputs_raise(name, match):
     with pytest.raises(ValueError, match=match):
         _bad(name)()

@@ -1,9 +1,9 @@
 """MultiMax as a FlexAttention ``score_mod`` (the benchmark's peer) against the package's reference
 attention, on the CPU: uncompiled FlexAttention, forward only (its eager backward needs a GPU)."""
 
+import importlib
 import sys
 from pathlib import Path
-import importlib
 
 import pytest
 import torch

@@ -36,7 +36,9 @@ def relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
 
 def multimax_params(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Second-order ``(ranges, ts)`` as the issue draws them: 1.5 N(0,1) and 0.8 N(0,1)."""
-    return 1.5 * torch.randn(4, generator=gen, dtype=torch.float64), 0.8 * torch.randn(4, generator=gen, dtype=torch.float64)
+    return 1.5 * torch.randn(4, generator=gen, dtype=torch.float64), 0.8 * torch.randn(
+        4, generator=gen, dtype=torch.float64
+    )
 
 
 def eager_multimax(scores: torch.Tensor, mask, ranges: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
@@ -71,19 +73,25 @@ def compare(make_case, names: tuple[str, ...]) -> dict[str, tuple[float, float]]
     return {name: ((k / len(SEEDS)) ** 0.5, (e / len(SEEDS)) ** 0.5) for name, (k, e) in sums.items()}
 
 
-def assert_as_accurate_as_eager(errors: dict[str, tuple[float, float]], max_ratio: dict[str, float] | None = None) -> None:
+def assert_as_accurate_as_eager(
+    errors: dict[str, tuple[float, float]], max_ratio: dict[str, float] | None = None
+) -> None:
     """Each gradient's kernel error within ``MAX_RATIO`` (or ``max_ratio[name]``) x eager fp32's."""
     for name, (kernel_err, eager_err) in errors.items():
         bound = (max_ratio or {}).get(name, MAX_RATIO)
         assert kernel_err <= bound * eager_err, (
-            f"grad {name}: kernel relative error {kernel_err:.2e} > {bound} x eager fp32's {eager_err:.2e}")
+            f"grad {name}: kernel relative error {kernel_err:.2e} > {bound} x eager fp32's {eager_err:.2e}"
+        )
 
 
-@pytest.mark.parametrize("rows, n, std, masked", [
-    ((3, 4), 197, 3.0, 0.0),  # the issue's first case
-    ((3, 4), 260, 4.0, 0.2),  # the issue's second case: 20% of positions masked
-    ((4, 8), 512, 3.0, 0.2),  # more and longer rows
-])
+@pytest.mark.parametrize(
+    "rows, n, std, masked",
+    [
+        ((3, 4), 197, 3.0, 0.0),  # the issue's first case
+        ((3, 4), 260, 4.0, 0.2),  # the issue's second case: 20% of positions masked
+        ((4, 8), 512, 3.0, 0.2),  # more and longer rows
+    ],
+)
 def test_rowwise_gradients(rows, n, std, masked):
     def make_case(seed):
         gen = torch.Generator().manual_seed(seed)
@@ -91,8 +99,12 @@ def test_rowwise_gradients(rows, n, std, masked):
         ranges, ts = multimax_params(gen)
         mask = torch.rand(*rows, n, generator=gen) >= masked if masked else None
         upstream = torch.randn(*rows, n, generator=gen, dtype=torch.float64)
-        return (lambda x, r, t: multimax_softmax(x, mask, r, t),
-                lambda x, r, t: eager_multimax(x, mask, r, t), [x, ranges, ts], upstream)
+        return (
+            lambda x, r, t: multimax_softmax(x, mask, r, t),
+            lambda x, r, t: eager_multimax(x, mask, r, t),
+            [x, ranges, ts],
+            upstream,
+        )
 
     assert_as_accurate_as_eager(compare(make_case, ("x", "ranges", "ts")))
 
@@ -120,7 +132,7 @@ def test_attention_gradients(causal, padded):
 
         def eager(q, k, v, r, t):  # the package's explicit path: scores, eager MultiMax, weights @ v
             mask = causal_mask(T, T) if causal else pad[:, None, None, :]
-            return eager_multimax(q @ k.transpose(-2, -1) * D ** -0.5, mask, r, t) @ v
+            return eager_multimax(q @ k.transpose(-2, -1) * D**-0.5, mask, r, t) @ v
 
         def fused(q, k, v, r, t):
             return multimax_attention(q, k, v, r, t, causal=causal, key_padding=pad)
@@ -139,7 +151,11 @@ def test_cross_entropy_gradients():
         logits = 4.0 * torch.randn(T, V, generator=gen, dtype=torch.float64)
         target = torch.randint(0, V, (T,), generator=gen)
         ranges, ts = multimax_params(gen)
-        return (lambda z, r, t: multimax_cross_entropy(z, target, r, t),
-                lambda z, r, t: multimax_cross_entropy_reference(z, target, r, t), [logits, ranges, ts], None)
+        return (
+            lambda z, r, t: multimax_cross_entropy(z, target, r, t),
+            lambda z, r, t: multimax_cross_entropy_reference(z, target, r, t),
+            [logits, ranges, ts],
+            None,
+        )
 
     assert_as_accurate_as_eager(compare(make_case, ("logits", "ranges", "ts")))

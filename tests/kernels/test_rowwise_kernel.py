@@ -11,8 +11,8 @@ from mmlight.kernels import rowwise
 from mmlight.kernels.rowwise import multimax_softmax
 from mmlight.reweighting import MultiMax, Softmax, build
 from mmlight.reweighting.backend import resolve_backend
-
-from tests.reweighting.references import apply_masked, softmax as np_softmax
+from tests.reweighting.references import apply_masked
+from tests.reweighting.references import softmax as np_softmax
 
 # Values that bend sigma visibly (the 0.02 init would hide mistakes in the derivative terms).
 RANGES = {1: [-0.5, 0.6], 2: [-0.5, 0.6, -1.0, 1.2]}
@@ -98,8 +98,13 @@ def test_forward_matches_numpy_formula():
     r, t = RANGES[2], TS[2]
 
     def row_fn(z):
-        sigma = (z + t[0] * np.maximum(r[0] - z, 0) + t[1] * np.maximum(z - r[1], 0)
-                 + t[2] * np.maximum(r[2] - z, 0) ** 2 + t[3] * np.maximum(z - r[3], 0) ** 2)
+        sigma = (
+            z
+            + t[0] * np.maximum(r[0] - z, 0)
+            + t[1] * np.maximum(z - r[1], 0)
+            + t[2] * np.maximum(r[2] - z, 0) ** 2
+            + t[3] * np.maximum(z - r[3], 0) ** 2
+        )
         return np_softmax(sigma)
 
     want = apply_masked(row_fn, x.numpy(), mask.numpy())

@@ -19,8 +19,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
-def _score_tile_kernel(A, B, OUT, scale, R: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                       TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _score_tile_kernel(
+    A,
+    B,
+    OUT,
+    scale,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """OUT (R, C) = scale * A (R, D) @ B (C, D)^T, directly or as the transpose of B @ A^T."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
@@ -36,8 +45,17 @@ def _score_tile_kernel(A, B, OUT, scale, R: tl.constexpr, C: tl.constexpr, D: tl
 
 def score_tile(q: torch.Tensor, k: torch.Tensor, transposed: bool) -> torch.Tensor:
     out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
-    _score_tile_kernel[(1,)](q, k, out, q.shape[1] ** -0.5, R=q.shape[0], C=k.shape[0], D=q.shape[1],
-                             TRANSPOSED=transposed, DOT_PRECISION=FP32_DOT_PRECISION)
+    _score_tile_kernel[(1,)](
+        q,
+        k,
+        out,
+        q.shape[1] ** -0.5,
+        R=q.shape[0],
+        C=k.shape[0],
+        D=q.shape[1],
+        TRANSPOSED=transposed,
+        DOT_PRECISION=FP32_DOT_PRECISION,
+    )
     return out
 
 
@@ -49,9 +67,10 @@ def test_scores_do_not_depend_on_tile_shape_or_orientation(dtype, head_dim):
     k = torch.randn(64, head_dim, generator=gen).to(DEVICE, dtype)
     forward = score_tile(q, k, transposed=False)  # the forward's (128, 64) tile
     # the float64 product of the same (rounded) inputs: a check that the tile is a product at all
-    exact = (q.double() @ k.double().T) * head_dim ** -0.5
+    exact = (q.double() @ k.double().T) * head_dim**-0.5
     assert torch.allclose(forward.double(), exact, rtol=1e-2, atol=1e-2)
     for rows, cols, transposed in [(64, 32, False), (16, 64, True), (32, 64, True)]:
         tile = score_tile(q[:rows], k[:cols], transposed)
         assert torch.equal(tile, forward[:rows, :cols]), (
-            f"({rows}, {cols}) transposed={transposed}: max diff {(tile - forward[:rows, :cols]).abs().max():.3g}")
+            f"({rows}, {cols}) transposed={transposed}: max diff {(tile - forward[:rows, :cols]).abs().max():.3g}"
+        )

@@ -9,8 +9,7 @@ import torch
 
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
-from mmlight.reweighting import ReweightingSpec
-from mmlight.reweighting import MultiMax
+from mmlight.reweighting import MultiMax, ReweightingSpec
 
 BOS, PAD, EOS = 0, 1, 2
 IDS = {"start_id": EOS, "eos_id": EOS, "pad_id": PAD, "banned_ids": (BOS,)}
@@ -20,9 +19,19 @@ def toy_model(seed, vocab=6, attention="softmax", logit_std=0.6, max_positions=1
     """A tiny random encoder-decoder in float64 whose output distributions are peaked and varied."""
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size=vocab, d_model=16, n_heads=2, ffn_dim=24, n_layers=1, n_encoder_layers=1,
-                               dropout=0.0, max_positions=max_positions, pad_id=PAD,
-                               share_output_embedding=False, attention=ReweightingSpec(attention))
+    config = TransformerConfig(
+        vocab_size=vocab,
+        d_model=16,
+        n_heads=2,
+        ffn_dim=24,
+        n_layers=1,
+        n_encoder_layers=1,
+        dropout=0.0,
+        max_positions=max_positions,
+        pad_id=PAD,
+        share_output_embedding=False,
+        attention=ReweightingSpec(attention),
+    )
     model = TransformerSeq2Seq(config).eval()
     with torch.no_grad():
         model.output_projection.weight.normal_(std=logit_std)
@@ -74,8 +83,9 @@ def search_one(model, src, config, **ids):
 def test_wide_beam_finds_the_exhaustive_optimum(seed, length_penalty):
     model = toy_model(seed)
     words = (3, 4, 5)  # every token but <s> (banned), <pad> and </s>
-    config = BeamSearchConfig(beam_size=36, max_len_a=0.5, max_len_b=2, length_penalty=length_penalty,
-                              min_len=seed % 2)  # max length int(0.5 * 2 + 2) = int(0.5 * 3 + 2) = 3
+    config = BeamSearchConfig(
+        beam_size=36, max_len_a=0.5, max_len_b=2, length_penalty=length_penalty, min_len=seed % 2
+    )  # max length int(0.5 * 2 + 2) = int(0.5 * 3 + 2) = 3
     # 36 beams hold every live candidate: 3 ** 2 live hypotheses x 4 continuations at the last free step
     src, _ = sources([2 + seed % 2], 6, seed)
     candidates = [h for n in range(config.min_len, 4) for h in itertools.product(words, repeat=n)]
@@ -131,7 +141,7 @@ def reference_beam_search(model, src, config):
                 forbidden = token in (PAD, BOS) or (token == EOS and step < config.min_len)
                 if (token == EOS) if step == limit else not forbidden:
                     candidates.append((score + lp, hyp, token))
-        candidates = sorted(candidates, key=lambda c: -c[0])[:2 * K]
+        candidates = sorted(candidates, key=lambda c: -c[0])[: 2 * K]
         for score, hyp, token in candidates[:K]:
             if token == EOS:
                 finalised.append((score / (step + 1) ** config.length_penalty, hyp))
@@ -245,24 +255,30 @@ def test_empty_batch():
     assert hyps == [] and scores.shape == (0,) and scores.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"beam_size": 0}, "beam_size"),
-    ({"max_len_a": -1.0}, "max_len_a"),
-    ({"min_len": -1}, "min_len"),
-    ({"length_penalty": math.nan}, "length_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"beam_size": 0}, "beam_size"),
+        ({"max_len_a": -1.0}, "max_len_a"),
+        ({"min_len": -1}, "min_len"),
+        ({"length_penalty": math.nan}, "length_penalty"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchConfig(**kwargs)
 
 
-@pytest.mark.parametrize("src, mask, ids, match", [
-    (torch.full((3,), 4), None, {}, "src must be"),
-    (torch.full((2, 3), 4), torch.ones(2, 3, dtype=torch.long), {}, "src_mask"),
-    (torch.full((2, 3), 4), None, {"eos_id": 6}, "eos_id 6 is outside"),
-    (torch.full((2, 3), 4), None, {"banned_ids": (EOS,)}, "neither pad_id nor banned"),
-    (torch.full((2, 3), 4), None, {"banned_ids": (0, 3, 4, 5)}, "no token to generate"),
-])
+@pytest.mark.parametrize(
+    "src, mask, ids, match",
+    [
+        (torch.full((3,), 4), None, {}, "src must be"),
+        (torch.full((2, 3), 4), torch.ones(2, 3, dtype=torch.long), {}, "src_mask"),
+        (torch.full((2, 3), 4), None, {"eos_id": 6}, "eos_id 6 is outside"),
+        (torch.full((2, 3), 4), None, {"banned_ids": (EOS,)}, "neither pad_id nor banned"),
+        (torch.full((2, 3), 4), None, {"banned_ids": (0, 3, 4, 5)}, "no token to generate"),
+    ],
+)
 def test_argument_validation(src, mask, ids, match):
     model = toy_model(13)
     with pytest.raises(ValueError, match=match):

@@ -34,8 +34,15 @@ def weights_file(timm_state, tmp_path_factory):
 
 
 def deit_tiny(pretrained, **kwargs) -> ViTConfig:
-    options = dict(variant="deit_tiny", num_classes=1000, global_pool="token", drop_path_rate=0.0,
-                   attention=IDENTITY, backend="reference", pretrained=str(pretrained))
+    options = dict(
+        variant="deit_tiny",
+        num_classes=1000,
+        global_pool="token",
+        drop_path_rate=0.0,
+        attention=IDENTITY,
+        backend="reference",
+        pretrained=str(pretrained),
+    )
     return ViTConfig(**{**options, **kwargs})
 
 
@@ -78,8 +85,13 @@ def test_new_head_and_resized_position_embedding_match_timm_loader(timm_state, w
     model = ReweightedViT(deit_tiny(weights_file, num_classes=10, img_size=112)).double().eval()
     assert set(model.pretrained_report.dropped) == {"head.weight", "head.bias"}
     assert model.vit.head.weight.shape == (10, 192) and model.vit.pos_embed.shape == (1, 1 + 7 * 7, 192)
-    reference = timm.create_model(TIMM_NAME, pretrained=True, num_classes=10, img_size=112,
-                                  pretrained_cfg_overlay={"file": str(weights_file)}).double().eval()
+    reference = (
+        timm.create_model(
+            TIMM_NAME, pretrained=True, num_classes=10, img_size=112, pretrained_cfg_overlay={"file": str(weights_file)}
+        )
+        .double()
+        .eval()
+    )
     torch.testing.assert_close(model.vit.pos_embed, reference.pos_embed, atol=0, rtol=0)
     x = images(112)
     with torch.no_grad():
@@ -115,13 +127,20 @@ def test_another_width_is_named(weights_file):
         ReweightedViT(deit_tiny(weights_file, variant="deit_small"))
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.update(dist_token=torch.zeros(1, 1, 192), **{"head_dist.weight": torch.zeros(1000, 192)}),
-     r"unexpected: dist_token, head_dist.weight"),
-    (lambda s: s.pop("blocks.3.mlp.fc1.weight"), r"missing: blocks.3.mlp.fc1.weight"),
-    (lambda s: s.update({"blocks.0.mlp.fc1.weight": torch.zeros(384, 192)}),
-     r"different shape \(weights vs model\): blocks.0.mlp.fc1.weight \(384, 192\) vs \(768, 192\)"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda s: s.update(dist_token=torch.zeros(1, 1, 192), **{"head_dist.weight": torch.zeros(1000, 192)}),
+            r"unexpected: dist_token, head_dist.weight",
+        ),
+        (lambda s: s.pop("blocks.3.mlp.fc1.weight"), r"missing: blocks.3.mlp.fc1.weight"),
+        (
+            lambda s: s.update({"blocks.0.mlp.fc1.weight": torch.zeros(384, 192)}),
+            r"different shape \(weights vs model\): blocks.0.mlp.fc1.weight \(384, 192\) vs \(768, 192\)",
+        ),
+    ],
+)
 def test_mismatched_keys_are_named(timm_state, tmp_path, edit, message):
     state = dict(timm_state)
     edit(state)
@@ -174,4 +193,5 @@ def test_the_summary_names_what_was_dropped_and_what_is_new(weights_file):
         f"pretrained weights {weights_file}: dropped head.bias: shape (1000,) does not fit the new head (10,); "
         "head.weight: shape (1000, 192) does not fit the new head (10, 192); new (initialised here): "
         "blocks.0.attn.reweight.ranges, blocks.0.attn.reweight.ts, blocks.1.attn.reweight.ranges, "
-        "blocks.1.attn.reweight.ts, blocks.10.attn.reweight.ranges, blocks.10.attn.reweight.ts ... (26 in all)")
+        "blocks.1.attn.reweight.ts, blocks.10.attn.reweight.ranges, blocks.10.attn.reweight.ts ... (26 in all)"
+    )

@@ -17,16 +17,23 @@ from mmlight.models.transformer import (
     none_if_all,
     token_embedding,
 )
-from mmlight.reweighting import ReweightingSpec
-from mmlight.reweighting import MultiMax, multimax_sigma
+from mmlight.reweighting import MultiMax, ReweightingSpec, multimax_sigma
 
 PAD = 1
 
 
 def tiny(n_encoder_layers=0, name="softmax", options=None, **kwargs):
-    base = {"vocab_size": 23, "d_model": 32, "n_heads": 2, "ffn_dim": 48, "n_layers": 2,
-            "n_encoder_layers": n_encoder_layers, "max_positions": 32, "pad_id": PAD,
-            "attention": ReweightingSpec(name, options or {})}
+    base = {
+        "vocab_size": 23,
+        "d_model": 32,
+        "n_heads": 2,
+        "ffn_dim": 48,
+        "n_layers": 2,
+        "n_encoder_layers": n_encoder_layers,
+        "max_positions": 32,
+        "pad_id": PAD,
+        "attention": ReweightingSpec(name, options or {}),
+    }
     return TransformerConfig(**{**base, **kwargs})
 
 
@@ -93,12 +100,24 @@ def test_presets_set_every_field_of_their_recipe():
     """Every field the two presets set (their docstrings' fairseq recipes), and overrides replacing fields."""
     lm = TransformerConfig.transformer_lm_wikitext103()
     assert (lm.vocab_size, lm.d_model, lm.n_heads, lm.ffn_dim, lm.n_layers, lm.n_encoder_layers) == (
-        267_744, 512, 8, 2048, 6, 0)
+        267_744,
+        512,
+        8,
+        2048,
+        6,
+        0,
+    )
     assert (lm.dropout, lm.attention_dropout, lm.activation_dropout, lm.max_positions) == (0.1, 0.0, 0.0, 512)
     assert lm.pre_norm is False and lm.share_output_embedding is True and lm.sinusoidal_positions is True
     mt = TransformerConfig.transformer_iwslt_de_en()
     assert (mt.vocab_size, mt.d_model, mt.n_heads, mt.ffn_dim, mt.n_layers, mt.n_encoder_layers) == (
-        10_000, 512, 4, 1024, 6, 6)
+        10_000,
+        512,
+        4,
+        1024,
+        6,
+        6,
+    )
     assert (mt.dropout, mt.attention_dropout, mt.activation_dropout, mt.max_positions) == (0.3, 0.0, 0.0, 1024)
     assert mt.pre_norm is False and mt.share_embeddings is True and mt.share_output_embedding is True
     spec = ReweightingSpec("multimax", {"order": 1})
@@ -107,10 +126,13 @@ def test_presets_set_every_field_of_their_recipe():
         assert (c.attention, c.max_positions, c.d_model) == (spec, 64, 512)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"pre_norm": True, "share_output_embedding": False, "output_multimax": True},
-    {"share_embeddings": False, "src_vocab_size": 23, "sinusoidal_positions": False, "pre_norm": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"pre_norm": True, "share_output_embedding": False, "output_multimax": True},
+        {"share_embeddings": False, "src_vocab_size": 23, "sinusoidal_positions": False, "pre_norm": True},
+    ],
+)
 def test_parameter_formula_variants(kwargs):
     c = tiny(n_encoder_layers=2, name="multimax", **kwargs)
     assert count(TransformerSeq2Seq(c)) == expected_params(c, mm_per_layer=8)
@@ -121,14 +143,19 @@ def test_parameter_formula_variants(kwargs):
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple"):
         tiny(n_heads=3)
-    with pytest.raises(ValueError, match=r"^share_embeddings needs one joint vocabulary \(src_vocab_size == "
-                                         r"vocab_size\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^share_embeddings needs one joint vocabulary \(src_vocab_size == "
+        r"vocab_size\)$",
+    ):
         tiny(n_encoder_layers=1, share_embeddings=True, src_vocab_size=30)
-    with pytest.raises(ValueError, match="^TransformerSeq2Seq needs n_encoder_layers > 0; use TransformerLM for "
-                                         "an LM$"):
+    with pytest.raises(
+        ValueError, match="^TransformerSeq2Seq needs n_encoder_layers > 0; use TransformerLM for an LM$"
+    ):
         TransformerSeq2Seq(tiny())
-    with pytest.raises(ValueError, match="^TransformerLM is decoder-only: set n_encoder_layers=0 or use "
-                                         "TransformerSeq2Seq$"):
+    with pytest.raises(
+        ValueError, match="^TransformerLM is decoder-only: set n_encoder_layers=0 or use TransformerSeq2Seq$"
+    ):
         TransformerLM(tiny(n_encoder_layers=1))
     with pytest.raises(ValueError, match="max_positions"):
         TransformerLM(tiny())(tokens(1, 33))
@@ -152,7 +179,7 @@ def test_lm_incremental_equals_full(name, pre_norm):
     x[1, :2] = PAD  # a left-padded row: its padding stays masked through the cache
     full = model(x)  # (B, T, d)
     cache = model.new_cache()
-    steps = [model(x[:, :3], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(3, 7)]
+    steps = [model(x[:, :3], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(3, 7)]
     assert cache.length == 7 and cache.self_attn[0].keep.shape == (3, 7)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(model.logits(steps[-1]), model.logits(full[:, -1:]), rtol=1e-10, atol=1e-10)
@@ -166,7 +193,7 @@ def test_lm_reorder_cache_equals_recomputation(name):
     cache = model.new_cache()
     model(x[:, :4], cache=cache)
     model.reorder_cache(cache, index)
-    y = torch.cat([model(x[index, t:t + 1], cache=cache) for t in (4, 5)], dim=1)
+    y = torch.cat([model(x[index, t : t + 1], cache=cache) for t in (4, 5)], dim=1)
     torch.testing.assert_close(y, model(x[index])[:, 4:], rtol=1e-10, atol=1e-10)
 
 
@@ -186,13 +213,13 @@ def test_seq2seq_incremental_and_reorder_equal_full(name):
     memory = model.encode(src, src_mask)  # (B, S, d)
     full = model.decode(tgt, memory, src_mask)  # (B, T, d)
     cache = model.new_cache()
-    steps = [model.decode(tgt[:, t:t + 1], memory, src_mask, cache=cache) for t in range(4)]
+    steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache=cache) for t in range(4)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, :4], rtol=1e-10, atol=1e-10)
     assert cache.cross_attn[0].k.shape == (3, 2, 5, 16)  # encoder keys computed once
 
     index = torch.tensor([1, 2, 0, 0])  # reorder with beam duplication
     model.reorder_cache(cache, index)
-    steps = [model.decode(tgt[index, t:t + 1], memory[index], src_mask[index], cache=cache) for t in (4, 5)]
+    steps = [model.decode(tgt[index, t : t + 1], memory[index], src_mask[index], cache=cache) for t in (4, 5)]
     recomputed = model.decode(tgt[index], memory[index], src_mask[index])
     torch.testing.assert_close(torch.cat(steps, dim=1), recomputed[:, 4:], rtol=1e-10, atol=1e-10)
 
@@ -231,8 +258,10 @@ def test_only_the_encoder_decoder_has_cross_attention_caches_and_sites():
     assert lm.new_cache().cross_attn == [] and len(lm.new_cache().self_attn) == 2
     assert list(lm.reweighting_sites()) == ["decoder.layers.0.self_attn", "decoder.layers.1.self_attn"]
     assert len(TransformerSeq2Seq(tiny(1)).new_cache().cross_attn) == 2
-    for model in (TransformerLM(tiny(output_multimax=True, output_multimax_order=1)),
-                  TransformerSeq2Seq(tiny(1, output_multimax=True, output_multimax_order=1))):
+    for model in (
+        TransformerLM(tiny(output_multimax=True, output_multimax_order=1)),
+        TransformerSeq2Seq(tiny(1, output_multimax=True, output_multimax_order=1)),
+    ):
         assert model.output.order == 1 and model.reweighting_sites()["output"] is model.output
 
 
@@ -289,8 +318,9 @@ def test_positions_follow_the_tokens_device_and_the_embedding_dtype():
 
 @pytest.mark.parametrize("name", reweighting.available())
 def test_padded_batches_finite_with_every_reweighting(name):
-    config = tiny(1, name=name, n_layers=1, dropout=0.1, attention_dropout=0.1, output_multimax=True,
-                  share_embeddings=True)
+    config = tiny(
+        1, name=name, n_layers=1, dropout=0.1, attention_dropout=0.1, output_multimax=True, share_embeddings=True
+    )
     if reweighting.build(name).causal_only:  # stick-breaking: refused in the encoder and cross-attention
         with pytest.raises(ValueError, match="encoder self-attention is not causal"):
             TransformerSeq2Seq(config)
@@ -376,8 +406,9 @@ def test_seq2seq_loss_matches_cross_entropy():
     src_mask[0, 1] = False
     loss_mask = torch.ones(2, 3, dtype=torch.bool)
     loss_mask[0, 0] = False
-    total, n = model.loss(src, tgt_in, tgt, src_mask=src_mask, loss_mask=loss_mask, ignore_index=-100,
-                          label_smoothing=0.1)
+    total, n = model.loss(
+        src, tgt_in, tgt, src_mask=src_mask, loss_mask=loss_mask, ignore_index=-100, label_smoothing=0.1
+    )
     logits = model.logits(model(src, tgt_in, src_mask)).reshape(6, -1)
     want = F.cross_entropy(logits, torch.where(loss_mask, tgt, -100).reshape(-1), label_smoothing=0.1, reduction="sum")
     torch.testing.assert_close(total, want)
@@ -392,17 +423,27 @@ def test_each_attention_layer_gets_its_own_reweighting_and_backend():
     c = tiny(2, name="multimax", options={"order": 1}, output_multimax=True, backend="compile", share_embeddings=True)
     model = TransformerSeq2Seq(c)
     sites = model.attention_sites()
-    assert list(sites) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
-                           "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
-                           "decoder.layers.1.self_attn", "decoder.layers.1.cross_attn"]
+    assert list(sites) == [
+        "encoder.layers.0.self_attn",
+        "encoder.layers.1.self_attn",
+        "decoder.layers.0.self_attn",
+        "decoder.layers.0.cross_attn",
+        "decoder.layers.1.self_attn",
+        "decoder.layers.1.cross_attn",
+    ]
     assert [(s.kind, s.stack, s.layer, s.keys_from) for s in sites.values()] == [
-        ("encoder_self", "encoder", 0, "encoder"), ("encoder_self", "encoder", 1, "encoder"),
-        ("decoder_self", "decoder", 0, "decoder"), ("cross", "decoder", 0, "encoder"),
-        ("decoder_self", "decoder", 1, "decoder"), ("cross", "decoder", 1, "encoder")]
+        ("encoder_self", "encoder", 0, "encoder"),
+        ("encoder_self", "encoder", 1, "encoder"),
+        ("decoder_self", "decoder", 0, "decoder"),
+        ("cross", "decoder", 0, "encoder"),
+        ("decoder_self", "decoder", 1, "decoder"),
+        ("cross", "decoder", 1, "encoder"),
+    ]
     assert sites["decoder.layers.1.cross_attn"].module is model.decoder.layers[1].cross_attn.reweight
     assert model.reweighting_sites()["output"] is model.output
     assert [(b.name, b.stack, b.layer, b.prefix) for b in model.blocks()] == [
-        (f"{stack}.layers.{i}", stack, i, 0) for stack in ("encoder", "decoder") for i in (0, 1)]
+        (f"{stack}.layers.{i}", stack, i, 0) for stack in ("encoder", "decoder") for i in (0, 1)
+    ]
     assert all(b.module is model.encoder.layers[b.layer] for b in model.blocks()[:2])
     layers = [s.module for s in sites.values()]
     assert len(layers) == 2 + 2 * 2 and len({id(m) for m in layers}) == 6
@@ -493,7 +534,7 @@ def test_triton_incremental_decoding_equals_full():
     with torch.no_grad():
         full = model(x)
         cache = model.new_cache()
-        steps = [model(x[:, :2], cache=cache)] + [model(x[:, t:t + 1], cache=cache) for t in range(2, 5)]
+        steps = [model(x[:, :2], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(2, 5)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -507,8 +548,28 @@ def test_models_hold_no_buffers(name):
     spec = ReweightingSpec(name)
     models = [TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1, attention=spec))]
     if name in NON_CAUSAL:
-        models += [TransformerSeq2Seq(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_encoder_layers=1,
-                                                        n_layers=1, attention=spec, output_multimax=True)),
-                   ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                                           attention=spec, output_multimax=True))]
+        models += [
+            TransformerSeq2Seq(
+                TransformerConfig(
+                    vocab_size=10,
+                    d_model=16,
+                    n_heads=2,
+                    n_encoder_layers=1,
+                    n_layers=1,
+                    attention=spec,
+                    output_multimax=True,
+                )
+            ),
+            ReweightedViT(
+                ViTConfig(
+                    variant="vit_micro",
+                    img_size=8,
+                    patch_size=2,
+                    in_chans=1,
+                    num_classes=10,
+                    attention=spec,
+                    output_multimax=True,
+                )
+            ),
+        ]
     assert all(list(m.named_buffers()) == [] for m in models)

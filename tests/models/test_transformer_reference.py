@@ -37,13 +37,13 @@ def fairseq_sinusoids(n_positions: int, dim: int) -> np.ndarray:
 
 @pytest.mark.parametrize("n_positions, dim", [(50, 16), (9, 7), (4, 4)])
 def test_sinusoidal_table_is_fairseqs(n_positions, dim):
-    np.testing.assert_allclose(sinusoidal_table(n_positions, dim).numpy(), fairseq_sinusoids(n_positions, dim),
-                               atol=2e-5, rtol=0)
+    np.testing.assert_allclose(
+        sinusoidal_table(n_positions, dim).numpy(), fairseq_sinusoids(n_positions, dim), atol=2e-5, rtol=0
+    )
 
 
 def config(**overrides) -> TransformerConfig:
-    base = dict(vocab_size=13, d_model=8, n_heads=2, ffn_dim=12, n_layers=2, dropout=0.0, max_positions=12,
-                pad_id=PAD)
+    base = dict(vocab_size=13, d_model=8, n_heads=2, ffn_dim=12, n_layers=2, dropout=0.0, max_positions=12, pad_id=PAD)
     return TransformerConfig(**{**base, **overrides})
 
 
@@ -57,7 +57,7 @@ def test_token_embedding_scale_and_positions(scale):
     positions = fairseq_sinusoids(12, 8)
     for start in (0, 5):
         got = embed(ids, start=start)[0].double().detach().numpy()
-        want = factor * tokens.weight[ids[0]].double().detach().numpy() + positions[start:start + 4]
+        want = factor * tokens.weight[ids[0]].double().detach().numpy() + positions[start : start + 4]
         np.testing.assert_allclose(got, want, atol=1e-5)
     with pytest.raises(ValueError, match="positions up to 13 exceed max_positions=12"):
         embed(ids, start=9)
@@ -127,11 +127,16 @@ def embed(ids, table, c):
 
 def reference_decoder(x, tgt_keep, layers, c, memory=None, src_keep=None, final_norm=None):
     for layer in layers:
-        x = sublayer(x, lambda h: attend(h, h, tgt_keep, True, layer.self_attn, c.n_heads), layer.attn_block.norm,
-                     c.pre_norm)
+        x = sublayer(
+            x, lambda h: attend(h, h, tgt_keep, True, layer.self_attn, c.n_heads), layer.attn_block.norm, c.pre_norm
+        )
         if memory is not None:
-            x = sublayer(x, lambda h: attend(h, memory, src_keep, False, layer.cross_attn, c.n_heads),
-                         layer.cross_block.norm, c.pre_norm)
+            x = sublayer(
+                x,
+                lambda h: attend(h, memory, src_keep, False, layer.cross_attn, c.n_heads),
+                layer.cross_block.norm,
+                c.pre_norm,
+            )
         x = sublayer(x, lambda h: ffn(h, layer.ffn), layer.ffn_block.norm, c.pre_norm)
     return x if final_norm is None else layer_norm(x, final_norm)
 
@@ -154,8 +159,9 @@ def test_lm_forward_equals_its_definition(pre_norm):
     with torch.no_grad():
         got = model.logits(model(ids))
         dec = model.decoder
-        hidden = reference_decoder(embed(ids, dec.embed.tokens, c), ids != PAD, dec.layers, c,
-                                   final_norm=dec.norm if pre_norm else None)
+        hidden = reference_decoder(
+            embed(ids, dec.embed.tokens, c), ids != PAD, dec.layers, c, final_norm=dec.norm if pre_norm else None
+        )
         want = hidden @ dec.embed.tokens.weight.T  # the output projection is the input embedding
     assert (dec.norm is not None) == pre_norm
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the sinusoids are float32
@@ -174,12 +180,20 @@ def test_seq2seq_forward_equals_its_definition(pre_norm):
     def reference(src_keep):
         x = embed(src, enc.embed.tokens, c)
         for layer in enc.layers:  # no causal mask in the encoder
-            x = sublayer(x, lambda h: attend(h, h, src_keep, False, layer.self_attn, c.n_heads),
-                         layer.attn_block.norm, pre_norm)
+            x = sublayer(
+                x, lambda h: attend(h, h, src_keep, False, layer.self_attn, c.n_heads), layer.attn_block.norm, pre_norm
+            )
             x = sublayer(x, lambda h: ffn(h, layer.ffn), layer.ffn_block.norm, pre_norm)
         memory = x if enc.norm is None else layer_norm(x, enc.norm)
-        hidden = reference_decoder(embed(tgt, dec.embed.tokens, c), tgt != PAD, dec.layers, c, memory, src_keep,
-                                   final_norm=dec.norm if pre_norm else None)
+        hidden = reference_decoder(
+            embed(tgt, dec.embed.tokens, c),
+            tgt != PAD,
+            dec.layers,
+            c,
+            memory,
+            src_keep,
+            final_norm=dec.norm if pre_norm else None,
+        )
         return memory, hidden @ dec.embed.tokens.weight.T
 
     assert (enc.norm is not None) == (dec.norm is not None) == pre_norm
@@ -205,28 +219,51 @@ def xavier_bound(weight: torch.Tensor, gain: float) -> float:
 def test_fairseq_initialisation():
     torch.manual_seed(0)
     d = 64
-    model = TransformerSeq2Seq(config(d_model=d, n_heads=4, ffn_dim=96, vocab_size=400, n_encoder_layers=1,
-                                      n_layers=1, share_output_embedding=False, max_positions=300,
-                                      sinusoidal_positions=False))
+    model = TransformerSeq2Seq(
+        config(
+            d_model=d,
+            n_heads=4,
+            ffn_dim=96,
+            vocab_size=400,
+            n_encoder_layers=1,
+            n_layers=1,
+            share_output_embedding=False,
+            max_positions=300,
+            sinusoidal_positions=False,
+        )
+    )
     attn = model.decoder.layers[0].self_attn
-    for proj, gain in ((attn.q_proj, 2 ** -0.5), (attn.k_proj, 2 ** -0.5), (attn.v_proj, 2 ** -0.5),
-                       (attn.out_proj, 1.0)):
+    for proj, gain in ((attn.q_proj, 2**-0.5), (attn.k_proj, 2**-0.5), (attn.v_proj, 2**-0.5), (attn.out_proj, 1.0)):
         bound = xavier_bound(proj.weight, gain)
         assert proj.weight.abs().max() <= bound and proj.weight.abs().max() > 0.95 * bound  # U(-bound, bound)
         assert proj.bias.abs().max() == 0
     for fc in (model.decoder.layers[0].ffn.fc1, model.decoder.layers[0].ffn.fc2):
         bound = xavier_bound(fc.weight, 1.0)
         assert fc.weight.abs().max() <= bound and fc.weight.abs().max() > 0.95 * bound and fc.bias.abs().max() == 0
-    for table in (model.decoder.embed.tokens.weight, model.encoder.embed.tokens.weight,
-                  model.output_projection.weight, model.decoder.embed.positions.weight):
-        rows = [r for r in range(table.shape[0]) if not (r == PAD and table is not model.output_projection.weight
-                                                        and table is not model.decoder.embed.positions.weight)]
-        assert table[rows].std().item() == pytest.approx(d ** -0.5, rel=0.05)
-    assert model.decoder.embed.tokens.weight[PAD].abs().max() == 0 and model.encoder.embed.tokens.weight[PAD].abs().max() == 0
+    for table in (
+        model.decoder.embed.tokens.weight,
+        model.encoder.embed.tokens.weight,
+        model.output_projection.weight,
+        model.decoder.embed.positions.weight,
+    ):
+        rows = [
+            r
+            for r in range(table.shape[0])
+            if not (
+                r == PAD
+                and table is not model.output_projection.weight
+                and table is not model.decoder.embed.positions.weight
+            )
+        ]
+        assert table[rows].std().item() == pytest.approx(d**-0.5, rel=0.05)
+    assert (
+        model.decoder.embed.tokens.weight[PAD].abs().max() == 0
+        and model.encoder.embed.tokens.weight[PAD].abs().max() == 0
+    )
     assert model.output_projection.weight is not model.decoder.embed.tokens.weight
     assert model.encoder.embed.tokens is not model.decoder.embed.tokens  # share_embeddings is off
     lm = TransformerLM(config(d_model=d, n_heads=4, vocab_size=400)).decoder.embed.tokens
     assert lm.padding_idx == PAD and lm.weight[PAD].abs().max() == 0
     lm(torch.tensor([[PAD, 3, PAD]])).sum().backward()
     assert lm.weight.grad[PAD].abs().max() == 0 and lm.weight.grad[3].abs().min() > 0  # no gradient to padding
-    assert lm.weight[[r for r in range(400) if r != PAD]].std().item() == pytest.approx(d ** -0.5, rel=0.05)
+    assert lm.weight[[r for r in range(400) if r != PAD]].std().item() == pytest.approx(d**-0.5, rel=0.05)

@@ -25,7 +25,8 @@ def test_each_layer_gets_its_own_reweighting():
     sites = model.attention_sites()
     assert list(sites) == [f"blocks.{i}" for i in range(4)]
     assert [(s.name, s.kind, s.stack, s.layer, s.keys_from) for s in sites.values()] == [
-        (f"blocks.{i}", "self", "blocks", i, "blocks") for i in range(4)]
+        (f"blocks.{i}", "self", "blocks", i, "blocks") for i in range(4)
+    ]
     layers = [s.module for s in sites.values()]
     assert all(sites[f"blocks.{i}"].module is model.vit.blocks[i].attn.reweight for i in range(4))
     assert len(layers) == 4 and all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
@@ -46,15 +47,17 @@ def test_head_pooling(pool, has_cls):
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
     # the blocks' records: a CLS token is a prefix that the token similarity leaves out
     assert [(b.name, b.stack, b.layer, b.prefix) for b in model.blocks()] == [
-        (f"blocks.{i}", "blocks", i, int(has_cls)) for i in range(4)]
+        (f"blocks.{i}", "blocks", i, int(has_cls)) for i in range(4)
+    ]
     assert all(b.module is model.vit.blocks[b.layer] for b in model.blocks())
 
 
 def test_softmax_model_uses_fused_path(monkeypatch):
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     ReweightedViT(micro())(torch.randn(2, 1, 8, 8))
     assert len(calls) == 4
     calls.clear()
@@ -104,12 +107,19 @@ def test_config_defaults_are_the_deit_small_recipe():
     c = ViTConfig()
     assert (c.variant, c.img_size, c.patch_size, c.in_chans, c.num_classes) == ("deit_small", 224, 16, 3, 1000)
     assert (c.global_pool, c.drop_path_rate, c.output_multimax, c.output_multimax_order, c.backend) == (
-        "avg", 0.1, False, 2, "auto")
+        "avg",
+        0.1,
+        False,
+        2,
+        "auto",
+    )
     assert c.attention == ReweightingSpec("softmax", {})
 
 
-@pytest.mark.parametrize("variant, width, depth, heads", [("deit_tiny", 192, 12, 3), ("deit_small", 384, 12, 6),
-                                                          ("deit_base", 768, 12, 12), ("vit_micro", 64, 4, 4)])
+@pytest.mark.parametrize(
+    "variant, width, depth, heads",
+    [("deit_tiny", 192, 12, 3), ("deit_small", 384, 12, 6), ("deit_base", 768, 12, 12), ("vit_micro", 64, 4, 4)],
+)
 def test_variant_width_depth_heads(variant, width, depth, heads):
     with torch.device("meta"):
         model = ReweightedViT(ViTConfig(variant=variant))
@@ -117,18 +127,34 @@ def test_variant_width_depth_heads(variant, width, depth, heads):
 
 
 def test_the_config_reaches_timm():
-    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=12, patch_size=4, in_chans=2, num_classes=5,
-                                    drop_path_rate=0.3, backend="compile", output_multimax=True,
-                                    output_multimax_order=1, attention=ReweightingSpec("multimax", {"order": 1})))
+    model = ReweightedViT(
+        ViTConfig(
+            variant="vit_micro",
+            img_size=12,
+            patch_size=4,
+            in_chans=2,
+            num_classes=5,
+            drop_path_rate=0.3,
+            backend="compile",
+            output_multimax=True,
+            output_multimax_order=1,
+            attention=ReweightingSpec("multimax", {"order": 1}),
+        )
+    )
     vit = model.vit
     assert tuple(vit.patch_embed.img_size) == (12, 12) and tuple(vit.patch_embed.patch_size) == (4, 4)
     assert vit.patch_embed.proj.in_channels == 2 and vit.head.out_features == 5
     assert vit.global_pool == "avg" and vit.cls_token is None
     # stochastic depth rises linearly to drop_path_rate at the last block
-    assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3) and vit.blocks[1].drop_path1.drop_prob == pytest.approx(0.1)
+    assert vit.blocks[-1].drop_path1.drop_prob == pytest.approx(0.3) and vit.blocks[
+        1
+    ].drop_path1.drop_prob == pytest.approx(0.1)
     assert all(s.module.backend == "compile" for s in model.attention_sites().values())
     assert (model.output.order, model.output.backend) == (1, "compile")
-    assert model.no_weight_decay() == {f"vit.{name}" for name in vit.no_weight_decay()} and "vit.pos_embed" in model.no_weight_decay()
+    assert (
+        model.no_weight_decay() == {f"vit.{name}" for name in vit.no_weight_decay()}
+        and "vit.pos_embed" in model.no_weight_decay()
+    )
 
 
 @pytest.mark.parametrize("output_multimax", [False, True])

@@ -18,8 +18,11 @@ def manual_attention(q, k, v, mask, scale):
 
 
 def qkv(B=2, H=3, Tq=5, Tk=5, D=8):
-    return (torch.randn(B, H, Tq, D, dtype=torch.float64), torch.randn(B, H, Tk, D, dtype=torch.float64),
-            torch.randn(B, H, Tk, D, dtype=torch.float64))
+    return (
+        torch.randn(B, H, Tq, D, dtype=torch.float64),
+        torch.randn(B, H, Tk, D, dtype=torch.float64),
+        torch.randn(B, H, Tk, D, dtype=torch.float64),
+    )
 
 
 def zero_ts_multimax():
@@ -41,7 +44,7 @@ def test_fused_and_explicit_paths_match_manual(is_causal):
     mask[0, ..., :] = False  # batch 0: every key padded
     mask[1, ..., 0] = True
     full = mask & causal_mask(5, 5) if is_causal else mask.expand(2, 1, 5, 5)
-    want = manual_attention(q, k, v, full, 8 ** -0.5)
+    want = manual_attention(q, k, v, full, 8**-0.5)
     softmax = reweighting.build("softmax")
     assert softmax.sdpa_scale == 1.0  # takes the fused path
     fused = attention(q, k, v, softmax, mask=mask, is_causal=is_causal)
@@ -54,7 +57,7 @@ def test_fused_and_explicit_paths_match_manual(is_causal):
 def test_temperature_folds_into_sdpa_scale():
     q, k, v = qkv()
     got = attention(q, k, v, reweighting.build("softmax", temperature=0.5))
-    want = manual_attention(q, k, v, torch.ones(5, 5, dtype=torch.bool), 8 ** -0.5 / 0.5)
+    want = manual_attention(q, k, v, torch.ones(5, 5, dtype=torch.bool), 8**-0.5 / 0.5)
     torch.testing.assert_close(got, want)
 
 
@@ -111,8 +114,11 @@ def test_triton_backend_matches_reference(mask_kind, is_causal):
     """Fused attention (no mask, key padding) and the row-wise kernel (a general mask) agree with
     the reference path, gradients of q, k, v and the MultiMax parameters included."""
     q, k, v = (t.float() for t in qkv(B=2, H=2, Tq=9, Tk=9, D=16))
-    masks = {"none": None, "padding": torch.tensor([[True] * 9, [True] * 5 + [False] * 4]).reshape(2, 1, 1, 9),
-             "general": torch.rand(2, 2, 9, 9) > 0.3}
+    masks = {
+        "none": None,
+        "padding": torch.tensor([[True] * 9, [True] * 5 + [False] * 4]).reshape(2, 1, 1, 9),
+        "general": torch.rand(2, 2, 9, 9) > 0.3,
+    }
     mask = masks[mask_kind]
     module = MultiMax(order=2)
     with torch.no_grad():

@@ -15,8 +15,17 @@ PAD = 1
 
 
 def tiny_transformer(cls, n_layers=2, n_encoder_layers=0):
-    config = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, ffn_dim=48, n_layers=n_layers,
-                               n_encoder_layers=n_encoder_layers, max_positions=32, pad_id=PAD, dropout=0.0)
+    config = TransformerConfig(
+        vocab_size=23,
+        d_model=32,
+        n_heads=2,
+        ffn_dim=48,
+        n_layers=n_layers,
+        n_encoder_layers=n_encoder_layers,
+        max_positions=32,
+        pad_id=PAD,
+        dropout=0.0,
+    )
     return cls(config).eval()
 
 
@@ -33,8 +42,10 @@ def run_with_and_without_recording(model, modules, *inputs):
     Returns the recording and each of ``modules``' inputs (positional, keyword) by name."""
     seen, handles = {}, []
     for name, m in modules.items():
+
         def hook(module, args, kwargs, name=name):
             seen[name] = (args, kwargs)
+
         handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     plain = model(*inputs)
     with record_attention(model) as rec:
@@ -47,8 +58,16 @@ def run_with_and_without_recording(model, modules, *inputs):
 
 def test_vit_records_every_block_as_computed_by_hand():
     torch.manual_seed(0)
-    config = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                       attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="reference")
+    config = ViTConfig(
+        variant="vit_micro",
+        img_size=8,
+        patch_size=2,
+        in_chans=1,
+        num_classes=10,
+        attention=ReweightingSpec("multimax"),
+        drop_path_rate=0.0,
+        backend="reference",
+    )
     model = ReweightedViT(config).eval()
     with torch.no_grad():
         for m in (site.module for site in model.attention_sites().values()):
@@ -63,8 +82,9 @@ def test_vit_records_every_block_as_computed_by_hand():
         B, N, C = x.shape
         q, k, _ = attn.qkv(x).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
         m = attn.reweight
-        want = hand_softmax(q, k, torch.ones(N, N, dtype=torch.bool),
-                            lambda s: multimax_sigma(s, m.ranges.double(), m.ts.double()))
+        want = hand_softmax(
+            q, k, torch.ones(N, N, dtype=torch.bool), lambda s: multimax_sigma(s, m.ranges.double(), m.ts.double())
+        )
         [(weights, keep)] = rec[name]
         assert weights.shape == (3, 4, 16, 16) and keep is None
         torch.testing.assert_close(weights.double(), want, atol=1e-5, rtol=1e-4)
@@ -88,11 +108,12 @@ def test_lm_records_causal_weights_and_one_call_per_decoding_step():
     cache = model.new_cache()
     with record_attention(model) as steps:
         for t in range(7):
-            model(tokens[:, t:t + 1], cache=cache)
+            model(tokens[:, t : t + 1], cache=cache)
     calls = steps["decoder.layers.1.self_attn"]
     assert len(calls) == 7 and calls[-1].weights.shape == (2, 2, 1, 7)
-    torch.testing.assert_close(calls[-1].weights[:, :, 0], rec["decoder.layers.1.self_attn"][0].weights[:, :, -1],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        calls[-1].weights[:, :, 0], rec["decoder.layers.1.self_attn"][0].weights[:, :, -1], atol=1e-5, rtol=1e-4
+    )
 
 
 def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
@@ -102,7 +123,8 @@ def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
     src[1, 4:] = PAD  # the second source is 4 tokens long
     site = "decoder.layers.1.cross_attn"
     rec, seen = run_with_and_without_recording(
-        model, {site: model.decoder.layers[1].cross_attn, "enc": model.encoder.layers[0].self_attn}, src, tgt)
+        model, {site: model.decoder.layers[1].cross_attn, "enc": model.encoder.layers[0].self_attn}, src, tgt
+    )
     assert set(rec.sites()) == set(model.attention_sites())
     src_keep = (src != PAD)[:, None, None, :]  # (B, 1, 1, S)
 
@@ -144,8 +166,10 @@ def test_an_observer_can_narrow_the_mask():
     observer = DropFirstKey("decoder.layers.1.self_attn")
     with observe_attention(model, observer):
         edited = model(tokens)
-    assert observer.sites_seen == [("decoder.layers.0.self_attn", "decoder_self", 0),
-                                   ("decoder.layers.1.self_attn", "decoder_self", 1)]
+    assert observer.sites_seen == [
+        ("decoder.layers.0.self_attn", "decoder_self", 0),
+        ("decoder.layers.1.self_attn", "decoder_self", 1),
+    ]
     assert (observer.weights[..., 0] == 0).all()
     assert observer.weights[:, :, 0].sum() == 0  # query 0 saw only key 0: now an empty row
     torch.testing.assert_close(observer.weights[:, :, 1:].sum(-1), torch.ones(2, 2, 5))
@@ -163,8 +187,16 @@ def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(SigmaKernels, "attention", counting)
-    config = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                       attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="triton")
+    config = ViTConfig(
+        variant="vit_micro",
+        img_size=8,
+        patch_size=2,
+        in_chans=1,
+        num_classes=10,
+        attention=ReweightingSpec("multimax"),
+        drop_path_rate=0.0,
+        backend="triton",
+    )
     model = ReweightedViT(config).eval()
     images = torch.randn(2, 1, 8, 8)
     fused = model(images)

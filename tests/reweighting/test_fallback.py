@@ -97,7 +97,8 @@ def test_a_working_kernel_runs_its_backward_once_and_is_used():
 def triton_chosen_and_broken(monkeypatch):
     """``auto`` resolves to ``triton`` at every call site, and every kernel raises."""
     choose_triton = lambda requested, tensor, has_kernel, owner: (  # noqa: E731
-        "triton" if has_kernel and requested in ("auto", "triton") else requested)
+        "triton" if has_kernel and requested in ("auto", "triton") else requested
+    )
     for module in (attention_module, base, multimax):
         monkeypatch.setattr(module, "resolve_backend", choose_triton)
     monkeypatch.setattr(fused.SigmaKernels, "rowwise", lambda self, *a: broken())
@@ -130,7 +131,7 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
     assert "MultiMax row-wise" in named and "MultiMax attention" in named and "MultiMax cross-entropy" in named
     torch.testing.assert_close(weights, module.reference(scores))
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    torch.testing.assert_close(out, module.reference(q @ k.transpose(-2, -1) * 16 ** -0.5, causal) @ v)
+    torch.testing.assert_close(out, module.reference(q @ k.transpose(-2, -1) * 16**-0.5, causal) @ v)
     torch.testing.assert_close(loss, F.cross_entropy(module.modulate(logits), target))
 
 

@@ -212,10 +212,23 @@ def lm_fast_dev_run(tmp_path, name: str, options: str = "{}"):
     from mmlight.lightning_cli import build_cli
 
     config = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
-    return build_cli(["fit", "--config", str(config), "--trainer.fast_dev_run", "1",
-                      "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-                      "--trainer.default_root_dir", str(tmp_path), "--model.init_args.model.attention.name", name,
-                      "--model.init_args.model.attention.options", options])
+    return build_cli(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.fast_dev_run",
+            "1",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.init_args.model.attention.name",
+            name,
+            "--model.init_args.model.attention.options",
+            options,
+        ]
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)

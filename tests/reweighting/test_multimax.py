@@ -28,7 +28,9 @@ def test_first_order_is_eq5_piecewise_linear():
     """sigma in the official relu form equals Eq. 5: slope t_b below b, t_d above d, identity between."""
     b, d, t_b, t_d = -0.5, 1.0, 2.5, 0.4
     x = torch.linspace(-4, 4, 101, dtype=torch.float64)
-    got = multimax_sigma(x, torch.tensor([b, d], dtype=torch.float64), torch.tensor([1 - t_b, t_d - 1], dtype=torch.float64))
+    got = multimax_sigma(
+        x, torch.tensor([b, d], dtype=torch.float64), torch.tensor([1 - t_b, t_d - 1], dtype=torch.float64)
+    )
     np.testing.assert_allclose(got.numpy(), ref.multimax_sigma_piecewise(x.numpy(), b, d, t_b, t_d), atol=1e-12)
 
 
@@ -47,8 +49,13 @@ def test_official_state_dict_layout_loads():
     module.load_state_dict(official, strict=True)
     x = torch.randn(7)
     r, t = official["ranges"], official["ts"]
-    official_sigma = (x + t[0] * torch.relu(r[0] - x) + t[1] * torch.relu(x - r[1])
-                      + t[2] * torch.relu(r[2] - x) ** 2 + t[3] * torch.relu(x - r[3]) ** 2)
+    official_sigma = (
+        x
+        + t[0] * torch.relu(r[0] - x)
+        + t[1] * torch.relu(x - r[1])
+        + t[2] * torch.relu(r[2] - x) ** 2
+        + t[3] * torch.relu(x - r[3]) ** 2
+    )
     torch.testing.assert_close(module.modulate(x), official_sigma)
 
 
@@ -79,8 +86,7 @@ class TestProposition42:
     at equal sparsity, softmax is less multi-modal. Both facts are checked here.
     """
 
-    X = torch.tensor([[2.0, 1.5, 1.0, -0.5, -1.0, -2.0],
-                      [3.0, 2.2, 0.4, -0.1, -0.3, -2.5]], dtype=torch.float64)
+    X = torch.tensor([[2.0, 1.5, 1.0, -0.5, -1.0, -2.0], [3.0, 2.2, 0.4, -0.1, -0.3, -2.5]], dtype=torch.float64)
     EPS = 0.0  # entries below 0 count for sparsity, above it for multi-modality; b = 0 too
 
     def points(self, t_b):

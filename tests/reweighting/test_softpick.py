@@ -28,8 +28,9 @@ def test_matches_formula_with_masks():
 
 def test_stable_for_scores_beyond_fp32_exp():
     """fp32 scores up to 200 (exp overflows fp32 above ~88) against the plain formula in float64."""
-    scores = torch.tensor([[200.0, 199.0, 150.0, -3.0, 0.0], [90.0, 1.0, -1.0, 0.5, -200.0],
-                           [-1.0, -2.0, -0.5, -9.0, -4.0]])
+    scores = torch.tensor(
+        [[200.0, 199.0, 150.0, -3.0, 0.0], [90.0, 1.0, -1.0, 0.5, -200.0], [-1.0, -2.0, -0.5, -9.0, -4.0]]
+    )
     got = reweighting.build("softpick")(scores).double().numpy()
     want = np.stack([softpick_formula(row) for row in scores.double().numpy()])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)

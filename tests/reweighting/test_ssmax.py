@@ -70,7 +70,7 @@ def test_sdpa_with_scaled_queries_equals_the_formula(is_causal, padded, q_len, m
     assert calls and isinstance(got, torch.Tensor)
     full = torch.ones(2, 3, q_len, 6, dtype=torch.bool)
     full = full & (True if mask is None else mask) & (causal_mask(q_len, 6) if is_causal else True)
-    scores = (q @ k.transpose(-2, -1)).numpy() * 8 ** -0.5
+    scores = (q @ k.transpose(-2, -1)).numpy() * 8**-0.5
     want = torch.from_numpy(formula_per_head(scores, full.numpy())) @ v
     torch.testing.assert_close(got, want)
 
@@ -82,7 +82,7 @@ def test_gradient_in_s_through_sdpa_equals_the_explicit_path():
     module = ssmax()
     attention(q, k, v, module, mask=mask, is_causal=True).pow(2).sum().backward()
     via_sdpa, module.s.grad = module.s.grad.clone(), None
-    scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * 8**-0.5
     weights = module(scores, mask & causal_mask(6, 6))
     (weights @ v).pow(2).sum().backward()
     torch.testing.assert_close(via_sdpa, module.s.grad)
@@ -97,8 +97,15 @@ def test_half_precision_through_sdpa_is_finite():
 
 
 def test_models_learn_one_scale_per_head_and_monitor_it():
-    config = TransformerConfig(vocab_size=11, d_model=16, n_heads=4, ffn_dim=16, n_layers=1, max_positions=8,
-                               attention=ReweightingSpec("ssmax"))
+    config = TransformerConfig(
+        vocab_size=11,
+        d_model=16,
+        n_heads=4,
+        ffn_dim=16,
+        n_layers=1,
+        max_positions=8,
+        attention=ReweightingSpec("ssmax"),
+    )
     module = TransformerLM(config).attention_sites()["decoder.layers.0.self_attn"].module
     assert module.s.shape == (4,) and torch.allclose(module.s, torch.tensor(0.43))
     assert set(module.monitored()) == {"s"}

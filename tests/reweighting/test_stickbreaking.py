@@ -31,8 +31,10 @@ def stickbreaking_formula(scores, keep):
 
 def formula(scores, keep):
     scores, keep = np.asarray(scores, dtype=np.float64), np.broadcast_to(keep, scores.shape)
-    flat = [stickbreaking_formula(s, m) for s, m in zip(scores.reshape(-1, *scores.shape[-2:]),
-                                                        keep.reshape(-1, *scores.shape[-2:]))]
+    flat = [
+        stickbreaking_formula(s, m)
+        for s, m in zip(scores.reshape(-1, *scores.shape[-2:]), keep.reshape(-1, *scores.shape[-2:]))
+    ]
     return np.stack(flat).reshape(scores.shape)
 
 
@@ -48,8 +50,9 @@ def test_matches_formula_with_masks(q_len):
 
 def test_first_query_attends_nothing_and_extreme_scores_stay_exact():
     """fp32 scores of ±60, whose products underflow if taken directly, against float64."""
-    scores = torch.tensor([[60.0, -60.0, 5.0, 40.0], [-60.0, -60.0, -60.0, -60.0], [1.0, 2.0, 3.0, 4.0],
-                           [-3.0, 60.0, -60.0, 0.5]])
+    scores = torch.tensor(
+        [[60.0, -60.0, 5.0, 40.0], [-60.0, -60.0, -60.0, -60.0], [1.0, 2.0, 3.0, 4.0], [-3.0, 60.0, -60.0, 0.5]]
+    )
     keep = causal_mask(4, 4)
     got = reweighting.build("stickbreaking")(scores, keep).double().numpy()
     np.testing.assert_allclose(got, formula(scores.double().numpy(), keep.numpy()), rtol=1e-5, atol=1e-30)

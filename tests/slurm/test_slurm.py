@@ -35,11 +35,27 @@ def job_env() -> dict:
 
 
 def submit(tmp_path, *overrides, wait=False) -> tuple[int, subprocess.CompletedProcess]:
-    command = ["sbatch", "--parsable", "--chdir", str(tmp_path), "--job-name", "mmlight-test",
-               "--output", str(tmp_path / "job-%j.out"), *CPU_OVERRIDE, *(["--wait"] if wait else []),
-               str(ROOT / "slurm" / "train.sh"), str(QUICKSTART), "--trainer.accelerator", "cpu",
-               "--data.init_args.cache_dir", str(tmp_path / "digits"),
-               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *overrides]
+    command = [
+        "sbatch",
+        "--parsable",
+        "--chdir",
+        str(tmp_path),
+        "--job-name",
+        "mmlight-test",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        *CPU_OVERRIDE,
+        *(["--wait"] if wait else []),
+        str(ROOT / "slurm" / "train.sh"),
+        str(QUICKSTART),
+        "--trainer.accelerator",
+        "cpu",
+        "--data.init_args.cache_dir",
+        str(tmp_path / "digits"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        *overrides,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=job_env(), timeout=900)
     job = int(result.stdout.strip().split(";")[0].splitlines()[0]) if result.stdout.strip() else -1
     return job, result
@@ -73,7 +89,14 @@ def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:
 
 
 #: the preemption tests' options; their reference is one job run with them without a break
-RESUMED_RUN = ["--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--last_checkpoint.every_n_train_steps", "5"]
+RESUMED_RUN = [
+    "--trainer.max_epochs",
+    "3",
+    "--trainer.limit_val_batches",
+    "2",
+    "--last_checkpoint.every_n_train_steps",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +150,11 @@ def test_preempted_job_comes_back_and_resumes(cluster, uninterrupted, tmp_path):
     # a requeued job waits ~2 minutes (BeginTime) before it may start again; release it now
     wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED") or None, 60, "the job to be requeued")
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
-    wait_for(lambda: job_state(job) == "COMPLETED" or job_state(job) in ("FAILED", "CANCELLED"), 600,
-             "the requeued job to finish")
+    wait_for(
+        lambda: job_state(job) == "COMPLETED" or job_state(job) in ("FAILED", "CANCELLED"),
+        600,
+        "the requeued job to finish",
+    )
     log = (tmp_path / f"job-{job}.out").read_text()
     assert job_state(job) == "COMPLETED", log[-3000:]
     assert "restart 0" in log and "restart 1" in log  # the same job ran twice
@@ -195,8 +221,9 @@ def text_shards(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, run_name", [("wikitext103.sh", "lm_wikitext103_multimax"),
-                                              ("iwslt14.sh", "nmt_iwslt14_multimax")])
+@pytest.mark.parametrize(
+    "script, run_name", [("wikitext103.sh", "lm_wikitext103_multimax"), ("iwslt14.sh", "nmt_iwslt14_multimax")]
+)
 def test_lm_and_nmt_scripts_run_their_paper_config(cluster, text_shards, tmp_path, script, run_name):
     """slurm/wikitext103.sh and slurm/iwslt14.sh, unchanged, as a 2-task CPU job on fixture shards
     (DATA=...), with the model narrowed so that the test is quick."""
@@ -204,15 +231,43 @@ def test_lm_and_nmt_scripts_run_their_paper_config(cluster, text_shards, tmp_pat
 
     dataset = script.removesuffix(".sh")
     data = text_shards[dataset]
-    narrow = ["--model.init_args.model.d_model", "32", "--model.init_args.model.ffn_dim", "64",
-              "--model.init_args.model.n_layers", "1"]
+    narrow = [
+        "--model.init_args.model.d_model",
+        "32",
+        "--model.init_args.model.ffn_dim",
+        "64",
+        "--model.init_args.model.n_layers",
+        "1",
+    ]
     if dataset == "iwslt14":
         narrow += ["--model.init_args.model.n_encoder_layers", "1", "--model.init_args.beam.beam_size", "2"]
-    command = ["sbatch", "--parsable", "--wait", "--chdir", str(tmp_path), "--output", str(tmp_path / "job-%j.out"),
-               *CPU_OVERRIDE, str(ROOT / "slurm" / script), "--trainer.accelerator", "cpu", "--trainer.precision", "32",
-               "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--data.init_args.num_workers", "0",
-               "--model.init_args.model.vocab_size", str(vocab_size(data)), *narrow, *FIXTURE_BATCHES[dataset],
-               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    command = [
+        "sbatch",
+        "--parsable",
+        "--wait",
+        "--chdir",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        *CPU_OVERRIDE,
+        str(ROOT / "slurm" / script),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.precision",
+        "32",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--data.init_args.num_workers",
+        "0",
+        "--model.init_args.model.vocab_size",
+        str(vocab_size(data)),
+        *narrow,
+        *FIXTURE_BATCHES[dataset],
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+    ]
     # the script finds train.sh in the submission directory; CONFIG is absolute because the job runs in tmp_path
     env = {**job_env(), "DATA": str(data), "CONFIG": str(ROOT / "configs" / f"{run_name}.yaml")}
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)

@@ -9,8 +9,9 @@ from mmlight.tasks.checkpoint import check_checkpoint_matches
 
 
 def lm(d_model=8, n_layers=1, **task) -> LanguageModel:
-    return LanguageModel(TransformerConfig(vocab_size=11, d_model=d_model, n_heads=2, ffn_dim=8, n_layers=n_layers),
-                         **task)
+    return LanguageModel(
+        TransformerConfig(vocab_size=11, d_model=d_model, n_heads=2, ffn_dim=8, n_layers=n_layers), **task
+    )
 
 
 def checkpoint_of(module) -> dict:
@@ -25,8 +26,10 @@ def test_a_matching_checkpoint_passes():
 
 PREFIX = "the checkpoint was written by another model or config: "
 # a decoder layer holds 16 tensors: q, k, v, out projections (weight, bias), 2 LayerNorms, 2 FFN linears
-LAYER_1 = "['model.decoder.layers.1.attn_block.norm.bias', 'model.decoder.layers.1.attn_block.norm.weight', " \
-          "'model.decoder.layers.1.ffn.fc1.bias']"
+LAYER_1 = (
+    "['model.decoder.layers.1.attn_block.norm.bias', 'model.decoder.layers.1.attn_block.norm.weight', "
+    "'model.decoder.layers.1.ffn.fc1.bias']"
+)
 
 
 def refusal(ours, theirs) -> str:
@@ -38,12 +41,14 @@ def refusal(ours, theirs) -> str:
 def test_missing_unexpected_and_reshaped_parameters_are_named():
     hint = " Hyperparameters that differ: ['model']."
     assert refusal(lm(n_layers=2), lm(n_layers=1)) == (
-        f"{PREFIX}16 parameter(s) missing from the checkpoint, e.g. {LAYER_1}.{hint}")
+        f"{PREFIX}16 parameter(s) missing from the checkpoint, e.g. {LAYER_1}.{hint}"
+    )
     assert refusal(lm(n_layers=1), lm(n_layers=2)) == f"{PREFIX}16 unknown to this model, e.g. {LAYER_1}.{hint}"
     assert refusal(lm(), lm(d_model=16)) == (
         f"{PREFIX}shapes differ: model.decoder.embed.tokens.weight (11, 16) vs (11, 8), "
         "model.decoder.layers.0.attn_block.norm.bias (16,) vs (8,), "
-        f"model.decoder.layers.0.attn_block.norm.weight (16,) vs (8,).{hint}")
+        f"model.decoder.layers.0.attn_block.norm.weight (16,) vs (8,).{hint}"
+    )
 
 
 def test_counts_and_hint_in_the_message():
@@ -66,8 +71,9 @@ def test_the_classifier_checks_too():
     from mmlight.tasks import ImageClassifier
 
     def classifier(num_classes):
-        return ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1,
-                                         num_classes=num_classes))
+        return ImageClassifier(
+            ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=num_classes)
+        )
 
     classifier(3).on_load_checkpoint(checkpoint_of(classifier(3)))
     with pytest.raises(ValueError, match=r"^the checkpoint .* shapes differ: model.vit.head.bias \(4,\) vs \(3,\)"):
@@ -87,7 +93,8 @@ def test_hyperparameters_on_one_side_only_are_named_and_problems_are_joined_by_s
         check_checkpoint_matches(module, theirs)
     assert str(info.value) == (
         f"{PREFIX}1 parameter(s) missing from the checkpoint, e.g. ['model.decoder.layers.0.ffn.fc1.bias']; "
-        "1 unknown to this model, e.g. ['model.extra']. Hyperparameters that differ: ['old_option'].")
+        "1 unknown to this model, e.g. ['model.extra']. Hyperparameters that differ: ['old_option']."
+    )
     theirs["hyper_parameters"].pop("old_option")
     with pytest.raises(ValueError) as info:
         check_checkpoint_matches(module, theirs)

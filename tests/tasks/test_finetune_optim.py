@@ -11,8 +11,17 @@ from mmlight.data import DigitsDataModule, write_digits_shards
 from mmlight.models import ReweightingSpec, ViTConfig
 from mmlight.tasks import ImageClassifier
 
-MICRO = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool="token",
-                  attention=ReweightingSpec("multimax", {"init_std": 0}), output_multimax=True, drop_path_rate=0.0)
+MICRO = ViTConfig(
+    variant="vit_micro",
+    img_size=8,
+    patch_size=2,
+    in_chans=1,
+    num_classes=10,
+    global_pool="token",
+    attention=ReweightingSpec("multimax", {"init_std": 0}),
+    output_multimax=True,
+    drop_path_rate=0.0,
+)
 LR = 1e-3
 
 
@@ -24,9 +33,16 @@ def digits(tmp_path_factory):
 
 
 def fit(module, digits, epochs=1, batches=2):
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=batches, limit_val_batches=0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_train_batches=batches,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DigitsDataModule(cache_dir=str(digits), batch_size=16))
     return trainer.optimizers[0]
 
@@ -42,8 +58,9 @@ def reweighting_names(module) -> set[str]:
 
 
 def test_head_and_reweighting_learning_rates(digits):
-    module = ImageClassifier(MICRO, lr=LR, lr_reference_batch=None, head_lr_mult=10, reweighting_lr_mult=100,
-                             warmup_epochs=0)
+    module = ImageClassifier(
+        MICRO, lr=LR, lr_reference_batch=None, head_lr_mult=10, reweighting_lr_mult=100, warmup_epochs=0
+    )
     lrs = lr_of(fit(module, digits), module)
     assert set(lrs) == {name for name, _ in module.model.named_parameters()}
     reweighting = reweighting_names(module)
@@ -61,14 +78,24 @@ def test_layer_decay_matches_timm_and_beit_formula(digits):
     decay = 0.5
     module = ImageClassifier(MICRO, lr=LR, lr_reference_batch=None, layer_decay=decay, warmup_epochs=0)
     lrs = lr_of(fit(module, digits), module)
-    plain = VisionTransformer(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4,
-                              num_heads=4, global_pool="token")
-    timm_scale = {f"vit.{name}": group["lr_scale"]
-                  for group in param_groups_layer_decay(plain, layer_decay=decay)
-                  for name, p in plain.named_parameters() if any(p is q for q in group["params"])}
-    by_hand = {"vit.patch_embed.proj.weight": decay ** 5, "vit.cls_token": decay ** 5, "vit.pos_embed": decay ** 5,
-               "vit.blocks.0.attn.qkv.weight": decay ** 4, "vit.blocks.3.mlp.fc2.bias": decay ** 1,
-               "vit.norm.weight": 1.0, "vit.head.weight": 1.0}
+    plain = VisionTransformer(
+        img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4, global_pool="token"
+    )
+    timm_scale = {
+        f"vit.{name}": group["lr_scale"]
+        for group in param_groups_layer_decay(plain, layer_decay=decay)
+        for name, p in plain.named_parameters()
+        if any(p is q for q in group["params"])
+    }
+    by_hand = {
+        "vit.patch_embed.proj.weight": decay**5,
+        "vit.cls_token": decay**5,
+        "vit.pos_embed": decay**5,
+        "vit.blocks.0.attn.qkv.weight": decay**4,
+        "vit.blocks.3.mlp.fc2.bias": decay**1,
+        "vit.norm.weight": 1.0,
+        "vit.head.weight": 1.0,
+    }
     for name, scale in by_hand.items():
         assert lrs[name] == pytest.approx(LR * scale), name
     reweighting = reweighting_names(module)
@@ -87,8 +114,12 @@ class EpochEnds(L.Callback):
 
     def on_train_epoch_end(self, trainer, module):
         state = trainer.optimizers[0].state
-        self.ends.append({name: (int(state[p]["step"]) if p in state else None, p.detach().clone())
-                          for name, p in module.model.named_parameters()})
+        self.ends.append(
+            {
+                name: (int(state[p]["step"]) if p in state else None, p.detach().clone())
+                for name, p in module.model.named_parameters()
+            }
+        )
 
 
 def test_frozen_backbone_is_left_alone_then_trains(digits):
@@ -98,9 +129,17 @@ def test_frozen_backbone_is_left_alone_then_trains(digits):
     module = ImageClassifier(MICRO, lr=LR, lr_reference_batch=None, warmup_epochs=0, freeze_backbone_epochs=1)
     start = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     record = EpochEnds()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[record])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
     trainer.fit(module, DigitsDataModule(cache_dir=str(digits), batch_size=16))
     names = {id(p): name for name, p in module.model.named_parameters()}
     backbone = {names[id(p)] for p in module.backbone_parameters()}
@@ -123,10 +162,15 @@ def test_freeze_counts_epochs_of_the_run(digits):
     assert int(optimizer.state[module.model.vit.head.weight]["step"]) == 4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"layer_decay": 0.0}, "layer_decay must be in"), ({"layer_decay": 1.5}, "layer_decay must be in"),
-    ({"head_lr_mult": -1.0}, "multipliers must be >= 0"), ({"freeze_backbone_epochs": -1}, "freeze_backbone_epochs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"layer_decay": 0.0}, "layer_decay must be in"),
+        ({"layer_decay": 1.5}, "layer_decay must be in"),
+        ({"head_lr_mult": -1.0}, "multipliers must be >= 0"),
+        ({"freeze_backbone_epochs": -1}, "freeze_backbone_epochs"),
+    ],
+)
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ImageClassifier(MICRO, **kwargs)

@@ -23,8 +23,16 @@ def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
     torch.manual_seed(0)
     module = ImageClassifier(PRETRAIN, lr_reference_batch=None)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DigitsDataModule(cache_dir=str(tmp / "digits"), digits=[0, 1, 2, 3, 4, 5], batch_size=32))
     path = tmp / "last.ckpt"
     trainer.save_checkpoint(path)
@@ -35,8 +43,9 @@ def test_identity_start_is_the_checkpoint(checkpoint):
     """Loaded with MultiMax at init_std 0 and its 6-class head kept: the checkpoint's logits (to fp32
     rounding: the softmax model runs through SDPA, the MultiMax one takes the explicit path)."""
     path, pretrained = checkpoint
-    config = ViTConfig(**{**PRETRAIN.__dict__, "pretrained": str(path),
-                          "attention": ReweightingSpec("multimax", {"init_std": 0})})
+    config = ViTConfig(
+        **{**PRETRAIN.__dict__, "pretrained": str(path), "attention": ReweightingSpec("multimax", {"init_std": 0})}
+    )
     model = ReweightedViT(config).eval()
     assert model.pretrained_report.dropped == {}
     images = torch.randn(6, 1, 8, 8)
@@ -47,10 +56,25 @@ def test_identity_start_is_the_checkpoint(checkpoint):
 def test_quick_start_config_fine_tunes_a_new_head(checkpoint, tmp_path, monkeypatch):
     path, pretrained = checkpoint
     monkeypatch.setattr(sys, "argv", ["mmlight"])
-    cli = build_cli(["--config", str(ROOT / "configs/finetune/digits_6to9.yaml"),
-                     "--model.init_args.model.pretrained", str(path), "--data.init_args.cache_dir", str(tmp_path / "d"),
-                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.max_epochs", "1",
-                     "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"], run=False)
+    cli = build_cli(
+        [
+            "--config",
+            str(ROOT / "configs/finetune/digits_6to9.yaml"),
+            "--model.init_args.model.pretrained",
+            str(path),
+            "--data.init_args.cache_dir",
+            str(tmp_path / "d"),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "2",
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+        run=False,
+    )
     model = cli.model.model
     assert set(model.pretrained_report.dropped) == {"head.weight", "head.bias"}  # 6 classes there, 4 here
     want = pretrained.model.state_dict()

@@ -50,27 +50,54 @@ def without_data(checkpoint: Path, out: Path) -> Path:
 
 # ----------------------------------------------------------------------------- translation
 
+
 @pytest.fixture(scope="module")
 def nmt(tmp_path_factory):
     """A translation quick-start checkpoint (a small corpus, 10 steps) and the options that ran it."""
     tmp = tmp_path_factory.mktemp("nmt")
-    common = ["--config", str(QUICKSTART / "nmt_multimax.yaml"), "--data.init_args.cache_dir", str(tmp / "toy"),
-              "--data.init_args.train_size", "400", "--data.init_args.valid_size", "8",
-              "--data.init_args.test_size", "8", "--trainer.logger.init_args.save_dir", str(tmp / "runs")]
+    common = [
+        "--config",
+        str(QUICKSTART / "nmt_multimax.yaml"),
+        "--data.init_args.cache_dir",
+        str(tmp / "toy"),
+        "--data.init_args.train_size",
+        "400",
+        "--data.init_args.valid_size",
+        "8",
+        "--data.init_args.test_size",
+        "8",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp / "runs"),
+    ]
     run(["fit", *common, "--trainer.max_steps", "10", "--trainer.limit_val_batches", "1"])
     return tmp, common, last_checkpoint(tmp / "runs", "nmt_multimax")
 
 
-SENTENCES = ["Heute sieht der alte Hund den Fisch.", "der koch , weil er den arzt fragt .", "",
-             "Mein roter Vogel findet einen blauen Fisch, obwohl es morgen den König ruft."]
+SENTENCES = [
+    "Heute sieht der alte Hund den Fisch.",
+    "der koch , weil er den arzt fragt .",
+    "",
+    "Mein roter Vogel findet einen blauen Fisch, obwohl es morgen den König ruft.",
+]
 
 
 def cli_predict(nmt, *options: str) -> list[str]:
     tmp, common, checkpoint = nmt
     src_file, out = tmp / "input.de", tmp / f"hyps{len(options)}"
     src_file.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    run(["predict", *common, "--ckpt_path", str(checkpoint), "--data.init_args.src_file", str(src_file),
-          "--model.init_args.output_dir", str(out), *options])
+    run(
+        [
+            "predict",
+            *common,
+            "--ckpt_path",
+            str(checkpoint),
+            "--data.init_args.src_file",
+            str(src_file),
+            "--model.init_args.output_dir",
+            str(out),
+            *options,
+        ]
+    )
     return (out / "predict.hyp").read_text(encoding="utf-8").splitlines()
 
 
@@ -108,8 +135,9 @@ def test_a_checkpoint_without_the_vocabulary_says_how_to_attach_it(nmt, tmp_path
 def tiny_translator() -> Translator:
     """An untrained translator with a whitespace vocabulary of ten words."""
     vocab = Vocab(SPECIALS + tuple(f"w{i}" for i in range(10)))
-    config = TransformerConfig(vocab_size=len(vocab), d_model=8, n_heads=2, ffn_dim=8, n_layers=1,
-                               n_encoder_layers=1, max_positions=16)
+    config = TransformerConfig(
+        vocab_size=len(vocab), d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1, max_positions=16
+    )
     translator = Translator(config)
     translator.use_data(SimpleNamespace(vocab=vocab))
     return translator
@@ -136,6 +164,7 @@ def test_a_checkpoint_of_other_data_is_refused():
 
 # ----------------------------------------------------------------------------- language model
 
+
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     """A tiny WikiText-103 language model (the paper's config at toy size, 2 steps on the fixture
@@ -146,13 +175,37 @@ def lm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lm")
     raw = write_raw(tmp / "raw")
     prepare(raw, tmp / "shards", workers=1)
-    common = ["--config", str(ROOT / "configs" / "lm_wikitext103_multimax.yaml"), "--trainer.accelerator", "cpu",
-              "--trainer.devices", "1", "--trainer.strategy", "auto", "--trainer.precision", "32",
-              "--trainer.logger.init_args.save_dir", str(tmp / "runs"), "--data.init_args.root", str(tmp / "shards"),
-              "--data.init_args.num_workers", "0", *FIXTURE_BATCHES["wikitext103"],
-              "--model.init_args.model.d_model", "16", "--model.init_args.model.n_heads", "2",
-              "--model.init_args.model.ffn_dim", "32", "--model.init_args.model.n_layers", "1",
-              "--model.init_args.model.max_positions", "16", "--model.init_args.warmup_steps", "1"]
+    common = [
+        "--config",
+        str(ROOT / "configs" / "lm_wikitext103_multimax.yaml"),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        "--trainer.strategy",
+        "auto",
+        "--trainer.precision",
+        "32",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp / "runs"),
+        "--data.init_args.root",
+        str(tmp / "shards"),
+        "--data.init_args.num_workers",
+        "0",
+        *FIXTURE_BATCHES["wikitext103"],
+        "--model.init_args.model.d_model",
+        "16",
+        "--model.init_args.model.n_heads",
+        "2",
+        "--model.init_args.model.ffn_dim",
+        "32",
+        "--model.init_args.model.n_layers",
+        "1",
+        "--model.init_args.model.max_positions",
+        "16",
+        "--model.init_args.warmup_steps",
+        "1",
+    ]
     run(["fit", *common, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
     checkpoint = last_checkpoint(tmp / "runs", "lm_wikitext103_multimax")
     metrics = run(["test", *common, "--ckpt_path", str(checkpoint)], build=True).trainer.callback_metrics
@@ -205,14 +258,31 @@ def test_an_lm_checkpoint_without_the_vocabulary_says_so(lm, tmp_path):
 
 # ----------------------------------------------------------------------------- image classifier
 
+
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     """A digits quick-start checkpoint (one short epoch) and its ``mmlight validate`` metrics."""
     tmp = tmp_path_factory.mktemp("digits")
-    common = ["--config", str(QUICKSTART / "digits_softmax.yaml"), "--data.init_args.cache_dir", str(tmp / "cache"),
-              "--trainer.logger.init_args.save_dir", str(tmp / "runs")]
-    run(["fit", *common, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "8",
-          "--trainer.limit_val_batches", "1"])
+    common = [
+        "--config",
+        str(QUICKSTART / "digits_softmax.yaml"),
+        "--data.init_args.cache_dir",
+        str(tmp / "cache"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp / "runs"),
+    ]
+    run(
+        [
+            "fit",
+            *common,
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "8",
+            "--trainer.limit_val_batches",
+            "1",
+        ]
+    )
     checkpoint = last_checkpoint(tmp / "runs", "digits_softmax")
     metrics = run(["validate", *common, "--ckpt_path", str(checkpoint)], build=True).trainer.callback_metrics
     return tmp, checkpoint, {k: v.item() for k, v in metrics.items()}

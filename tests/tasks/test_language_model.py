@@ -24,14 +24,29 @@ def wikitext(tmp_path_factory):
 
 
 def tiny_lm(vocab_size: int, attention: str = "softmax", output_multimax: bool = False, **task) -> LanguageModel:
-    config = TransformerConfig(vocab_size=vocab_size, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, dropout=0.0,
-                               max_positions=64, attention=ReweightingSpec(attention), output_multimax=output_multimax)
+    config = TransformerConfig(
+        vocab_size=vocab_size,
+        d_model=16,
+        n_heads=2,
+        ffn_dim=32,
+        n_layers=2,
+        dropout=0.0,
+        max_positions=64,
+        attention=ReweightingSpec(attention),
+        output_multimax=output_multimax,
+    )
     return LanguageModel(config, **task)
 
 
 def trainer() -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def reference_ppl(model: LanguageModel, ids: list[int], eos: int, window: int, context: int = 0) -> float:
@@ -45,23 +60,26 @@ def reference_ppl(model: LanguageModel, ids: list[int], eos: int, window: int, c
             skip = 0 if start == 0 else context
             if start + skip >= len(ids):
                 break
-            inp = stream[start:min(start + window, len(ids))]
-            tgt = stream[start + 1:start + 1 + len(inp)]
+            inp = stream[start : min(start + window, len(ids))]
+            tgt = stream[start + 1 : start + 1 + len(inp)]
             logp = torch.log_softmax(model(inp[None])[0].double(), dim=-1)  # (T, V)
             nll += (-logp[torch.arange(len(tgt)), tgt])[skip:].tolist()
     assert len(nll) == len(ids)
     return math.exp(sum(nll) / len(nll))
 
 
-@pytest.mark.parametrize("attention, output_multimax, window", [("softmax", False, 4), ("softmax", False, 64),
-                                                                 ("multimax", True, 5), ("entmax15", False, 3)])
+@pytest.mark.parametrize(
+    "attention, output_multimax, window",
+    [("softmax", False, 4), ("softmax", False, 64), ("multimax", True, 5), ("entmax15", False, 3)],
+)
 def test_perplexity_is_exp_mean_nll(wikitext, attention, output_multimax, window):
     vocab = load_vocab(wikitext / "vocab.txt")
     ids = [vocab.index(t) if t in vocab else vocab.index("<unk>") for t in tokens(VALID)]
     torch.manual_seed(1)
     model = tiny_lm(len(vocab), attention, output_multimax).eval()
-    data = WikiTextDataModule(str(wikitext), block_size=8, batch_size=2, num_workers=0, eval_block_size=window,
-                              eval_context=0)
+    data = WikiTextDataModule(
+        str(wikitext), block_size=8, batch_size=2, num_workers=0, eval_block_size=window, eval_context=0
+    )
     metrics = trainer().validate(model, data, verbose=False)[0]
     expected = reference_ppl(model, ids, vocab.index("</s>"), window)
     assert metrics["val/ppl"] == pytest.approx(expected, rel=1e-4)
@@ -75,12 +93,12 @@ def test_sliding_window_perplexity(wikitext, window, context):
     vocab = load_vocab(wikitext / "vocab.txt")
     ids = [vocab.index(t) if t in vocab else vocab.index("<unk>") for t in tokens(VALID)]
     model = tiny_lm(len(vocab), "multimax").eval()
-    data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=3, eval_block_size=window,
-                              eval_context=context)
+    data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=3, eval_block_size=window, eval_context=context)
     metrics = trainer().validate(model, data, verbose=False)[0]
     assert metrics["val/tokens"] == len(ids)
-    assert metrics["val/ppl"] == pytest.approx(reference_ppl(model, ids, vocab.index("</s>"), window, context),
-                                               rel=1e-4)
+    assert metrics["val/ppl"] == pytest.approx(
+        reference_ppl(model, ids, vocab.index("</s>"), window, context), rel=1e-4
+    )
 
 
 def test_vocabulary_mismatch_stops_before_any_step(wikitext):
@@ -93,11 +111,20 @@ def test_fit_steps_and_inverse_sqrt_schedule(wikitext):
     """A few steps of training lower the training-set NLL and follow fairseq's inverse-sqrt rate."""
     model = tiny_lm(16, lr=1e-2, warmup_steps=3)
     data = WikiTextDataModule(str(wikitext), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
-    fit = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=6,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
-    train_split = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=2, eval_block_size=4, eval_context=0,
-                                     val_split="train")
+    fit = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        max_steps=6,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    train_split = WikiTextDataModule(
+        str(wikitext), num_workers=0, batch_size=2, eval_block_size=4, eval_context=0, val_split="train"
+    )
     before = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
     fit.fit(model.train(), data)
     after = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmlight.models import ReweightingSpec, TransformerConfig, ViTConfig
+from mmlight.models import TransformerConfig, ViTConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
 NUM_CLASSES = 7
@@ -55,8 +55,9 @@ def classifier_with_fixed_logits(n: int, seed: int = 0, num_classes: int = NUM_C
     rng = np.random.default_rng(seed)
     logits, ema_logits = rng.normal(size=(2, n, num_classes)).astype(np.float32)
     labels = rng.integers(0, num_classes, size=n)
-    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1,
-                                       num_classes=num_classes), ema_decay=0.9)
+    module = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=num_classes), ema_decay=0.9
+    )
     module.model, module.ema = FixedLogits(logits), FixedLogits(ema_logits)
     module.log = LogRecorder()
     images = torch.zeros(n, 1, 8, 8)
@@ -68,9 +69,12 @@ def classifier_with_fixed_logits(n: int, seed: int = 0, num_classes: int = NUM_C
 def test_classifier_metrics_from_fixed_logits(stage):
     n = 13
     module, images, labels, logits, ema_logits, y = classifier_with_fixed_logits(n)
-    step, epoch_end = ((module.validation_step, module.on_validation_epoch_end) if stage == "val"
-                       else (module.test_step, module.on_test_epoch_end))
-    for repeat in range(2):  # a second epoch starts from zero again
+    step, epoch_end = (
+        (module.validation_step, module.on_validation_epoch_end)
+        if stage == "val"
+        else (module.test_step, module.on_test_epoch_end)
+    )
+    for _repeat in range(2):  # a second epoch starts from zero again
         for i, (start, stop) in enumerate([(0, 8), (8, n)]):  # unequal batches: the loss is sample-weighted
             step((images[start:stop], labels[start:stop]), i)
         epoch_end()
@@ -84,7 +88,11 @@ def test_classifier_metrics_from_fixed_logits(stage):
     values = [logged[f"{stage}/{k}"] for k in ("top1", "top5", "ema_top1")]
     assert len(set(values)) == 3 and all(0 < v < 1 for v in values)
     assert {k: o["prog_bar"] for k, o in module.log.options.items()} == {
-        f"{stage}/loss": False, f"{stage}/top1": True, f"{stage}/top5": False, f"{stage}/ema_top1": False}
+        f"{stage}/loss": False,
+        f"{stage}/top1": True,
+        f"{stage}/top5": False,
+        f"{stage}/ema_top1": False,
+    }
 
 
 def test_top5_is_top_k_of_all_classes_when_there_are_fewer():
@@ -92,7 +100,8 @@ def test_top5_is_top_k_of_all_classes_when_there_are_fewer():
     module.validation_step((images, labels), 0)
     module.on_validation_epoch_end()
     assert module.log.values["val/top5"] == 1.0 and module.log.values["val/top1"] == pytest.approx(
-        np_topk_hits(logits, y, 1).mean())
+        np_topk_hits(logits, y, 1).mean()
+    )
 
 
 def test_top5_counts_ranks_one_to_five_exactly():
@@ -107,6 +116,7 @@ def test_top5_counts_ranks_one_to_five_exactly():
     assert np_topk_hits(logits, y, 5).mean() == pytest.approx(5 / 7)
     assert module.log.values["val/top5"] == pytest.approx(5 / 7)
     assert module.log.values["val/top1"] == pytest.approx(1 / 7)
+
 
 def test_no_ema_metric_without_ema():
     module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4))
@@ -125,8 +135,10 @@ def test_classifier_predict_step_returns_softmax_and_argmax():
 
 
 def test_classifier_training_loss_is_label_smoothed_cross_entropy():
-    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=5,
-                                       drop_path_rate=0.0), label_smoothing=0.2).eval()
+    module = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=5, drop_path_rate=0.0),
+        label_smoothing=0.2,
+    ).eval()
     module.log = LogRecorder()
     images, labels = torch.randn(6, 1, 8, 8), torch.tensor([0, 1, 2, 3, 4, 0])
     loss = module.training_step((images, labels), 0)
@@ -142,8 +154,9 @@ V = 11
 
 def tiny_lm(**task) -> LanguageModel:
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, dropout=0.0,
-                               max_positions=16, pad_id=PAD)
+    config = TransformerConfig(
+        vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, dropout=0.0, max_positions=16, pad_id=PAD
+    )
     return LanguageModel(config, **task).eval()
 
 
@@ -157,7 +170,9 @@ def lm_batches(model: LanguageModel, seed: int = 0) -> list[dict]:
         inputs = torch.randint(2, V, (b, t), generator=gen)
         with torch.no_grad():
             predicted = model(inputs).argmax(-1)
-        target = torch.where(torch.rand(b, t, generator=gen) < 0.7, predicted, torch.randint(2, V, (b, t), generator=gen))
+        target = torch.where(
+            torch.rand(b, t, generator=gen) < 0.7, predicted, torch.randint(2, V, (b, t), generator=gen)
+        )
         target[0, -1] = PAD
         mask = torch.rand(b, t, generator=gen) > 0.2
         batches.append({"input": inputs, "target": target, "loss_mask": mask})
@@ -186,9 +201,12 @@ def test_language_model_accuracy_loss_and_perplexity(stage):
     batches = lm_batches(module)
     correct, count, nll = np_lm_reference(module, batches)
     assert 0 < correct < count and 2 * correct != count
-    step, epoch_end = ((module.validation_step, module.on_validation_epoch_end) if stage == "val"
-                       else (module.test_step, module.on_test_epoch_end))
-    for repeat in range(2):  # totals are reset after each epoch
+    step, epoch_end = (
+        (module.validation_step, module.on_validation_epoch_end)
+        if stage == "val"
+        else (module.test_step, module.on_test_epoch_end)
+    )
+    for _repeat in range(2):  # totals are reset after each epoch
         for i, batch in enumerate(batches):
             step(batch, i)
         epoch_end()
@@ -198,10 +216,12 @@ def test_language_model_accuracy_loss_and_perplexity(stage):
         assert logged[f"{stage}/loss"] == pytest.approx(nll / count, rel=1e-5)
         assert logged[f"{stage}/ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
     # every value is already summed over ranks: none is synced again
-    assert module.log.options == {f"{stage}/acc": {"prog_bar": True, "sync_dist": False},
-                                  f"{stage}/loss": {"sync_dist": False},
-                                  f"{stage}/ppl": {"prog_bar": True, "sync_dist": False},
-                                  f"{stage}/tokens": {"sync_dist": False}}
+    assert module.log.options == {
+        f"{stage}/acc": {"prog_bar": True, "sync_dist": False},
+        f"{stage}/loss": {"sync_dist": False},
+        f"{stage}/ppl": {"prog_bar": True, "sync_dist": False},
+        f"{stage}/tokens": {"sync_dist": False},
+    }
 
 
 def test_language_model_accuracy_of_an_epoch_with_one_scored_token_and_of_an_empty_one(caplog):
@@ -250,8 +270,17 @@ def test_language_model_training_loss_is_the_smoothed_mean_over_scored_targets()
 
 def test_translator_training_loss_and_token_count():
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=1,
-                               dropout=0.0, max_positions=16, pad_id=PAD)
+    config = TransformerConfig(
+        vocab_size=V,
+        d_model=16,
+        n_heads=2,
+        ffn_dim=32,
+        n_layers=1,
+        n_encoder_layers=1,
+        dropout=0.0,
+        max_positions=16,
+        pad_id=PAD,
+    )
     module = Translator(config, label_smoothing=0.1).eval()
     module.log = LogRecorder()
     src = torch.tensor([[4, 5, 6, 2], [7, 8, PAD, PAD]])
@@ -282,7 +311,11 @@ def test_data_with_another_padding_id_is_refused():
     with pytest.raises(ValueError, match="^the data pads with id 0 but model.pad_id is 1$"):
         module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V + 1, pad_id=PAD))
-    with pytest.raises(ValueError, match=f"^the data's vocabulary has {V + 1} tokens but model.vocab_size is {V}: set model.model.vocab_size: {V + 1}$"):
+    with pytest.raises(
+        ValueError,
+        match=f"^the data's vocabulary has {V + 1} tokens but model.vocab_size is {V}: "
+        f"set model.model.vocab_size: {V + 1}$",
+    ):
         module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=V, pad_id=PAD))
     module.setup("fit")
@@ -316,8 +349,9 @@ def cosine_reference(peak: float, floor: float, warmup: int, total: int, steps: 
 
 
 def test_sequence_task_optimiser_and_cosine_schedule():
-    module = tiny_lm(schedule="cosine", warmup_steps=4, lr=1e-3, min_lr=1e-4, eps=1e-7, weight_decay=0.02,
-                     betas=(0.8, 0.9))
+    module = tiny_lm(
+        schedule="cosine", warmup_steps=4, lr=1e-3, min_lr=1e-4, eps=1e-7, weight_decay=0.02, betas=(0.8, 0.9)
+    )
     module._trainer = SimpleNamespace(estimated_stepping_batches=10)
     configured = module.configure_optimizers()
     optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
@@ -329,11 +363,13 @@ def test_sequence_task_optimiser_and_cosine_schedule():
     module._trainer = SimpleNamespace(estimated_stepping_batches=3)  # warmup longer than the run
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 3) == pytest.approx(
-        cosine_reference(1e-3, 1e-4, 3, 3, 3))
+        cosine_reference(1e-3, 1e-4, 3, 3, 3)
+    )
     for endless in (float("inf"), -1, 0):
         module._trainer = SimpleNamespace(estimated_stepping_batches=endless)
-        with pytest.raises(ValueError, match="^the cosine schedule needs a finite run: set trainer.max_steps or "
-                                             "max_epochs$"):
+        with pytest.raises(
+            ValueError, match="^the cosine schedule needs a finite run: set trainer.max_steps or max_epochs$"
+        ):
             module.configure_optimizers()
     module._trainer = SimpleNamespace(estimated_stepping_batches=1)  # a one-step run is a run
     configured = module.configure_optimizers()
@@ -345,7 +381,8 @@ def test_a_floor_above_the_peak_is_the_peak():
     module._trainer = SimpleNamespace(estimated_stepping_batches=6)
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 7) == pytest.approx(
-        [5e-5] + [1e-4] * 6)
+        [5e-5] + [1e-4] * 6
+    )
 
 
 def test_inverse_sqrt_schedule_of_the_sequence_tasks():
@@ -359,8 +396,9 @@ def test_inverse_sqrt_schedule_of_the_sequence_tasks():
 def test_sequence_task_arguments_are_checked(task):
     """Both tasks hand their own schedule and smoothing to the check (a misspelt schedule would
     otherwise fall through to the cosine branch of configure_optimizers)."""
-    config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1,
-                               n_encoder_layers=int(task is Translator))
+    config = TransformerConfig(
+        vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=int(task is Translator)
+    )
     with pytest.raises(ValueError, match="^schedule must be 'inverse_sqrt' or 'cosine', got 'linear'$"):
         task(config, schedule="linear")
     for bad in (-0.1, 1.0):
@@ -371,10 +409,21 @@ def test_sequence_task_arguments_are_checked(task):
 
 
 def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
-    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4),
-                             lr=5e-4, lr_reference_batch=512, warmup_epochs=1.5, min_lr=1e-5, betas=(0.8, 0.95))
-    module._trainer = SimpleNamespace(estimated_stepping_batches=20, max_epochs=4, world_size=2,
-                                      accumulate_grad_batches=3, datamodule=SimpleNamespace(batch_size=32))
+    module = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4),
+        lr=5e-4,
+        lr_reference_batch=512,
+        warmup_epochs=1.5,
+        min_lr=1e-5,
+        betas=(0.8, 0.95),
+    )
+    module._trainer = SimpleNamespace(
+        estimated_stepping_batches=20,
+        max_epochs=4,
+        world_size=2,
+        accumulate_grad_batches=3,
+        datamodule=SimpleNamespace(batch_size=32),
+    )
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"]
     peak = 5e-4 * 32 * 2 * 3 / 512
@@ -382,17 +431,23 @@ def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     # 20 steps over 4 epochs: 5 per epoch, so 1.5 warmup epochs are round(7.5) = 8 steps
     assert lrs(optimizer, configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
-        cosine_reference(peak, 1e-5, 8, 20, 21))
+        cosine_reference(peak, 1e-5, 8, 20, 21)
+    )
     module._trainer.max_epochs = -1  # a run bounded by steps only: warmup_epochs count whole-run steps
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21) == pytest.approx(
-        cosine_reference(peak, 1e-5, 20, 20, 21))
+        cosine_reference(peak, 1e-5, 20, 20, 21)
+    )
     module.hparams.min_lr = 1.0  # a floor above the peak is the peak: flat after the warm-up, never above it
     module._trainer.max_epochs = 4
     configured = module.configure_optimizers()
     assert lrs(configured["optimizer"], configured["lr_scheduler"]["scheduler"], 21)[8:] == pytest.approx([peak] * 13)
     module._trainer.datamodule = SimpleNamespace()
-    with pytest.raises(ValueError, match="^lr_reference_batch needs a datamodule with a batch_size attribute; set model.lr_reference_batch: null to use lr as given$"):
+    with pytest.raises(
+        ValueError,
+        match="^lr_reference_batch needs a datamodule with a batch_size attribute; "
+        "set model.lr_reference_batch: null to use lr as given$",
+    ):
         module.configure_optimizers()
     module.hparams.lr_reference_batch = None
     configured = module.configure_optimizers()
@@ -404,15 +459,24 @@ def test_language_model_predict_step_scores_each_sequence():
     batch = lm_batches(module)[1]
     out = module.predict_step(batch, 0)
     for b in range(batch["input"].shape[0]):
-        row = {k: v[b:b + 1] for k, v in batch.items()}
+        row = {k: v[b : b + 1] for k, v in batch.items()}
         correct, count, nll = np_lm_reference(module, [row])
         assert out["tokens"][b].item() == count and out["nll"][b].item() == pytest.approx(nll, rel=1e-5)
 
 
 def tiny_translator_task() -> Translator:
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=1,
-                               dropout=0.0, max_positions=16, pad_id=PAD)
+    config = TransformerConfig(
+        vocab_size=V,
+        d_model=16,
+        n_heads=2,
+        ffn_dim=32,
+        n_layers=1,
+        n_encoder_layers=1,
+        dropout=0.0,
+        max_positions=16,
+        pad_id=PAD,
+    )
     return Translator(config).eval()
 
 
@@ -440,8 +504,9 @@ def test_translator_evaluation_loss_is_padding_free_and_uses_the_batchs_masks():
 
     narrowed = src != PAD
     narrowed[0, 1] = False
-    want = (alone_nll(src[0], tgt_in[0], tgt_out[0], narrowed[:1])
-            + alone_nll(src[1, :3], tgt_in[1, :2], tgt_out[1, :2])) / 5
+    want = (
+        alone_nll(src[0], tgt_in[0], tgt_out[0], narrowed[:1]) + alone_nll(src[1, :3], tgt_in[1, :2], tgt_out[1, :2])
+    ) / 5
     module.validation_step(dict(batch, src_mask=narrowed), 0)
     module.on_validation_epoch_end()
     assert abs(want - alone / 5) > 1e-4 and module.log.values["val/loss"] == pytest.approx(want, rel=1e-5)
@@ -458,8 +523,9 @@ def test_translator_evaluation_loss_is_padding_free_and_uses_the_batchs_masks():
 def test_optimizer_step_steps_the_optimiser_then_averages_the_weights():
     """The EMA follows each optimiser step: after the first step it is a copy of the new weights,
     after the second ``decay * ema + (1 - decay) * weights`` (SGD's step and the average written out)."""
-    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3),
-                             ema_decay=0.75)
+    module = ImageClassifier(
+        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3), ema_decay=0.75
+    )
     weight = module.model.vit.head.weight
     optimizer = torch.optim.SGD([weight], lr=0.5)
     gradient = torch.full_like(weight, 0.2)
@@ -485,28 +551,63 @@ def test_task_defaults_are_the_papers_recipes():
     inverse_sqrt with 4,000 warm-up updates, weight decay 0.01, no smoothing) and fairseq's IWSLT14
     de-en example (the same Adam and schedule, weight decay 1e-4, label smoothing 0.1). Read from
     the hyperparameters a task built without them saves (what a checkpoint and the optimiser get)."""
+
     def saved(module) -> dict:
         return {k: v for k, v in module.hparams.items() if k != "model"}
 
     vit = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3)
     assert saved(ImageClassifier(vit)) == {
-        "lr": 5e-4, "lr_reference_batch": 512, "weight_decay": 0.05, "betas": (0.9, 0.999),
-        "warmup_epochs": 5.0, "min_lr": 1e-5, "label_smoothing": 0.1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-        "mixup_switch_prob": 0.5, "ema_decay": None,
+        "lr": 5e-4,
+        "lr_reference_batch": 512,
+        "weight_decay": 0.05,
+        "betas": (0.9, 0.999),
+        "warmup_epochs": 5.0,
+        "min_lr": 1e-5,
+        "label_smoothing": 0.1,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "mixup_switch_prob": 0.5,
+        "ema_decay": None,
         # fine-tuning options, off by default: one learning rate, nothing frozen
-        "head_lr_mult": 1.0, "reweighting_lr_mult": 1.0, "layer_decay": None, "freeze_backbone_epochs": 0}
+        "head_lr_mult": 1.0,
+        "reweighting_lr_mult": 1.0,
+        "layer_decay": None,
+        "freeze_backbone_epochs": 0,
+    }
     lm_config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1)
     assert saved(LanguageModel(lm_config)) == {
-        "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.01, "schedule": "inverse_sqrt",
-        "warmup_steps": 4000, "min_lr": 1e-5, "label_smoothing": 0.0, "accuracy": False}
+        "lr": 5e-4,
+        "betas": (0.9, 0.98),
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "schedule": "inverse_sqrt",
+        "warmup_steps": 4000,
+        "min_lr": 1e-5,
+        "label_smoothing": 0.0,
+        "accuracy": False,
+    }
     translator = saved(Translator(dataclasses.replace(lm_config, n_encoder_layers=1)))
     # fairseq's IWSLT14 example: --eval-bleu-args '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}', and
     # fairseq-generate's own --lenpen 1 and --min-len 1 (written out, not BeamSearchConfig()'s defaults)
     assert dataclasses.asdict(translator.pop("beam")) == {
-        "beam_size": 5, "max_len_a": 1.2, "max_len_b": 10, "length_penalty": 1.0, "min_len": 1}
+        "beam_size": 5,
+        "max_len_a": 1.2,
+        "max_len_b": 10,
+        "length_penalty": 1.0,
+        "min_len": 1,
+    }
     assert translator == {
-        "lr": 5e-4, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 1e-4, "schedule": "inverse_sqrt",
-        "warmup_steps": 4000, "min_lr": 1e-9, "label_smoothing": 0.1, "bleu_in_validation": False, "output_dir": None}
+        "lr": 5e-4,
+        "betas": (0.9, 0.98),
+        "eps": 1e-8,
+        "weight_decay": 1e-4,
+        "schedule": "inverse_sqrt",
+        "warmup_steps": 4000,
+        "min_lr": 1e-9,
+        "label_smoothing": 0.1,
+        "bleu_in_validation": False,
+        "output_dir": None,
+    }
     # and they reach the optimiser: a task built without arguments uses them
     module = LanguageModel(lm_config)
     optimizer = module.configure_optimizers()["optimizer"]

@@ -12,16 +12,31 @@ from tests.tasks.test_metrics import lrs
 
 
 def test_no_decay_on_1d_pos_embed_and_reweighting():
-    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10,
-                                    global_pool="token", attention=ReweightingSpec("softmax", {"learnable": True}),
-                                    output_multimax=True))
+    model = ReweightedViT(
+        ViTConfig(
+            variant="vit_micro",
+            img_size=8,
+            patch_size=2,
+            in_chans=1,
+            num_classes=10,
+            global_pool="token",
+            attention=ReweightingSpec("softmax", {"learnable": True}),
+            output_multimax=True,
+        )
+    )
     decay, no_decay = param_groups(model, weight_decay=0.05)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
     skipped = {names[id(p)] for p in no_decay["params"]}
     assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
-    assert {"vit.pos_embed", "vit.cls_token", "output.ranges", "output.ts",
-            "vit.blocks.0.attn.reweight.log_temperature", "vit.blocks.0.attn.qkv.bias"} <= skipped
+    assert {
+        "vit.pos_embed",
+        "vit.cls_token",
+        "output.ranges",
+        "output.ts",
+        "vit.blocks.0.attn.reweight.log_temperature",
+        "vit.blocks.0.attn.qkv.bias",
+    } <= skipped
     assert {"vit.blocks.0.attn.qkv.weight", "vit.head.weight", "vit.patch_embed.proj.weight"} <= decayed
     assert all(model.get_parameter(n).ndim >= 2 for n in decayed)
     assert len(decayed) + len(skipped) == len(list(model.parameters()))
@@ -82,8 +97,9 @@ def lr_factors(warmup: int, total: int, steps: int, **kwargs) -> list[float]:
 
 def test_warmup_cosine_edges():
     """No warm-up starts at the peak; the default floor is 0; a one-step decay goes from peak to floor."""
-    assert lr_factors(0, 4, 5) == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
-                                                 0.5 + 0.5 * math.cos(3 * math.pi / 4), 0.0])
+    assert lr_factors(0, 4, 5) == pytest.approx(
+        [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 + 0.5 * math.cos(3 * math.pi / 4), 0.0]
+    )
     # the warm-up reaches the peak at its last step; the cosine starts there (progress 0) and ends one later
     assert lr_factors(2, 3, 4, min_lr_ratio=0.2) == pytest.approx([0.5, 1.0, 1.0, 0.2])
     with pytest.raises(ValueError, match=r"^need 0 <= warmup_steps \(-1\) <= total_steps \(3\)$"):

@@ -60,8 +60,10 @@ class ToyNet(nn.Module):
         return self.head(pooled)  # (B, CLASSES)
 
     def attention_sites(self) -> dict[str, AttentionSite]:
-        return {name: AttentionSite(name, "decoder_self", "tokens", i, look.reweight)
-                for i, (name, look) in enumerate(self.looks.items())}
+        return {
+            name: AttentionSite(name, "decoder_self", "tokens", i, look.reweight)
+            for i, (name, look) in enumerate(self.looks.items())
+        }
 
     def reweighting_sites(self) -> dict:
         return reweighting_modules(self.attention_sites(), None)
@@ -138,7 +140,7 @@ def toy_samples(n: int, seed: int) -> list[dict]:
     samples = []
     for _ in range(n):
         tokens = torch.randint(1, VOCAB, (LENGTH,), generator=gen)
-        tokens[int(torch.randint(2, LENGTH + 1, (), generator=gen)):] = PAD
+        tokens[int(torch.randint(2, LENGTH + 1, (), generator=gen)) :] = PAD
         samples.append({"tokens": tokens, "label": tokens[0] % CLASSES})
     return samples
 
@@ -208,9 +210,12 @@ def test_the_toy_task_satisfies_the_protocol_and_a_bare_module_is_named_clearly(
     task = ToyTask()
     check_analysed_task(task)
     assert isinstance(task, AnalysedTask)
-    with pytest.raises(TypeError, match=r"LightningModule lacks what attention analysis needs: task_metric, "
-                                        r"interventions, teacher_forced, query_keep, example_inputs, "
-                                        r"metric_evaluation, attention_sites\(\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"LightningModule lacks what attention analysis needs: task_metric, "
+        r"interventions, teacher_forced, query_keep, example_inputs, "
+        r"metric_evaluation, attention_sites\(\)",
+    ):
         check_analysed_task(L.LightningModule())
 
 
@@ -221,8 +226,18 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     monkeypatch.setattr(sys, "argv", ["mmlight"])
     config = tmp_path / "toy.yaml"
     config.write_text(CONFIG.format(runs=tmp_path / "runs", module=__name__))
-    main(["fit", "--config", str(config), "--trainer.callbacks+=mmlight.callbacks.AttentionStats",
-          "--trainer.callbacks.every_n_epochs", "1", "--trainer.callbacks.num_samples", "10"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.callbacks+=mmlight.callbacks.AttentionStats",
+            "--trainer.callbacks.every_n_epochs",
+            "1",
+            "--trainer.callbacks.num_samples",
+            "10",
+        ]
+    )
     ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
     task = ToyTask.load_from_checkpoint(ckpt, map_location="cpu").eval()
     val = ToyData().splits["val"]
@@ -243,13 +258,29 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     assert len(events.Scalars("attention/late/token_similarity")) == 2
 
     out = tmp_path / "analysis"
-    main(["analyze", "--config", str(config), "--ckpt_path", str(ckpt), "--out", str(out), "--num_samples", "16",
-          "--robustness", "--kv_skip_layers", "1"])
+    main(
+        [
+            "analyze",
+            "--config",
+            str(config),
+            "--ckpt_path",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--num_samples",
+            "16",
+            "--robustness",
+            "--kv_skip_layers",
+            "1",
+        ]
+    )
     with open(out / "robustness.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["intervention"], float(r["level"])) for r in rows] == (
-        [("none", 0.0)] + [("sink_masking", k) for k in (1, 5, 10)]
-        + [(f"kv_{m}", r) for m in ("l2", "streaming") for r in (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)])
+        [("none", 0.0)]
+        + [("sink_masking", k) for k in (1, 5, 10)]
+        + [(f"kv_{m}", r) for m in ("l2", "streaming") for r in (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)]
+    )
     value = {(r["intervention"], float(r["level"])): float(r["value"]) for r in rows}
     assert {r["metric"] for r in rows} == {"acc"}
     with torch.no_grad():
@@ -282,6 +313,11 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
         sims.append(float((real @ real.T).sum() - n) / (n * (n - 1)))
     assert float(stats[("early", "", "token_similarity")]) == pytest.approx(sum(sims) / len(sims), rel=1e-5)
     label = Path(ckpt).parent.parent.parent.name  # runs/toy/version_0/checkpoints/last.ckpt -> toy
-    for name in ("stats.json", "summary.md", "robustness.png", "fig4_token_similarity.png",
-                 f"attention_heatmap_decoder_self_{label}.png"):
+    for name in (
+        "stats.json",
+        "summary.md",
+        "robustness.png",
+        "fig4_token_similarity.png",
+        f"attention_heatmap_decoder_self_{label}.png",
+    ):
         assert (out / name).stat().st_size > 0, name

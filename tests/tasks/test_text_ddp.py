@@ -18,29 +18,78 @@ def mmlight(args: list[str], probe_dir: Path, cwd: Path) -> dict:
     probe_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-m", "mmlight.cli", *args, "--trainer.callbacks+=tests.data.ddp_probe.Probe"],
-                            cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    result = subprocess.run(
+        [sys.executable, "-m", "mmlight.cli", *args, "--trainer.callbacks+=tests.data.ddp_probe.Probe"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((probe_dir / f"rank0-{args[0]}.json").read_text())
 
 
 @pytest.mark.slow
 def test_two_rank_bleu_perplexity_and_hypotheses_equal_one_rank(tmp_path):
-    common = ["--config", str(NMT), "--data.init_args.cache_dir", str(tmp_path / "cache"),
-              "--data.init_args.num_workers", "0", "--data.init_args.train_size", "2000",
-              "--data.init_args.valid_size", "40", "--data.init_args.test_size", "37",
-              "--data.init_args.max_tokens", "256", "--data.init_args.samples_per_shard", "10",
-              "--model.init_args.beam.beam_size", "2"]
-    mmlight(["fit", *common, "--trainer.max_steps", "30", "--trainer.limit_val_batches", "1",
-             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], tmp_path / "fit", tmp_path)
+    common = [
+        "--config",
+        str(NMT),
+        "--data.init_args.cache_dir",
+        str(tmp_path / "cache"),
+        "--data.init_args.num_workers",
+        "0",
+        "--data.init_args.train_size",
+        "2000",
+        "--data.init_args.valid_size",
+        "40",
+        "--data.init_args.test_size",
+        "37",
+        "--data.init_args.max_tokens",
+        "256",
+        "--data.init_args.samples_per_shard",
+        "10",
+        "--model.init_args.beam.beam_size",
+        "2",
+    ]
+    mmlight(
+        [
+            "fit",
+            *common,
+            "--trainer.max_steps",
+            "30",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+        ],
+        tmp_path / "fit",
+        tmp_path,
+    )
     checkpoint = next((tmp_path / "runs").rglob("last.ckpt"))
     records = {}
     for devices in (1, 2):
         out = tmp_path / f"out{devices}"
         records[devices] = mmlight(
-            ["test", *common, "--ckpt_path", str(checkpoint), "--trainer.accelerator", "cpu",
-             "--trainer.devices", str(devices), "--trainer.strategy", "ddp" if devices > 1 else "auto",
-             "--trainer.logger", "false", "--model.init_args.output_dir", str(out)], out, tmp_path)
+            [
+                "test",
+                *common,
+                "--ckpt_path",
+                str(checkpoint),
+                "--trainer.accelerator",
+                "cpu",
+                "--trainer.devices",
+                str(devices),
+                "--trainer.strategy",
+                "ddp" if devices > 1 else "auto",
+                "--trainer.logger",
+                "false",
+                "--model.init_args.output_dir",
+                str(out),
+            ],
+            out,
+            tmp_path,
+        )
     one, two = records[1]["metrics"], records[2]["metrics"]
     assert two["test/tokens"] == one["test/tokens"]  # every target token counted once over the ranks
     for name in ("test/ppl", "test/loss", "test/bleu", "test/bleu_tok"):

@@ -29,8 +29,8 @@ def bleu_by_definition(hypotheses: list[str], references: list[str]) -> float:
         h, r = hyp.lower().split(), ref.lower().split()
         hyp_len, ref_len = hyp_len + len(h), ref_len + len(r)
         for n in range(1, 5):
-            h_ngrams = collections.Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
-            r_ngrams = collections.Counter(tuple(r[i:i + n]) for i in range(len(r) - n + 1))
+            h_ngrams = collections.Counter(tuple(h[i : i + n]) for i in range(len(h) - n + 1))
+            r_ngrams = collections.Counter(tuple(r[i : i + n]) for i in range(len(r) - n + 1))
             matches[n - 1] += sum(min(c, r_ngrams[g]) for g, c in h_ngrams.items())
             totals[n - 1] += max(0, len(h) - n + 1)
     log_precision = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
@@ -53,7 +53,6 @@ def test_bleu_matches_sacrebleu_and_the_definition():
         corpus_bleu(HYPS, REFS[:2], HYPS, REFS)
 
 
-
 def test_tokenised_bleu_does_not_warn_about_tokenised_text(caplog):
     """fairseq's tokenised BLEU scores Moses-tokenised text on purpose: sacreBLEU's "forgot to
     detokenize" warning (given when 100 or more lines end in " .") must not fill the log at every
@@ -64,25 +63,43 @@ def test_tokenised_bleu_does_not_warn_about_tokenised_text(caplog):
     assert not [r for r in caplog.records if "detokenize" in r.getMessage()]
     assert scores.bleu_tok == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", force=True).score)
 
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    data = ToyTranslationDataModule(cache_dir=str(tmp_path_factory.mktemp("toy")), train_size=200, valid_size=12,
-                                    test_size=10, max_tokens=96)
+    data = ToyTranslationDataModule(
+        cache_dir=str(tmp_path_factory.mktemp("toy")), train_size=200, valid_size=12, test_size=10, max_tokens=96
+    )
     data.prepare_data()
     return data
 
 
 def tiny_translator(vocab_size: int, attention: str = "multimax", **task) -> Translator:
     torch.manual_seed(0)
-    config = TransformerConfig(vocab_size=vocab_size, d_model=16, n_heads=2, ffn_dim=32, n_layers=1,
-                               n_encoder_layers=1, dropout=0.0, max_positions=64, share_embeddings=True,
-                               attention=ReweightingSpec(attention))
+    config = TransformerConfig(
+        vocab_size=vocab_size,
+        d_model=16,
+        n_heads=2,
+        ffn_dim=32,
+        n_layers=1,
+        n_encoder_layers=1,
+        dropout=0.0,
+        max_positions=64,
+        share_embeddings=True,
+        attention=ReweightingSpec(attention),
+    )
     return Translator(config, beam=BeamSearchConfig(beam_size=3, max_len_a=1.0, max_len_b=3), **task)
 
 
 def trainer(tmp_path) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
 
 
 def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
@@ -101,19 +118,32 @@ def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score
     written = json.loads((out / "test.bleu.json").read_text())
     assert metrics["test/bleu"] == pytest.approx(expected) == pytest.approx(written["bleu"])
-    tok = sacrebleu.corpus_bleu((out / "test.hyp.tok").read_text().splitlines(),
-                                [(out / "test.ref.tok").read_text().splitlines()], tokenize="none", lowercase=True)
+    tok = sacrebleu.corpus_bleu(
+        (out / "test.hyp.tok").read_text().splitlines(),
+        [(out / "test.ref.tok").read_text().splitlines()],
+        tokenize="none",
+        lowercase=True,
+    )
     assert metrics["test/bleu_tok"] == pytest.approx(tok.score)
     # each hypothesis is the beam search of its own sentence, decoded
     batch = next(iter(toy.test_dataloader()))
-    found, _ = beam_search(model.model, batch["src"], batch["src_mask"], model.beam, start_id=toy.eos_id,
-                           eos_id=toy.eos_id, pad_id=toy.pad_id, banned_ids=(toy.bos_id,))
+    found, _ = beam_search(
+        model.model,
+        batch["src"],
+        batch["src_mask"],
+        model.beam,
+        start_id=toy.eos_id,
+        eos_id=toy.eos_id,
+        pad_id=toy.pad_id,
+        banned_ids=(toy.bos_id,),
+    )
     hyps_tok = (out / "test.hyp.tok").read_text().splitlines()
     for sample_id, ids in zip(batch["ids"].tolist(), found):
         assert hyps[sample_id] == toy.decode(ids)
         assert hyps_tok[sample_id] == toy.decode(ids, detokenize=False)
     assert math.isfinite(metrics["test/ppl"]) and metrics["test/tokens"] == sum(
-        len(toy.encode(line, lang="en")) + 1 for line in raw)
+        len(toy.encode(line, lang="en")) + 1 for line in raw
+    )
 
 
 def toy_raw_dir(toy) -> Path:
@@ -135,8 +165,16 @@ def test_predict_translates_a_text_file_in_line_order(toy, tmp_path):
     assert len(written) == 7
     for line, hyp in zip(lines, written):  # each alone gives the same translation as in the batch
         src = torch.tensor([toy.encode(line) + [toy.eos_id]])
-        alone, _ = beam_search(model.model, src, None, model.beam, start_id=toy.eos_id, eos_id=toy.eos_id,
-                               pad_id=toy.pad_id, banned_ids=(toy.bos_id,))
+        alone, _ = beam_search(
+            model.model,
+            src,
+            None,
+            model.beam,
+            start_id=toy.eos_id,
+            eos_id=toy.eos_id,
+            pad_id=toy.pad_id,
+            banned_ids=(toy.bos_id,),
+        )
         assert hyp == toy.decode(alone[0])
 
 
@@ -148,7 +186,7 @@ def test_validation_perplexity_is_exp_mean_nll(toy, tmp_path):
         for batch in toy.val_dataloader():
             for b in range(len(batch["ids"])):  # one sentence at a time, no padding
                 n_src, n_tgt = int(batch["src_mask"][b].sum()), int(batch["tgt_mask"][b].sum())
-                logits = model(batch["src"][b:b + 1, :n_src], batch["tgt_in"][b:b + 1, :n_tgt])[0]
+                logits = model(batch["src"][b : b + 1, :n_src], batch["tgt_in"][b : b + 1, :n_tgt])[0]
                 logp = torch.log_softmax(logits.double(), dim=-1)
                 total -= logp[torch.arange(n_tgt), batch["tgt_out"][b, :n_tgt]].sum().item()
                 count += n_tgt
@@ -167,8 +205,12 @@ def test_vocabulary_mismatch_is_named(toy, tmp_path):
 # tokenised one is not, so the two BLEUs differ.
 ROWS = {
     0: ("The cat sat on the mat.", "the cat sat on the mat .", "The cat sat on a mat.", "the cat sat on a mat ."),
-    1: ("A dog barks at the moon.", "a dog barks at the moon .", "A dog barks at the moon tonight.",
-        "a dog barks at the moon tonight ."),
+    1: (
+        "A dog barks at the moon.",
+        "a dog barks at the moon .",
+        "A dog barks at the moon tonight.",
+        "a dog barks at the moon tonight .",
+    ),
     2: ("he reads the book.", "he reads the book .", "He reads an old book.", "he reads an old book ."),
     3: ("Rain again today.", "rain again today .", "It rains again today.", "it rains again today ."),
     4: ("we sing loud songs.", "we sing loud songs .", "We sing loud songs.", "we sing loud songs ."),
@@ -177,8 +219,11 @@ ROWS = {
 
 def row(i: int, predict: bool = False) -> dict:
     hyp, hyp_tok, ref, ref_tok = ROWS[i]
-    return {"id": i, "hyp": hyp, "hyp_tok": hyp_tok} if predict else {
-        "id": i, "hyp": hyp, "hyp_tok": hyp_tok, "ref": ref, "ref_tok": ref_tok}
+    return (
+        {"id": i, "hyp": hyp, "hyp_tok": hyp_tok}
+        if predict
+        else {"id": i, "hyp": hyp, "hyp_tok": hyp_tok, "ref": ref, "ref_tok": ref_tok}
+    )
 
 
 class TwoRanks:
@@ -201,8 +246,9 @@ class TwoRanks:
         parts[self.rank], parts[1 - self.rank] = rows, self.other_rows
 
 
-def finished(tmp_path, monkeypatch, stage: str, mine: list, others: list | None, rank: int = 0,
-             output_dir: str | None = None):
+def finished(
+    tmp_path, monkeypatch, stage: str, mine: list, others: list | None, rank: int = 0, output_dir: str | None = None
+):
     """Run ``Translator._finish_generation`` on ``mine`` (this rank's rows) with a stand-in trainer;
     ``others`` (None = not distributed) are the other rank's. Returns (module, logged, rows)."""
     import mmlight.tasks.translator as translator
@@ -220,8 +266,9 @@ def finished(tmp_path, monkeypatch, stage: str, mine: list, others: list | None,
 
 def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypatch, capsys):
     out = tmp_path / "not" / "yet" / "there"  # made with its parents
-    module, logged, rows = finished(tmp_path, monkeypatch, "test", [row(3), row(0), row(4)], [row(2), row(1)],
-                                    output_dir=str(out))
+    module, logged, rows = finished(
+        tmp_path, monkeypatch, "test", [row(3), row(0), row(4)], [row(2), row(1)], output_dir=str(out)
+    )
     order = [0, 1, 2, 3, 4]
     assert [r["id"] for r in rows] == order and "test" not in module.translations
     hyps, refs = [ROWS[i][0] for i in order], [ROWS[i][2] for i in order]
@@ -247,12 +294,20 @@ def test_test_files_and_bleu_cover_both_ranks_in_split_order(tmp_path, monkeypat
 
 
 def test_other_ranks_score_the_same_and_write_nothing(tmp_path, monkeypatch):
-    _, logged, rows = finished(tmp_path, monkeypatch, "test", [row(2), row(1)], [row(3), row(0), row(4)], rank=1,
-                               output_dir=str(tmp_path / "out"))
+    _, logged, rows = finished(
+        tmp_path,
+        monkeypatch,
+        "test",
+        [row(2), row(1)],
+        [row(3), row(0), row(4)],
+        rank=1,
+        output_dir=str(tmp_path / "out"),
+    )
     order = [0, 1, 2, 3, 4]
     assert [r["id"] for r in rows] == order
     assert logged["test/bleu"][0] == pytest.approx(
-        sacrebleu.corpus_bleu([ROWS[i][0] for i in order], [[ROWS[i][2] for i in order]]).score)
+        sacrebleu.corpus_bleu([ROWS[i][0] for i in order], [[ROWS[i][2] for i in order]]).score
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -264,13 +319,16 @@ def test_a_rank_that_translated_nothing_still_scores_and_writes_the_others_rows(
     module._finish_generation("test")
     assert [r["id"] for r in rows] == [0, 1]
     assert (tmp_path / "o" / "test.hyp").read_text() == ROWS[0][0] + "\n" + ROWS[1][0] + "\n"
-    assert logged["test/bleu"][0] == pytest.approx(sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]],
-                                                                         [[ROWS[0][2], ROWS[1][2]]]).score)
+    assert logged["test/bleu"][0] == pytest.approx(
+        sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]], [[ROWS[0][2], ROWS[1][2]]]).score
+    )
+
 
 def test_validation_logs_bleu_but_writes_no_files(tmp_path, monkeypatch):
     _, logged, _ = finished(tmp_path, monkeypatch, "val", [row(1), row(0)], None)
     assert logged["val/bleu"][0] == pytest.approx(
-        sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]], [[ROWS[0][2], ROWS[1][2]]]).score)
+        sacrebleu.corpus_bleu([ROWS[0][0], ROWS[1][0]], [[ROWS[0][2], ROWS[1][2]]]).score
+    )
     assert not (tmp_path / "logs").exists()
 
 
@@ -292,6 +350,7 @@ def test_without_an_output_dir_or_a_log_dir_the_files_go_to_the_working_director
     module._finish_generation("predict")
     assert (tmp_path / "predict.hyp").read_text() == ROWS[0][0] + "\n" + ROWS[1][0] + "\n"
 
+
 def test_gather_to_all_is_the_identity_without_a_process_group(monkeypatch):
     from mmlight.tasks.translator import gather_to_all
 
@@ -310,16 +369,24 @@ def test_gather_to_all_is_the_identity_without_a_process_group(monkeypatch):
 def test_generate_decodes_hypotheses_and_references_of_each_sentence(monkeypatch):
     config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
     module = Translator(config)
-    module.vocab = SimpleNamespace(decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist()))
+    module.vocab = SimpleNamespace(
+        decode=lambda ids, detokenize=True: ("D" if detokenize else "T") + str(torch.as_tensor(ids).tolist())
+    )
     found = [torch.tensor([5, 6]), torch.tensor([7])]
     masks = []
     monkeypatch.setattr(module, "generate", lambda src, src_mask: masks.append(src_mask) or found)
-    batch = {"ids": torch.tensor([9, 4]), "src": torch.zeros(2, 3), "src_mask": torch.ones(2, 3, dtype=torch.bool),
-             "tgt_out": torch.tensor([[3, 4], [5, 2]])}
+    batch = {
+        "ids": torch.tensor([9, 4]),
+        "src": torch.zeros(2, 3),
+        "src_mask": torch.ones(2, 3, dtype=torch.bool),
+        "tgt_out": torch.tensor([[3, 4], [5, 2]]),
+    }
     rows = module._generate("test", batch)
     assert len(masks) == 1 and masks[0] is batch["src_mask"]  # beam search sees the batch's padding
-    assert rows == [{"id": 9, "hyp": "D[5, 6]", "hyp_tok": "T[5, 6]", "ref": "D[3, 4]", "ref_tok": "T[3, 4]"},
-                    {"id": 4, "hyp": "D[7]", "hyp_tok": "T[7]", "ref": "D[5, 2]", "ref_tok": "T[5, 2]"}]
+    assert rows == [
+        {"id": 9, "hyp": "D[5, 6]", "hyp_tok": "T[5, 6]", "ref": "D[3, 4]", "ref_tok": "T[3, 4]"},
+        {"id": 4, "hyp": "D[7]", "hyp_tok": "T[7]", "ref": "D[5, 2]", "ref_tok": "T[5, 2]"},
+    ]
     assert module.predict_step(batch, 0) == [{k: r[k] for k in ("id", "hyp", "hyp_tok")} for r in rows]
     assert module.translations == {"test": rows, "predict": module.translations["predict"]}
     assert len(module.translations["predict"]) == 2
@@ -332,6 +399,7 @@ def test_beam_settings_given_as_a_mapping_become_a_config():
     assert module.beam == BeamSearchConfig(beam_size=7, max_len_b=11)
     given = BeamSearchConfig(beam_size=2)
     assert Translator(config, beam=given).beam is given
+
 
 def test_only_test_generates_unless_bleu_in_validation():
     config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)

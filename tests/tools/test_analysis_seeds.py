@@ -29,10 +29,14 @@ def test_layer_means_over_seeds_against_numpy(tmp_path, capsys):
                 rows.append((label, f"blocks.{i}", 0, "entropy", 99.0))  # per-head rows never count
             rows.append((label, "blocks.0", "", "sink_ratio", ""))  # an empty value is skipped
         write(tmp_path / f"s{seed}", ("checkpoint", "layer", "head", "metric", "value"), rows)
-        write(tmp_path / f"s{seed}", ("checkpoint", "intervention", "level", "metric", "value"),
-              [(label, "none", 0, "top1", 0.9 - 0.1 * seed) for label in runs])
-    grouped = analysis_seeds.over_seeds([analysis_seeds.layer_means(tmp_path / f"s{s}" / "stats.csv") for s in (0, 1)],
-                                        r"_s\d+$")
+        write(
+            tmp_path / f"s{seed}",
+            ("checkpoint", "intervention", "level", "metric", "value"),
+            [(label, "none", 0, "top1", 0.9 - 0.1 * seed) for label in runs],
+        )
+    grouped = analysis_seeds.over_seeds(
+        [analysis_seeds.layer_means(tmp_path / f"s{s}" / "stats.csv") for s in (0, 1)], r"_s\d+$"
+    )
     assert set(grouped) == {"run_a", "run_b"}
     assert grouped["run_a"]["entropy"] == pytest.approx([1.5, 2.0])
     means = np.array(grouped["run_b"]["entropy"])

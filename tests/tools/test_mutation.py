@@ -72,7 +72,7 @@ def test_changed_lines_reads_each_hunk_of_a_zero_context_diff():
     assert mutation.changed_lines(DIFF) == {"mmlight/a.py": {3, 10, 11, 12, 21, 22}, "mmlight/new.py": {1, 2}}
 
 
-SOURCE = '''\
+SOURCE = """\
 import functools
 
 LIMIT = 3  # line 3
@@ -98,19 +98,22 @@ class Box:  # line 17
     @property  # line 23
     def area(self):
         return self.size ** 2
-'''
+"""
 
 
-@pytest.mark.parametrize("lines, names", [
-    ({3}, []),                                   # module level: nothing for mutmut
-    ({6}, ["x_plain"]),
-    ({10}, ["x_decorated"]),                     # the decorator line belongs to its function
-    ({13}, ["x_decorated"]),                     # a nested function counts as the enclosing one
-    ({18}, []),                                  # a class attribute
-    ({21}, ["x\u01c1Box\u01c1__init__"]),        # mutmut's name of a method
-    ({23, 7}, ["x_plain", "x\u01c1Box\u01c1area"]),
-    ({8, 9, 16, 19, 22}, []),                    # blank lines between definitions
-])
+@pytest.mark.parametrize(
+    "lines, names",
+    [
+        ({3}, []),  # module level: nothing for mutmut
+        ({6}, ["x_plain"]),
+        ({10}, ["x_decorated"]),  # the decorator line belongs to its function
+        ({13}, ["x_decorated"]),  # a nested function counts as the enclosing one
+        ({18}, []),  # a class attribute
+        ({21}, ["x\u01c1Box\u01c1__init__"]),  # mutmut's name of a method
+        ({23, 7}, ["x_plain", "x\u01c1Box\u01c1area"]),
+        ({8, 9, 16, 19, 22}, []),  # blank lines between definitions
+    ],
+)
 def test_mutmut_names_of_the_functions_that_hold_the_lines(lines, names):
     assert mutation.mutmut_names(SOURCE, lines) == names
 

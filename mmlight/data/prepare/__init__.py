@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         info = prepare(args.dataset, args.src, args.out, args.workers)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"mmlight prepare: error: {err}\n")
-    counts = ", ".join(f"{name} {split['num_samples']} samples ({split.get('num_skipped', 0)} skipped)"
-                       for name, split in info["splits"].items())
+    counts = ", ".join(
+        f"{name} {split['num_samples']} samples ({split.get('num_skipped', 0)} skipped)"
+        for name, split in info["splits"].items()
+    )
     print(f"{args.dataset} shards in {args.out}: {counts}")

@@ -50,11 +50,24 @@ class Cifar:
     labels_key: str
 
 
-CIFAR10 = Cifar("cifar10", "cifar-10-batches-py", "cifar-10-python.tar.gz",
-                {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
-                "batches.meta", "label_names", "labels")
-CIFAR100 = Cifar("cifar100", "cifar-100-python", "cifar-100-python.tar.gz",
-                 {"train": ("train",), "test": ("test",)}, "meta", "fine_label_names", "fine_labels")
+CIFAR10 = Cifar(
+    "cifar10",
+    "cifar-10-batches-py",
+    "cifar-10-python.tar.gz",
+    {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
+    "batches.meta",
+    "label_names",
+    "labels",
+)
+CIFAR100 = Cifar(
+    "cifar100",
+    "cifar-100-python",
+    "cifar-100-python.tar.gz",
+    {"train": ("train",), "test": ("test",)},
+    "meta",
+    "fine_label_names",
+    "fine_labels",
+)
 
 
 def _unpickle(data: bytes) -> dict:
@@ -70,8 +83,10 @@ def _reader(src: Path, release: Cifar):
     if (src / release.archive).is_file():
         archive = tarfile.open(src / release.archive)
         return lambda name: _unpickle(archive.extractfile(f"{release.folder}/{name}").read())
-    raise FileNotFoundError(f"expected the {release.name} pickles ({release.meta}, ...) in {src} or "
-                            f"{src / release.folder}, or the archive {src / release.archive}")
+    raise FileNotFoundError(
+        f"expected the {release.name} pickles ({release.meta}, ...) in {src} or "
+        f"{src / release.folder}, or the archive {src / release.archive}"
+    )
 
 
 def cifar_sample(item: tuple[str, bytes, int]) -> dict:
@@ -95,5 +110,6 @@ def prepare_release(src: Path, out: Path, workers: int, release: Cifar) -> dict:
                 raise ValueError(f"{release.name} {name}: data has shape {data.shape}, expected ({len(labels)}, 3072)")
             items += [(row.tobytes(), int(label)) for row, label in zip(data, labels)]
         splits[split] = items
-    return write_image_splits(out, release.name, classes, splits, workers, per_shard=SAMPLES_PER_SHARD,
-                              make_sample=cifar_sample)
+    return write_image_splits(
+        out, release.name, classes, splits, workers, per_shard=SAMPLES_PER_SHARD, make_sample=cifar_sample
+    )

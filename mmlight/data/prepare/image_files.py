@@ -68,9 +68,16 @@ def image_sample(item: ImageItem) -> dict | Skipped:
     return {"__key__": key, "png": converted, "cls": str(label)}
 
 
-def write_image_splits(out: Path, dataset: str, classes: list[str], splits: dict[str, list[tuple[str, int]]],
-                       workers: int, shuffle: tuple[str, ...] = ("train",), per_shard: int = SAMPLES_PER_SHARD,
-                       make_sample=image_sample) -> dict:
+def write_image_splits(
+    out: Path,
+    dataset: str,
+    classes: list[str],
+    splits: dict[str, list[tuple[str, int]]],
+    workers: int,
+    shuffle: tuple[str, ...] = ("train",),
+    per_shard: int = SAMPLES_PER_SHARD,
+    make_sample=image_sample,
+) -> dict:
     """Write every split's ``(path or raw item, class index)`` list as shards and ``_info.json``.
 
     Args:

@@ -25,8 +25,7 @@ SPLITS = ("train", "val", "test")
 def class_files(split_dir: Path) -> dict[str, list[Path]]:
     """``{class: [files]}`` for a folder of class folders (hidden files included: they are skipped
     with a reason later, not silently)."""
-    return {d.name: sorted(p for p in d.rglob("*") if p.is_file())
-            for d in sorted(split_dir.iterdir()) if d.is_dir()}
+    return {d.name: sorted(p for p in d.rglob("*") if p.is_file()) for d in sorted(split_dir.iterdir()) if d.is_dir()}
 
 
 def prepare(src: Path, out: Path, workers: int) -> dict:

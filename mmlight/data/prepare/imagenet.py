@@ -60,7 +60,8 @@ def flat_val_labels(src: Path) -> dict[str, str]:
         return {f"ILSVRC2012_val_{i:08d}": wnid_of[label] for i, label in enumerate(ids, start=1)}
     raise FileNotFoundError(
         f"val/ in {src} holds images directly, so a label file is needed: expected {src / VAL_CSV}, "
-        f"or {src / DEVKIT_LABELS} with {src / DEVKIT_META}")
+        f"or {src / DEVKIT_LABELS} with {src / DEVKIT_META}"
+    )
 
 
 def make_sample(item: tuple[str, int]) -> dict | Skipped:

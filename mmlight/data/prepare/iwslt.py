@@ -77,8 +77,13 @@ VALID_EVERY = 23
 FAIRSEQ_FILES = [f"{split}.{lang}" for split in ("train", "valid", "test") for lang in LANGS] + [BPE_FILE]
 RAW_TRAIN = {lang: f"train.tags.de-en.{lang}" for lang in LANGS}
 #: the dev/test sets the recipe concatenates into ``test``, in its order.
-RAW_TEST_SETS = ("IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
-                 "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012")
+RAW_TEST_SETS = (
+    "IWSLT14.TED.dev2010",
+    "IWSLT14.TEDX.dev2012",
+    "IWSLT14.TED.tst2010",
+    "IWSLT14.TED.tst2011",
+    "IWSLT14.TED.tst2012",
+)
 RAW_FILES = list(RAW_TRAIN.values()) + [f"{name}.de-en.{lang}.xml" for name in RAW_TEST_SETS for lang in LANGS]
 
 _DROP_TAGS = ("<url>", "<talkid>", "<keywords>")
@@ -90,6 +95,7 @@ Layout = Literal["fairseq", "raw"]
 
 
 # ----------------------------------------------------------------------------- text processing
+
 
 def _tokenize_chunk(job: tuple[str, list[str]]) -> list[str]:
     lang, lines = job
@@ -103,7 +109,7 @@ def _bpe_chunk(job: tuple[str, list[str]]) -> list[str]:
 
 def _parallel(fn, arg: str, lines: list[str], workers: int, chunk: int = 5000) -> list[str]:
     """``fn((arg, lines))`` over chunks of ``lines``, in ``workers`` processes when worth it."""
-    jobs = [(arg, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
+    jobs = [(arg, lines[i : i + chunk]) for i in range(0, len(lines), chunk)]
     if workers <= 1 or len(jobs) <= 1:
         return [out for job in jobs for out in fn(job)]
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -126,10 +132,13 @@ def clean_pair(de: str, en: str) -> tuple[str, str] | None:
 
 # ----------------------------------------------------------------------------- reading raw files
 
+
 def detect_layout(src: Path) -> Layout:
     """``fairseq`` or ``raw`` by which complete set of files ``src`` holds; else a FileNotFoundError."""
-    missing = {name: [f for f in files if not (src / f).is_file()]
-               for name, files in (("fairseq", FAIRSEQ_FILES), ("raw", RAW_FILES))}
+    missing = {
+        name: [f for f in files if not (src / f).is_file()]
+        for name, files in (("fairseq", FAIRSEQ_FILES), ("raw", RAW_FILES))
+    }
     for name in ("fairseq", "raw"):
         if not missing[name]:
             return name  # type: ignore[return-value]
@@ -151,8 +160,10 @@ def _paired_lines(de_path: Path, en_path: Path, de: list[bytes], en: list[bytes]
     Locations read ``path:N`` (``path:segN`` for the N-th ``<seg>`` line of an XML file, ``unit="seg"``).
     """
     if len(de) != len(en):
-        raise ValueError(f"{what}: {de_path} has {len(de)} lines but {en_path} has {len(en)}; "
-                         "the German and English sides must be line-aligned")
+        raise ValueError(
+            f"{what}: {de_path} has {len(de)} lines but {en_path} has {len(en)}; "
+            "the German and English sides must be line-aligned"
+        )
     for i, (d, e) in enumerate(zip(de, en)):
         texts = []
         for path, raw in ((de_path, d), (en_path, e)):
@@ -181,8 +192,7 @@ def _empty_side(loc_de: str, loc_en: str, de: str, en: str) -> Skipped | None:
     return None
 
 
-def _tokenize_pairs(pairs: list[tuple[str, str, str, str]], skipped: list[dict], workers: int
-                    ) -> list[tuple[str, str]]:
+def _tokenize_pairs(pairs: list[tuple[str, str, str, str]], skipped: list[dict], workers: int) -> list[tuple[str, str]]:
     """Tokenise ``(loc_de, loc_en, de, en)`` pairs; a pair with an empty side after tokenisation is
     recorded in ``skipped`` (with the location of the empty side) and left out."""
     tok_de = _parallel(_tokenize_chunk, "de", [p[2] for p in pairs], workers)
@@ -211,8 +221,9 @@ def _read_raw(src: Path, workers: int) -> tuple[dict, dict, dict]:
     # training pairs: tags, then tokenise, then empty sides and cleaning
     paths = {lang: src / RAW_TRAIN[lang] for lang in LANGS}
     pairs = []
-    for item in _paired_lines(paths["de"], paths["en"], _read_lines(paths["de"]), _read_lines(paths["en"]),
-                              "training text"):
+    for item in _paired_lines(
+        paths["de"], paths["en"], _read_lines(paths["de"]), _read_lines(paths["en"]), "training text"
+    ):
         if keep(item) is None:
             continue
         loc_de, loc_en, de, en = item
@@ -234,18 +245,27 @@ def _read_raw(src: Path, workers: int) -> tuple[dict, dict, dict]:
     test_pairs = []
     for name in RAW_TEST_SETS:
         xml = {lang: src / f"{name}.de-en.{lang}.xml" for lang in LANGS}
-        for item in _paired_lines(xml["de"], xml["en"], _xml_segments(xml["de"]), _xml_segments(xml["en"]),
-                                  f"<seg> lines of {name}", unit="seg"):
+        for item in _paired_lines(
+            xml["de"],
+            xml["en"],
+            _xml_segments(xml["de"]),
+            _xml_segments(xml["en"]),
+            f"<seg> lines of {name}",
+            unit="seg",
+        ):
             if isinstance(item, Skipped):
                 skipped["test"].append(vars(item))
                 continue
             loc_de, loc_en, de, en = item
             test_pairs.append((loc_de, loc_en, _seg_text(de), _seg_text(en)))
-    test = [(" ".join(de.split()), " ".join(en.split()))
-            for de, en in _tokenize_pairs(test_pairs, skipped["test"], workers)]
+    test = [
+        (" ".join(de.split()), " ".join(en.split())) for de, en in _tokenize_pairs(test_pairs, skipped["test"], workers)
+    ]
 
-    texts = {name: ([p[0] for p in split], [p[1] for p in split])
-             for name, split in (("train", train), ("valid", valid), ("test", test))}
+    texts = {
+        name: ([p[0] for p in split], [p[1] for p in split])
+        for name, split in (("train", train), ("valid", valid), ("test", test))
+    }
     return texts, skipped, stats
 
 
@@ -292,6 +312,7 @@ def _read_fairseq(src: Path) -> tuple[ParallelText, dict]:
 
 # ----------------------------------------------------------------------------- BPE
 
+
 def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int = BPE_MERGES) -> Path:
     """Learn ``merges`` joint BPE operations on train de + en into ``out/code``; reuse a consistent one.
 
@@ -316,8 +337,9 @@ def learn_joint_bpe(train: tuple[list[str], list[str]], out: Path, merges: int =
     return codes
 
 
-def prepare_iwslt(src: Path, out: Path, workers: int = 1, merges: int = BPE_MERGES,
-                  samples_per_shard: int = SAMPLES_PER_SHARD) -> dict:
+def prepare_iwslt(
+    src: Path, out: Path, workers: int = 1, merges: int = BPE_MERGES, samples_per_shard: int = SAMPLES_PER_SHARD
+) -> dict:
     """:func:`prepare` with the BPE merge count and shard size as knobs (tests use small ones)."""
     layout = detect_layout(src)
     out.mkdir(parents=True, exist_ok=True)
@@ -334,10 +356,20 @@ def prepare_iwslt(src: Path, out: Path, workers: int = 1, merges: int = BPE_MERG
         codes = learn_joint_bpe(tokenised["train"], out, merges)
         merges_used = merges
         codes_text = codes.read_text(encoding="utf-8")
-        texts = {split: tuple(_parallel(_bpe_chunk, codes_text, side, workers) for side in sides)
-                 for split, sides in tokenised.items()}
-    return write_translation_shards(texts, out, layout=layout, bpe_merges=merges_used, skipped=skipped,
-                                    cleaning=stats, samples_per_shard=samples_per_shard, workers=workers)
+        texts = {
+            split: tuple(_parallel(_bpe_chunk, codes_text, side, workers) for side in sides)
+            for split, sides in tokenised.items()
+        }
+    return write_translation_shards(
+        texts,
+        out,
+        layout=layout,
+        bpe_merges=merges_used,
+        skipped=skipped,
+        cleaning=stats,
+        samples_per_shard=samples_per_shard,
+        workers=workers,
+    )
 
 
 def prepare(src: Path, out: Path, workers: int) -> dict:

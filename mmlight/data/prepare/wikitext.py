@@ -127,12 +127,11 @@ def count_train(path: Path) -> tuple[list[str], np.ndarray, int, list[tuple[int,
 
     provisional, num_lines, bad = _encode_lines(path, provisional_id)
     counts = np.bincount(provisional, minlength=len(first_id))
-    words = list(first_id)[len(SPECIALS):]
+    words = list(first_id)[len(SPECIALS) :]
     order = sorted(range(len(words)), key=lambda i: (-counts[i + len(SPECIALS)], words[i]))
     vocab = list(SPECIALS) + [words[i] for i in order]
     remap = np.arange(len(first_id), dtype=np.uint32)
-    remap[np.asarray(order, dtype=np.int64) + len(SPECIALS)] = np.arange(
-        len(SPECIALS), len(first_id), dtype=np.uint32)
+    remap[np.asarray(order, dtype=np.int64) + len(SPECIALS)] = np.arange(len(SPECIALS), len(first_id), dtype=np.uint32)
     return vocab, remap[provisional], num_lines, bad
 
 
@@ -151,24 +150,28 @@ def make_sample(item) -> dict | Skipped:
     return {"__key__": key, "ids.npy": buf.getvalue()}
 
 
-def plan_split(split: str, ids: np.ndarray, bad: list[tuple[int, Skipped]], chunk_tokens: int,
-               chunks_per_shard: int) -> list[ShardJob]:
+def plan_split(
+    split: str, ids: np.ndarray, bad: list[tuple[int, Skipped]], chunk_tokens: int, chunks_per_shard: int
+) -> list[ShardJob]:
     """Shard jobs of one split: consecutive chunks, and each bad line in the shard where it occurred."""
     if chunk_tokens < 1 or chunks_per_shard < 1:
         raise ValueError(f"chunk_tokens and chunks_per_shard must be >= 1, got {chunk_tokens}, {chunks_per_shard}")
     starts = range(0, len(ids), chunk_tokens)
-    chunks = [("chunk", f"{i:06d}", ids[s:s + chunk_tokens]) for i, s in enumerate(starts)]
+    chunks = [("chunk", f"{i:06d}", ids[s : s + chunk_tokens]) for i, s in enumerate(starts)]
     num_jobs = max(1 if bad else 0, -(-len(chunks) // chunks_per_shard))
-    jobs = [ShardJob(f"{split}-{j:06d}.tar", chunks[j * chunks_per_shard:(j + 1) * chunks_per_shard])
-            for j in range(num_jobs)]
+    jobs = [
+        ShardJob(f"{split}-{j:06d}.tar", chunks[j * chunks_per_shard : (j + 1) * chunks_per_shard])
+        for j in range(num_jobs)
+    ]
     for offset, skipped in bad:
         shard = min(offset // chunk_tokens // chunks_per_shard, num_jobs - 1)
         jobs[shard].items.append(skipped)
     return jobs
 
 
-def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TOKENS,
-            chunks_per_shard: int = CHUNKS_PER_SHARD) -> dict:
+def prepare(
+    src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TOKENS, chunks_per_shard: int = CHUNKS_PER_SHARD
+) -> dict:
     """Prepare WikiText-103 from ``src`` into the shard set ``out``; return ``_info.json``'s content.
 
     Args:
@@ -178,8 +181,9 @@ def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TO
         chunk_tokens: tokens per sample.
         chunks_per_shard: samples per shard.
     """
-    paths = {split: require(Path(src) / name, f"the WikiText-103 {split} file {name}")
-             for split, name in SPLITS.items()}
+    paths = {
+        split: require(Path(src) / name, f"the WikiText-103 {split} file {name}") for split, name in SPLITS.items()
+    }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab, train_ids, train_lines, train_bad = count_train(paths["train"])
@@ -195,8 +199,14 @@ def prepare(src: Path, out: Path, workers: int = 1, chunk_tokens: int = CHUNK_TO
         jobs = plan_split(split, ids, bad, chunk_tokens, chunks_per_shard)
         entry = write_shards(jobs, out, make_sample, workers=workers, desc=f"{DATASET} {split}")
         splits[split] = {"num_tokens": len(ids), "num_lines": num_lines, **entry}
-        log.info("%s %s: %d lines, %d tokens, %d lines skipped", DATASET, split, num_lines, len(ids),
-                 entry["num_skipped"])
-    info = {"dataset": DATASET, "vocab": vocab_entry(VOCAB_FILE, "lines", len(vocab)), "eos_per_line": True,
-            "chunk_tokens": chunk_tokens, "splits": splits}
+        log.info(
+            "%s %s: %d lines, %d tokens, %d lines skipped", DATASET, split, num_lines, len(ids), entry["num_skipped"]
+        )
+    info = {
+        "dataset": DATASET,
+        "vocab": vocab_entry(VOCAB_FILE, "lines", len(vocab)),
+        "eos_per_line": True,
+        "chunk_tokens": chunk_tokens,
+        "splits": splits,
+    }
     return write_info(out, info)  # a verified rerun leaves the identical _info.json untouched
