@@ -123,10 +123,17 @@ MODULES: dict[str, Module] = {
             "tests/tasks/test_checkpoint.py",
             "tests/tasks/test_classification.py",
             "tests/tasks/test_translator.py",
+            "tests/tasks/test_finetune_optim.py",
+            "tests/tasks/test_inference.py",
+            "tests/tasks/test_protocol.py",
         ),
         keyword="not test_lr_scales_with_global_batch and not test_class_count_mismatch_stops_fit",
     ),
-    "vit": Module(("mmlight/models/vit.py",), ("tests/models/test_vit.py",), keyword="not triton"),
+    "vit": Module(
+        ("mmlight/models/vit.py", "mmlight/models/pretrained.py"),
+        ("tests/models/test_vit.py", "tests/models/test_pretrained.py"),
+        keyword="not triton",
+    ),
     "transformer": Module(
         ("mmlight/models/transformer.py",),
         ("tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
