@@ -257,3 +257,15 @@ def test_image_validation_labels_skips_and_reasons(tmp_path, kind, labels, reaso
     assert dm.skipped.value == 1
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert reason in record.getMessage() and "val-000000.tar" in record.getMessage()
+
+
+def test_byte_sum_is_the_sum_of_the_bytes():
+    """The header checksum's fast byte sum against Python's sum, up to the largest sums a 512-byte
+    header can have (all bytes 255) and at every length up to one header."""
+    from mmlight.data.shards import byte_sum
+
+    rng = np.random.default_rng(0)
+    cases = [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in range(0, 513, 7)]
+    cases += [b"\xff" * n for n in (1, 255, 256, 257, 356, 512)] + [b"\0" * 512]
+    for data in cases:
+        assert byte_sum(data) == sum(data), len(data)
