@@ -267,7 +267,8 @@ def _scores(a, b, scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
+def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale,
+               r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
     """Recompute one tile of the backward pass from the raw scores ``x`` and ``dP = dO V^T``.
 
     Works in either orientation: ``row_max`` (of sigma), ``row_inv_sum`` and ``delta``
@@ -289,43 +290,15 @@ def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale, r0, r1, r2, r3, 
 
 @triton.jit
 def _forward_kernel(
-    Q,
-    K,
-    V,
-    O,
-    ROW_MAX,
-    ROW_INV_SUM,
-    PAD,
-    PARAMS,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
-    stride_pb,
-    stride_pn,
-    H,
-    Tq,
-    Tk,
-    scale,
-    HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ORDER: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, O, ROW_MAX, ROW_INV_SUM, PAD, PARAMS,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_pb, stride_pn,
+    H, Tq, Tk, scale,
+    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head) against all keys they can see."""
     start_m, bh = _block_and_head(Tq, BLOCK_M)
@@ -366,9 +339,8 @@ def _forward_kernel(
     _store_rows(O + b * stride_ob + h * stride_oh, out, offs_m, offs_d, stride_ot, stride_od, Tq)
     # the shift the last p used (0 for rows without keys) and 1 / l (0 there): backward's p
     tl.store(ROW_MAX + bh * Tq + offs_m, tl.where(m_i == float("-inf"), 0.0, m_i), mask=offs_m < Tq)
-    tl.store(
-        ROW_INV_SUM + bh * Tq + offs_m, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0), mask=offs_m < Tq
-    )
+    tl.store(ROW_INV_SUM + bh * Tq + offs_m, tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0),
+             mask=offs_m < Tq)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -376,21 +348,11 @@ def _forward_kernel(
 
 @triton.jit
 def _delta_kernel(
-    O,
-    DO,
-    DELTA,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dot,
-    stride_dod,
-    H,
-    Tq,
-    HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    H, Tq,
+    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """delta_i = sum_d dO_id * O_id in fp32, for BLOCK_M rows of one (batch, head)."""
     start_m, bh = _block_and_head(Tq, BLOCK_M)
@@ -406,55 +368,17 @@ def _delta_kernel(
 
 @triton.jit
 def _backward_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    ROW_MAX,
-    ROW_INV_SUM,
-    DELTA,
-    PAD,
-    PARAMS,
-    DK,
-    DV,
-    PARTIALS,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dot,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dkt,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvt,
-    stride_dvd,
-    stride_pb,
-    stride_pn,
-    H,
-    Tq,
-    Tk,
-    scale,
-    HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ORDER: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    PARAM_GRADS: tl.constexpr,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    stride_pb, stride_pn,
+    H, Tq, Tk, scale,
+    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PARAM_GRADS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head)."""
@@ -494,29 +418,14 @@ def _backward_dkdv_kernel(
         xt = _scores(k, q, scale, DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         dpt = _dot(v, tl.trans(do), DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         keep = _keep_mask(offs_m[None, :], offs_n[:, None], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        pt, gt, dst = _grad_tile(
-            xt,
-            dpt,
-            keep,
-            row_max[None, :],
-            row_inv_sum[None, :],
-            delta[None, :],
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-        )
+        pt, gt, dst = _grad_tile(xt, dpt, keep, row_max[None, :], row_inv_sum[None, :], delta[None, :], scale,
+                                 r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dv += _dot(pt.to(do.dtype), do, DOT_PRECISION)  # (BLOCK_N, D)
         dk += _dot(dst.to(q.dtype), q, DOT_PRECISION)  # (BLOCK_N, D)
         if PARAM_GRADS:
             # each (query, key) pair is visited by exactly one dK/dV program: nothing counted twice
-            e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+            e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(
+                xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
             dr0 += e0
             dr1 += e1
             dr2 += e2
@@ -534,49 +443,16 @@ def _backward_dkdv_kernel(
 
 @triton.jit
 def _backward_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    ROW_MAX,
-    ROW_INV_SUM,
-    DELTA,
-    PAD,
-    PARAMS,
-    DQ,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dot,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqt,
-    stride_dqd,
-    stride_pb,
-    stride_pn,
-    H,
-    Tq,
-    Tk,
-    scale,
-    HEAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ORDER: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DQ,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    stride_pb, stride_pn,
+    H, Tq, Tk, scale,
+    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: dQ of BLOCK_M queries of one (batch, head), looping over the keys they see."""
     start_m, bh = _block_and_head(Tq, BLOCK_M)
@@ -603,24 +479,8 @@ def _backward_dq_kernel(
         x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         dp = _dot(do, tl.trans(v), DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        _, _, ds = _grad_tile(
-            x,
-            dp,
-            keep,
-            row_max[:, None],
-            row_inv_sum[:, None],
-            delta[:, None],
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-        )
+        _, _, ds = _grad_tile(x, dp, keep, row_max[:, None], row_inv_sum[:, None], delta[:, None], scale,
+                              r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)  # (BLOCK_M, D)
 
     _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq, offs_m, offs_d, stride_dqt, stride_dqd, Tq)
@@ -648,30 +508,12 @@ def _forward(q, k, v, params, order, scale, causal, key_padding):
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     cfg = forward_config(D, q.dtype, device_capability(q.device))
     _forward_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
-        q,
-        k,
-        v,
-        out,
-        row_max,
-        row_inv_sum,
-        pad,
-        params,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        stride_pb,
-        stride_pn,
-        H,
-        Tq,
-        Tk,
-        scale,
-        HEAD_D=D,
-        ORDER=order,
-        CAUSAL=causal,
-        HAS_PAD=key_padding is not None,
-        DOT_PRECISION=FP32_DOT_PRECISION,
-        **_tile_args(cfg),
+        q, k, v, out, row_max, row_inv_sum, pad, params,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        stride_pb, stride_pn,
+        H, Tq, Tk, scale,
+        HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
+        DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
     )
     return out, row_max, row_inv_sum
 
@@ -686,16 +528,8 @@ def _delta(out: torch.Tensor, dout: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     B, H, Tq, D = out.shape
     delta = torch.empty((B, H, Tq), dtype=torch.float32, device=out.device)
     _delta_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
-        out,
-        dout,
-        delta,
-        *out.stride(),
-        *dout.stride(),
-        H,
-        Tq,
-        HEAD_D=D,
-        BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps,
+        out, dout, delta, *out.stride(), *dout.stride(), H, Tq,
+        HEAD_D=D, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
     )
     return delta
 
@@ -708,10 +542,7 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device))
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
-        HEAD_D=D,
-        ORDER=ctx.order,
-        CAUSAL=ctx.causal,
-        HAS_PAD=key_padding is not None,
+        HEAD_D=D, ORDER=ctx.order, CAUSAL=ctx.causal, HAS_PAD=key_padding is not None,
         DOT_PRECISION=FP32_DOT_PRECISION,
     )
 
@@ -723,61 +554,20 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
         dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=q.device)
         programs = triton.cdiv(Tk, cfg_kv.block_n) * B * H
         # one row per program; a dummy when the parameters need no gradient
-        partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS), dtype=torch.float32, device=q.device)
+        partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS),
+                               dtype=torch.float32, device=q.device)
         _backward_dkdv_kernel[(programs,)](
-            q,
-            k,
-            v,
-            dout,
-            row_max,
-            row_inv_sum,
-            delta,
-            pad,
-            params,
-            dk,
-            dv,
-            partials,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            stride_pb,
-            stride_pn,
-            H,
-            Tq,
-            Tk,
-            ctx.scale,
-            PARAM_GRADS=want_params,
-            **common,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params, **common,
             **_tile_args(cfg_kv),
         )
     if want_dq:
         dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
-            q,
-            k,
-            v,
-            dout,
-            row_max,
-            row_inv_sum,
-            delta,
-            pad,
-            params,
-            dq,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *dq.stride(),
-            stride_pb,
-            stride_pn,
-            H,
-            Tq,
-            Tk,
-            ctx.scale,
-            **common,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, **common,
             **_tile_args(cfg_q),
         )
     return dq, dk, dv, (partials if want_params else None)
@@ -792,9 +582,8 @@ class _MultiMaxAttention(torch.autograd.Function):
         out, row_max, row_inv_sum = _forward(q, k, v, params, order, scale, causal, key_padding)
         ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum, params, key_padding)
         ctx.order, ctx.scale, ctx.causal = order, scale, causal
-        ctx.param_shape = (
-            None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device, ts.dtype, ts.device)
-        )
+        ctx.param_shape = None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device,
+                                                       ts.dtype, ts.device)
         return out
 
     @staticmethod
@@ -809,26 +598,16 @@ class _MultiMaxAttention(torch.autograd.Function):
             d_ranges, d_ts = unpack_param_grads(partials, n)
             d_ranges = d_ranges.to(r_device, r_dtype) if need[3] else None
             d_ts = d_ts.to(t_device, t_dtype) if need[4] else None
-        return (
-            dq if need[0] else None,
-            dk if need[1] else None,
-            dv if need[2] else None,
-            d_ranges,
-            d_ts,
-            None,
-            None,
-            None,
-        )
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                d_ranges, d_ts, None, None, None)
 
 
 def _check_inputs(q, k, v, ranges, ts, key_padding) -> None:
     """Raise ``ValueError`` for anything the kernels cannot run, before any launch."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(
-                f"{name} must be a 4-D tensor (B, H, T, D), got "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-            )
+            raise ValueError(f"{name} must be a 4-D tensor (B, H, T, D), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     B, H, Tq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (B, H, Tk, D), got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -845,10 +624,8 @@ def _check_inputs(q, k, v, ranges, ts, key_padding) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            "the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-            "mmlight.kernels is imported to run on CPU"
-        )
+        raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
+                         "mmlight.kernels is imported to run on CPU")
     _check_sigma_params(ranges, ts)
     if key_padding is not None:
         if not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool:
@@ -868,9 +645,8 @@ def _check_sigma_params(ranges, ts) -> None:
     if not isinstance(ranges, torch.Tensor) or not isinstance(ts, torch.Tensor):
         raise ValueError("ranges and ts must be tensors")
     if ranges.shape != ts.shape or ranges.shape not in ((2,), (4,)):
-        raise ValueError(
-            f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
-        )
+        raise ValueError(f"ranges and ts must both have shape (2,) or (4,), "
+                         f"got {tuple(ranges.shape)} and {tuple(ts.shape)}")
     if not (ranges.is_floating_point() and ts.is_floating_point()):
         raise ValueError(f"ranges and ts must be floating point, got {ranges.dtype} and {ts.dtype}")
 

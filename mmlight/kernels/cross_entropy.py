@@ -74,7 +74,8 @@ REDUCTIONS = ("mean", "sum")
 
 
 @triton.jit
-def _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3,
+               ORDER: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1 over the first ``n_active`` columns (the whole row, or none for an ignored row):
     ``(max_s, sum_exp, sum_s)`` in fp32, with ``logsumexp(s) = max_s + log(sum_exp)``."""
     running_max = float("-inf")
@@ -98,30 +99,9 @@ def _row_stats(row_ptr, n_active, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.cons
 
 
 @triton.jit
-def _row_grad(
-    row_ptr,
-    grad_row_ptr,
-    y,
-    V,
-    n_active,
-    row_max,
-    row_inv_sum,
-    w,
-    confidence,
-    smooth,
-    r0,
-    r1,
-    r2,
-    r3,
-    t0,
-    t1,
-    t2,
-    t3,
-    ORDER: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    STORE_DZ: tl.constexpr,
-    PARAM_GRADS: tl.constexpr,
-):
+def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
+              r0, r1, r2, r3, t0, t1, t2, t3,
+              ORDER: tl.constexpr, BLOCK_V: tl.constexpr, STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
     """Pass 2: write ``dz`` for the row (if ``STORE_DZ``) and return the 8 parameter partials.
 
     Columns at or past ``n_active`` (all of them for an ignored row) are not read and get
@@ -154,8 +134,7 @@ def _row_grad(
         if PARAM_GRADS:
             # The shared helper reduces 2-D tiles; x is finite and g is 0 on inactive lanes, as it requires.
             b0, b1, b2, b3, c0, c1, c2, c3 = sigma_param_partials(
-                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER
-            )
+                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
             dr0 += b0
             dr1 += b1
             dr2 += b2
@@ -168,25 +147,11 @@ def _row_grad(
 
 
 @triton.jit
-def _cross_entropy_kernel(
-    logits_ptr,
-    stride_logits,
-    target_ptr,
-    params_ptr,
-    scale_ptr,
-    loss_ptr,
-    grad_ptr,
-    stride_grad,
-    partials_ptr,
-    V,
-    ignore_index,
-    confidence,
-    smooth,
-    ORDER: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    STORE_DZ: tl.constexpr,
-    PARAM_GRADS: tl.constexpr,
-):
+def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr,
+                          loss_ptr, grad_ptr, stride_grad, partials_ptr,
+                          V, ignore_index, confidence, smooth,
+                          ORDER: tl.constexpr, BLOCK_V: tl.constexpr,
+                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
     # int64 row offsets: T * V exceeds 2**31 at LM sizes (8,192 x 267,744 = 2.2e9).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits
@@ -212,29 +177,8 @@ def _cross_entropy_kernel(
         row_max = tl.where(valid, max_s, 0.0)
         row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
-            row_ptr,
-            grad_ptr + row * stride_grad,
-            y,
-            V,
-            n_active,
-            row_max,
-            row_inv_sum,
-            w,
-            confidence,
-            smooth,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-            BLOCK_V,
-            STORE_DZ,
-            PARAM_GRADS,
-        )
+            row_ptr, grad_ptr + row * stride_grad, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
+            r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
         if PARAM_GRADS:
             store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
@@ -249,10 +193,8 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
     if V == 0:
         raise ValueError("logits must have at least one class (V >= 1)")
     if V > 1 and logits.stride(1) != 1:
-        raise ValueError(
-            f"the last dim of logits must be contiguous (stride 1), got strides {logits.stride()}; "
-            "call .contiguous() first"
-        )
+        raise ValueError(f"the last dim of logits must be contiguous (stride 1), got strides {logits.stride()}; "
+                         "call .contiguous() first")
     if not isinstance(target, torch.Tensor) or target.shape != (T,):
         raise ValueError(f"target must have shape ({T},), got {getattr(target, 'shape', None)}")
     if target.dtype != torch.int64:
@@ -266,14 +208,11 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
     if (ranges is None) != (ts is None):
         raise ValueError("ranges and ts must be given together (or both None for plain cross-entropy)")
     if ranges is not None and (ranges.shape != ts.shape or ranges.shape not in ((2,), (4,))):
-        raise ValueError(
-            f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
-        )
+        raise ValueError(f"ranges and ts must both have shape (2,) or (4,), "
+                         f"got {tuple(ranges.shape)} and {tuple(ts.shape)}")
     if inplace_grad and logits.is_leaf and logits.requires_grad:
-        raise ValueError(
-            "inplace_grad=True would overwrite a leaf tensor that requires grad; "
-            "use it only on an intermediate (e.g. the output of the LM head)"
-        )
+        raise ValueError("inplace_grad=True would overwrite a leaf tensor that requires grad; "
+                         "use it only on an intermediate (e.g. the output of the LM head)")
     if T > 0:
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
         if bool(bad.any()):  # the one host sync
@@ -281,9 +220,8 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
             raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
 
 
-def _launch(
-    logits, target, params, order, label_smoothing, ignore_index, reduction, store_dz, param_grads, inplace_grad
-):
+def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction,
+            store_dz, param_grads, inplace_grad):
     """Run the kernel: ``(loss, grad_logits or None, partials or None)``."""
     T, V = logits.shape
     device = logits.device
@@ -301,23 +239,11 @@ def _launch(
     if T > 0:
         block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
         _cross_entropy_kernel[(T,)](
-            logits,
-            logits.stride(0),
-            target,
-            params,
-            scale,
-            row_loss,
-            grad if store_dz else logits,
-            grad.stride(0) if store_dz else 0,
+            logits, logits.stride(0), target, params, scale,
+            row_loss, grad if store_dz else logits, grad.stride(0) if store_dz else 0,
             partials if param_grads else row_loss,  # unused pointers are never touched
-            V,
-            ignore_index,
-            1.0 - label_smoothing,
-            label_smoothing / V,
-            ORDER=order,
-            BLOCK_V=block_v,
-            STORE_DZ=store_dz,
-            PARAM_GRADS=param_grads,
+            V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
+            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
             num_warps=8 if block_v >= 2048 else 4,
         )
     # Fixed-order sum over rows: deterministic (no atomics).
@@ -330,18 +256,8 @@ class _MultiMaxCrossEntropy(torch.autograd.Function):
         params, order = pack_sigma_params(ranges, ts, logits.device)
         need_logits, _, need_ranges, need_ts = ctx.needs_input_grad[:4]
         param_grads = order > 0 and (need_ranges or need_ts)
-        loss, grad, partials = _launch(
-            logits,
-            target,
-            params,
-            order,
-            float(label_smoothing),
-            ignore_index,
-            reduction,
-            need_logits,
-            param_grads,
-            inplace_grad,
-        )
+        loss, grad, partials = _launch(logits, target, params, order, float(label_smoothing), ignore_index,
+                                       reduction, need_logits, param_grads, inplace_grad)
         ctx.grad_logits = grad
         if param_grads:
             # The parameters may live elsewhere (and in another dtype) than the logits.
@@ -355,10 +271,8 @@ class _MultiMaxCrossEntropy(torch.autograd.Function):
         grad_logits = grad_ranges = grad_ts = None
         if ctx.needs_input_grad[0]:
             if ctx.grad_logits is None:
-                raise RuntimeError(
-                    "multimax_cross_entropy: backward through the same graph twice is not supported "
-                    "(its stored gradient is scaled in place)"
-                )
+                raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
+                                   "(its stored gradient is scaled in place)")
             # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
             grad_logits = ctx.grad_logits.mul_(grad_output)
             ctx.grad_logits = None
@@ -370,16 +284,9 @@ class _MultiMaxCrossEntropy(torch.autograd.Function):
         return grad_logits, None, grad_ranges, grad_ts, None, None, None, None
 
 
-def multimax_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ranges: torch.Tensor | None = None,
-    ts: torch.Tensor | None = None,
-    label_smoothing: float = 0.0,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    inplace_grad: bool = False,
-) -> torch.Tensor:
+def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: torch.Tensor | None = None,
+                           ts: torch.Tensor | None = None, label_smoothing: float = 0.0, ignore_index: int = -100,
+                           reduction: str = "mean", inplace_grad: bool = False) -> torch.Tensor:
     """Cross-entropy of ``softmax(multimax_sigma(logits))`` against ``target``, fused and chunked.
 
     Equals ``F.cross_entropy(multimax_sigma(logits.float(), ranges, ts), target, label_smoothing=...,
@@ -405,6 +312,5 @@ def multimax_cross_entropy(
         where torch's "mean" would give NaN.
     """
     _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad)
-    return _MultiMaxCrossEntropy.apply(
-        logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad
-    )
+    return _MultiMaxCrossEntropy.apply(logits, target, ranges, ts, label_smoothing, ignore_index, reduction,
+                                       inplace_grad)

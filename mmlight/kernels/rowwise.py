@@ -54,27 +54,8 @@ SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend cho
 
 
 @triton.jit
-def _load_tile(
-    x_ptr,
-    mask_ptr,
-    rows,
-    cols,
-    M,
-    N,
-    stride_x,
-    stride_mask,
-    scale,
-    r0,
-    r1,
-    r2,
-    r3,
-    t0,
-    t1,
-    t2,
-    t3,
-    ORDER: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-):
+def _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+               r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr, HAS_MASK: tl.constexpr):
     """Load a ``(R, C)`` tile of scores and return ``(u, s, keep)``: ``u = scale * x`` (0 where
     masked), ``s = sigma(u)`` (-inf where masked) and the boolean keep tile."""
     inside = (rows < M) & (cols < N)
@@ -96,30 +77,14 @@ def _probabilities(s, row_max, row_sum):
 
 
 @triton.jit
-def _forward_short_rows(
-    x_ptr,
-    mask_ptr,
-    y_ptr,
-    max_ptr,
-    sum_ptr,
-    params_ptr,
-    M,
-    N,
-    stride_x,
-    stride_mask,
-    stride_y,
-    scale,
-    ORDER: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _forward_short_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
+                        scale, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
-    _, s, _ = _load_tile(
-        x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK
-    )
+    _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                         r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
     row_max = tl.max(s, axis=1)  # (ROWS,)
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row: avoid -inf - -inf
     total = tl.sum(tl.exp(s - row_max[:, None]), axis=1)  # masked entries: exp(-inf) = 0
@@ -131,23 +96,8 @@ def _forward_short_rows(
 
 
 @triton.jit
-def _forward_long_rows(
-    x_ptr,
-    mask_ptr,
-    y_ptr,
-    max_ptr,
-    sum_ptr,
-    params_ptr,
-    M,
-    N,
-    stride_x,
-    stride_mask,
-    stride_y,
-    scale,
-    ORDER: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _forward_long_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
+                       scale, ORDER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     row = tl.program_id(0).to(tl.int64)
     rows = tl.full((1, 1), 0, tl.int64) + row  # (1, 1)
@@ -155,27 +105,8 @@ def _forward_long_rows(
     running_sum = tl.zeros((1,), tl.float32)
     for start in range(0, N, BLOCK_N):  # pass 1: online max and sum of exp
         cols = start + tl.arange(0, BLOCK_N)[None, :]
-        _, s, _ = _load_tile(
-            x_ptr,
-            mask_ptr,
-            rows,
-            cols,
-            M,
-            N,
-            stride_x,
-            stride_mask,
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-            HAS_MASK,
-        )
+        _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         new_max = tl.maximum(running_max, tl.max(s, axis=1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(tl.exp(s - safe_max[:, None]), axis=1)
@@ -184,27 +115,8 @@ def _forward_long_rows(
     total = tl.where(running_sum == 0.0, 1.0, running_sum)  # fully masked row: 0 / 1 = 0
     for start in range(0, N, BLOCK_N):  # pass 2: write the weights
         cols = start + tl.arange(0, BLOCK_N)[None, :]
-        _, s, _ = _load_tile(
-            x_ptr,
-            mask_ptr,
-            rows,
-            cols,
-            M,
-            N,
-            stride_x,
-            stride_mask,
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-            HAS_MASK,
-        )
+        _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         y = _probabilities(s, row_max, total)
         tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
     tl.store(max_ptr + rows, row_max[:, None])
@@ -222,35 +134,16 @@ def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t
 
 
 @triton.jit
-def _backward_short_rows(
-    x_ptr,
-    mask_ptr,
-    dy_ptr,
-    dx_ptr,
-    max_ptr,
-    sum_ptr,
-    params_ptr,
-    partials_ptr,
-    M,
-    N,
-    stride_x,
-    stride_mask,
-    stride_dy,
-    stride_dx,
-    scale,
-    ORDER: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _backward_short_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, params_ptr, partials_ptr, M, N,
+                         stride_x, stride_mask, stride_dy, stride_dx, scale,
+                         ORDER: tl.constexpr, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
     inside = (rows < M) & (cols < N)
-    u, s, _ = _load_tile(
-        x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK
-    )
+    u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                         r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
     row_ids = pid * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     row_max = tl.load(max_ptr + row_ids, mask=row_ids < M, other=0.0)
     row_sum = tl.load(sum_ptr + row_ids, mask=row_ids < M, other=1.0)
@@ -263,26 +156,9 @@ def _backward_short_rows(
 
 
 @triton.jit
-def _backward_long_rows(
-    x_ptr,
-    mask_ptr,
-    dy_ptr,
-    dx_ptr,
-    max_ptr,
-    sum_ptr,
-    params_ptr,
-    partials_ptr,
-    M,
-    N,
-    stride_x,
-    stride_mask,
-    stride_dy,
-    stride_dx,
-    scale,
-    ORDER: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, params_ptr, partials_ptr, M, N,
+                        stride_x, stride_mask, stride_dy, stride_dx, scale,
+                        ORDER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     row = tl.program_id(0).to(tl.int64)
     rows = tl.full((1, 1), 0, tl.int64) + row  # (1, 1)
@@ -291,53 +167,15 @@ def _backward_long_rows(
     dot = tl.zeros((1,), tl.float32)
     for start in range(0, N, BLOCK_N):  # pass 1: sum(dy * p) over the row
         cols = start + tl.arange(0, BLOCK_N)[None, :]
-        _, s, _ = _load_tile(
-            x_ptr,
-            mask_ptr,
-            rows,
-            cols,
-            M,
-            N,
-            stride_x,
-            stride_mask,
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-            HAS_MASK,
-        )
+        _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
         dot += tl.sum(dy * _probabilities(s, row_max, row_sum), axis=1)
     acc = tl.zeros((8,), tl.float32)
     for start in range(0, N, BLOCK_N):  # pass 2: input gradient and parameter partials
         cols = start + tl.arange(0, BLOCK_N)[None, :]
-        u, s, _ = _load_tile(
-            x_ptr,
-            mask_ptr,
-            rows,
-            cols,
-            M,
-            N,
-            stride_x,
-            stride_mask,
-            scale,
-            r0,
-            r1,
-            r2,
-            r3,
-            t0,
-            t1,
-            t2,
-            t3,
-            ORDER,
-            HAS_MASK,
-        )
+        u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
         dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
@@ -369,38 +207,12 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
         common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         if cfg["long"]:
-            _forward_long_rows[(m,)](
-                x2d,
-                mask_arg,
-                y,
-                row_max,
-                row_sum,
-                params,
-                m,
-                n,
-                x2d.stride(0),
-                mask_stride,
-                y.stride(0),
-                scale,
-                **common,
-            )
+            _forward_long_rows[(m,)](x2d, mask_arg, y, row_max, row_sum, params, m, n,
+                                     x2d.stride(0), mask_stride, y.stride(0), scale, **common)
         else:
             _forward_short_rows[(triton.cdiv(m, cfg["ROWS"]),)](
-                x2d,
-                mask_arg,
-                y,
-                row_max,
-                row_sum,
-                params,
-                m,
-                n,
-                x2d.stride(0),
-                mask_stride,
-                y.stride(0),
-                scale,
-                ROWS=cfg["ROWS"],
-                **common,
-            )
+                x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
+                ROWS=cfg["ROWS"], **common)
         ctx.save_for_backward(x2d, mask2d, row_max, row_sum, params)
         ctx.order, ctx.scale, ctx.n_params = order, scale, 0 if ranges is None else ranges.shape[0]
         return y
@@ -416,23 +228,8 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
         mask_arg = mask2d if mask2d is not None else x2d
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
-        args = (
-            x2d,
-            mask_arg,
-            dy,
-            dx,
-            row_max,
-            row_sum,
-            params,
-            partials,
-            m,
-            n,
-            x2d.stride(0),
-            mask_stride,
-            dy.stride(0),
-            dx.stride(0),
-            ctx.scale,
-        )
+        args = (x2d, mask_arg, dy, dx, row_max, row_sum, params, partials, m, n,
+                x2d.stride(0), mask_stride, dy.stride(0), dx.stride(0), ctx.scale)
         common = dict(ORDER=ctx.order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         if cfg["long"]:
             _backward_long_rows[(programs,)](*args, **common)

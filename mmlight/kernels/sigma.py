@@ -31,7 +31,7 @@ def pack_sigma_params(
         return params, 0
     n = ranges.shape[0]
     params[:n] = ranges.detach().float()
-    params[4 : 4 + n] = ts.detach().float()
+    params[4:4 + n] = ts.detach().float()
     return params, n // 2
 
 
@@ -39,7 +39,7 @@ def unpack_param_grads(partials: torch.Tensor, n: int) -> tuple[torch.Tensor, to
     """Sum per-program partials ``(programs, 8)`` (fp32, in a fixed order, so the result is
     deterministic) and split them into gradients for ``ranges`` and ``ts`` of length ``n``."""
     total = partials.sum(dim=0)
-    return total[:n], total[4 : 4 + n]
+    return total[:n], total[4:4 + n]
 
 
 @triton.jit
@@ -122,16 +122,9 @@ def sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constex
 def pack_param_partials(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3):
     """The 8 partials as one ``(8,)`` fp32 vector, in the order of the packed parameters."""
     slot = tl.arange(0, 8)
-    return (
-        tl.where(slot == 0, dr0, 0.0)
-        + tl.where(slot == 1, dr1, 0.0)
-        + tl.where(slot == 2, dr2, 0.0)
-        + tl.where(slot == 3, dr3, 0.0)
-        + tl.where(slot == 4, dt0, 0.0)
-        + tl.where(slot == 5, dt1, 0.0)
-        + tl.where(slot == 6, dt2, 0.0)
-        + tl.where(slot == 7, dt3, 0.0)
-    )
+    return (tl.where(slot == 0, dr0, 0.0) + tl.where(slot == 1, dr1, 0.0) + tl.where(slot == 2, dr2, 0.0)
+            + tl.where(slot == 3, dr3, 0.0) + tl.where(slot == 4, dt0, 0.0) + tl.where(slot == 5, dt1, 0.0)
+            + tl.where(slot == 6, dt2, 0.0) + tl.where(slot == 7, dt3, 0.0))
 
 
 @triton.jit
