@@ -9,6 +9,7 @@ from mmlight.analysis.robustness import KVEviction, SinkMasking, budget
 from mmlight.nn.attention import causal_mask, observe_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Softmax
+from tests.models.test_vit import micro_vit
 
 SITE = AttentionSite("decoder.layers.3.self_attn", "decoder_self", "decoder", 3, Softmax())
 
@@ -107,9 +108,9 @@ def test_sink_masking_masks_a_hand_built_sink():
 
 
 def test_sink_masking_changes_a_vit_forward_and_is_gone_afterwards():
-    from mmlight.models import ReweightedViT, ViTConfig
+    from mmlight.models import ReweightedViT
 
-    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10)).eval()
+    model = ReweightedViT(micro_vit()).eval()
     x = torch.randn(2, 1, 8, 8)
     with torch.no_grad():
         plain = model(x)
@@ -194,11 +195,10 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
     beam search in validation and writes its files to a scratch folder, for the runs only and without
     touching its hyperparameters; a run that logs no task metric is an error naming what it logged."""
     from mmlight.analysis.robustness import robustness_rows, robustness_runs
-    from mmlight.models import ViTConfig
     from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import ImageClassifier, Translator
 
-    image = ImageClassifier(model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3))
+    image = ImageClassifier(model=micro_vit(num_classes=3))
     trainer = StandInTrainer("top1")
     rows = robustness_rows(trainer, image, None, "val")
     assert [r[:3] for r in rows] == [

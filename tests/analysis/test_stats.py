@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from mmlight.analysis.stats import collect_statistics, metric_rows
-from mmlight.models import ViTConfig
 from mmlight.models.transformer import TransformerConfig
 from mmlight.nn.attention import record_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import ReweightingSpec, Softmax
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+from tests.models.test_vit import micro_vit
 
 PAD = 1
 
@@ -106,9 +106,7 @@ def test_translation_reports_encoder_decoder_and_cross_attention_separately():
 
 def test_vit_token_similarity_and_rollout_against_a_manual_pass():
     torch.manual_seed(0)
-    task = ImageClassifier(
-        model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool="token")
-    )
+    task = ImageClassifier(model=micro_vit(global_pool="token"))
     task.eval()
     images = torch.randn(3, 1, 8, 8)
     stats = collect_statistics(task, [(images, torch.zeros(3, dtype=torch.long))])

@@ -543,7 +543,8 @@ def test_models_hold_no_buffers(name):
     """DDP broadcasts module buffers before every forward, evaluation included; with ranks that run
     different numbers of evaluation batches that collective deadlocks. Constants (sinusoids, a fixed
     temperature) are therefore plain attributes."""
-    from mmlight.models import ReweightedViT, ViTConfig
+    from mmlight.models import ReweightedViT
+    from tests.models.test_vit import micro_vit
 
     spec = ReweightingSpec(name)
     models = [TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1, attention=spec))]
@@ -560,16 +561,6 @@ def test_models_hold_no_buffers(name):
                     output_multimax=True,
                 )
             ),
-            ReweightedViT(
-                ViTConfig(
-                    variant="vit_micro",
-                    img_size=8,
-                    patch_size=2,
-                    in_chans=1,
-                    num_classes=10,
-                    attention=spec,
-                    output_multimax=True,
-                )
-            ),
+            ReweightedViT(micro_vit(attention=spec, output_multimax=True)),
         ]
     assert all(list(m.named_buffers()) == [] for m in models)

@@ -5,11 +5,12 @@ outside the context."""
 import pytest
 import torch
 
-from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.models import ReweightedViT
 from mmlight.models.transformer import TransformerConfig, TransformerLM, TransformerSeq2Seq
 from mmlight.nn import AttentionObserver, attention, observe_attention, record_attention
 from mmlight.reweighting import ReweightingSpec, multimax_sigma
 from mmlight.reweighting.fused import SigmaKernels
+from tests.models.test_vit import micro_vit
 
 PAD = 1
 
@@ -58,16 +59,7 @@ def run_with_and_without_recording(model, modules, *inputs):
 
 def test_vit_records_every_block_as_computed_by_hand():
     torch.manual_seed(0)
-    config = ViTConfig(
-        variant="vit_micro",
-        img_size=8,
-        patch_size=2,
-        in_chans=1,
-        num_classes=10,
-        attention=ReweightingSpec("multimax"),
-        drop_path_rate=0.0,
-        backend="reference",
-    )
+    config = micro_vit(attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="reference")
     model = ReweightedViT(config).eval()
     with torch.no_grad():
         for m in (site.module for site in model.attention_sites().values()):
@@ -187,16 +179,7 @@ def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(SigmaKernels, "attention", counting)
-    config = ViTConfig(
-        variant="vit_micro",
-        img_size=8,
-        patch_size=2,
-        in_chans=1,
-        num_classes=10,
-        attention=ReweightingSpec("multimax"),
-        drop_path_rate=0.0,
-        backend="triton",
-    )
+    config = micro_vit(attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="triton")
     model = ReweightedViT(config).eval()
     images = torch.randn(2, 1, 8, 8)
     fused = model(images)

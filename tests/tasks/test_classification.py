@@ -6,19 +6,11 @@ import pytest
 import torch
 
 from mmlight.data import DigitsDataModule, write_digits_shards
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
+from tests.models.test_vit import micro_vit
 
-MICRO = ViTConfig(
-    variant="vit_micro",
-    img_size=8,
-    patch_size=2,
-    in_chans=1,
-    num_classes=10,
-    attention=ReweightingSpec("multimax"),
-    output_multimax=True,
-    drop_path_rate=0.0,
-)
+MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
 
 
 def test_ema_follows_the_exponential_average():
@@ -73,7 +65,7 @@ def test_lr_scales_with_global_batch_and_odd_batch_fails_with_mixup(tmp_path):
 
 def test_class_count_mismatch_stops_fit(tmp_path):
     write_digits_shards(tmp_path)
-    wrong = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=7))
+    wrong = ImageClassifier(micro_vit(num_classes=7))
     with pytest.raises(ValueError, match="the data has 10 classes but model.num_classes is 7"):
         L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
             wrong, DigitsDataModule(cache_dir=str(tmp_path))

@@ -8,15 +8,11 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.optim._param_groups import param_groups_layer_decay
 
 from mmlight.data import DigitsDataModule, write_digits_shards
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
+from tests.models.test_vit import micro_vit
 
-MICRO = ViTConfig(
-    variant="vit_micro",
-    img_size=8,
-    patch_size=2,
-    in_chans=1,
-    num_classes=10,
+MICRO = micro_vit(
     global_pool="token",
     attention=ReweightingSpec("multimax", {"init_std": 0}),
     output_multimax=True,

@@ -12,9 +12,10 @@ from mmlight.cli import build_cli
 from mmlight.data import DigitsDataModule
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.tasks import ImageClassifier
+from tests.models.test_vit import micro_vit
 
 ROOT = Path(__file__).resolve().parents[2]
-PRETRAIN = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=6, drop_path_rate=0.0)
+PRETRAIN = micro_vit(num_classes=6, drop_path_rate=0.0)
 
 
 @pytest.fixture(scope="module")
