@@ -20,8 +20,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
 from mmlight.data import RecallDataModule
-from mmlight.models.transformer import TransformerConfig
 from mmlight.tasks import LanguageModel
+from tests.conftest import quiet_trainer
+from tests.models.test_transformer import tiny_transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 LM = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
@@ -52,22 +53,10 @@ def fit_recall_lm(logger, callbacks, epochs: int, sanity_steps: int):
         num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24, batch_size=8
     )
     task = LanguageModel(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
-        ),
+        tiny_transformer(),
         warmup_steps=2,
     )
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=sanity_steps,
-    )
+    trainer = quiet_trainer(max_epochs=epochs, logger=logger, callbacks=callbacks, num_sanity_val_steps=sanity_steps)
     trainer.fit(task, datamodule=data)
     return task, data
 
@@ -141,11 +130,7 @@ def test_drawn_figures_are_images_of_the_recorded_statistics():
     from mmlight.callbacks.attention_stats import draw_figures
 
     torch.manual_seed(0)
-    task = LanguageModel(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
-        )
-    )
+    task = LanguageModel(tiny_transformer())
     stats = collect_statistics(task, [{"input": torch.randint(0, 20, (4, 12))}])
     images, seconds = draw_figures(stats, {"epoch 0": {"blocks": stats["blocks"]}})
     assert set(images) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
@@ -318,11 +303,7 @@ def stand_in_trainer(step=7, rank_zero=True, loggers=None):
 
 def tiny_lm_and_batch():
     torch.manual_seed(0)
-    task = LanguageModel(
-        model=TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32, pad_id=1
-        )
-    )
+    task = LanguageModel(model=tiny_transformer())
     return task, {"input": torch.randint(2, 20, (3, 6)), "target": torch.randint(2, 20, (3, 6))}
 
 

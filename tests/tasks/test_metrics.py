@@ -14,6 +14,7 @@ from torch import nn
 
 from mmlight.models import TransformerConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+from tests.models.test_transformer import tiny_transformer
 from tests.models.test_vit import micro_vit
 
 NUM_CLASSES = 7
@@ -153,9 +154,7 @@ V = 11
 
 def tiny_lm(**task) -> LanguageModel:
     torch.manual_seed(0)
-    config = TransformerConfig(
-        vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, dropout=0.0, max_positions=16, pad_id=PAD
-    )
+    config = tiny_transformer(vocab_size=V, n_layers=1, dropout=0.0, max_positions=16)
     return LanguageModel(config, **task).eval()
 
 
@@ -458,17 +457,7 @@ def tiny_translator_task(**task) -> Translator:
         task: ``Translator`` arguments (e.g. ``label_smoothing``).
     """
     torch.manual_seed(0)
-    config = TransformerConfig(
-        vocab_size=V,
-        d_model=16,
-        n_heads=2,
-        ffn_dim=32,
-        n_layers=1,
-        n_encoder_layers=1,
-        dropout=0.0,
-        max_positions=16,
-        pad_id=PAD,
-    )
+    config = tiny_transformer(vocab_size=V, n_layers=1, n_encoder_layers=1, dropout=0.0, max_positions=16)
     return Translator(config, **task).eval()
 
 
