@@ -30,26 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_loader import DEIT, RESULTS  # beside this script, which Python puts on sys.path
 from PIL import Image
 
-from mmlight.data import ImageAugment
 from mmlight.data.image_decode import AugmentGroup, SplitTransform
 from mmlight.data.images import ImageStream
 from mmlight.data.skips import SkipCounter
 from mmlight.data.streaming import RankRandom
-
-RESULTS = Path(__file__).resolve().parent / "results"
-DEIT = ImageAugment(
-    image_size=224,
-    channels=3,
-    scale=(0.08, 1.0),
-    hflip=0.5,
-    auto_augment="rand-m9-mstd0.5-inc1",
-    color_jitter=0.3,
-    re_prob=0.25,
-    interpolation="bicubic",
-    crop_pct=0.875,
-)
 
 
 def write_sparse_shard(path: Path, first: int, samples: int, jpeg_bytes: int) -> None:

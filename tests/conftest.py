@@ -25,3 +25,23 @@ def reset_global_state():
     torch.random.set_rng_state(rng)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def quiet_trainer(**options):
+    """A one-device CPU ``lightning.Trainer`` that writes and prints nothing of its own: no logger, no
+    checkpoints, no progress bar, no model summary.
+
+    Args:
+        options: any other ``Trainer`` argument (``max_steps``, ``callbacks``, ...), or one of these to override.
+    """
+    import lightning as L  # here, not at the top: most tests never build a Trainer
+
+    quiet = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**quiet, **options})

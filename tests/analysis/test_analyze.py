@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,19 @@ def fit(config: Path, runs: Path, *extra: str) -> Path:
     return max(runs.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
 
 
+def analyze(config: Path, ckpts: list[Path], out: Path, *options: str, overrides: Sequence[str] = ()) -> None:
+    """``mmlight analyze`` of ``ckpts`` trained with ``config``, written to ``out``.
+
+    Args:
+        config: the config the checkpoints were trained with.
+        ckpts: the checkpoints to compare.
+        out: the output folder.
+        options: analysis options (``--num_samples 16``, ``--robustness``, ...).
+        overrides: ``--data.*``/``--trainer.*`` options for the config's parser.
+    """
+    main(["analyze", "--config", str(config), *overrides, "--ckpt_path", *map(str, ckpts), "--out", str(out), *options])
+
+
 def read_csv(path: Path) -> list[dict]:
     with open(path) as f:
         return list(csv.DictReader(f))
@@ -71,22 +85,14 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
     root, data, softmax, sparse = digits
     out = tmp_path / "out"
     limit = ["--trainer.limit_val_batches", "1"]
-    main(
-        [
-            "analyze",
-            "--config",
-            str(QUICK / "digits_softmax.yaml"),
-            *data,
-            *limit,
-            "--ckpt_path",
-            str(softmax),
-            str(sparse),
-            "--out",
-            str(out),
-            "--num_samples",
-            "24",
-            "--robustness",
-        ]
+    analyze(
+        QUICK / "digits_softmax.yaml",
+        [softmax, sparse],
+        out,
+        "--num_samples",
+        "24",
+        "--robustness",
+        overrides=[*data, *limit],
     )
     rows = read_csv(out / "stats.csv")
     assert set(rows[0]) == {"checkpoint", "layer", "head", "metric", "value"}
@@ -181,23 +187,7 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     data = ["--data.init_args.train_size", "128", "--data.init_args.val_size", "16"]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
-    main(
-        [
-            "analyze",
-            "--config",
-            str(config),
-            *data,
-            "--ckpt_path",
-            str(ckpt),
-            "--out",
-            str(out),
-            "--num_samples",
-            "16",
-            "--robustness",
-            "--kv_skip_layers",
-            "1",
-        ]
-    )
+    analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1", overrides=data)
     robust = read_csv(out / "robustness.csv")
     ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
     assert all(r["metric"] == "ppl" for r in robust)
@@ -247,23 +237,7 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
     ]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
-    main(
-        [
-            "analyze",
-            "--config",
-            str(config),
-            *data,
-            "--ckpt_path",
-            str(ckpt),
-            "--out",
-            str(out),
-            "--num_samples",
-            "6",
-            "--split",
-            "test",
-            "--robustness",
-        ]
-    )
+    analyze(config, [ckpt], out, "--num_samples", "6", "--split", "test", "--robustness", overrides=data)
     rows = read_csv(out / "stats.csv")
     kinds = {r["layer"] for r in rows}
     assert {

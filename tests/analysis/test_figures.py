@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mmlight.analysis.figures import grad_cam_map, vit_reshape
-from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.models import ReweightedViT
+from tests.models.test_vit import micro_vit
 
 
 @pytest.mark.parametrize("prefix", [0, 1])
@@ -53,9 +54,7 @@ def test_grad_cam_on_gap_and_cls_heads_is_grad_cam_by_its_definition(pool):
     written out from the activations and gradients, so a wrong layer, class, token offset or grid
     orientation shows; the map is not uniform (it would pass a range check whatever it held)."""
     torch.manual_seed(0)
-    model = ReweightedViT(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool=pool)
-    ).eval()
+    model = ReweightedViT(micro_vit(global_pool=pool)).eval()
     image = torch.randn(1, 1, 8, 8)
     vit = model.vit
     heat = grad_cam_map(model, image, vit.blocks[-1].norm1, vit.num_prefix_tokens, (4, 4))

@@ -9,6 +9,8 @@ from mmlight.analysis.robustness import KVEviction, SinkMasking, budget
 from mmlight.nn.attention import causal_mask, observe_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Softmax
+from tests.models.test_transformer import tiny_transformer
+from tests.models.test_vit import micro_vit
 
 SITE = AttentionSite("decoder.layers.3.self_attn", "decoder_self", "decoder", 3, Softmax())
 
@@ -107,9 +109,9 @@ def test_sink_masking_masks_a_hand_built_sink():
 
 
 def test_sink_masking_changes_a_vit_forward_and_is_gone_afterwards():
-    from mmlight.models import ReweightedViT, ViTConfig
+    from mmlight.models import ReweightedViT
 
-    model = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10)).eval()
+    model = ReweightedViT(micro_vit()).eval()
     x = torch.randn(2, 1, 8, 8)
     with torch.no_grad():
         plain = model(x)
@@ -158,14 +160,9 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     """LM: the plain run, sink masking at 1, 5, 10, then l2 and streaming eviction at every ratio, each
     evaluated once under its own observer (none afterwards); rows carry the task metric of that run."""
     from mmlight.analysis.robustness import KEEP_RATIOS, SINK_LEVELS, robustness_rows, robustness_runs
-    from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(
-        model=TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=3, n_encoder_layers=0, max_positions=32
-        )
-    )
+    task = LanguageModel(model=tiny_transformer(n_layers=3))
     trainer, ticks = StandInTrainer("ppl"), []
     rows = robustness_rows(trainer, task, "the datamodule", "test", skip_layers=1, progress=ticks.append)
     want = (
@@ -194,11 +191,9 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
     beam search in validation and writes its files to a scratch folder, for the runs only and without
     touching its hyperparameters; a run that logs no task metric is an error naming what it logged."""
     from mmlight.analysis.robustness import robustness_rows, robustness_runs
-    from mmlight.models import ViTConfig
-    from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import ImageClassifier, Translator
 
-    image = ImageClassifier(model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3))
+    image = ImageClassifier(model=micro_vit(num_classes=3))
     trainer = StandInTrainer("top1")
     rows = robustness_rows(trainer, image, None, "val")
     assert [r[:3] for r in rows] == [
@@ -207,11 +202,7 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
         ("sink_masking", 5, "top1"),
         ("sink_masking", 10, "top1"),
     ]
-    translator = Translator(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=1, max_positions=32
-        )
-    )
+    translator = Translator(tiny_transformer(n_layers=1, n_encoder_layers=1))
     assert len(rows) == len(robustness_runs(image)) == len(robustness_runs(translator)) == 4
     assert {split for split, *_ in trainer.calls} == {"val"}
     assert translator.hparams.bleu_in_validation is False
@@ -321,14 +312,9 @@ def test_full_mask_expands_or_fills():
 
 def test_robustness_rows_evict_from_layer_2_by_default():
     from mmlight.analysis.robustness import robustness_rows
-    from mmlight.models.transformer import TransformerConfig
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(
-        model=TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, n_encoder_layers=0, max_positions=32
-        )
-    )
+    task = LanguageModel(model=tiny_transformer(n_layers=1))
     trainer = StandInTrainer("ppl")
     robustness_rows(trainer, task, None, "val")
     assert {observer.skip_layers for _, observer, _, _ in trainer.calls[4:]} == {2}

@@ -9,30 +9,14 @@ import pytest
 import torch
 
 from mmlight.analysis.stats import collect_statistics, metric_rows
-from mmlight.models import ViTConfig
-from mmlight.models.transformer import TransformerConfig
 from mmlight.nn.attention import record_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import ReweightingSpec, Softmax
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+from tests.models.test_transformer import tiny_transformer
+from tests.models.test_vit import micro_vit
 
 PAD = 1
-
-
-def tiny_config(**overrides) -> TransformerConfig:
-    return TransformerConfig(
-        **{
-            "vocab_size": 20,
-            "d_model": 16,
-            "n_heads": 2,
-            "ffn_dim": 32,
-            "n_layers": 2,
-            "n_encoder_layers": 0,
-            "max_positions": 32,
-            "pad_id": PAD,
-            **overrides,
-        }
-    )
 
 
 def manual_entropy_per_head(weights, keep, query_ok):
@@ -52,7 +36,7 @@ def manual_entropy_per_head(weights, keep, query_ok):
 
 def test_lm_statistics_skip_padding_and_future_keys():
     torch.manual_seed(0)
-    task = LanguageModel(model=tiny_config(attention=ReweightingSpec("sparsemax")))
+    task = LanguageModel(model=tiny_transformer(attention=ReweightingSpec("sparsemax")))
     tokens = torch.randint(2, 20, (3, 9))
     tokens[1, 6:] = PAD
     tokens[2, 3:] = PAD
@@ -78,7 +62,7 @@ def test_lm_statistics_skip_padding_and_future_keys():
 
 def test_translation_reports_encoder_decoder_and_cross_attention_separately():
     torch.manual_seed(0)
-    task = Translator(model=tiny_config(n_encoder_layers=2))
+    task = Translator(model=tiny_transformer(n_encoder_layers=2))
     src = torch.randint(2, 20, (2, 7))
     src[1, 5:] = PAD
     tgt = torch.randint(2, 20, (2, 6))
@@ -106,9 +90,7 @@ def test_translation_reports_encoder_decoder_and_cross_attention_separately():
 
 def test_vit_token_similarity_and_rollout_against_a_manual_pass():
     torch.manual_seed(0)
-    task = ImageClassifier(
-        model=ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, global_pool="token")
-    )
+    task = ImageClassifier(model=micro_vit(global_pool="token"))
     task.eval()
     images = torch.randn(3, 1, 8, 8)
     stats = collect_statistics(task, [(images, torch.zeros(3, dtype=torch.long))])
@@ -136,7 +118,7 @@ def test_statistics_leave_attention_unobserved_afterwards():
 
     attn_module = importlib.import_module("mmlight.nn.attention")  # the module, not the function
 
-    task = LanguageModel(model=tiny_config())
+    task = LanguageModel(model=tiny_transformer())
     samples = []
     collect_statistics(
         task,
@@ -154,7 +136,7 @@ def test_deferred_reduction_gives_the_same_statistics_and_keeps_memory_bounded()
     from mmlight.analysis.stats import record_statistics
 
     torch.manual_seed(0)
-    task = LanguageModel(model=tiny_config(n_layers=3))
+    task = LanguageModel(model=tiny_transformer(n_layers=3))
     batches = [{"input": torch.randint(2, 20, (4, 9))}, {"input": torch.randint(2, 20, (3, 7))}]
     want = collect_statistics(task, batches)
 
@@ -549,7 +531,7 @@ def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
     translator's encoder blocks use the source mask, its decoder blocks the target padding. The model runs
     in eval mode throughout (dropout off) and is back in training mode after."""
     torch.manual_seed(0)
-    task = LanguageModel(model=tiny_config(dropout=0.5))
+    task = LanguageModel(model=tiny_transformer(dropout=0.5))
     modes = []
     task.model.register_forward_pre_hook(lambda m, a: modes.append(m.training))
     tokens = torch.randint(2, 20, (3, 6))
@@ -567,7 +549,7 @@ def test_lm_and_translator_token_similarity_over_real_tokens_in_eval_mode():
     padded = collect_statistics(task, [{"input": tokens[2:]}])["blocks"]["decoder.layers.0"]
     assert padded == {"token_similarity": None, "stack": "decoder", "layer": 0}
 
-    translator = Translator(model=tiny_config(n_encoder_layers=2)).eval()
+    translator = Translator(model=tiny_transformer(n_encoder_layers=2)).eval()
     src, tgt = torch.randint(2, 20, (2, 5)), torch.randint(2, 20, (2, 4))
     src[0, 3:] = PAD
     tgt[1, 2:] = PAD
@@ -687,7 +669,7 @@ def test_stick_breaking_lm_reports_its_first_queries_as_zero_mass_rows():
     """A stick-breaking LM: every first query attends to nothing (null mass 1), the others give
     mass below 1; the callback's rows carry null_mass per layer."""
     torch.manual_seed(0)
-    task = LanguageModel(model=tiny_config(attention=ReweightingSpec("stickbreaking")))
+    task = LanguageModel(model=tiny_transformer(attention=ReweightingSpec("stickbreaking")))
     tokens = torch.randint(2, 20, (3, 6))
     stats = collect_statistics(task, [{"input": tokens}])
     with record_attention(task) as recorder:

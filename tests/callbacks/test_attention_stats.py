@@ -20,8 +20,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
 from mmlight.data import RecallDataModule
-from mmlight.models.transformer import TransformerConfig
 from mmlight.tasks import LanguageModel
+from tests.conftest import quiet_trainer
+from tests.models.test_transformer import tiny_transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 LM = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
@@ -38,30 +39,33 @@ class ObservationProbe(L.Callback):
         self.observed.append(attention_module._OBSERVED.get() is not None)
 
 
-def tiny_run(tmp_path, callbacks, epochs=2):
+def fit_recall_lm(logger, callbacks, epochs: int, sanity_steps: int):
+    """A seeded two-layer LM trained on a tiny recall task; returns the task and its data.
+
+    Args:
+        logger: the trainer's logger.
+        callbacks: the trainer's callbacks.
+        epochs: training epochs.
+        sanity_steps: validation batches of Lightning's sanity check before training.
+    """
     torch.manual_seed(0)
     data = RecallDataModule(
         num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24, batch_size=8
     )
     task = LanguageModel(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
-        ),
+        tiny_transformer(),
         warmup_steps=2,
     )
-    logger = CSVLogger(tmp_path, name="run")
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=1,
-    )
+    trainer = quiet_trainer(max_epochs=epochs, logger=logger, callbacks=callbacks, num_sanity_val_steps=sanity_steps)
     trainer.fit(task, datamodule=data)
+    return task, data
+
+
+def tiny_run(tmp_path, callbacks, epochs=2):
+    """``fit_recall_lm`` with a CSV logger under ``tmp_path`` and one sanity batch; returns the task, the data
+    and the logged metrics.csv."""
+    logger = CSVLogger(tmp_path, name="run")
+    task, data = fit_recall_lm(logger, callbacks, epochs, sanity_steps=1)
     logger.save()
     return task, data, Path(logger.log_dir) / "metrics.csv"
 
@@ -103,29 +107,8 @@ def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path)
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    torch.manual_seed(0)
-    data = RecallDataModule(
-        num_keys=8, num_values=8, num_pairs=3, num_queries=3, train_size=64, val_size=24, batch_size=8
-    )
-    task = LanguageModel(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
-        ),
-        warmup_steps=2,
-    )
     stats_cb = AttentionStats(every_n_epochs=1, num_samples=6)  # figures: every recording (the default)
-    trainer = L.Trainer(
-        max_epochs=3,
-        accelerator="cpu",
-        devices=1,
-        logger=TensorBoardLogger(tmp_path, name="run"),
-        callbacks=[stats_cb],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(task, datamodule=data)
+    fit_recall_lm(TensorBoardLogger(tmp_path, name="run"), [stats_cb], epochs=3, sanity_steps=0)
     assert stats_cb._worker is None and not stats_cb._pending  # drained and shut down at teardown
 
     acc = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"images": 0, "scalars": 0})
@@ -147,11 +130,7 @@ def test_drawn_figures_are_images_of_the_recorded_statistics():
     from mmlight.callbacks.attention_stats import draw_figures
 
     torch.manual_seed(0)
-    task = LanguageModel(
-        TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32
-        )
-    )
+    task = LanguageModel(tiny_transformer())
     stats = collect_statistics(task, [{"input": torch.randint(0, 20, (4, 12))}])
     images, seconds = draw_figures(stats, {"epoch 0": {"blocks": stats["blocks"]}})
     assert set(images) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
@@ -324,11 +303,7 @@ def stand_in_trainer(step=7, rank_zero=True, loggers=None):
 
 def tiny_lm_and_batch():
     torch.manual_seed(0)
-    task = LanguageModel(
-        model=TransformerConfig(
-            vocab_size=20, d_model=16, n_heads=2, ffn_dim=32, n_layers=2, n_encoder_layers=0, max_positions=32, pad_id=1
-        )
-    )
+    task = LanguageModel(model=tiny_transformer())
     return task, {"input": torch.randint(2, 20, (3, 6)), "target": torch.randint(2, 20, (3, 6))}
 
 

@@ -8,23 +8,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mmlight.callbacks import FinalMetrics, ReweightingMonitor
 from mmlight.data import DigitsDataModule, write_digits_shards
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.reweighting import MultiMax
 from mmlight.tasks import ImageClassifier
+from tests.models.test_vit import micro_vit
 
 
 def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
     write_digits_shards(tmp_path / "digits")
     model = ImageClassifier(
-        ViTConfig(
-            variant="vit_micro",
-            img_size=8,
-            patch_size=2,
-            in_chans=1,
-            num_classes=10,
-            attention=ReweightingSpec("multimax"),
-            output_multimax=True,
-        ),
+        micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True),
         lr_reference_batch=None,
         warmup_epochs=0,
     )
@@ -83,7 +76,7 @@ def test_skipped_samples_are_logged_as_a_running_count(tmp_path):
         writer.write({"__key__": "fine", "png": buf.getvalue(), "cls": "0"})
         writer.write({"__key__": "corrupt", "png": b"\x89PNG truncated", "cls": "1"})
     model = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10),
+        micro_vit(),
         lr_reference_batch=None,
         warmup_epochs=0,
     )
@@ -112,15 +105,7 @@ def test_monitor_reports_any_learnable_reweighting_by_site_name():
     from mmlight.models import ReweightedViT
 
     model = ImageClassifier(
-        ViTConfig(
-            variant="vit_micro",
-            img_size=8,
-            patch_size=2,
-            in_chans=1,
-            num_classes=10,
-            attention=ReweightingSpec("softmax", {"temperature": 0.5, "learnable": True}),
-            output_multimax=True,
-        ),
+        micro_vit(attention=ReweightingSpec("softmax", {"temperature": 0.5, "learnable": True}), output_multimax=True),
         lr_reference_batch=None,
         warmup_epochs=0,
     )
@@ -131,5 +116,5 @@ def test_monitor_reports_any_learnable_reweighting_by_site_name():
     assert scalars["reweighting/blocks.2/temperature"] == pytest.approx(2.0137527, rel=1e-6)  # e^0.7
     assert [scalars[f"reweighting/output/ts_{i}"] for i in range(4)] == pytest.approx(model.model.output.ts.tolist())
     assert len(scalars) == 4 + 2 * 4
-    fixed = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10))
+    fixed = ReweightedViT(micro_vit())
     assert monitored_scalars(reweighting_sites(fixed)) == {}

@@ -15,6 +15,7 @@ import torch
 
 from mmlight.callbacks import DataWaitMonitor
 from mmlight.cli import build_cli
+from tests.conftest import quiet_trainer
 
 
 class SleepyData(torch.utils.data.Dataset):
@@ -54,15 +55,7 @@ class SleepyDataModule(L.LightningDataModule):
 
 def fit(fetch_s: float, step_s: float, num_workers: int = 1) -> tuple[DataWaitMonitor, list[str]]:
     monitor = DataWaitMonitor(max_wait_share=0.5, warmup=2, window=5)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=12,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor],
-    )
+    trainer = quiet_trainer(max_steps=12, callbacks=[monitor])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(SleepyStep(step_s), datamodule=SleepyDataModule(fetch_s, num_workers))

@@ -8,21 +8,14 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmlight.callbacks import ReweightingMonitor, reweighting_sites
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
+from tests.models.test_vit import micro_vit
 
 
 def classifier(attention="multimax", output_multimax=True) -> ImageClassifier:
     return ImageClassifier(
-        ViTConfig(
-            variant="vit_micro",
-            img_size=8,
-            patch_size=2,
-            in_chans=1,
-            num_classes=3,
-            attention=ReweightingSpec(attention),
-            output_multimax=output_multimax,
-        )
+        micro_vit(num_classes=3, attention=ReweightingSpec(attention), output_multimax=output_multimax)
     )
 
 

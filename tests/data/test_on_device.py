@@ -12,6 +12,7 @@ from timm.data.random_erasing import RandomErasing
 from mmlight.data import ImageShardDataModule
 from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches
 from mmlight.data.on_device import ErasingBoxes, draw_boxes, erased, normalized, normalized_batch
+from tests.conftest import quiet_trainer
 from tests.data.test_image_decode import DEIT_16, seeded, smooth_jpeg
 from tests.data.test_streaming import DEIT_LIKE, write_image_shards
 
@@ -171,17 +172,7 @@ def test_trainer_steps_receive_normalised_float_images(shards, monkeypatch, tmp_
     dtype (Lightning casts inputs before the transfer, when they are still uint8) and labels only."""
     data, _, _ = loaders(shards, True, monkeypatch)
     module = Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        precision=precision,
-    )
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=2, default_root_dir=tmp_path, precision=precision)
     trainer.fit(module, datamodule=data)
     stages = {stage for stage, _ in module.seen}
     assert stages == {"train", "val"}

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
-from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
+from mmlight.models.transformer import TransformerSeq2Seq
 from mmlight.reweighting import MultiMax, ReweightingSpec
+from tests.models.test_transformer import tiny_transformer
 
 BOS, PAD, EOS = 0, 1, 2
 IDS = {"start_id": EOS, "eos_id": EOS, "pad_id": PAD, "banned_ids": (BOS,)}
@@ -19,10 +20,8 @@ def toy_model(seed, vocab=6, attention="softmax", logit_std=0.6, max_positions=1
     """A tiny random encoder-decoder in float64 whose output distributions are peaked and varied."""
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(seed)
-    config = TransformerConfig(
+    config = tiny_transformer(
         vocab_size=vocab,
-        d_model=16,
-        n_heads=2,
         ffn_dim=24,
         n_layers=1,
         n_encoder_layers=1,
@@ -116,17 +115,22 @@ def greedy(model, src, config):
         hyp.append(token)
 
 
+def assert_search_matches(reference, model, src, config):
+    """``search_one`` gives ``reference``'s hypothesis and score for every (unpadded) row of ``src``."""
+    for row in src:
+        row = row[row != PAD]
+        hyp, score = search_one(model, row, config)
+        ref_hyp, ref_score = reference(model, row, config)
+        assert hyp == ref_hyp
+        assert score == pytest.approx(ref_score, abs=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["softmax", "multimax"])
 def test_beam_one_is_greedy(attention):
     model = toy_model(3, vocab=23, attention=attention, logit_std=0.15)
     config = BeamSearchConfig(beam_size=1, max_len_a=1.0, max_len_b=3, min_len=2)
     src, _ = sources([4, 6, 2], 23, seed=3)
-    for row in src:
-        row = row[row != PAD]
-        hyp, score = search_one(model, row, config)
-        ref_hyp, ref_score = greedy(model, row, config)
-        assert hyp == ref_hyp
-        assert score == pytest.approx(ref_score, abs=1e-5)
+    assert_search_matches(greedy, model, src, config)
 
 
 def reference_beam_search(model, src, config):
@@ -158,12 +162,7 @@ def test_equals_plain_fairseq_beam_search(seed, length_penalty):
     model = toy_model(seed, vocab=9, logit_std=0.3)
     config = BeamSearchConfig(beam_size=3, max_len_a=0.5, max_len_b=3, length_penalty=length_penalty)
     src, _ = sources([3, 5], 9, seed)
-    for row in src:
-        row = row[row != PAD]
-        hyp, score = search_one(model, row, config)
-        ref_hyp, ref_score = reference_beam_search(model, row, config)
-        assert hyp == ref_hyp
-        assert score == pytest.approx(ref_score, abs=1e-5)
+    assert_search_matches(reference_beam_search, model, src, config)
 
 
 def test_score_is_the_full_recompute_score_of_the_hypothesis():

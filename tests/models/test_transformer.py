@@ -22,19 +22,31 @@ from mmlight.reweighting import MultiMax, ReweightingSpec, multimax_sigma
 PAD = 1
 
 
-def tiny(n_encoder_layers=0, name="softmax", options=None, **kwargs):
+def tiny_transformer(**fields) -> TransformerConfig:
+    """The tests' small transformer: a 2-layer decoder-only model, d 16, 2 heads, FFN 32, 20 tokens,
+    32 positions, ``PAD`` padding (dropout as the config's default).
+
+    Args:
+        fields: any other ``TransformerConfig`` field, or one of these to override (``n_encoder_layers``
+            above 0 makes an encoder-decoder).
+    """
     base = {
-        "vocab_size": 23,
-        "d_model": 32,
+        "vocab_size": 20,
+        "d_model": 16,
         "n_heads": 2,
-        "ffn_dim": 48,
+        "ffn_dim": 32,
         "n_layers": 2,
-        "n_encoder_layers": n_encoder_layers,
+        "n_encoder_layers": 0,
         "max_positions": 32,
         "pad_id": PAD,
-        "attention": ReweightingSpec(name, options or {}),
     }
-    return TransformerConfig(**{**base, **kwargs})
+    return TransformerConfig(**{**base, **fields})
+
+
+def tiny(n_encoder_layers=0, name="softmax", options=None, **kwargs):
+    """``tiny_transformer`` at d 32, FFN 48 over 23 tokens, with the reweighting ``name`` (``options``)."""
+    base = {"vocab_size": 23, "d_model": 32, "ffn_dim": 48, "attention": ReweightingSpec(name, options or {})}
+    return tiny_transformer(**{**base, "n_encoder_layers": n_encoder_layers, **kwargs})
 
 
 def randomize_multimax(model, scale=0.5):
@@ -543,33 +555,14 @@ def test_models_hold_no_buffers(name):
     """DDP broadcasts module buffers before every forward, evaluation included; with ranks that run
     different numbers of evaluation batches that collective deadlocks. Constants (sinusoids, a fixed
     temperature) are therefore plain attributes."""
-    from mmlight.models import ReweightedViT, ViTConfig
+    from mmlight.models import ReweightedViT
+    from tests.models.test_vit import micro_vit
 
     spec = ReweightingSpec(name)
-    models = [TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1, attention=spec))]
+    models = [TransformerLM(tiny_transformer(n_layers=1, attention=spec))]
     if name in NON_CAUSAL:
         models += [
-            TransformerSeq2Seq(
-                TransformerConfig(
-                    vocab_size=10,
-                    d_model=16,
-                    n_heads=2,
-                    n_encoder_layers=1,
-                    n_layers=1,
-                    attention=spec,
-                    output_multimax=True,
-                )
-            ),
-            ReweightedViT(
-                ViTConfig(
-                    variant="vit_micro",
-                    img_size=8,
-                    patch_size=2,
-                    in_chans=1,
-                    num_classes=10,
-                    attention=spec,
-                    output_multimax=True,
-                )
-            ),
+            TransformerSeq2Seq(tiny_transformer(n_encoder_layers=1, n_layers=1, attention=spec, output_multimax=True)),
+            ReweightedViT(micro_vit(attention=spec, output_multimax=True)),
         ]
     assert all(list(m.named_buffers()) == [] for m in models)

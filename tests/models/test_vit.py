@@ -16,12 +16,19 @@ def test_deit_sizes(variant, millions):
     assert n / 1e6 == pytest.approx(millions, abs=0.15)
 
 
-def micro(**kwargs):
-    return ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, **kwargs)
+def micro_vit(**fields) -> ViTConfig:
+    """The tests' smallest ViT: ``vit_micro`` on 8x8 one-channel images (the digits fixture's), 10 classes.
+
+    Args:
+        fields: any other ``ViTConfig`` field, or one of these five to override.
+    """
+    return ViTConfig(
+        **{"variant": "vit_micro", "img_size": 8, "patch_size": 2, "in_chans": 1, "num_classes": 10, **fields}
+    )
 
 
 def test_each_layer_gets_its_own_reweighting():
-    model = ReweightedViT(micro(attention=ReweightingSpec("multimax", {"order": 1})))
+    model = ReweightedViT(micro_vit(attention=ReweightingSpec("multimax", {"order": 1})))
     sites = model.attention_sites()
     assert list(sites) == [f"blocks.{i}" for i in range(4)]
     assert [(s.name, s.kind, s.stack, s.layer, s.keys_from) for s in sites.values()] == [
@@ -35,14 +42,14 @@ def test_each_layer_gets_its_own_reweighting():
 
 
 def test_output_multimax_modulates_logits():
-    model = ReweightedViT(micro(output_multimax=True)).eval()
+    model = ReweightedViT(micro_vit(output_multimax=True)).eval()
     images = torch.randn(3, 1, 8, 8)
     torch.testing.assert_close(model(images), model.output.modulate(model.vit(images)))
 
 
 @pytest.mark.parametrize("pool, has_cls", [("avg", False), ("token", True)])
 def test_head_pooling(pool, has_cls):
-    model = ReweightedViT(micro(global_pool=pool))
+    model = ReweightedViT(micro_vit(global_pool=pool))
     assert (model.vit.cls_token is not None) == has_cls
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
     # the blocks' records: a CLS token is a prefix that the token similarity leaves out
@@ -58,20 +65,20 @@ def test_softmax_model_uses_fused_path(monkeypatch):
     monkeypatch.setattr(
         torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    ReweightedViT(micro())(torch.randn(2, 1, 8, 8))
+    ReweightedViT(micro_vit())(torch.randn(2, 1, 8, 8))
     assert len(calls) == 4
     calls.clear()
-    ReweightedViT(micro(attention=ReweightingSpec("sparsemax")))(torch.randn(2, 1, 8, 8))
+    ReweightedViT(micro_vit(attention=ReweightingSpec("sparsemax")))(torch.randn(2, 1, 8, 8))
     assert calls == []
 
 
 def test_unknown_option_fails_at_construction():
     with pytest.raises(ValueError, match="orderr"):
-        ReweightedViT(micro(attention=ReweightingSpec("multimax", {"orderr": 2})))
+        ReweightedViT(micro_vit(attention=ReweightingSpec("multimax", {"orderr": 2})))
 
 
 def test_bf16_forward_backward():
-    model = ReweightedViT(micro(attention=ReweightingSpec("multimax"), output_multimax=True))
+    model = ReweightedViT(micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(torch.randn(4, 1, 8, 8)).float().logsumexp(-1).mean()
     loss.backward()
@@ -82,8 +89,8 @@ def test_triton_backend_equals_reference():
     """The config's backend key reaches every layer; fused attention and fused cross-entropy give
     the reference model's logits, loss and gradients (Triton interpreter on the CPU)."""
     spec = ReweightingSpec("multimax", {"order": 2})
-    ref = ReweightedViT(micro(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="reference"))
-    fused = ReweightedViT(micro(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="triton"))
+    ref = ReweightedViT(micro_vit(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="reference"))
+    fused = ReweightedViT(micro_vit(attention=spec, output_multimax=True, drop_path_rate=0.0, backend="triton"))
     with torch.no_grad():  # bend sigma so the kernels' derivative terms matter
         for m in ref.reweighting_sites().values():
             m.ranges.copy_(torch.tensor([-0.5, 0.6, -1.0, 1.2]))
@@ -100,7 +107,7 @@ def test_triton_backend_equals_reference():
 
 def test_backend_in_options_is_refused():
     with pytest.raises(ValueError, match="backend"):
-        ReweightedViT(micro(attention=ReweightingSpec("multimax", {"backend": "triton"})))
+        ReweightedViT(micro_vit(attention=ReweightingSpec("multimax", {"backend": "triton"})))
 
 
 def test_config_defaults_are_the_deit_small_recipe():
@@ -159,7 +166,7 @@ def test_the_config_reaches_timm():
 
 @pytest.mark.parametrize("output_multimax", [False, True])
 def test_loss_is_cross_entropy_of_the_returned_scores(output_multimax):
-    model = ReweightedViT(micro(output_multimax=output_multimax, drop_path_rate=0.0)).eval()
+    model = ReweightedViT(micro_vit(output_multimax=output_multimax, drop_path_rate=0.0)).eval()
     if output_multimax:
         with torch.no_grad():
             model.output.ts.uniform_(-0.5, 0.5)
@@ -172,10 +179,10 @@ def test_loss_is_cross_entropy_of_the_returned_scores(output_multimax):
 
 
 def test_config_is_kept_and_the_output_multimax_is_a_named_site():
-    config = micro(output_multimax=True, output_multimax_order=1, output_multimax_terms="low")
+    config = micro_vit(output_multimax=True, output_multimax_order=1, output_multimax_terms="low")
     model = ReweightedViT(config)
     assert model.config is config
     assert (model.output.order, model.output.terms) == (1, "low")
     sites = model.reweighting_sites()
     assert list(sites) == [f"blocks.{i}" for i in range(4)] + ["output"] and sites["output"] is model.output
-    assert list(ReweightedViT(micro()).reweighting_sites()) == [f"blocks.{i}" for i in range(4)]
+    assert list(ReweightedViT(micro_vit()).reweighting_sites()) == [f"blocks.{i}" for i in range(4)]

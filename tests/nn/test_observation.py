@@ -5,28 +5,21 @@ outside the context."""
 import pytest
 import torch
 
-from mmlight.models import ReweightedViT, ViTConfig
-from mmlight.models.transformer import TransformerConfig, TransformerLM, TransformerSeq2Seq
+from mmlight.models import ReweightedViT
+from mmlight.models.transformer import TransformerLM, TransformerSeq2Seq
 from mmlight.nn import AttentionObserver, attention, observe_attention, record_attention
 from mmlight.reweighting import ReweightingSpec, multimax_sigma
 from mmlight.reweighting.fused import SigmaKernels
+from tests.models.test_transformer import tiny
+from tests.models.test_vit import micro_vit
 
 PAD = 1
 
 
-def tiny_transformer(cls, n_layers=2, n_encoder_layers=0):
-    config = TransformerConfig(
-        vocab_size=23,
-        d_model=32,
-        n_heads=2,
-        ffn_dim=48,
-        n_layers=n_layers,
-        n_encoder_layers=n_encoder_layers,
-        max_positions=32,
-        pad_id=PAD,
-        dropout=0.0,
-    )
-    return cls(config).eval()
+def tiny_model(cls, n_layers=2, n_encoder_layers=0):
+    """``cls`` (``TransformerLM``, ``TransformerSeq2Seq``) of test_transformer's ``tiny`` config without dropout,
+    in eval mode."""
+    return cls(tiny(n_encoder_layers, n_layers=n_layers, dropout=0.0)).eval()
 
 
 def hand_softmax(q, k, keep, sigma=lambda s: s):
@@ -58,16 +51,7 @@ def run_with_and_without_recording(model, modules, *inputs):
 
 def test_vit_records_every_block_as_computed_by_hand():
     torch.manual_seed(0)
-    config = ViTConfig(
-        variant="vit_micro",
-        img_size=8,
-        patch_size=2,
-        in_chans=1,
-        num_classes=10,
-        attention=ReweightingSpec("multimax"),
-        drop_path_rate=0.0,
-        backend="reference",
-    )
+    config = micro_vit(attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="reference")
     model = ReweightedViT(config).eval()
     with torch.no_grad():
         for m in (site.module for site in model.attention_sites().values()):
@@ -92,7 +76,7 @@ def test_vit_records_every_block_as_computed_by_hand():
 
 def test_lm_records_causal_weights_and_one_call_per_decoding_step():
     torch.manual_seed(0)
-    model = tiny_transformer(TransformerLM)
+    model = tiny_model(TransformerLM)
     tokens = torch.randint(2, 23, (2, 7))
     attns = {f"decoder.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.decoder.layers)}
     rec, seen = run_with_and_without_recording(model, attns, tokens)
@@ -118,7 +102,7 @@ def test_lm_records_causal_weights_and_one_call_per_decoding_step():
 
 def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
     torch.manual_seed(0)
-    model = tiny_transformer(TransformerSeq2Seq, n_encoder_layers=2)
+    model = tiny_model(TransformerSeq2Seq, n_encoder_layers=2)
     src, tgt = torch.randint(2, 23, (2, 6)), torch.randint(2, 23, (2, 5))
     src[1, 4:] = PAD  # the second source is 4 tokens long
     site = "decoder.layers.1.cross_attn"
@@ -161,7 +145,7 @@ class DropFirstKey(AttentionObserver):
 
 def test_an_observer_can_narrow_the_mask():
     torch.manual_seed(0)
-    model = tiny_transformer(TransformerLM)
+    model = tiny_model(TransformerLM)
     tokens = torch.randint(2, 23, (2, 6))
     observer = DropFirstKey("decoder.layers.1.self_attn")
     with observe_attention(model, observer):
@@ -187,16 +171,7 @@ def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(SigmaKernels, "attention", counting)
-    config = ViTConfig(
-        variant="vit_micro",
-        img_size=8,
-        patch_size=2,
-        in_chans=1,
-        num_classes=10,
-        attention=ReweightingSpec("multimax"),
-        drop_path_rate=0.0,
-        backend="triton",
-    )
+    config = micro_vit(attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="triton")
     model = ReweightedViT(config).eval()
     images = torch.randn(2, 1, 8, 8)
     fused = model(images)
@@ -214,7 +189,7 @@ def test_unknown_model_is_refused_and_other_modules_pass_through():
     # A reweighting module that is not a site of the observed model is not recorded.
     from mmlight.reweighting import build
 
-    model = tiny_transformer(TransformerLM, n_layers=1)
+    model = tiny_model(TransformerLM, n_layers=1)
     q = k = v = torch.randn(1, 2, 3, 4)
     with record_attention(model) as rec:
         attention(q, k, v, build("softmax"))

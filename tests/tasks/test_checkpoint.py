@@ -6,6 +6,7 @@ import torch
 from mmlight.models import TransformerConfig
 from mmlight.tasks import LanguageModel
 from mmlight.tasks.checkpoint import check_checkpoint_matches
+from tests.models.test_vit import micro_vit
 
 
 def lm(d_model=8, n_layers=1, **task) -> LanguageModel:
@@ -67,13 +68,10 @@ def test_counts_and_hint_in_the_message():
 
 
 def test_the_classifier_checks_too():
-    from mmlight.models import ViTConfig
     from mmlight.tasks import ImageClassifier
 
     def classifier(num_classes):
-        return ImageClassifier(
-            ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=num_classes)
-        )
+        return ImageClassifier(micro_vit(num_classes=num_classes))
 
     classifier(3).on_load_checkpoint(checkpoint_of(classifier(3)))
     with pytest.raises(ValueError, match=r"^the checkpoint .* shapes differ: model.vit.head.bias \(4,\) vs \(3,\)"):

@@ -6,19 +6,12 @@ import pytest
 import torch
 
 from mmlight.data import DigitsDataModule, write_digits_shards
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
+from tests.conftest import quiet_trainer
+from tests.models.test_vit import micro_vit
 
-MICRO = ViTConfig(
-    variant="vit_micro",
-    img_size=8,
-    patch_size=2,
-    in_chans=1,
-    num_classes=10,
-    attention=ReweightingSpec("multimax"),
-    output_multimax=True,
-    drop_path_rate=0.0,
-)
+MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
 
 
 def test_ema_follows_the_exponential_average():
@@ -51,16 +44,7 @@ def test_mixup_step_uses_soft_targets():
 def test_lr_scales_with_global_batch_and_odd_batch_fails_with_mixup(tmp_path):
     write_digits_shards(tmp_path)
     module = ImageClassifier(MICRO, lr=5e-4, lr_reference_batch=512, warmup_epochs=1, mixup_alpha=0.8)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        accumulate_grad_batches=2,
-    )
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, accumulate_grad_batches=2)
     dm = DigitsDataModule(cache_dir=str(tmp_path), batch_size=64)
     trainer.fit(module, dm)
     peak = 5e-4 * 64 * 2 / 512  # one device, two accumulated batches
@@ -73,7 +57,7 @@ def test_lr_scales_with_global_batch_and_odd_batch_fails_with_mixup(tmp_path):
 
 def test_class_count_mismatch_stops_fit(tmp_path):
     write_digits_shards(tmp_path)
-    wrong = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=7))
+    wrong = ImageClassifier(micro_vit(num_classes=7))
     with pytest.raises(ValueError, match="the data has 10 classes but model.num_classes is 7"):
         L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
             wrong, DigitsDataModule(cache_dir=str(tmp_path))

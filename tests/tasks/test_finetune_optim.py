@@ -8,15 +8,12 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.optim._param_groups import param_groups_layer_decay
 
 from mmlight.data import DigitsDataModule, write_digits_shards
-from mmlight.models import ReweightingSpec, ViTConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
+from tests.conftest import quiet_trainer
+from tests.models.test_vit import micro_vit
 
-MICRO = ViTConfig(
-    variant="vit_micro",
-    img_size=8,
-    patch_size=2,
-    in_chans=1,
-    num_classes=10,
+MICRO = micro_vit(
     global_pool="token",
     attention=ReweightingSpec("multimax", {"init_std": 0}),
     output_multimax=True,
@@ -33,16 +30,7 @@ def digits(tmp_path_factory):
 
 
 def fit(module, digits, epochs=1, batches=2):
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        limit_train_batches=batches,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_epochs=epochs, limit_train_batches=batches, limit_val_batches=0)
     trainer.fit(module, DigitsDataModule(cache_dir=str(digits), batch_size=16))
     return trainer.optimizers[0]
 
@@ -129,17 +117,7 @@ def test_frozen_backbone_is_left_alone_then_trains(digits):
     module = ImageClassifier(MICRO, lr=LR, lr_reference_batch=None, warmup_epochs=0, freeze_backbone_epochs=1)
     start = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     record = EpochEnds()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[record],
-    )
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, callbacks=[record])
     trainer.fit(module, DigitsDataModule(cache_dir=str(digits), batch_size=16))
     names = {id(p): name for name, p in module.model.named_parameters()}
     backbone = {names[id(p)] for p in module.backbone_parameters()}

@@ -4,7 +4,6 @@ the CLI on the held-out digits 6-9 with configs/finetune/digits_6to9.yaml."""
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -12,9 +11,11 @@ from mmlight.cli import build_cli
 from mmlight.data import DigitsDataModule
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.tasks import ImageClassifier
+from tests.conftest import quiet_trainer
+from tests.models.test_vit import micro_vit
 
 ROOT = Path(__file__).resolve().parents[2]
-PRETRAIN = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=6, drop_path_rate=0.0)
+PRETRAIN = micro_vit(num_classes=6, drop_path_rate=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +24,7 @@ def checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
     torch.manual_seed(0)
     module = ImageClassifier(PRETRAIN, lr_reference_batch=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0)
     trainer.fit(module, DigitsDataModule(cache_dir=str(tmp / "digits"), digits=[0, 1, 2, 3, 4, 5], batch_size=32))
     path = tmp / "last.ckpt"
     trainer.save_checkpoint(path)

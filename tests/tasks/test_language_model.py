@@ -3,16 +3,17 @@ check, the optimiser recipe and the inverse-sqrt schedule."""
 
 import math
 
-import lightning as L
 import pytest
 import torch
 
 from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.text import WikiTextDataModule
 from mmlight.data.vocab import load_vocab
-from mmlight.models import ReweightingSpec, TransformerConfig
+from mmlight.models import ReweightingSpec
 from mmlight.tasks import LanguageModel
+from tests.conftest import quiet_trainer
 from tests.data.test_wikitext import VALID, tokens, write_raw
+from tests.models.test_transformer import tiny_transformer
 
 
 @pytest.fixture(scope="module")
@@ -24,29 +25,14 @@ def wikitext(tmp_path_factory):
 
 
 def tiny_lm(vocab_size: int, attention: str = "softmax", output_multimax: bool = False, **task) -> LanguageModel:
-    config = TransformerConfig(
+    config = tiny_transformer(
         vocab_size=vocab_size,
-        d_model=16,
-        n_heads=2,
-        ffn_dim=32,
-        n_layers=2,
         dropout=0.0,
         max_positions=64,
         attention=ReweightingSpec(attention),
         output_multimax=output_multimax,
     )
     return LanguageModel(config, **task)
-
-
-def trainer() -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
 
 
 def reference_ppl(model: LanguageModel, ids: list[int], eos: int, window: int, context: int = 0) -> float:
@@ -80,7 +66,7 @@ def test_perplexity_is_exp_mean_nll(wikitext, attention, output_multimax, window
     data = WikiTextDataModule(
         str(wikitext), block_size=8, batch_size=2, num_workers=0, eval_block_size=window, eval_context=0
     )
-    metrics = trainer().validate(model, data, verbose=False)[0]
+    metrics = quiet_trainer().validate(model, data, verbose=False)[0]
     expected = reference_ppl(model, ids, vocab.index("</s>"), window)
     assert metrics["val/ppl"] == pytest.approx(expected, rel=1e-4)
     assert metrics["val/loss"] == pytest.approx(math.log(expected), rel=1e-4)
@@ -94,7 +80,7 @@ def test_sliding_window_perplexity(wikitext, window, context):
     ids = [vocab.index(t) if t in vocab else vocab.index("<unk>") for t in tokens(VALID)]
     model = tiny_lm(len(vocab), "multimax").eval()
     data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=3, eval_block_size=window, eval_context=context)
-    metrics = trainer().validate(model, data, verbose=False)[0]
+    metrics = quiet_trainer().validate(model, data, verbose=False)[0]
     assert metrics["val/tokens"] == len(ids)
     assert metrics["val/ppl"] == pytest.approx(
         reference_ppl(model, ids, vocab.index("</s>"), window, context), rel=1e-4
@@ -104,30 +90,20 @@ def test_sliding_window_perplexity(wikitext, window, context):
 def test_vocabulary_mismatch_stops_before_any_step(wikitext):
     model = tiny_lm(7)
     with pytest.raises(ValueError, match="vocab_size: 16"):
-        trainer().validate(model, WikiTextDataModule(str(wikitext), num_workers=0), verbose=False)
+        quiet_trainer().validate(model, WikiTextDataModule(str(wikitext), num_workers=0), verbose=False)
 
 
 def test_fit_steps_and_inverse_sqrt_schedule(wikitext):
     """A few steps of training lower the training-set NLL and follow fairseq's inverse-sqrt rate."""
     model = tiny_lm(16, lr=1e-2, warmup_steps=3)
     data = WikiTextDataModule(str(wikitext), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
-    fit = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        max_steps=6,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    fit = quiet_trainer(max_steps=6, num_sanity_val_steps=0, limit_val_batches=0)
     train_split = WikiTextDataModule(
         str(wikitext), num_workers=0, batch_size=2, eval_block_size=4, eval_context=0, val_split="train"
     )
-    before = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
+    before = quiet_trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
     fit.fit(model.train(), data)
-    after = trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
+    after = quiet_trainer().validate(model.eval(), train_split, verbose=False)[0]["val/loss"]
     assert after < before - 0.05, (before, after)  # nats per training token
     optimizer = fit.optimizers[0]
     assert fit.global_step == 6
@@ -142,8 +118,8 @@ def test_predict_scores_each_window_and_they_sum_to_the_test_perplexity(wikitext
     """`predict` returns per-window NLL sums and counts; over the test split they give test/ppl."""
     model = tiny_lm(16, "multimax", output_multimax=True).eval()
     data = WikiTextDataModule(str(wikitext), num_workers=0, batch_size=2, eval_block_size=5, eval_context=2)
-    tested = trainer().test(model, data, verbose=False)[0]
-    batches = trainer().predict(model, data)
+    tested = quiet_trainer().test(model, data, verbose=False)[0]
+    batches = quiet_trainer().predict(model, data)
     nll = torch.cat([b["nll"] for b in batches]).double()
     tokens = torch.cat([b["tokens"] for b in batches])
     assert len(nll) == len(data.eval_dataset("test").windows)

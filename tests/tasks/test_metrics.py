@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmlight.models import TransformerConfig, ViTConfig
+from mmlight.models import TransformerConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+from tests.models.test_transformer import tiny_transformer
+from tests.models.test_vit import micro_vit
 
 NUM_CLASSES = 7
 
@@ -55,9 +57,7 @@ def classifier_with_fixed_logits(n: int, seed: int = 0, num_classes: int = NUM_C
     rng = np.random.default_rng(seed)
     logits, ema_logits = rng.normal(size=(2, n, num_classes)).astype(np.float32)
     labels = rng.integers(0, num_classes, size=n)
-    module = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=num_classes), ema_decay=0.9
-    )
+    module = ImageClassifier(micro_vit(num_classes=num_classes), ema_decay=0.9)
     module.model, module.ema = FixedLogits(logits), FixedLogits(ema_logits)
     module.log = LogRecorder()
     images = torch.zeros(n, 1, 8, 8)
@@ -119,7 +119,7 @@ def test_top5_counts_ranks_one_to_five_exactly():
 
 
 def test_no_ema_metric_without_ema():
-    module = ImageClassifier(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4))
+    module = ImageClassifier(micro_vit(num_classes=4))
     assert module.ema is None and sorted(module.eval_metrics["val"]) == ["loss", "top1", "top5"]
 
 
@@ -136,7 +136,7 @@ def test_classifier_predict_step_returns_softmax_and_argmax():
 
 def test_classifier_training_loss_is_label_smoothed_cross_entropy():
     module = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=5, drop_path_rate=0.0),
+        micro_vit(num_classes=5, drop_path_rate=0.0),
         label_smoothing=0.2,
     ).eval()
     module.log = LogRecorder()
@@ -154,9 +154,7 @@ V = 11
 
 def tiny_lm(**task) -> LanguageModel:
     torch.manual_seed(0)
-    config = TransformerConfig(
-        vocab_size=V, d_model=16, n_heads=2, ffn_dim=32, n_layers=1, dropout=0.0, max_positions=16, pad_id=PAD
-    )
+    config = tiny_transformer(vocab_size=V, n_layers=1, dropout=0.0, max_positions=16)
     return LanguageModel(config, **task).eval()
 
 
@@ -269,19 +267,7 @@ def test_language_model_training_loss_is_the_smoothed_mean_over_scored_targets()
 
 
 def test_translator_training_loss_and_token_count():
-    torch.manual_seed(0)
-    config = TransformerConfig(
-        vocab_size=V,
-        d_model=16,
-        n_heads=2,
-        ffn_dim=32,
-        n_layers=1,
-        n_encoder_layers=1,
-        dropout=0.0,
-        max_positions=16,
-        pad_id=PAD,
-    )
-    module = Translator(config, label_smoothing=0.1).eval()
+    module = tiny_translator_task(label_smoothing=0.1)
     module.log = LogRecorder()
     src = torch.tensor([[4, 5, 6, 2], [7, 8, PAD, PAD]])
     tgt_in = torch.tensor([[2, 4, 9], [2, 3, PAD]])
@@ -410,7 +396,7 @@ def test_sequence_task_arguments_are_checked(task):
 
 def test_classifier_schedule_in_epochs_and_batch_scaled_lr():
     module = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=4),
+        micro_vit(num_classes=4),
         lr=5e-4,
         lr_reference_batch=512,
         warmup_epochs=1.5,
@@ -464,20 +450,15 @@ def test_language_model_predict_step_scores_each_sequence():
         assert out["tokens"][b].item() == count and out["nll"][b].item() == pytest.approx(nll, rel=1e-5)
 
 
-def tiny_translator_task() -> Translator:
+def tiny_translator_task(**task) -> Translator:
+    """A one-layer encoder-decoder over ``V`` tokens (``PAD`` padding), seeded, in eval mode.
+
+    Args:
+        task: ``Translator`` arguments (e.g. ``label_smoothing``).
+    """
     torch.manual_seed(0)
-    config = TransformerConfig(
-        vocab_size=V,
-        d_model=16,
-        n_heads=2,
-        ffn_dim=32,
-        n_layers=1,
-        n_encoder_layers=1,
-        dropout=0.0,
-        max_positions=16,
-        pad_id=PAD,
-    )
-    return Translator(config).eval()
+    config = tiny_transformer(vocab_size=V, n_layers=1, n_encoder_layers=1, dropout=0.0, max_positions=16)
+    return Translator(config, **task).eval()
 
 
 def test_translator_evaluation_loss_is_padding_free_and_uses_the_batchs_masks():
@@ -523,9 +504,7 @@ def test_translator_evaluation_loss_is_padding_free_and_uses_the_batchs_masks():
 def test_optimizer_step_steps_the_optimiser_then_averages_the_weights():
     """The EMA follows each optimiser step: after the first step it is a copy of the new weights,
     after the second ``decay * ema + (1 - decay) * weights`` (SGD's step and the average written out)."""
-    module = ImageClassifier(
-        ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3), ema_decay=0.75
-    )
+    module = ImageClassifier(micro_vit(num_classes=3), ema_decay=0.75)
     weight = module.model.vit.head.weight
     optimizer = torch.optim.SGD([weight], lr=0.5)
     gradient = torch.full_like(weight, 0.2)
@@ -555,7 +534,7 @@ def test_task_defaults_are_the_papers_recipes():
     def saved(module) -> dict:
         return {k: v for k, v in module.hparams.items() if k != "model"}
 
-    vit = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=3)
+    vit = micro_vit(num_classes=3)
     assert saved(ImageClassifier(vit)) == {
         "lr": 5e-4,
         "lr_reference_batch": 512,

@@ -5,24 +5,16 @@ import math
 import pytest
 import torch
 
-from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.models import ReweightedViT, ReweightingSpec
 from mmlight.reweighting import Reweighting
 from mmlight.tasks.optim import param_groups, warmup_cosine
+from tests.models.test_vit import micro_vit
 from tests.tasks.test_metrics import lrs
 
 
 def test_no_decay_on_1d_pos_embed_and_reweighting():
     model = ReweightedViT(
-        ViTConfig(
-            variant="vit_micro",
-            img_size=8,
-            patch_size=2,
-            in_chans=1,
-            num_classes=10,
-            global_pool="token",
-            attention=ReweightingSpec("softmax", {"learnable": True}),
-            output_multimax=True,
-        )
+        micro_vit(global_pool="token", attention=ReweightingSpec("softmax", {"learnable": True}), output_multimax=True)
     )
     decay, no_decay = param_groups(model, weight_decay=0.05)
     names = {id(p): n for n, p in model.named_parameters()}

@@ -21,6 +21,7 @@ from mmlight.nn import attention, record_attention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules
 from mmlight.reweighting import ReweightingSpec
 from mmlight.tasks.protocol import AnalysedTask, ExampleInputs, TaskMetric, check_analysed_task
+from tests.analysis.test_analyze import analyze
 
 PAD, VOCAB, LENGTH, CLASSES = 0, 8, 6, 3
 
@@ -258,22 +259,7 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     assert len(events.Scalars("attention/late/token_similarity")) == 2
 
     out = tmp_path / "analysis"
-    main(
-        [
-            "analyze",
-            "--config",
-            str(config),
-            "--ckpt_path",
-            str(ckpt),
-            "--out",
-            str(out),
-            "--num_samples",
-            "16",
-            "--robustness",
-            "--kv_skip_layers",
-            "1",
-        ]
-    )
+    analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1")
     with open(out / "robustness.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["intervention"], float(r["level"])) for r in rows] == (

@@ -18,6 +18,8 @@ from mmlight.models import ReweightingSpec, TransformerConfig
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.tasks import Translator
 from mmlight.tasks.bleu import corpus_bleu
+from tests.conftest import quiet_trainer
+from tests.models.test_transformer import tiny_transformer
 
 
 def bleu_by_definition(hypotheses: list[str], references: list[str]) -> float:
@@ -75,11 +77,8 @@ def toy(tmp_path_factory):
 
 def tiny_translator(vocab_size: int, attention: str = "multimax", **task) -> Translator:
     torch.manual_seed(0)
-    config = TransformerConfig(
+    config = tiny_transformer(
         vocab_size=vocab_size,
-        d_model=16,
-        n_heads=2,
-        ffn_dim=32,
         n_layers=1,
         n_encoder_layers=1,
         dropout=0.0,
@@ -91,15 +90,7 @@ def tiny_translator(vocab_size: int, attention: str = "multimax", **task) -> Tra
 
 
 def trainer(tmp_path) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    return quiet_trainer(default_root_dir=str(tmp_path))
 
 
 def test_test_writes_hypotheses_and_bleu_of_the_whole_split(toy, tmp_path):
