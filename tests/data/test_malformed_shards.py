@@ -269,3 +269,35 @@ def test_byte_sum_is_the_sum_of_the_bytes():
     cases += [b"\xff" * n for n in (1, 255, 256, 257, 356, 512)] + [b"\0" * 512]
     for data in cases:
         assert byte_sum(data) == sum(data), len(data)
+
+
+def valid_header() -> bytearray:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("0.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"5"))
+    return bytearray(buffer.getvalue()[:512])
+
+
+def test_the_signed_checksum_counts_every_byte_over_127_the_type_flag_too():
+    """A signed-char checksum counts each byte over 127 as negative wherever it stands, byte 156 (the
+    type flag) included; an unknown type is the walker's business, not the checksum's."""
+    from mmlight.data.shards import _check_header
+
+    header = valid_header()
+    header[156] = 0xC8
+    signed = 256 + sum(b - 256 if b > 127 else b for b in header[:148] + header[156:])
+    header[148:156] = b"%06o\0 " % signed
+    _check_header(bytes(header), "s.tar", 0)  # accepted: no error
+
+
+def test_a_checksum_field_with_a_stray_character_is_not_a_header():
+    """The checksum field must be octal digits padded with NUL or space: a right sum followed by any
+    other character is garbage, not a header."""
+    from mmlight.data.shards import _check_header
+
+    header = valid_header()
+    header[148:156] = header[148:154] + b"X\0"
+    with pytest.raises(ValueError, match="not a tar header at byte 1024"):
+        _check_header(bytes(header), "s.tar", 1024)
