@@ -17,15 +17,14 @@ __all__ = ["multimax_softmax", "multimax_attention", "multimax_cross_entropy"]
 
 def __getattr__(name: str):
     if name == "multimax_softmax":
-        from mmlight.kernels.rowwise import multimax_softmax
-
-        return multimax_softmax
-    if name == "multimax_attention":
-        from mmlight.kernels.attention import multimax_attention
-
-        return multimax_attention
-    if name == "multimax_cross_entropy":
-        from mmlight.kernels.cross_entropy import multimax_cross_entropy
-
-        return multimax_cross_entropy
-    raise AttributeError(f"module 'mmlight.kernels' has no attribute {name!r}")
+        from mmlight.kernels.rowwise import multimax_softmax as function
+    elif name == "multimax_attention":
+        from mmlight.kernels.attention import multimax_attention as function
+    elif name == "multimax_cross_entropy":
+        from mmlight.kernels.cross_entropy import multimax_cross_entropy as function
+    else:
+        raise AttributeError(f"module 'mmlight.kernels' has no attribute {name!r}")
+    # kept in the module: the call sites import it on every forward pass, and a later lookup then
+    # finds it without coming here
+    globals()[name] = function
+    return function
