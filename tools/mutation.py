@@ -184,7 +184,12 @@ MODULES: dict[str, Module] = {
     ),
     "text_data": Module(
         ("mmlight/data/text.py", "mmlight/data/vocab.py", "mmlight/data/recall.py"),
-        ("tests/data/test_wikitext.py", "tests/data/test_recall.py", "tests/data/test_shard_datamodule.py"),
+        (
+            "tests/data/test_wikitext.py",
+            "tests/data/test_recall.py",
+            "tests/data/test_vocab.py",
+            "tests/data/test_shard_datamodule.py",
+        ),
     ),
     "translation_data": Module(
         (
@@ -193,7 +198,12 @@ MODULES: dict[str, Module] = {
             "mmlight/data/tokenizers.py",
             "mmlight/data/toy_translation.py",
         ),
-        ("tests/data/test_iwslt.py", "tests/data/test_tokenizers.py", "tests/data/test_toy_translation.py"),
+        (
+            "tests/data/test_iwslt.py",
+            "tests/data/test_translation.py",
+            "tests/data/test_tokenizers.py",
+            "tests/data/test_toy_translation.py",
+        ),
     ),
     "prepare": Module(
         ("mmlight/data/prepare/*",),
@@ -202,6 +212,10 @@ MODULES: dict[str, Module] = {
             "tests/data/test_iwslt.py",
             "tests/data/test_wikitext.py",
             "tests/data/test_digits.py",
+            "tests/data/test_imagefolder.py",
+            "tests/data/test_cifar.py",
+            "tests/data/test_flowers102.py",
+            "tests/data/test_food101.py",
         ),
     ),
     "reweighting": Module(
@@ -211,6 +225,10 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_multimax.py",
             "tests/reweighting/test_metrics.py",
             "tests/reweighting/test_fallback.py",
+            *(
+                f"tests/reweighting/test_{name}.py"
+                for name in ("softmax1", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking")
+            ),
         ),
         keyword="not triton",
     ),

@@ -53,7 +53,6 @@ class LanguageModel(SequenceTask):
             267k-word vocabulary; the associative-recall quick start turns it on.
     """
 
-    task_metric = TaskMetric("ppl", higher_is_better=False)
     interventions = ("sink_masking", "kv_eviction")
     datamodule_name = "WikiTextDataModule"
 
@@ -116,6 +115,14 @@ class LanguageModel(SequenceTask):
         return {"nll": torch.stack([nll for nll, _ in rows]), "tokens": torch.stack([n for _, n in rows])}
 
     # ------------------------------------------------------------------ attention analysis
+    @property
+    def task_metric(self) -> TaskMetric:
+        """Accuracy when the task reports it (the recall quick start, whose headline metric it is),
+        otherwise perplexity."""
+        if self.hparams.accuracy:
+            return TaskMetric("acc", higher_is_better=True)
+        return TaskMetric("ppl", higher_is_better=False)
+
     def teacher_forced(self, batch) -> None:
         self.model(batch["input"])
 

@@ -125,3 +125,12 @@ def test_predict_scores_each_window_and_they_sum_to_the_test_perplexity(wikitext
     assert len(nll) == len(data.eval_dataset("test").windows)
     assert tokens.sum().item() == tested["test/tokens"]
     assert math.exp(nll.sum().item() / tokens.sum().item()) == pytest.approx(tested["test/ppl"], rel=1e-5)
+
+
+def test_robustness_metric_is_accuracy_when_the_task_reports_it():
+    """The recall quick start's headline metric is accuracy, so its robustness runs report it; a
+    WikiText model (no accuracy) reports perplexity."""
+    from mmlight.tasks.protocol import TaskMetric
+
+    assert tiny_lm(32, accuracy=True).task_metric == TaskMetric("acc", higher_is_better=True)
+    assert tiny_lm(32).task_metric == TaskMetric("ppl", higher_is_better=False)
