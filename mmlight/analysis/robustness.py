@@ -10,7 +10,8 @@ Which interventions apply, the metric and what its evaluation needs come from th
 * :class:`KVEviction`: in the causal decoder self-attention from layer ``skip_layers`` on, each
   query keeps its own key and ``ceil(r * n)`` of its ``n`` past keys: those of **lowest** L2 norm
   (``l2``, Devoto et al. 2024) or the first 4 plus the most recent (``streaming``, StreamingLLM).
-  Evaluated teacher-forced, this is what each token sees with a cache compressed to that budget.
+  Evaluated teacher-forced (LM) or at each step of beam search through the KV cache (translator),
+  this is what each token sees with a cache compressed to that budget.
 """
 
 from __future__ import annotations

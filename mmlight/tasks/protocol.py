@@ -19,8 +19,9 @@ from torch import nn
 
 from mmlight.nn.attention import network_of
 
-#: The interventions of the robustness runs: ``sink_masking`` (every task) and ``kv_eviction`` (a
-#: causal decoder scored token by token, where evicting past keys is what a compressed cache does).
+#: The interventions of the robustness runs: ``sink_masking`` (every task) and ``kv_eviction`` (a task
+#: with a causal decoder, scored token by token or decoding through its KV cache, where evicting past
+#: keys is what a compressed cache does).
 Intervention = Literal["sink_masking", "kv_eviction"]
 
 

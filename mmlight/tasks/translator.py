@@ -61,7 +61,9 @@ class Translator(SequenceTask):
     """
 
     task_metric = TaskMetric("bleu", higher_is_better=True)
-    interventions = ("sink_masking",)
+    # beam search decodes through the KV cache, one token a step: evicting in the decoder self-attention
+    # is what a compressed cache does to the translation
+    interventions = ("sink_masking", "kv_eviction")
     datamodule_name = "TranslationDataModule"
 
     def __init__(

@@ -3,7 +3,6 @@ against weights recorded here; the errors it gives before any work."""
 
 import csv
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,6 +185,11 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     config = QUICK / "lm_softmax.yaml"
     data = ["--data.init_args.train_size", "128", "--data.init_args.val_size", "16"]
     ckpt = fit(config, tmp_path / "runs", *data)
+    # perplexity, not the recall accuracy (the task metric with accuracy on), which this barely trained
+    # model has at chance with or without eviction
+    state = torch.load(ckpt, weights_only=False)
+    state["hyper_parameters"]["accuracy"] = False
+    torch.save(state, ckpt)
     out = tmp_path / "out"
     analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1", overrides=data)
     robust = read_csv(out / "robustness.csv")
@@ -237,7 +241,19 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
     ]
     ckpt = fit(config, tmp_path / "runs", *data)
     out = tmp_path / "out"
-    analyze(config, [ckpt], out, "--num_samples", "6", "--split", "test", "--robustness", overrides=data)
+    analyze(
+        config,
+        [ckpt],
+        out,
+        "--num_samples",
+        "6",
+        "--split",
+        "test",
+        "--robustness",
+        "--kv_skip_layers",
+        "0",
+        overrides=data,
+    )
     rows = read_csv(out / "stats.csv")
     kinds = {r["layer"] for r in rows}
     assert {
@@ -248,8 +264,9 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
         "decoder.layers.1",
     } <= kinds
     robust = read_csv(out / "robustness.csv")
-    assert {r["metric"] for r in robust} == {"bleu"} and len(robust) == 4
-    assert all(0.0 <= float(r["value"]) <= 100.0 and not math.isnan(float(r["value"])) for r in robust)
+    bleu = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
+    assert {r["metric"] for r in robust} == {"bleu"} and len(robust) == 16
+    assert bleu[("kv_l2", 1.0)] == bleu[("none", 0.0)] == bleu[("kv_streaming", 1.0)]  # nothing evicted
     assert (out / "cross_attention_alignment_nmt_softmax.png").is_file()
     assert json.loads((out / "stats.json").read_text())["split"] == "test"
     assert not list(tmp_path.glob("test.*"))

@@ -187,11 +187,12 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
 
 
 def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
-    """Image and NMT tasks get the plain run and sink masking only, on the split asked for; NMT runs
+    """Image tasks get the plain run and sink masking only, NMT also KV eviction (its beam search
+    decodes through the cache), on the split asked for; NMT runs
     beam search in validation and writes its files to a scratch folder, for the runs only and without
     touching its hyperparameters; a run that logs no task metric is an error naming what it logged."""
     from mmlight.analysis.robustness import robustness_rows, robustness_runs
-    from mmlight.tasks import ImageClassifier, Translator
+    from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 
     image = ImageClassifier(model=micro_vit(num_classes=3))
     trainer = StandInTrainer("top1")
@@ -203,11 +204,14 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
         ("sink_masking", 10, "top1"),
     ]
     translator = Translator(tiny_transformer(n_layers=1, n_encoder_layers=1))
-    assert len(rows) == len(robustness_runs(image)) == len(robustness_runs(translator)) == 4
+    assert len(rows) == len(robustness_runs(image)) == 4
+    assert [(name, level) for name, level, _ in robustness_runs(translator)] == [
+        (name, level) for name, level, _ in robustness_runs(LanguageModel(tiny_transformer(n_layers=1)))
+    ]
     assert {split for split, *_ in trainer.calls} == {"val"}
     assert translator.hparams.bleu_in_validation is False
     bleu = StandInTrainer("bleu")
-    assert [r[2] for r in robustness_rows(bleu, translator, None, "val")] == ["bleu"] * 4
+    assert [r[2] for r in robustness_rows(bleu, translator, None, "val")] == ["bleu"] * 16
     from pathlib import Path
 
     scratch = {Path(output_dir) for _, output_dir in bleu.settings}
