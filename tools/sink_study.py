@@ -1,0 +1,245 @@
+"""The sink study of docs/analysis.md: ``mmlight analyze --robustness`` of every run of a table, then
+one table and one figure over functions and seeds (not part of CI; the runs come from ``mmlight sweep``).
+
+    mmlight sweep configs/tables/cpu_sinks.yaml --parallel 2
+    python tools/sink_study.py analyze configs/tables/cpu_sinks.yaml --parallel 2
+    python tools/sink_study.py report configs/tables/cpu_sinks.yaml --out docs/analysis/cpu_sinks
+
+``analyze`` runs one ``mmlight analyze`` per cell over the final checkpoints of all its seeds
+(``runs/analysis/<table>/<cell>/``), with ``--kv_skip_layers 0``: the quick-start models have two
+decoder layers, so the default of 2 would evict nothing. A cell whose ``robustness.csv`` already
+covers every seed is skipped. ``report`` reads those folders and writes ``sink_study.md`` (the table),
+``sink_study.json`` (every seed's numbers) and ``kv_eviction.png`` (the metric against the keep ratio,
+one line per function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mmlight.experiments.table import Cell, Table, load_table
+
+ANALYSIS_ROOT = Path("runs/analysis")
+SINK_LEVELS = (1, 5, 10)
+KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3)
+#: a recall run has learnt the task above this validation accuracy (%): runs end near 100% or near 30%
+SOLVED_ACC = 90.0
+
+
+def cell_checkpoints(table: Table, cell: Cell, runs_root: Path) -> dict[int, Path]:
+    """Seed -> final checkpoint of each finished run of ``cell``."""
+    found = {}
+    for run in table.runs(runs_root):
+        ckpt = run.directory / "fit" / "checkpoints" / "last.ckpt"
+        if run.cell is cell and ckpt.is_file():
+            found[run.seed] = ckpt
+    return found
+
+
+def analyzed_seeds(out: Path) -> set[int]:
+    """Seeds whose robustness rows ``out/robustness.csv`` holds (checkpoint labels ``seedN``)."""
+    path = out / "robustness.csv"
+    if not path.is_file():
+        return set()
+    with open(path) as f:
+        return {int(row["checkpoint"].removeprefix("seed")) for row in csv.DictReader(f)}
+
+
+def analyze_cell(cell: Cell, ckpts: dict[int, Path], out: Path, threads: int) -> str:
+    """``mmlight analyze --robustness`` of ``ckpts`` into ``out``; returns a line for the log."""
+    if not ckpts:
+        return f"{cell.name}: no finished run"
+    if analyzed_seeds(out) >= set(ckpts):
+        return f"{cell.name}: done, skipped"
+    command = [
+        *(sys.executable, "-m", "mmlight.cli", "analyze", "--config", str(cell.config)),
+        *("--robustness", "--kv_skip_layers", "0", "--num_samples", "256", "--out", str(out)),
+        *("--ckpt_path", *(str(ckpts[seed]) for seed in sorted(ckpts))),
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "analyze.log", "w") as log:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        return f"{cell.name}: failed (exit {code}, see {out / 'analyze.log'})"
+    return f"{cell.name}: done"
+
+
+def analyze(table: Table, runs_root: Path, parallel: int) -> None:
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    jobs = [
+        (cell, cell_checkpoints(table, cell, runs_root), ANALYSIS_ROOT / table.name / cell.name) for cell in table.cells
+    ]
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for line in pool.map(lambda job: analyze_cell(*job, threads), jobs):
+            print(line, flush=True)
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def seed_numbers(cell: Cell, out: Path) -> dict[int, dict]:
+    """Per seed: the task metric (scaled as the table shows it) plain and under each intervention, and
+    the per-layer sink ratio and null mass of every attention layer."""
+    found: dict[int, dict] = {}
+    for row in read_rows(out / "robustness.csv"):
+        seed = int(row["checkpoint"].removeprefix("seed"))
+        key = row["intervention"] if row["intervention"] == "none" else f"{row['intervention']}@{float(row['level']):g}"
+        found.setdefault(seed, {"metric": {}, "sink_ratio": {}, "null_mass": {}})["metric"][key] = (
+            float(row["value"]) * cell.scale
+        )
+    for row in read_rows(out / "stats.csv"):
+        seed = int(row["checkpoint"].removeprefix("seed"))
+        if row["head"] == "" and row["metric"] in ("sink_ratio", "null_mass") and row["value"] != "":
+            found[seed][row["metric"]][row["layer"]] = float(row["value"])
+    return found
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation (as ``mmlight collect``)."""
+    return statistics.fmean(values), statistics.pstdev(values)
+
+
+def summarise(cell: Cell, seeds: dict[int, dict]) -> dict:
+    """A cell's table entries: mean ± std over seeds of every number; for recall also the solved runs,
+    and the interventions over those alone (a stalled model's robustness says nothing of the function)."""
+    recall = cell.name.startswith("recall")
+    plain = {seed: numbers["metric"]["none"] for seed, numbers in seeds.items()}
+    solved = sorted(seed for seed, value in plain.items() if value >= SOLVED_ACC) if recall else sorted(seeds)
+    keys = list(next(iter(seeds.values()))["metric"])
+    summary = {
+        "row": cell.row,
+        "seeds": sorted(seeds),
+        "metric": mean_std(list(plain.values())),
+        "solved": solved if recall else None,
+        "interventions_over": solved,
+        "interventions": {key: mean_std([seeds[s]["metric"][key] for s in solved]) if solved else None for key in keys},
+    }
+    for stat in ("sink_ratio", "null_mass"):
+        layers = sorted(next(iter(seeds.values()))[stat])
+        summary[stat] = {layer: mean_std([seeds[s][stat][layer] for s in seeds]) for layer in layers}
+    return summary
+
+
+def short_layer(name: str) -> str:
+    """``decoder.layers.1.self_attn`` -> ``dec-self 1``."""
+    stack, _, index, kind = name.split(".")
+    return f"{stack[:3]}-{kind.removesuffix('_attn')} {index}"
+
+
+def fmt(pair: tuple[float, float] | None, digits: int = 1) -> str:
+    if pair is None:
+        return "—"
+    mean, std = (round(v, digits) + 0.0 for v in pair)  # + 0.0: no "-0.000"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
+    """One task's tables: metric and interventions; sink ratio and null mass per layer."""
+    first = next(iter(summaries.values()))
+    recall = first["solved"] is not None
+    head = ["function", "metric", *(["solved"] if recall else [])]
+    head += [f"sinks k={k}" for k in SINK_LEVELS] + [f"L2 r={r:g}" for r in KEEP_RATIOS[1:]]
+    head += [f"stream r={r:g}" for r in KEEP_RATIOS[1:]]
+    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries.values():
+        cells = [s["row"], fmt(s["metric"])]
+        if recall:
+            cells.append(f"{len(s['solved'])}/{len(s['seeds'])}")
+        cells += [fmt(s["interventions"].get(f"sink_masking@{k}")) for k in SINK_LEVELS]
+        cells += [fmt(s["interventions"].get(f"kv_{m}@{r:g}")) for m in ("l2", "streaming") for r in KEEP_RATIOS[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    layers = list(first["sink_ratio"])
+    lines += ["", "| function | " + " | ".join(f"sink ratio {short_layer(n)}" for n in layers)]
+    lines[-1] += " | " + " | ".join(f"null mass {short_layer(n)}" for n in layers) + " |"
+    lines.append("|---|" + "---|" * 2 * len(layers))
+    for s in summaries.values():
+        cells = [fmt(s["sink_ratio"].get(n), 2) for n in layers] + [fmt(s["null_mass"].get(n), 3) for n in layers]
+        lines.append(f"| {s['row']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def figure(tasks: dict[str, dict[str, dict]], path: Path) -> None:
+    """The metric against the keep ratio (L2 and StreamingLLM eviction), one line per function."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7.5), squeeze=False)
+    for col, (task, summaries) in enumerate(tasks.items()):
+        for row, method in enumerate(("l2", "streaming")):
+            ax = axes[row][col]
+            for s in summaries.values():
+                points = [
+                    (r, s["interventions"]["none" if r == 1.0 else f"kv_{method}@{r:g}"])
+                    for r in KEEP_RATIOS
+                    if s["interventions"].get("none" if r == 1.0 else f"kv_{method}@{r:g}")
+                ]
+                if points:
+                    ax.errorbar(
+                        [r for r, _ in points],
+                        [m for _, (m, _) in points],
+                        yerr=[sd for _, (_, sd) in points],
+                        marker="o",
+                        capsize=2,
+                        label=s["row"],
+                    )
+            ax.set_title(f"{task}: {'L2-norm' if method == 'l2' else 'StreamingLLM'} eviction")
+            ax.set_xlabel("keep ratio r")
+            ax.invert_xaxis()
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(table: Table, out: Path) -> None:
+    tasks: dict[str, dict[str, dict]] = {}
+    numbers = {}
+    for cell in table.cells:
+        folder = ANALYSIS_ROOT / table.name / cell.name
+        if not (folder / "robustness.csv").is_file():
+            print(f"{cell.name}: not analysed yet, left out", flush=True)
+            continue
+        seeds = seed_numbers(cell, folder)
+        numbers[cell.name] = seeds
+        tasks.setdefault(cell.column, {})[cell.name] = summarise(cell, seeds)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"## {table.title}", "", f"Written by `python tools/sink_study.py report {table.path}`.", ""]
+    for task, summaries in tasks.items():
+        lines += markdown(task, summaries)
+    (out / "sink_study.md").write_text("\n".join(lines))
+    (out / "sink_study.json").write_text(json.dumps({"per_seed": numbers, "summary": tasks}, indent=1))
+    figure(tasks, out / "kv_eviction.png")
+    print(f"wrote {out / 'sink_study.md'}, sink_study.json and kv_eviction.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=("analyze", "report"))
+    parser.add_argument("table", help="a table file whose runs `mmlight sweep` made")
+    parser.add_argument("--runs", default="runs/tables", help="root of the sweep's run directories")
+    parser.add_argument("--parallel", type=int, default=1, help="analyses at the same time")
+    parser.add_argument("--out", default="docs/analysis/cpu_sinks", help="report: output folder")
+    args = parser.parse_args(argv)
+    table = load_table(args.table)
+    if args.step == "analyze":
+        analyze(table, Path(args.runs), args.parallel)
+    else:
+        report(table, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
