@@ -128,7 +128,12 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
         out = attention_module.attention(q, k, v, module, is_causal=True)
         loss = module.cross_entropy(logits, target)
     named = " ".join(str(w.message) for w in record)
-    assert "MultiMax row-wise" in named and "MultiMax attention" in named and "MultiMax cross-entropy" in named
+    for key in (
+        "MultiMax row-wise (torch.float32, <=8)",
+        "MultiMax attention (torch.float32, <=16)",
+        "MultiMax cross-entropy (torch.float32, <=16)",
+    ):
+        assert f"the Triton kernel for {key} failed" in named
     torch.testing.assert_close(weights, module.reference(scores))
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     torch.testing.assert_close(out, module.reference(q @ k.transpose(-2, -1) * 16**-0.5, causal) @ v)
@@ -144,3 +149,83 @@ def test_every_call_site_raises_with_explicit_triton(triton_chosen_and_broken):
         attention_module.attention(q, k, v, module)
     with pytest.raises(RuntimeError, match="out of registers"):
         module.cross_entropy(torch.randn(4, 9), torch.tensor([0, 3, 8, 1]))
+
+
+def test_the_failure_is_recorded_as_its_type_and_first_line_and_the_warning_points_at_the_caller():
+    def two_lines(x):
+        raise ValueError("  first line\nsecond line  ")
+
+    def silent(x):
+        raise RuntimeError("   ")
+
+    with pytest.warns(RuntimeWarning) as caught:
+        run_fused("auto", "a", two_lines, lambda x: x, torch.ones(2))
+        run_fused("auto", "b", silent, lambda x: x, torch.ones(2))
+    assert backend.FAILED_KERNELS == {
+        "a (torch.float32, <=2)": "ValueError: first line",
+        "b (torch.float32, <=2)": "RuntimeError: ",
+    }
+    assert str(caught[0].message) == (
+        "mmlight: the Triton kernel for a (torch.float32, <=2) failed on this device (ValueError: first line); "
+        "backend 'auto' computes it with 'compile' from now on. Run `mmlight doctor` for details, "
+        "or set backend 'triton' to get the error raised."
+    )
+    assert caught[0].filename == __file__  # stacklevel 2: the line that called run_fused
+
+
+def test_kernel_key_names_the_dtype_and_the_power_of_two_at_or_above_the_last_dim():
+    """The tile sizes follow the next power of two, so failures are remembered per such bucket; inputs
+    without a tensor of at least one dimension key the kernel alone."""
+    key = backend.kernel_key
+    assert key("k", (torch.ones(3, 1),)) == "k (torch.float32, <=1)"
+    assert key("k", (torch.ones(3, 2, dtype=torch.bfloat16),)) == "k (torch.bfloat16, <=2)"
+    assert [key("k", (torch.ones(n),)) for n in (3, 4, 5, 64, 65)] == [
+        f"k (torch.float32, <={p})" for p in (4, 4, 8, 64, 128)
+    ]
+    assert key("k", (None, 0.5, torch.ones(2, 5))) == "k (torch.float32, <=8)"  # the first tensor
+    assert key("k", (None, 0.5)) == "k"
+    assert key("k", (torch.tensor(2.0), torch.ones(9))) == "k"  # the first tensor is a scalar
+
+
+def test_the_backward_trial_takes_masks_numbers_and_unused_inputs_and_touches_no_input():
+    """The trial differentiates only the floating-point inputs that require grad, through detached
+    copies: an integer mask, a Python number, None and an input the kernel does not use are fine,
+    and hooks on the real inputs (DDP's, a user's) do not fire."""
+    x = torch.ones(4, requires_grad=True)
+    unused = torch.ones(2, requires_grad=True)
+    mask = torch.tensor([1, 0, 1, 1])
+    hooked = []
+    x.register_hook(lambda grad: hooked.append(grad))
+    calls = []
+
+    def kernel(x, unused, mask, scale, nothing):
+        calls.append(1)
+        return x * mask * scale
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed trial would warn
+        y = run_fused("auto", "kernel", kernel, broken, x, unused, mask, 3.0, None)
+    assert torch.equal(y, torch.tensor([3.0, 0.0, 3.0, 3.0])) and len(calls) == 2
+    assert hooked == [] and x.grad is None and unused.grad is None
+    y.sum().backward()
+    assert len(hooked) == 1 and torch.equal(x.grad, torch.tensor([3.0, 0.0, 3.0, 3.0]))
+
+
+def test_a_working_cross_entropy_kernel_is_the_one_used_under_auto(triton_chosen_and_broken, monkeypatch):
+    """The kernel, given the module's arguments, computes the loss; nothing falls back."""
+    seen = []
+
+    def kernel(logits, target, ranges, ts, smoothing, ignore_index, reduction):
+        seen.append((smoothing, ignore_index, reduction))
+        return multimax.multimax_cross_entropy_reference(logits, target, ranges, ts, smoothing, ignore_index, reduction)
+
+    monkeypatch.setattr("mmlight.kernels.multimax_cross_entropy", kernel)
+    module = make_multimax("auto")
+    logits, target = torch.randn(4, 9), torch.tensor([0, 3, 8, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = module.cross_entropy(logits, target, 0.1, 3, "sum")
+    assert seen == [(0.1, 3, "sum")] * 2 and not backend.FAILED_KERNELS  # the backward's trial, then the call
+    torch.testing.assert_close(
+        loss, F.cross_entropy(module.modulate(logits), target, label_smoothing=0.1, ignore_index=3, reduction="sum")
+    )

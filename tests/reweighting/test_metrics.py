@@ -1,5 +1,7 @@
 """The paper's metrics against hand computation and scipy."""
 
+import math
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -45,3 +47,34 @@ def test_fraction_below():
     mask = torch.tensor([[True, False, True, True], [True, True, True, True]])
     torch.testing.assert_close(fraction_below(p, 1e-3), torch.tensor([0.5, 0.0]))
     torch.testing.assert_close(fraction_below(p, 1e-3, mask), torch.tensor([1 / 3, 0.0]))
+
+
+def _row_metrics(x: list[float], p: list[float], eps: float, threshold: float, counted: list[bool]):
+    """M, entropy and the fraction below ``threshold`` of one row, from the definitions, in Python."""
+    top = max(range(len(x)), key=lambda i: x[i])  # the first maximum, as argmax
+    gaps = [p[top] - p[n] for n in range(len(x)) if eps < x[n] < x[top]]
+    m = 1.0 - sum(gaps) / len(gaps) if gaps else 1.0
+    h = -sum(v * math.log(v) for v in p if v > 0)
+    kept = [v for v, c in zip(p, counted) if c]
+    below = sum(v < threshold for v in kept) / len(kept) if kept else 0.0
+    return m, h, below
+
+
+def test_metrics_are_per_row_on_batched_inputs_against_a_python_reference():
+    """(2, 3, 5) inputs: each row's value equals the definition computed on that row alone (the rows
+    have different maxima; a weight exactly at the threshold is not below it; one row counts a single
+    position, one none). M's default relevance threshold is 0."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 4.0, 0.5])[:, None]
+    x[1, 2] += 3.0
+    p = torch.softmax(2 * x, dim=-1)
+    p[0, 1, 2] = 0.0
+    p[1, 0, 3] = 0.0625  # exactly the threshold below
+    mask = torch.rand(2, 3, 5, generator=gen) > 0.3
+    mask[0, 0] = torch.tensor([False, False, True, False, False])
+    mask[0, 2] = False
+    got = (multimodality(x, p), entropy(p), fraction_below(p, 0.0625, mask))
+    for i in range(2):
+        for j in range(3):
+            want = _row_metrics(x[i, j].tolist(), p[i, j].tolist(), 0.0, 0.0625, mask[i, j].tolist())
+            assert [g[i, j].item() for g in got] == pytest.approx(want, rel=1e-6, abs=0)  # the fraction is float32

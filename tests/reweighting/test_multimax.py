@@ -198,3 +198,44 @@ class TestIdentityStart:
     def test_negative_std_is_an_error(self, std):
         with pytest.raises(ValueError, match="init_std"):
             MultiMax(init_std=std)
+
+
+def _smoothed_nll_float64(sigma: torch.Tensor, target: torch.Tensor, smoothing: float, ignore: int, reduction: str):
+    """Label-smoothed cross-entropy written out: ``(1 - e) * -log p_y + e * mean_c -log p_c`` per
+    counted target, then their mean or sum (``ignore`` targets count in neither)."""
+    logp = torch.log_softmax(sigma.double(), dim=-1)  # (T, V)
+    kept = target != ignore
+    per = (1 - smoothing) * -logp[kept, target[kept]] + smoothing * -logp[kept].mean(-1)
+    return per.mean() if reduction == "mean" else per.sum()
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "compile"])
+def test_cross_entropy_of_the_modulated_logits_against_float64(backend, monkeypatch):
+    """bf16 logits are computed in fp32; label smoothing, the ignored index and the reduction are the
+    ones asked for (defaults: none, -100, mean); ``compile`` runs the compiled reference (here a spy,
+    so that nothing compiles), the others the eager one."""
+    from mmlight.reweighting import multimax
+
+    compiled = []
+
+    def spy():
+        return lambda *args: compiled.append(args) or multimax.multimax_cross_entropy_reference(*args)
+
+    monkeypatch.setattr(multimax, "_compiled_cross_entropy", spy)
+    module = set_params(MultiMax(order=2, backend=backend), [-0.5, 0.5, -1.0, 1.0], [0.3, 0.2, 0.1, 0.05])
+    logits = (torch.randn(6, 9, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    sigma = module.modulate(logits.double())
+    calls = [
+        ([0, 3, 8, -100, 1, 5], (), (0.0, -100, "mean")),
+        ([0, 3, 8, 2, 1, 5], (0.1, 5, "sum"), (0.1, 5, "sum")),
+        ([0, 3, 8, -100, 1, 5], (0.2, -100, "mean"), (0.2, -100, "mean")),
+    ]
+    for target, args, (smoothing, ignore, reduction) in calls:
+        target = torch.tensor(target)
+        got = module.cross_entropy(logits, target, *args)
+        assert got.dtype == torch.float32
+        want = _smoothed_nll_float64(sigma, target, smoothing, ignore, reduction)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+        reference = multimax.multimax_cross_entropy_reference(logits, target, module.ranges, module.ts, *args)
+        torch.testing.assert_close(reference, got, rtol=0, atol=0)  # the reference's defaults are the method's
+    assert len(compiled) == (3 if backend == "compile" else 0)
