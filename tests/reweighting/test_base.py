@@ -71,3 +71,12 @@ def test_sigma_kernels_pass_their_parameters_and_the_combined_scale_to_the_kerne
     args, kwargs = ops.attention(q, k, v, 0.25, True, padding)
     assert args == (q, k, v, ranges, ts, 0.125) and kwargs == {"causal": True, "key_padding": padding}
     assert ops.attention(q[..., :8], k[..., :8], v, 0.25, False, None) is None  # no kernel for 8
+
+
+def test_a_learnable_temperature_divides_the_scores_and_learns():
+    module = Softmax(temperature=2.0, learnable=True, backend="reference")
+    x = torch.randn(3, 6, dtype=torch.float64)
+    weights = module.double()(x)
+    torch.testing.assert_close(weights, torch.softmax(x / 2.0, dim=-1))
+    (weights[:, 0]).sum().backward()
+    assert module.log_temperature.grad is not None and module.log_temperature.grad.item() != 0.0
