@@ -281,7 +281,15 @@ class WikiTextDataModule(VocabAttributes, ShardDataModule):
         return int(self._info()["splits"][self.train_split]["num_tokens"])
 
     def train_steps(self) -> int:
-        """Training steps per epoch on every rank."""
+        """Training steps per epoch on every rank; an error, before any work, when no chunk of the
+        training shards is long enough for one block (the resampled stream would wait forever)."""
+        longest = min(int(self._info().get("chunk_tokens", self.num_train_tokens)), self.num_train_tokens)
+        if longest <= self.block_size:
+            raise ValueError(
+                f"the training chunks of {self.root} hold at most {longest} tokens, and a block of "
+                f"block_size={self.block_size} needs {self.block_size + 1}: lower block_size, or prepare "
+                "the data again with longer chunks (mmlight.data.prepare.wikitext.prepare's chunk_tokens)"
+            )
         return self.epoch_steps(
             self.num_train_tokens, self.block_size * self.batch_size, f"{self.batch_size} x {self.block_size} tokens"
         )

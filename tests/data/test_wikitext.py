@@ -373,3 +373,12 @@ def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog,
     skips = [r.getMessage() for r in caplog.records if "skipped corrupt chunk" in r.getMessage()]
     assert len(draws) >= 2 and dm.skipped.value == len(draws) == len(skips)
     assert all(m.startswith("skipped corrupt chunk corrupt in ") for m in skips)
+
+
+def test_chunks_too_short_for_one_block_stop_before_training(shards):
+    """The fixture's chunks hold 8 tokens: a block of 7 (+1 target) fits, one of 8 never would, and
+    the resampled stream would wait forever for it."""
+    _, out = shards
+    assert WikiTextDataModule(str(out), block_size=CHUNK - 1, batch_size=1, num_workers=0).train_steps() >= 1
+    with pytest.raises(ValueError, match=r"hold at most 8 tokens, and a block of block_size=8 needs 9"):
+        WikiTextDataModule(str(out), block_size=CHUNK, batch_size=1, num_workers=0).train_steps()
