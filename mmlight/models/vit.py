@@ -73,6 +73,13 @@ class ViTConfig:
     backend: Backend = "auto"
     pretrained: str | None = None
 
+    def __post_init__(self):
+        # jsonargparse (4.53) reads `--model.init_args.model.pretrained null` as the string "None" when
+        # the model is given by class path: a fine-tuning config could not be switched off from the
+        # command line. No weights file is named "None".
+        if self.pretrained in ("None", "null", ""):
+            self.pretrained = None
+
 
 def _check_variant(variant: str, found: tuple[int, int], source: str) -> None:
     """Stop when the pretrained weights' width and depth are not those of ``variant``."""

@@ -195,3 +195,20 @@ def test_the_summary_names_what_was_dropped_and_what_is_new(weights_file):
         "blocks.0.attn.reweight.ranges, blocks.0.attn.reweight.ts, blocks.1.attn.reweight.ranges, "
         "blocks.1.attn.reweight.ts, blocks.10.attn.reweight.ranges, blocks.10.attn.reweight.ts ... (26 in all)"
     )
+
+
+def test_pretrained_null_on_the_command_line_means_no_weights():
+    """jsonargparse reads ``null`` for a nested ``str | None`` of a class-path model as the string
+    "None"; the config maps it back, so a fine-tuning config can be run from scratch."""
+    from jsonargparse import ArgumentParser
+
+    from mmlight.tasks import ImageClassifier
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(ImageClassifier, "model")
+    args = ["--model", "mmlight.tasks.ImageClassifier", "--model.init_args.model.pretrained", "null"]
+    args += ["--model.init_args.model.variant", "vit_micro", "--model.init_args.model.img_size", "8"]
+    args += ["--model.init_args.model.patch_size", "2"]
+    task = parser.instantiate_classes(parser.parse_args(args)).model
+    assert task.model.config.pretrained is None
+    assert ViTConfig(pretrained="None").pretrained is None and ViTConfig(pretrained="w.pth").pretrained == "w.pth"
