@@ -73,11 +73,14 @@ def analyze_cell(cell: Cell, ckpts: dict[int, Path], out: Path, threads: int) ->
     return f"{cell.name}: done"
 
 
-def analyze(table: Table, runs_root: Path, parallel: int) -> None:
+def analyze(table: Table, runs_root: Path, parallel: int, only: list[str], seeds: list[int] | None) -> None:
     threads = max(1, (os.cpu_count() or 1) // parallel)
-    jobs = [
-        (cell, cell_checkpoints(table, cell, runs_root), ANALYSIS_ROOT / table.name / cell.name) for cell in table.cells
-    ]
+    jobs = []
+    for cell in table.cells:
+        if only and cell.name not in only:
+            continue
+        ckpts = {s: c for s, c in cell_checkpoints(table, cell, runs_root).items() if seeds is None or s in seeds}
+        jobs.append((cell, ckpts, ANALYSIS_ROOT / table.name / cell.name))
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         for line in pool.map(lambda job: analyze_cell(*job, threads), jobs):
             print(line, flush=True)
@@ -110,20 +113,21 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.pstdev(values)
 
 
-def summarise(cell: Cell, seeds: dict[int, dict]) -> dict:
-    """A cell's table entries: mean ± std over seeds of every number; for recall also the solved runs,
-    and the interventions over those alone (a stalled model's robustness says nothing of the function)."""
+def summarise(cell: Cell, results: dict[int, float], seeds: dict[int, dict]) -> dict:
+    """A cell's table entries: the task metric of every seed's run (``results``), and mean ± std over
+    the analysed seeds (``seeds``) of the rest; for recall, the solved runs, and the interventions over
+    the solved analysed runs alone (a stalled model's robustness says nothing of the function)."""
     recall = cell.name.startswith("recall")
-    plain = {seed: numbers["metric"]["none"] for seed, numbers in seeds.items()}
-    solved = sorted(seed for seed, value in plain.items() if value >= SOLVED_ACC) if recall else sorted(seeds)
+    solved = sorted(seed for seed, value in results.items() if value >= SOLVED_ACC) if recall else None
+    over = sorted(s for s in seeds if solved is None or s in solved)
     keys = list(next(iter(seeds.values()))["metric"])
     summary = {
         "row": cell.row,
-        "seeds": sorted(seeds),
-        "metric": mean_std(list(plain.values())),
-        "solved": solved if recall else None,
-        "interventions_over": solved,
-        "interventions": {key: mean_std([seeds[s]["metric"][key] for s in solved]) if solved else None for key in keys},
+        "seeds": sorted(results),
+        "metric": mean_std(list(results.values())),
+        "solved": solved,
+        "interventions_over": over,
+        "interventions": {key: mean_std([seeds[s]["metric"][key] for s in over]) if over else None for key in keys},
     }
     for stat in ("sink_ratio", "null_mass"):
         layers = sorted(next(iter(seeds.values()))[stat])
@@ -148,7 +152,7 @@ def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
     """One task's tables: metric and interventions; sink ratio and null mass per layer."""
     first = next(iter(summaries.values()))
     recall = first["solved"] is not None
-    head = ["function", "metric", *(["solved"] if recall else [])]
+    head = ["function", "metric", *(["solved"] if recall else []), "n"]
     head += [f"sinks k={k}" for k in SINK_LEVELS] + [f"L2 r={r:g}" for r in KEEP_RATIOS[1:]]
     head += [f"stream r={r:g}" for r in KEEP_RATIOS[1:]]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -156,6 +160,7 @@ def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
         cells = [s["row"], fmt(s["metric"])]
         if recall:
             cells.append(f"{len(s['solved'])}/{len(s['seeds'])}")
+        cells.append(str(len(s["interventions_over"])))
         cells += [fmt(s["interventions"].get(f"sink_masking@{k}")) for k in SINK_LEVELS]
         cells += [fmt(s["interventions"].get(f"kv_{m}@{r:g}")) for m in ("l2", "streaming") for r in KEEP_RATIOS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -205,7 +210,7 @@ def figure(tasks: dict[str, dict[str, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(table: Table, out: Path) -> None:
+def report(table: Table, runs_root: Path, out: Path) -> None:
     tasks: dict[str, dict[str, dict]] = {}
     numbers = {}
     for cell in table.cells:
@@ -214,8 +219,13 @@ def report(table: Table, out: Path) -> None:
             print(f"{cell.name}: not analysed yet, left out", flush=True)
             continue
         seeds = seed_numbers(cell, folder)
-        numbers[cell.name] = seeds
-        tasks.setdefault(cell.column, {})[cell.name] = summarise(cell, seeds)
+        results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell}
+        results = {seed: value for seed, value in results.items() if value is not None}
+        if not results:
+            print(f"{cell.name}: no run has a result, left out", flush=True)
+            continue
+        numbers[cell.name] = {"results": results, "analysed": seeds}
+        tasks.setdefault(cell.column, {})[cell.name] = summarise(cell, results, seeds)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"## {table.title}", "", f"Written by `python tools/sink_study.py report {table.path}`.", ""]
     for task, summaries in tasks.items():
@@ -232,13 +242,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("table", help="a table file whose runs `mmlight sweep` made")
     parser.add_argument("--runs", default="runs/tables", help="root of the sweep's run directories")
     parser.add_argument("--parallel", type=int, default=1, help="analyses at the same time")
+    parser.add_argument("--only", nargs="+", default=[], metavar="CELL", help="analyze: only these cells")
+    parser.add_argument("--seeds", nargs="+", type=int, help="analyze: only these seeds (default: every seed)")
     parser.add_argument("--out", default="docs/analysis/cpu_sinks", help="report: output folder")
     args = parser.parse_args(argv)
     table = load_table(args.table)
     if args.step == "analyze":
-        analyze(table, Path(args.runs), args.parallel)
+        analyze(table, Path(args.runs), args.parallel, args.only, args.seeds)
     else:
-        report(table, Path(args.out))
+        report(table, Path(args.runs), Path(args.out))
 
 
 if __name__ == "__main__":
