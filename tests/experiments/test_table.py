@@ -23,7 +23,7 @@ EXPECTED_RUNS = {
     "table4": 15,
     "table5": 4,
     "table6": 6,
-    "cpu_reweighting": 54,
+    "cpu_reweighting": 90,
     "tiny": 4,
     "cpu_sinks": 75,
     "iwslt14_sinks": 15,
