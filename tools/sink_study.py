@@ -7,7 +7,8 @@ one table and one figure over functions and seeds (not part of CI; the runs come
 
 ``analyze`` runs one ``mmlight analyze`` per cell over the final checkpoints of all its seeds
 (``runs/analysis/<table>/<cell>/``), with ``--kv_skip_layers 0``: the quick-start models have two
-decoder layers, so the default of 2 would evict nothing. A cell whose ``robustness.csv`` already
+decoder layers, so the default of 2 would evict nothing; and at the keep ratios of :data:`KEEP_RATIOS`
+but 1, which evicts nothing (its metric is the plain run's, tested). A cell whose ``robustness.csv`` already
 covers every seed is skipped. ``report`` reads those folders and writes ``sink_study.md`` (the table),
 ``sink_study.json`` (every seed's numbers) and ``kv_eviction.png`` (the metric against the keep ratio,
 one line per function).
@@ -62,6 +63,7 @@ def analyze_cell(cell: Cell, ckpts: dict[int, Path], out: Path, threads: int) ->
     command = [
         *(sys.executable, "-m", "mmlight.cli", "analyze", "--config", str(cell.config)),
         *("--robustness", "--kv_skip_layers", "0", "--num_samples", "256", "--out", str(out)),
+        *("--keep_ratios", *(f"{r:g}" for r in KEEP_RATIOS[1:])),  # r = 1 is the plain run (tested)
         *("--ckpt_path", *(str(ckpts[seed]) for seed in sorted(ckpts))),
     ]
     out.mkdir(parents=True, exist_ok=True)

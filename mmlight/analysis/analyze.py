@@ -25,7 +25,7 @@ import lightning as L
 
 from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
-from mmlight.analysis.robustness import robustness_rows, robustness_runs
+from mmlight.analysis.robustness import KEEP_RATIOS, robustness_rows, robustness_runs
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
 from mmlight.nn.attention import network_of
 from mmlight.tasks.protocol import check_analysed_task
@@ -59,6 +59,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)",
     )
     parser.add_argument(
+        "--keep_ratios",
+        type=float,
+        nargs="+",
+        default=list(KEEP_RATIOS),
+        metavar="R",
+        help=f"KV eviction: the keep ratios, each in (0, 1] (default {' '.join(f'{r:g}' for r in KEEP_RATIOS)})",
+    )
+    parser.add_argument(
         "--query_patch",
         type=int,
         default=None,
@@ -77,6 +85,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--num_samples must be >= 1, got {args.num_samples}")
     if args.kv_skip_layers < 0:
         parser.error(f"--kv_skip_layers must be >= 0, got {args.kv_skip_layers}")
+    if not all(0.0 < r <= 1.0 for r in args.keep_ratios):
+        parser.error(f"--keep_ratios must each be in (0, 1], got {args.keep_ratios}")
     return args, rest
 
 
@@ -175,7 +185,7 @@ def analyze(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(sink_eps=args.sink_eps)
     vocab = vocabulary(cli.datamodule)
-    runs = len(robustness_runs(tasks[0], args.kv_skip_layers)) if args.robustness else 0
+    runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios)) if args.robustness else 0
     total = len(tasks) * (args.num_samples + runs)
     results, robustness, example_files = {}, [], []
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
@@ -185,7 +195,9 @@ def analyze(argv: list[str]) -> None:
             results[label] = collect_statistics(task, batches, settings, progress=bar.update)
             example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
             if args.robustness:
-                rows = robustness_rows(trainer, task, cli.datamodule, args.split, args.kv_skip_layers, bar.update)
+                rows = robustness_rows(
+                    trainer, task, cli.datamodule, args.split, args.kv_skip_layers, bar.update, args.keep_ratios
+                )
                 robustness += [(label, *row) for row in rows]
             task.cpu()
 
@@ -194,6 +206,7 @@ def analyze(argv: list[str]) -> None:
         "split": args.split,
         "settings": asdict(settings),
         "kv_skip_layers": args.kv_skip_layers,
+        "keep_ratios": args.keep_ratios,
         "checkpoints": dict(zip(labels, args.ckpt_path)),
     }
     write_stats(out, results, meta)

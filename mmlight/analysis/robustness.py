@@ -114,11 +114,13 @@ def evaluate(trainer, task, datamodule, split: str, observer: AttentionObserver 
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
-def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2, progress=None) -> list[tuple]:
+def robustness_rows(
+    trainer, task, datamodule, split: str, skip_layers: int = 2, progress=None, keep_ratios=KEEP_RATIOS
+) -> list[tuple]:
     """``(intervention, level, metric, value)`` rows of every intervention that applies to ``task``.
 
     ``none`` (level 0) is the plain evaluation; then the task's ``interventions``: sink masking at ``k``
-    in :data:`SINK_LEVELS`, KV eviction (``kv_l2`` and ``kv_streaming``) at each ratio in :data:`KEEP_RATIOS`.
+    in :data:`SINK_LEVELS`, KV eviction (``kv_l2`` and ``kv_streaming``) at each of ``keep_ratios``.
     The metric is the task's ``task_metric``, evaluated inside its ``metric_evaluation`` (whose files go
     to a scratch folder that is deleted afterwards).
     """
@@ -129,7 +131,7 @@ def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2,
         tempfile.TemporaryDirectory(prefix="mmlight-robustness-") as scratch,
         task.metric_evaluation(split, Path(scratch)),
     ):
-        for intervention, level, observer in robustness_runs(task, skip_layers):
+        for intervention, level, observer in robustness_runs(task, skip_layers, keep_ratios):
             results = evaluate(trainer, task, datamodule, split, observer)
             if metric not in results:
                 raise RuntimeError(f"the {split} run logged no {metric} (it logged {sorted(results)})")
@@ -139,7 +141,9 @@ def robustness_rows(trainer, task, datamodule, split: str, skip_layers: int = 2,
     return rows
 
 
-def robustness_runs(task, skip_layers: int = 2) -> list[tuple[str, float, AttentionObserver | None]]:
+def robustness_runs(
+    task, skip_layers: int = 2, keep_ratios=KEEP_RATIOS
+) -> list[tuple[str, float, AttentionObserver | None]]:
     """``(intervention, level, observer)`` of every evaluation :func:`robustness_rows` makes for ``task``."""
     check_analysed_task(task)
     unknown = set(task.interventions) - {"sink_masking", "kv_eviction"}
@@ -153,5 +157,5 @@ def robustness_runs(task, skip_layers: int = 2) -> list[tuple[str, float, Attent
         runs += [("sink_masking", k, SinkMasking(k)) for k in SINK_LEVELS]
     if "kv_eviction" in task.interventions:
         for method in ("l2", "streaming"):
-            runs += [(f"kv_{method}", r, KVEviction(r, method, skip_layers)) for r in KEEP_RATIOS]
+            runs += [(f"kv_{method}", r, KVEviction(r, method, skip_layers)) for r in keep_ratios]
     return runs

@@ -177,7 +177,12 @@ def test_errors_before_any_work(digits, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "d"), "--split", "train"])
     assert "invalid choice: 'train'" in capsys.readouterr().err
-    assert not any((tmp_path / d).exists() for d in "abcde")  # nothing written
+    with pytest.raises(SystemExit):
+        main(
+            ["analyze", *config, "--ckpt_path", str(softmax), "--out", str(tmp_path / "f"), "--keep_ratios", "0.5", "0"]
+        )
+    assert "--keep_ratios must each be in (0, 1], got [0.5, 0.0]" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "abcdef")  # nothing written
 
 
 @pytest.mark.slow

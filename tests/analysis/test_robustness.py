@@ -361,3 +361,19 @@ def test_l2_eviction_breaks_norm_ties_by_keeping_the_older_key():
     q, k = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 40, 4)
     got = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, None)
     assert got[0, 0, 0].nonzero().flatten().tolist() == list(range(20)) + [39]
+
+
+def test_robustness_runs_evict_at_the_keep_ratios_asked_for():
+    from mmlight.analysis.robustness import SINK_LEVELS, robustness_runs
+    from mmlight.tasks import LanguageModel
+
+    runs = robustness_runs(LanguageModel(tiny_transformer(n_layers=1)), skip_layers=0, keep_ratios=(0.9, 0.3))
+    assert [(name, level) for name, level, _ in runs] == [("none", 0)] + [("sink_masking", k) for k in SINK_LEVELS] + [
+        (f"kv_{method}", r) for method in ("l2", "streaming") for r in (0.9, 0.3)
+    ]
+    assert [(o.ratio, o.method, o.skip_layers) for _, _, o in runs[4:]] == [
+        (0.9, "l2", 0),
+        (0.3, "l2", 0),
+        (0.9, "streaming", 0),
+        (0.3, "streaming", 0),
+    ]
