@@ -38,29 +38,29 @@ def scores_and_mask(rows=(3, 5), n=197, seed=0):
     return x, mask
 
 
-def run_kernel(x, mask, order, dy):
+def run_kernel(x, mask, order, dy, scale=1.0):
     """Kernel output and gradients (x, ranges, ts) in fp32."""
     ranges = torch.tensor(RANGES[order], requires_grad=True) if order else None
     ts = torch.tensor(TS[order], requires_grad=True) if order else None
     xk = x.float().requires_grad_()
-    y = multimax_softmax(xk, mask, ranges, ts)
+    y = multimax_softmax(xk, mask, ranges, ts, scale=scale)
     y.backward(dy.float())
     return y, xk.grad, (ranges.grad if order else None), (ts.grad if order else None)
 
 
-def run_reference(x, mask, order, dy):
+def run_reference(x, mask, order, dy, scale=1.0):
     module = multimax(order) if order else Softmax().double()
     xr = x.clone().requires_grad_()
-    y = module.reference(xr, mask)
+    y = module.reference(xr * scale, mask)  # autograd carries the factor scale into xr.grad
     y.backward(dy)
     grads = (module.ranges.grad, module.ts.grad) if order else (None, None)
     return (y, xr.grad, *grads)
 
 
-def assert_matches_reference(x, mask, order, atol=2e-6):
+def assert_matches_reference(x, mask, order, atol=2e-6, scale=1.0):
     dy = torch.randn_like(x)
-    got = run_kernel(x, mask, order, dy)
-    want = run_reference(x, mask, order, dy)
+    got = run_kernel(x, mask, order, dy, scale)
+    want = run_reference(x, mask, order, dy, scale)
     for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
         if w is None:
             continue
@@ -116,6 +116,53 @@ def test_softmax_temperature_is_a_scale():
     x = torch.randn(4, 50)
     got = multimax_softmax(x, scale=0.5)
     torch.testing.assert_close(got, torch.softmax(x * 0.5, dim=-1))
+
+
+@pytest.mark.parametrize("order", [0, 2])
+def test_a_scale_reaches_the_gradients(order):
+    """``scale`` (a fixed softmax temperature's 1/T on the Triton backend) in the backward pass: the
+    input gradient carries the factor ``scale``, the parameter gradients see the scaled scores."""
+    x, mask = scores_and_mask(rows=(2, 3), n=37)
+    assert_matches_reference(x, mask, order, scale=0.5)
+
+
+def test_an_upstream_gradient_in_column_major_layout():
+    """The gradient of ``y`` as the backward of ``y.t() @ v`` hands it over: a transposed view, last
+    stride not 1. The kernel reads rows through one stride, so it must see the values, not the layout."""
+    x = torch.randn(6, 37, dtype=torch.float64) * 2
+    dy = torch.randn(37, 6, dtype=torch.float64).t()
+    assert dy.stride() == (1, 6)
+    got = run_kernel(x, None, 2, dy)
+    want = run_reference(x, None, 2, dy)
+    for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
+        torch.testing.assert_close(g.double(), w, atol=2e-6, rtol=1e-4, msg=name)
+
+
+def test_long_row_kernels_write_only_inside_their_rows():
+    """The column loop's last block runs past column N. Its stores must stop there: on a GPU a store
+    past the end lands in the next row, which another program writes at the same time. Output and
+    input gradient are written into the first N columns of wider buffers whose other columns must
+    keep their NaN."""
+    rows, n, block = 3, 100, 32  # the last block covers columns 96..127
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, n, generator=gen) * 2
+    dy = torch.randn(rows, n, generator=gen)
+    ranges, ts = torch.tensor(RANGES[2]), torch.tensor(TS[2])
+    params, order = rowwise.pack_sigma_params(ranges, ts, x.device)
+    y_buffer = torch.full((rows, n + block), float("nan"))
+    dx_buffer = torch.full((rows, n + block), float("nan"))
+    y, dx = y_buffer[:, :n], dx_buffer[:, :n]
+    row_max, row_sum = torch.empty(rows), torch.empty(rows)
+    partials = torch.empty(rows, rowwise.NUM_SIGMA_PARAMS)
+    options = dict(ORDER=order, HAS_MASK=False, BLOCK_N=block)
+    rowwise._forward_long_rows[(rows,)](x, x, y, row_max, row_sum, params, rows, n,
+                                        x.stride(0), 0, y.stride(0), 1.0, **options)
+    rowwise._backward_long_rows[(rows,)](x, x, dy, dx, row_max, row_sum, params, partials, rows, n,
+                                         x.stride(0), 0, dy.stride(0), dx.stride(0), 1.0, **options)
+    assert torch.isnan(y_buffer[:, n:]).all() and torch.isnan(dx_buffer[:, n:]).all()
+    want = run_reference(x.double(), None, 2, dy.double())
+    torch.testing.assert_close(y.double(), want[0], atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(dx.double(), want[1], atol=2e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
