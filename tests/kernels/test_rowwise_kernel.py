@@ -127,12 +127,18 @@ def test_a_scale_reaches_the_gradients(order):
     assert_matches_reference(x, mask, order, scale=0.5)
 
 
-def test_an_upstream_gradient_in_column_major_layout():
-    """The gradient of ``y`` as the backward of ``y.t() @ v`` hands it over: a transposed view, last
-    stride not 1. The kernel reads rows through one stride, so it must see the values, not the layout."""
+@pytest.mark.parametrize("transposed", ["scores", "upstream gradient"])
+def test_column_major_scores_and_upstream_gradients(transposed):
+    """Scores or the gradient of ``y`` as transposed views (last stride not 1), as ``x.t()`` or the
+    backward of ``y.t() @ v`` hands them over. The kernels read a row through one stride, so they
+    must see the values, not the layout."""
     x = torch.randn(6, 37, dtype=torch.float64) * 2
-    dy = torch.randn(37, 6, dtype=torch.float64).t()
-    assert dy.stride() == (1, 6)
+    dy = torch.randn(6, 37, dtype=torch.float64)
+    if transposed == "scores":
+        x = x.t().contiguous().t()
+    else:
+        dy = dy.t().contiguous().t()
+    assert (x if transposed == "scores" else dy).float().stride() == (1, 6)
     got = run_kernel(x, None, 2, dy)
     want = run_reference(x, None, 2, dy)
     for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
