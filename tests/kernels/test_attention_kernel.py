@@ -237,6 +237,15 @@ def test_non_contiguous_inputs(small_blocks):
         assert_close(g, ref_g, 1e-4 if name in ("ranges", "ts") else 2e-5, f"grad {name}")
 
 
+def test_keys_and_values_with_different_layouts(small_blocks):
+    """k contiguous, v a transposed view (as from a projection stored (B, H, D, T)): each tensor is
+    read through its own strides, in the forward and both backward kernels."""
+    q, k, _, ranges, ts = make_inputs(Tq=19, Tk=37, order=2)
+    v = torch.randn(2, 2, 32, 37, generator=torch.Generator().manual_seed(2)).transpose(-2, -1).requires_grad_()
+    assert k.stride() != v.stride()
+    check_against_reference((q, k, v, ranges, ts), 1e-5, 2e-5, causal=True, key_padding=make_padding(2, 37))
+
+
 def _bad(**changes):
     """Keyword arguments of a valid call with some of them replaced."""
     q, k, v = torch.zeros(2, 2, 5, 16), torch.zeros(2, 2, 7, 16), torch.zeros(2, 2, 7, 16)

@@ -91,6 +91,20 @@ def test_matches_float64_reference(order, label_smoothing, reduction):
     assert torch.all(got[1][1] == 0) and torch.all(got[1][4] == 0)  # ignored rows
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_parameters_with_sigma_of_zero_not_zero(reduction):
+    """The kernel loads 0 for the lanes past V in the last block and for the target of an ignored
+    row. With the test parameters above sigma(0) = 0, which hides both stand-ins; here every range
+    lies above 0, so sigma(0) = 0.3 * 0.2 + 0.1 * 0.5**2 = 0.085, and neither stand-in may reach
+    the label-smoothing sum or the loss of an ignored row."""
+    logits, target, _, _ = make_inputs(6, 197, 2)  # rows 1 and 4 ignored; V = 197 in a block of 256
+    ranges = torch.tensor((0.2, 0.9, 0.5, 1.5), device=DEVICE, requires_grad=True)
+    ts = torch.tensor((0.3, 0.2, 0.1, 0.05), device=DEVICE, requires_grad=True)
+    assert multimax_sigma(torch.zeros(1, device=DEVICE), ranges, ts).item() == pytest.approx(0.085, rel=1e-6)
+    kw = {"label_smoothing": 0.1, "ignore_index": IGNORE, "reduction": reduction}
+    assert_matches(kernel(logits, target, ranges, ts, **kw), reference(logits, target, ranges, ts, **kw))
+
+
 @pytest.mark.parametrize("order", [0, 2])
 def test_multi_block_row_loop_with_row_stride(small_block, order):
     # V = 1000 with blocks of 256: three full blocks and a partial one; rows 1,000 + 7 apart in memory.

@@ -38,29 +38,30 @@ def scores_and_mask(rows=(3, 5), n=197, seed=0):
     return x, mask
 
 
-def run_kernel(x, mask, order, dy):
-    """Kernel output and gradients (x, ranges, ts) in fp32."""
+def run_kernel(x, mask, order, dy, scale=1.0):
+    """Kernel output and gradients (x, ranges, ts): in fp32, or in ``x``'s dtype if it is fp16 or bf16."""
     ranges = torch.tensor(RANGES[order], requires_grad=True) if order else None
     ts = torch.tensor(TS[order], requires_grad=True) if order else None
-    xk = x.float().requires_grad_()
-    y = multimax_softmax(xk, mask, ranges, ts)
-    y.backward(dy.float())
+    half = x.dtype in (torch.float16, torch.bfloat16)
+    xk = (x.detach().clone() if half else x.float()).requires_grad_()
+    y = multimax_softmax(xk, mask, ranges, ts, scale=scale)
+    y.backward(dy.to(xk.dtype))
     return y, xk.grad, (ranges.grad if order else None), (ts.grad if order else None)
 
 
-def run_reference(x, mask, order, dy):
+def run_reference(x, mask, order, dy, scale=1.0):
     module = multimax(order) if order else Softmax().double()
     xr = x.clone().requires_grad_()
-    y = module.reference(xr, mask)
+    y = module.reference(xr * scale, mask)  # autograd carries the factor scale into xr.grad
     y.backward(dy)
     grads = (module.ranges.grad, module.ts.grad) if order else (None, None)
     return (y, xr.grad, *grads)
 
 
-def assert_matches_reference(x, mask, order, atol=2e-6):
+def assert_matches_reference(x, mask, order, atol=2e-6, scale=1.0):
     dy = torch.randn_like(x)
-    got = run_kernel(x, mask, order, dy)
-    want = run_reference(x, mask, order, dy)
+    got = run_kernel(x, mask, order, dy, scale)
+    want = run_reference(x, mask, order, dy, scale)
     for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
         if w is None:
             continue
@@ -118,6 +119,59 @@ def test_softmax_temperature_is_a_scale():
     torch.testing.assert_close(got, torch.softmax(x * 0.5, dim=-1))
 
 
+@pytest.mark.parametrize("order", [0, 2])
+def test_a_scale_reaches_the_gradients(order):
+    """``scale`` (a fixed softmax temperature's 1/T on the Triton backend) in the backward pass: the
+    input gradient carries the factor ``scale``, the parameter gradients see the scaled scores."""
+    x, mask = scores_and_mask(rows=(2, 3), n=37)
+    assert_matches_reference(x, mask, order, scale=0.5)
+
+
+@pytest.mark.parametrize("transposed", ["scores", "upstream gradient"])
+def test_column_major_scores_and_upstream_gradients(transposed):
+    """Scores or the gradient of ``y`` as transposed views (last stride not 1), as ``x.t()`` or the
+    backward of ``y.t() @ v`` hands them over. The kernels read a row through one stride, so they
+    must see the values, not the layout."""
+    x = torch.randn(6, 37, dtype=torch.float64) * 2
+    dy = torch.randn(6, 37, dtype=torch.float64)
+    if transposed == "scores":
+        x = x.t().contiguous().t()
+    else:
+        dy = dy.t().contiguous().t()
+    assert (x if transposed == "scores" else dy).float().stride() == (1, 6)
+    got = run_kernel(x, None, 2, dy)
+    want = run_reference(x, None, 2, dy)
+    for name, g, w in zip(("y", "dx", "d_ranges", "d_ts"), got, want):
+        torch.testing.assert_close(g.double(), w, atol=2e-6, rtol=1e-4, msg=name)
+
+
+def test_long_row_kernels_write_only_inside_their_rows():
+    """The column loop's last block runs past column N. Its stores must stop there: on a GPU a store
+    past the end lands in the next row, which another program writes at the same time. Output and
+    input gradient are written into the first N columns of wider buffers whose other columns must
+    keep their NaN."""
+    rows, n, block = 3, 100, 32  # the last block covers columns 96..127
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, n, generator=gen) * 2
+    dy = torch.randn(rows, n, generator=gen)
+    ranges, ts = torch.tensor(RANGES[2]), torch.tensor(TS[2])
+    params, order = rowwise.pack_sigma_params(ranges, ts, x.device)
+    y_buffer = torch.full((rows, n + block), float("nan"))
+    dx_buffer = torch.full((rows, n + block), float("nan"))
+    y, dx = y_buffer[:, :n], dx_buffer[:, :n]
+    row_max, row_sum = torch.empty(rows), torch.empty(rows)
+    partials = torch.empty(rows, rowwise.NUM_SIGMA_PARAMS)
+    options = dict(ORDER=order, HAS_MASK=False, BLOCK_N=block)
+    rowwise._forward_long_rows[(rows,)](x, x, y, row_max, row_sum, params, rows, n,
+                                        x.stride(0), 0, y.stride(0), 1.0, **options)
+    rowwise._backward_long_rows[(rows,)](x, x, dy, dx, row_max, row_sum, params, partials, rows, n,
+                                         x.stride(0), 0, dy.stride(0), dx.stride(0), 1.0, **options)
+    assert torch.isnan(y_buffer[:, n:]).all() and torch.isnan(dx_buffer[:, n:]).all()
+    want = run_reference(x.double(), None, 2, dy.double())
+    torch.testing.assert_close(y.double(), want[0], atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(dx.double(), want[1], atol=2e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(dtype):
     x, mask = scores_and_mask(rows=(2, 3), n=197)
@@ -127,9 +181,26 @@ def test_half_precision_inputs(dtype):
     want = module.reference(x.to(dtype).float(), mask)
     got = multimax_softmax(x.to(dtype), mask, module.ranges, module.ts)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, rtol=8e-3 if dtype == torch.bfloat16 else 1e-3, atol=1e-6)
-    got.float().pow(2).sum().backward()  # backward runs in half precision inputs too
-    assert torch.isfinite(module.ts.grad).all()
+    rtol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients(dtype):
+    """Backward from half-precision scores: the saved row statistics stay fp32, so the recomputed
+    weights are the forward's. Against float64 on the same rounded scores and upstream gradient, the
+    input gradient errs by its one rounding to ``dtype`` and the fp32 parameter gradients by 3e-7 to
+    9e-7 (relative, 2-norm, one draw each); row statistics saved in fp16 or bf16 gave 3e-4 to 9e-2."""
+    x, mask = scores_and_mask(rows=(2, 3), n=197)
+    x = x.to(dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = run_kernel(x, mask, 2, dy)
+    want = run_reference(x.double(), mask, 2, dy.double())
+    assert got[1].dtype == dtype
+    rtol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got[1].double(), want[1], rtol=rtol, atol=1e-6, msg="dx")
+    for name, g, w in zip(("d_ranges", "d_ts"), got[2:], want[2:]):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_parameter_gradients_are_deterministic():
