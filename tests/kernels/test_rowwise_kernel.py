@@ -162,10 +162,27 @@ def test_long_row_kernels_write_only_inside_their_rows():
     row_max, row_sum = torch.empty(rows), torch.empty(rows)
     partials = torch.empty(rows, rowwise.NUM_SIGMA_PARAMS)
     options = dict(ORDER=order, HAS_MASK=False, BLOCK_N=block)
-    rowwise._forward_long_rows[(rows,)](x, x, y, row_max, row_sum, params, rows, n,
-                                        x.stride(0), 0, y.stride(0), 1.0, **options)
-    rowwise._backward_long_rows[(rows,)](x, x, dy, dx, row_max, row_sum, params, partials, rows, n,
-                                         x.stride(0), 0, dy.stride(0), dx.stride(0), 1.0, **options)
+    rowwise._forward_long_rows[(rows,)](
+        x, x, y, row_max, row_sum, params, rows, n, x.stride(0), 0, y.stride(0), 1.0, **options
+    )
+    rowwise._backward_long_rows[(rows,)](
+        x,
+        x,
+        dy,
+        dx,
+        row_max,
+        row_sum,
+        params,
+        partials,
+        rows,
+        n,
+        x.stride(0),
+        0,
+        dy.stride(0),
+        dx.stride(0),
+        1.0,
+        **options,
+    )
     assert torch.isnan(y_buffer[:, n:]).all() and torch.isnan(dx_buffer[:, n:]).all()
     want = run_reference(x.double(), None, 2, dy.double())
     torch.testing.assert_close(y.double(), want[0], atol=2e-6, rtol=1e-4)
