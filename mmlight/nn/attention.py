@@ -278,6 +278,8 @@ def with_causal(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> to
 def explicit_weights(q, k, reweight, mask, scale, backend) -> torch.Tensor:
     """The attention weights ``(B, nh, Tq, Tk)``, materialised: scores, then the reweighting."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    if scores.shape[-1] == 0:  # no key to weigh (the functions reduce over keys); the output is then zero
+        return scores
     return reweight.compute(scores, mask, backend)
 
 
