@@ -61,10 +61,12 @@ def test_fused_and_explicit_paths_match_manual(is_causal):
     assert (fused[0] == 0).all()
 
 
-def test_temperature_folds_into_sdpa_scale():
+@pytest.mark.parametrize("masked", [False, True])
+def test_temperature_folds_into_sdpa_scale(masked):
     q, k, v = qkv()
-    got = attention(q, k, v, reweighting.build("softmax", temperature=0.5))
-    want = manual_attention(q, k, v, torch.ones(5, 5, dtype=torch.bool), 8**-0.5 / 0.5)
+    mask = torch.rand(2, 3, 5, 5) > 0.3 if masked else torch.ones(5, 5, dtype=torch.bool)
+    got = attention(q, k, v, reweighting.build("softmax", temperature=0.5), mask=mask if masked else None)
+    want = manual_attention(q, k, v, mask, 8**-0.5 / 0.5)
     torch.testing.assert_close(got, want)
 
 
@@ -124,13 +126,15 @@ def test_reweighted_attention_equals_timm_attention_with_every_option():
     ours.load_state_dict(timm_attn.state_dict())
     assert timm_attn.fused_attn  # timm calls SDPA too, so training-mode dropout draws the same mask
     x = torch.randn(2, 5, 16)
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True
     for mode in ("eval", "train"):
         timm_attn.train(mode == "train"), ours.train(mode == "train")
-        for is_causal in (False, True):
+        for options in ({"is_causal": False}, {"is_causal": True}, {"attn_mask": mask}):
             torch.manual_seed(1)
-            want = timm_attn(x, is_causal=is_causal)
+            want = timm_attn(x, **options)
             torch.manual_seed(1)
-            torch.testing.assert_close(ours(x, is_causal=is_causal), want)
+            torch.testing.assert_close(ours(x, **options), want)
 
 
 @pytest.mark.parametrize("shape", [(7,), (1, 7), (1, 1, 7), (2, 1, 1, 7), (1, 1, 1, 7)])
@@ -194,9 +198,9 @@ def test_dropout_drops_the_weights_of_the_explicit_path():
     q, k, v = qkv()
     probs, softmax = torch.softmax((q @ k.transpose(-2, -1)) * 8**-0.5, -1), zero_ts_multimax()
     torch.manual_seed(3)
-    got = attention(q, k, v, softmax, dropout_p=0.5)
+    got = attention(q, k, v, softmax, dropout_p=0.3)
     torch.manual_seed(3)
-    want = F.dropout(probs, p=0.5, training=True) @ v
+    want = F.dropout(probs, p=0.3, training=True) @ v
     torch.testing.assert_close(got, want)
     assert not torch.allclose(got, probs @ v)
 
@@ -213,8 +217,8 @@ def hand_multimax_attention(module, q, k, v, scale, causal, key_padding):
 
 
 class KernelCalls(list):
-    """The stand-in kernel's calls ``(scale, causal, key_padding)``, what it returns, and the module it
-    computes for."""
+    """The stand-in kernel's calls ``(q, k, v, scale, causal, key_padding)``, what it returns, and the module
+    it computes for."""
 
     def __init__(self):
         super().__init__()
@@ -230,10 +234,10 @@ def stand_in_kernel(monkeypatch):
     calls = KernelCalls()
 
     def choose_triton(requested, tensor, has_kernel, owner):
-        return "triton" if has_kernel and requested == "auto" else requested
+        return "triton" if has_kernel and requested == "auto" and tensor.is_floating_point() else requested
 
     def kernel(self, q, k, v, scale, causal, key_padding):
-        calls.append((scale, causal, key_padding))
+        calls.append((q, k, v, scale, causal, key_padding))
         if calls.result == "none":
             return None
         if calls.result == "raise":
@@ -268,8 +272,9 @@ def test_the_fused_kernel_takes_no_mask_or_a_key_padding(stand_in_kernel, is_cau
     padding = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])
     mask = padding[:, None, None, :] if padded else None
     got = attention(q, k, v, module, mask=mask, is_causal=is_causal, scale=0.3)
-    [(scale, causal, key_padding)] = stand_in_kernel
-    assert scale == 0.3 and causal is is_causal
+    [(q_in, k_in, v_in, scale, causal, key_padding)] = stand_in_kernel
+    assert q_in is q and k_in is k and v_in is v and scale == 0.3 and causal is is_causal
+    assert backend_module.FAILED_KERNELS == {}  # the kernel ran; no fallback
     assert (key_padding is None) if not padded else torch.equal(key_padding, padding)
     want = attention(q, k, v, module, mask=mask, is_causal=is_causal, scale=0.3, backend="reference")
     torch.testing.assert_close(got, want)
@@ -281,13 +286,13 @@ def test_the_fused_kernel_takes_no_mask_or_a_key_padding(stand_in_kernel, is_cau
 def test_other_calls_take_the_explicit_path(stand_in_kernel, case):
     """A general mask, dropout, an empty batch or key set, a function SDPA computes, an explicit
     backend, or a kernel that declines the inputs (None): the result is the reference path's."""
-    B, Tk = (0, 5) if case == "empty batch" else (2, 0) if case == "no key" else (2, 5)
+    B, Tk = {"empty batch": (0, 5), "no key": (2, 0)}.get(case, (2, 5))
     q, k, v = qkv(B=B, Tk=Tk)
     module = reweighting.build("softmax") if case == "softmax" else multimax_double()
     stand_in_kernel.module_of.append(module)
     stand_in_kernel.result = "none" if case == "kernel declines" else "raise"
     mask = torch.rand(B, 3, 5, Tk) > 0.3 if case == "general mask" else None
-    dropout_p = 0.5 if case == "dropout" else 0.0
+    dropout_p = 0.3 if case == "dropout" else 0.0
     backend = "reference" if case == "reference" else None
     torch.manual_seed(0)
     got = attention(q, k, v, module, mask=mask, dropout_p=dropout_p, backend=backend)
@@ -360,3 +365,27 @@ def test_a_query_with_no_key_is_zero_even_where_sdpa_gives_nan(monkeypatch):
     got = attention(q, k, v, reweighting.build("softmax"), mask=mask)
     torch.testing.assert_close(got, manual_attention(q, k, v, mask, 8**-0.5))
     assert (got[0, 1, 2] == 0).all() and got.isfinite().all()
+
+
+@pytest.mark.parametrize("name", ["softmax", "ssmax", "multimax"])
+@pytest.mark.parametrize("q_len", [3, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_what_the_entry_point_makes_is_on_the_inputs_device(name, q_len, padded):
+    """The causal mask and the key counts are made on the inputs' device: on the meta device a CPU tensor
+    mixed in raises. SDPA (softmax), scaled queries (ssmax) and explicit scores (multimax)."""
+    meta = torch.device("meta")
+    q, k = torch.empty(2, 3, q_len, 8, device=meta), torch.empty(2, 3, 5, 8, device=meta)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool, device=meta) if padded else None
+    out = attention(q, k, k, reweighting.build(name).to(meta), mask=mask, is_causal=True)
+    assert out.device == meta and out.shape == (2, 3, q_len, 8)
+
+
+def test_the_explicit_path_computes_on_the_calls_backend(monkeypatch):
+    """``backend="compile"`` compiles the function's reference (here: counted, run eagerly)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or fn)
+    q, k, v = qkv()
+    module = multimax_double()
+    got = attention(q, k, v, module, is_causal=True, backend="compile")
+    assert len(compiled) == 1
+    torch.testing.assert_close(got, attention(q, k, v, module, is_causal=True, backend="reference"))

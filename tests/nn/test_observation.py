@@ -229,9 +229,9 @@ def test_observed_dropout_drops_the_weights_after_they_are_recorded():
     probs = torch.softmax(q @ k.transpose(-2, -1) / 5**0.5, -1)
     with record_attention(Task(Net(fn))) as rec:
         torch.manual_seed(0)
-        got = attention(q, k, v, fn, dropout_p=0.5)
+        got = attention(q, k, v, fn, dropout_p=0.3)
     torch.manual_seed(0)
-    torch.testing.assert_close(got, torch.nn.functional.dropout(probs, p=0.5, training=True) @ v)
+    torch.testing.assert_close(got, torch.nn.functional.dropout(probs, p=0.3, training=True) @ v)
     [(weights, keep)] = rec["only"]
     torch.testing.assert_close(weights, probs)
     assert keep is None
@@ -252,3 +252,35 @@ def test_observation_ends_with_its_context_even_on_an_error():
             attention(q, k, v, fn)
         attention(q, k, v, fn)  # the inner context is gone, the outer one sees it again
     assert len(inner["only"]) == 1 and len(outer["only"]) == 1
+
+
+class Seen(AttentionObserver):
+    """Keeps what :meth:`edit_mask` was given."""
+
+    def edit_mask(self, site, q, k, mask):
+        self.given = (site, q, k, mask)
+        return mask
+
+
+def test_an_observer_is_given_the_calls_queries_keys_and_causal_mask_and_its_backend_is_kept(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or fn)
+    fn = build("multimax", backend="compile")
+    net, observer = Net(fn), Seen()
+    q, (k, v) = torch.randn(1, 2, 2, 5), torch.randn(2, 1, 2, 4, 5).unbind(0)  # 2 queries, 4 keys
+    with observe_attention(net, observer):
+        got = attention(q, k, v, fn, is_causal=True)
+    site, q_seen, k_seen, mask = observer.given
+    assert site.name == "only" and q_seen is q and k_seen is k
+    assert torch.equal(mask, torch.ones(2, 4, dtype=torch.bool).tril(2))  # bottom-right: 2 queries, 4 keys
+    assert len(compiled) == 1  # the weights were computed on the module's backend
+    torch.testing.assert_close(got, attention(q, k, v, fn, is_causal=True, backend="reference"))
+
+
+def test_observation_works_on_the_inputs_device():
+    meta = torch.device("meta")
+    fn = build("multimax").to(meta)
+    q = torch.empty(1, 2, 3, 4, device=meta)
+    with record_attention(Net(fn)) as rec:
+        out = attention(q, q, q, fn, is_causal=True)
+    assert out.device == meta and rec["only"][0].keep.device == meta
