@@ -189,7 +189,8 @@ def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
 
 
 def test_unknown_model_is_refused_and_other_modules_pass_through():
-    with pytest.raises(TypeError, match=r"^Linear names no attention sites \(no attention_sites\(\) on it or its \.model\)$"):
+    refusal = r"^Linear names no attention sites \(no attention_sites\(\) on it or its \.model\)$"
+    with pytest.raises(TypeError, match=refusal):
         with record_attention(torch.nn.Linear(2, 2)):
             pass
     # A reweighting module that is not a site of the observed model is not recorded.
