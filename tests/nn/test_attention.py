@@ -389,3 +389,33 @@ def test_the_explicit_path_computes_on_the_calls_backend(monkeypatch):
     got = attention(q, k, v, module, is_causal=True, backend="compile")
     assert len(compiled) == 1
     torch.testing.assert_close(got, attention(q, k, v, module, is_causal=True, backend="reference"))
+
+
+@pytest.mark.parametrize("name", reweighting.available())
+def test_a_given_scale_equals_the_default_on_rescaled_queries(name):
+    """``scale=c`` is the default ``hs ** -0.5`` on queries times ``c * hs ** 0.5``, on every path."""
+    q, k, v = qkv()
+    mask = torch.rand(2, 1, 1, 5) > 0.3
+    mask[..., 0] = True
+    fn = reweighting.build(name).double()
+    for options in ({"is_causal": True}, {"mask": mask, "is_causal": name == "stickbreaking"}):
+        got = attention(q, k, v, fn, scale=0.3, **options)
+        torch.testing.assert_close(got, attention(q * 0.3 * 8**0.5, k, v, fn, **options))
+
+
+def test_scaled_queries_keep_the_inputs_precision():
+    """Scalable-Softmax with float32 parameters on bfloat16 inputs (as under autocast): a bfloat16 output
+    close to the float64 one."""
+    q, k, v = (t.bfloat16() for t in qkv())
+    fn = reweighting.build("ssmax")
+    assert fn.s.dtype == torch.float32
+    out = attention(q, k, v, fn, is_causal=True)
+    want = attention(*(t.double() for t in (q, k, v)), fn.double(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.05)
+
+
+def test_a_causal_only_function_refuses_non_causal_attention_by_name():
+    refusal = r"^StickBreaking weighs keys by their position before the query and needs is_causal=True$"
+    with pytest.raises(ValueError, match=refusal):
+        attention(*qkv(), reweighting.build("stickbreaking"))

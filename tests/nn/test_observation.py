@@ -268,14 +268,16 @@ def test_an_observer_is_given_the_calls_queries_keys_and_causal_mask_and_its_bac
     monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or fn)
     fn = build("multimax", backend="compile")
     net, observer = Net(fn), Seen()
-    q, (k, v) = torch.randn(1, 2, 2, 5), torch.randn(2, 1, 2, 4, 5).unbind(0)  # 2 queries, 4 keys
+    q, (k, v) = torch.randn(2, 2, 2, 5), torch.randn(2, 2, 2, 4, 5).unbind(0)  # 2 queries, 4 keys
+    padding = torch.tensor([[True] * 4, [True, True, False, False]])[:, None, None, :]  # (B, 1, 1, Tk)
     with observe_attention(net, observer):
-        got = attention(q, k, v, fn, is_causal=True)
+        got = attention(q, k, v, fn, mask=padding, is_causal=True)
     site, q_seen, k_seen, mask = observer.given
     assert site.name == "only" and q_seen is q and k_seen is k
-    assert torch.equal(mask, torch.ones(2, 4, dtype=torch.bool).tril(2))  # bottom-right: 2 queries, 4 keys
+    causal = torch.ones(2, 4, dtype=torch.bool).tril(2)  # bottom-right: 2 queries, 4 keys
+    assert torch.equal(mask, padding & causal)
     assert len(compiled) == 1  # the weights were computed on the module's backend
-    torch.testing.assert_close(got, attention(q, k, v, fn, is_causal=True, backend="reference"))
+    torch.testing.assert_close(got, attention(q, k, v, fn, mask=padding, is_causal=True, backend="reference"))
 
 
 def test_observation_works_on_the_inputs_device():
