@@ -217,12 +217,12 @@ def hand_multimax_attention(module, q, k, v, scale, causal, key_padding):
 
 
 class KernelCalls(list):
-    """The stand-in kernel's calls ``(q, k, v, scale, causal, key_padding)``, what it returns, and the module
-    it computes for."""
+    """The stand-in kernel's calls ``(q, k, v, scale, causal, key_padding)``, what it returns, the module it
+    computes for, and the functions ``torch.compile`` was given."""
 
     def __init__(self):
         super().__init__()
-        self.result, self.module_of = "compute", []
+        self.result, self.module_of, self.compiled = "compute", [], []
 
 
 @pytest.fixture
@@ -249,7 +249,8 @@ def stand_in_kernel(monkeypatch):
     monkeypatch.setattr(SigmaKernels, "attention", kernel)
     monkeypatch.setattr(backend_module, "FAILED_KERNELS", {})
     monkeypatch.setattr(backend_module, "_PROBED", set())
-    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # the fallback's compile backend, eagerly
+    # the fallback's compile backend, run eagerly; counted
+    monkeypatch.setattr(torch, "compile", lambda fn: calls.compiled.append(fn) or fn)
     return calls
 
 
@@ -311,13 +312,15 @@ def test_the_smallest_inputs_still_take_the_fused_kernel(stand_in_kernel):
 
 
 def test_a_failing_kernel_falls_back_to_the_same_call_under_auto(stand_in_kernel):
-    """The fallback computes the same call (mask, causality, scale) on the compile backend."""
+    """The fallback computes the same call (mask, causality, scale) on the compile backend (on a GPU,
+    ``auto`` would pick the row-wise kernel again)."""
     q, k, v = qkv(B=2, H=3, Tq=4, Tk=6)
     module = multimax_double()
     stand_in_kernel.result = "raise"
     mask = torch.tensor([[True] * 6, [True] * 3 + [False] * 3])[:, None, None, :]
     with pytest.warns(RuntimeWarning, match="MultiMax attention"):
         got = attention(q, k, v, module, mask=mask, is_causal=True, scale=0.3)
+    assert len(stand_in_kernel.compiled) == 1
     want = attention(q, k, v, module, mask=mask, is_causal=True, scale=0.3, backend="reference")
     torch.testing.assert_close(got, want)
     assert len(stand_in_kernel) == 1
