@@ -422,3 +422,22 @@ def test_a_causal_only_function_refuses_non_causal_attention_by_name():
     refusal = r"^StickBreaking weighs keys by their position before the query and needs is_causal=True$"
     with pytest.raises(ValueError, match=refusal):
         attention(*qkv(), reweighting.build("stickbreaking"))
+
+
+@pytest.mark.parametrize("name", ["softmax", "ssmax"])
+@pytest.mark.parametrize("q_len, padded, as_is_causal", [(5, False, True), (3, False, False), (5, True, False)])
+def test_sdpa_gets_is_causal_where_it_aligns_and_a_mask_otherwise(monkeypatch, name, q_len, padded, as_is_causal):
+    """Causal softmax over as many keys as queries and no mask reaches SDPA as ``is_causal`` (which its flash
+    kernels take; a mask would rule them out); fewer queries than keys (SDPA aligns top-left) or a mask: the
+    causal mask folded into the mask."""
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = qkv(Tq=q_len)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool) if padded else None
+    attention(q, k, v, reweighting.build(name).double(), mask=mask, is_causal=True)
+    assert seen == [(as_is_causal, as_is_causal)]
