@@ -189,7 +189,8 @@ def attention(
         backend: overrides ``reweight.backend`` for this call.
 
     Returns:
-        ``(B, nh, Tq, hv)``. A query whose keys are all masked gets a zero output, never NaN.
+        ``(B, nh, Tq, hv)``. A query whose keys are all masked, or that has no key (``Tk = 0``), gets a zero
+        output, never NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
