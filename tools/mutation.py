@@ -233,8 +233,20 @@ MODULES: dict[str, Module] = {
         ),
         keyword="not triton",
     ),
+    # the functions whose paths attention() takes (scaled queries, causal-only, the fused branch with a stand-in
+    # kernel) and the protocol's network_of; the interpreter tests are left out by name
     "attention": Module(
-        ("mmlight/nn/*",), ("tests/nn/test_attention.py", "tests/nn/test_observation.py"), keyword="not triton"
+        ("mmlight/nn/*",),
+        (
+            "tests/nn/test_attention.py",
+            "tests/nn/test_observation.py",
+            "tests/nn/test_sites.py",
+            "tests/reweighting/test_ssmax.py",
+            "tests/reweighting/test_stickbreaking.py",
+            "tests/reweighting/test_fallback.py",
+            "tests/tasks/test_protocol.py",
+        ),
+        keyword="not triton and not test_fused_path_is_taken_outside_the_context_only",
     ),
     "beam_search": Module(("mmlight/models/beam_search.py",), ("tests/models/test_beam_search.py",)),
     # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work

@@ -189,7 +189,8 @@ def attention(
         backend: overrides ``reweight.backend`` for this call.
 
     Returns:
-        ``(B, nh, Tq, hv)``. A query whose keys are all masked gets a zero output, never NaN.
+        ``(B, nh, Tq, hv)``. A query whose keys are all masked, or that has no key (``Tk = 0``), gets a zero
+        output, never NaN.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
@@ -278,6 +279,8 @@ def with_causal(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> to
 def explicit_weights(q, k, reweight, mask, scale, backend) -> torch.Tensor:
     """The attention weights ``(B, nh, Tq, Tk)``, materialised: scores, then the reweighting."""
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    if scores.shape[-1] == 0:  # no key to weigh (the functions reduce over keys); the output is then zero
+        return scores
     return reweight.compute(scores, mask, backend)
 
 

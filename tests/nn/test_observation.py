@@ -7,8 +7,8 @@ import torch
 
 from mmlight.models import ReweightedViT
 from mmlight.models.transformer import TransformerLM, TransformerSeq2Seq
-from mmlight.nn import AttentionObserver, attention, observe_attention, record_attention
-from mmlight.reweighting import ReweightingSpec, multimax_sigma
+from mmlight.nn import AttentionObserver, AttentionSite, attention, observe_attention, record_attention
+from mmlight.reweighting import ReweightingSpec, build, multimax_sigma
 from mmlight.reweighting.fused import SigmaKernels
 from tests.models.test_transformer import tiny
 from tests.models.test_vit import micro_vit
@@ -87,6 +87,11 @@ def test_lm_records_causal_weights_and_one_call_per_decoding_step():
         [(weights, keep)] = rec[name]
         torch.testing.assert_close(weights.double(), want, atol=1e-5, rtol=1e-4)
         assert (weights[..., ~causal] == 0).all()
+        assert torch.equal(keep.expand(2, 2, 7, 7), causal.expand(2, 2, 7, 7))  # the mask used, causal folded in
+        assert not weights.requires_grad  # recorded detached, though the model's parameters require grad
+        site = model.attention_sites()[name]
+        assert (rec.site(name).name, rec.site(name).kind, rec.site(name).layer) == (name, "decoder_self", site.layer)
+        assert rec.site(name).module is attn.reweight
 
     # Incremental decoding: one record per step; the last step's row is the full pass's last row.
     cache = model.new_cache()
@@ -117,6 +122,7 @@ def test_seq2seq_records_encoder_decoder_and_cross_attention_with_padding():
     want = hand_softmax(attn._heads(attn.q_proj(x)), attn._heads(attn.k_proj(memory)), src_keep)
     torch.testing.assert_close(rec[site][0].weights.double(), want, atol=1e-5, rtol=1e-4)
     assert (rec[site][0].weights[1, ..., 4:] == 0).all()
+    assert torch.equal(rec[site][0].keep.expand(2, 1, 5, 6), src_keep.expand(2, 1, 5, 6))
 
     enc = model.encoder.layers[0].self_attn
     (x,), _ = seen["enc"]
@@ -183,14 +189,101 @@ def test_fused_path_is_taken_outside_the_context_only(monkeypatch):
 
 
 def test_unknown_model_is_refused_and_other_modules_pass_through():
-    with pytest.raises(TypeError, match="names no attention sites"):
+    refusal = r"^Linear names no attention sites \(no attention_sites\(\) on it or its \.model\)$"
+    with pytest.raises(TypeError, match=refusal):
         with record_attention(torch.nn.Linear(2, 2)):
             pass
     # A reweighting module that is not a site of the observed model is not recorded.
-    from mmlight.reweighting import build
-
     model = tiny_model(TransformerLM, n_layers=1)
     q = k = v = torch.randn(1, 2, 3, 4)
     with record_attention(model) as rec:
         attention(q, k, v, build("softmax"))
     assert rec.sites() == []
+
+
+class Net(torch.nn.Module):
+    """A network of one attention site, ``only``, whose reweighting module is ``module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def attention_sites(self):
+        return {"only": AttentionSite("only", "self", "tokens", 0, self.module)}
+
+
+class Task(torch.nn.Module):
+    """A task holding its network as ``.model``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+
+def test_observed_dropout_drops_the_weights_after_they_are_recorded():
+    """Under observation too, dropout acts on the weights (the same draws as by hand), and the record is
+    of the weights before dropout."""
+    fn = build("multimax", backend="reference").double()
+    with torch.no_grad():
+        fn.ts.zero_()  # MultiMax with zero slopes: softmax
+    q, k, v = torch.randn(3, 2, 3, 4, 5, dtype=torch.float64).unbind(0)
+    probs = torch.softmax(q @ k.transpose(-2, -1) / 5**0.5, -1)
+    with record_attention(Task(Net(fn))) as rec:
+        torch.manual_seed(0)
+        got = attention(q, k, v, fn, dropout_p=0.3)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, torch.nn.functional.dropout(probs, p=0.3, training=True) @ v)
+    [(weights, keep)] = rec["only"]
+    torch.testing.assert_close(weights, probs)
+    assert keep is None
+
+
+def test_observation_ends_with_its_context_even_on_an_error():
+    fn = build("softmax")
+    net = Net(fn)
+    q = k = v = torch.randn(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="stop"):
+        with record_attention(net) as rec:
+            attention(q, k, v, fn)
+            raise RuntimeError("stop")
+    attention(q, k, v, fn)  # after the context: not recorded
+    assert rec.sites() == ["only"] and len(rec["only"]) == 1
+    with record_attention(net) as outer:
+        with record_attention(net) as inner:
+            attention(q, k, v, fn)
+        attention(q, k, v, fn)  # the inner context is gone, the outer one sees it again
+    assert len(inner["only"]) == 1 and len(outer["only"]) == 1
+
+
+class Seen(AttentionObserver):
+    """Keeps what :meth:`edit_mask` was given."""
+
+    def edit_mask(self, site, q, k, mask):
+        self.given = (site, q, k, mask)
+        return mask
+
+
+def test_an_observer_is_given_the_calls_queries_keys_and_causal_mask_and_its_backend_is_kept(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or fn)
+    fn = build("multimax", backend="compile")
+    net, observer = Net(fn), Seen()
+    q, (k, v) = torch.randn(2, 2, 2, 5), torch.randn(2, 2, 2, 4, 5).unbind(0)  # 2 queries, 4 keys
+    padding = torch.tensor([[True] * 4, [True, True, False, False]])[:, None, None, :]  # (B, 1, 1, Tk)
+    with observe_attention(net, observer):
+        got = attention(q, k, v, fn, mask=padding, is_causal=True)
+    site, q_seen, k_seen, mask = observer.given
+    assert site.name == "only" and q_seen is q and k_seen is k
+    causal = torch.ones(2, 4, dtype=torch.bool).tril(2)  # bottom-right: 2 queries, 4 keys
+    assert torch.equal(mask, padding & causal)
+    assert len(compiled) == 1  # the weights were computed on the module's backend
+    torch.testing.assert_close(got, attention(q, k, v, fn, mask=padding, is_causal=True, backend="reference"))
+
+
+def test_observation_works_on_the_inputs_device():
+    meta = torch.device("meta")
+    fn = build("multimax").to(meta)
+    q = torch.empty(1, 2, 3, 4, device=meta)
+    with record_attention(Net(fn)) as rec:
+        out = attention(q, q, q, fn, is_causal=True)
+    assert out.device == meta and rec["only"][0].keep.device == meta
