@@ -154,7 +154,7 @@ def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
     """One task's tables: metric and interventions; sink ratio and null mass per layer."""
     first = next(iter(summaries.values()))
     recall = first["solved"] is not None
-    head = ["function", "metric", *(["solved"] if recall else []), "n"]
+    head = ["function", "metric", *(["solved"] if recall else []), "n", "plain"]
     head += [f"sinks k={k}" for k in SINK_LEVELS] + [f"L2 r={r:g}" for r in KEEP_RATIOS[1:]]
     head += [f"stream r={r:g}" for r in KEEP_RATIOS[1:]]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -162,16 +162,17 @@ def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
         cells = [s["row"], fmt(s["metric"])]
         if recall:
             cells.append(f"{len(s['solved'])}/{len(s['seeds'])}")
-        cells.append(str(len(s["interventions_over"])))
+        cells += [str(len(s["interventions_over"])), fmt(s["interventions"].get("none"))]
         cells += [fmt(s["interventions"].get(f"sink_masking@{k}")) for k in SINK_LEVELS]
         cells += [fmt(s["interventions"].get(f"kv_{m}@{r:g}")) for m in ("l2", "streaming") for r in KEEP_RATIOS[1:]]
         lines.append("| " + " | ".join(cells) + " |")
-    layers = list(first["sink_ratio"])
-    lines += ["", "| function | " + " | ".join(f"sink ratio {short_layer(n)}" for n in layers)]
+    layers = list(first["null_mass"])
+    own = [n for n in layers if "self" in n]  # sinks are keys of the layer's own stack (cross-attention: none)
+    lines += ["", "| function | " + " | ".join(f"sink ratio {short_layer(n)}" for n in own)]
     lines[-1] += " | " + " | ".join(f"null mass {short_layer(n)}" for n in layers) + " |"
-    lines.append("|---|" + "---|" * 2 * len(layers))
+    lines.append("|---|" + "---|" * (len(own) + len(layers)))
     for s in summaries.values():
-        cells = [fmt(s["sink_ratio"].get(n), 2) for n in layers] + [fmt(s["null_mass"].get(n), 3) for n in layers]
+        cells = [fmt(s["sink_ratio"].get(n), 2) for n in own] + [fmt(s["null_mass"].get(n), 3) for n in layers]
         lines.append(f"| {s['row']} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -183,6 +184,8 @@ def figure(tasks: dict[str, dict[str, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = list(dict.fromkeys(s["row"] for summaries in tasks.values() for s in summaries.values()))
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per function in every panel
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7.5), squeeze=False)
     for col, (task, summaries) in enumerate(tasks.items()):
         for row, method in enumerate(("l2", "streaming")):
@@ -200,6 +203,7 @@ def figure(tasks: dict[str, dict[str, dict]], path: Path) -> None:
                         yerr=[sd for _, (_, sd) in points],
                         marker="o",
                         capsize=2,
+                        color=colour[s["row"]],
                         label=s["row"],
                     )
             ax.set_title(f"{task}: {'L2-norm' if method == 'l2' else 'StreamingLLM'} eviction")
