@@ -164,9 +164,11 @@ def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_int
     [(cmd, env)] = runs
     assert cmd == [sys.executable, "-m", "mmlight.doctor"] and env["TRITON_INTERPRET"] == "1"
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # set, but off: still a fresh process with it on
+    monkeypatch.setattr(sys, "argv", ["mmlight doctor"])  # the console script: main() reads sys.argv
     with pytest.raises(SystemExit):
-        doctor.main([])
-    assert len(runs) == 2 and runs[1][1]["TRITON_INTERPRET"] == "1"
+        doctor.main()
+    assert len(runs) == 2 and runs[1] == ([sys.executable, "-m", "mmlight.doctor"], runs[1][1])
+    assert runs[1][1]["TRITON_INTERPRET"] == "1"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(doctor, "CHECKS", [])
     doctor.main([])  # runs in this process: nothing new started
@@ -325,8 +327,12 @@ def test_relative_error_is_taken_in_float64():
     assert doctor.relative_error(actual, expected) == pytest.approx(1 / 257, rel=1e-12)
 
 
-@pytest.mark.parametrize("scalar", [False, True])
-def test_forward_backward_is_the_output_and_the_gradients_of_a_fixed_projection(scalar):
+# an output of every rank: the whole tensor (B, nh, T), one row (T,), or a scalar (cross-entropy)
+REDUCE = {"none": lambda out: out, "row": lambda out: out[1, 2], "sum": lambda out: out.sum()}
+
+
+@pytest.mark.parametrize("reduce", REDUCE)
+def test_forward_backward_is_the_output_and_the_gradients_of_a_fixed_projection(reduce):
     """Against autograd on ``sum(out * cos(0, 1, 2, ...))`` (a scalar output: its plain gradient), for the
     input that requires grad and the 8 MultiMax parameters, in that order."""
     gen = torch.Generator().manual_seed(3)
@@ -334,19 +340,28 @@ def test_forward_backward_is_the_output_and_the_gradients_of_a_fixed_projection(
     module = doctor._multimax("cpu").double()
 
     def run(module, inputs, backend):
-        out = module.compute(inputs[0], None, backend)
-        return out.sum() if scalar else out
+        return REDUCE[reduce](module.compute(inputs[0], None, backend))
 
     check = doctor.Check("stand-in", (2, 3, 5), (2, 3, 5), doctor._scores, run, 1e-2)
     got = doctor._forward_backward(check, module, scores, "reference")
-    out = module.compute(scores[0], None, "reference")
-    weight = torch.cos(torch.arange(30, dtype=torch.float64)).reshape(2, 3, 5)
-    loss = out.sum() if scalar else (out * weight).sum()
-    want = [out.sum() if scalar else out, *torch.autograd.grad(loss, [scores[0], module.ranges, module.ts])]
+    out = run(module, scores, "reference")
+    weight = torch.cos(torch.arange(out.numel(), dtype=torch.float64)).reshape(out.shape)
+    want = [
+        out,
+        *torch.autograd.grad((out * weight).sum() if out.dim() else out, [scores[0], module.ranges, module.ts]),
+    ]
     assert len(got) == 4
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)  # the doctor's cosines are fp32
     assert all(g.abs().max() > 0 for g in got[1:])  # the parameters bend sigma: every gradient counts
+
+
+def test_forward_backward_stays_on_the_outputs_device():
+    """On the meta device: an upstream gradient made elsewhere would not match the output."""
+    module = doctor._multimax("meta")
+    check = doctor.Check("stand-in", (2, 3, 5), (2, 3, 5), doctor._scores, doctor._rowwise, 1e-2)
+    got = doctor._forward_backward(check, module, doctor._scores((2, 3, 5), torch.float32, "meta", None), "reference")
+    assert [g.device.type for g in got] == ["meta"] * 4
 
 
 def test_multimax_parameters_bend_sigma():
@@ -401,16 +416,55 @@ def test_run_check_draws_the_inputs_of_the_recorded_run(gpu_on_the_cpu):
     ]
 
 
+def test_run_check_backends_device_and_timing(gpu_on_the_cpu, monkeypatch):
+    """The reference on the ``reference`` backend, then the kernel on ``triton``; then each backend warmed up
+    once and timed by do_bench with the recorded run's settings (5 ms warm-up, 30 ms of repetitions).
+    The generator and the MultiMax are made on the check's device."""
+    import triton.testing
+
+    calls, benches, generators, modules = [], [], [], []
+
+    def run(module, inputs, backend):
+        calls.append(backend)
+        return module.compute(inputs[0], None, "reference")
+
+    def do_bench(fn, warmup, rep):
+        benches.append((warmup, rep))
+        fn()
+        return 0.25
+
+    generator, multimax = torch.Generator, doctor._multimax
+    monkeypatch.setattr(torch, "Generator", lambda device: generators.append(device) or generator(device))
+    monkeypatch.setattr(doctor, "_multimax", lambda device: modules.append(device) or multimax(device))
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    row = doctor.run_check(doctor.Check("stand-in", (2, 3, 9), (1, 2, 5), doctor._scores, run, 2e-2), on_gpu=True)
+    assert row["ok"] and row["ms"] == {"triton": 0.25, "reference": 0.25, "compile": 0.25}
+    assert calls == ["reference", "triton", "triton", "triton", "reference", "reference", "compile", "compile"]
+    assert benches == [(5, 30)] * 3
+    assert generators == modules == ["cpu"]
+
+
+def test_check_with_integer_inputs(gpu_on_the_cpu):
+    """Cross-entropy's integer targets stay integers in the fp32 reference (only floating inputs are copied)."""
+
+    def run(module, inputs, backend):
+        return doctor._cross_entropy(module, inputs, "reference")
+
+    row = doctor.run_check(doctor.Check("stand-in", (4, 50), (4, 50), doctor._logits, run, 2e-2), on_gpu=True)
+    assert row["ok"] is True and 0 < row["error"] < 2e-2  # bf16 logits against their fp32 copies
+
+
 def test_inputs_of_the_checks():
     gen = torch.Generator().manual_seed(0)
     [scores] = doctor._scores((4, 5000), torch.bfloat16, "cpu", gen)
     assert scores.dtype == torch.bfloat16 and scores.requires_grad and scores.shape == (4, 5000)
     assert 2.8 < scores.float().std() < 3.2  # 3 x standard normal: scores spread like trained attention logits
-    q, k, v = doctor._qkv((1, 2, 7, 4), torch.float32, "cpu", gen)
-    assert all(t.shape == (1, 2, 7, 4) and t.requires_grad for t in (q, k, v))
+    q, k, v = doctor._qkv((1, 2, 7, 4), torch.bfloat16, "cpu", gen)
+    assert all(t.shape == (1, 2, 7, 4) and t.dtype == torch.bfloat16 and t.requires_grad for t in (q, k, v))
     assert not torch.equal(q, k) and not torch.equal(k, v)
-    logits, targets = doctor._logits((500, 3), torch.float32, "cpu", gen)
-    assert logits.shape == (500, 3) and logits.requires_grad and 2.7 < logits.std() < 3.3
+    logits, targets = doctor._logits((500, 3), torch.bfloat16, "cpu", gen)
+    assert logits.shape == (500, 3) and logits.dtype == torch.bfloat16 and logits.requires_grad
+    assert 2.7 < logits.float().std() < 3.3
     assert targets.shape == (500,) and targets.dtype == torch.int64 and set(targets.tolist()) == {0, 1, 2}
 
 
@@ -499,7 +553,10 @@ def test_each_check_runs_its_computation_on_the_backend_asked_for(monkeypatch):
     [scores] = doctor._scores((2, 7), torch.float64, "cpu", gen)
     q, k, v = doctor._qkv((1, 2, 6, 4), torch.float64, "cpu", gen)
     logits, targets = doctor._logits((5, 11), torch.float64, "cpu", gen)
-    rowwise, noncausal, causal, cross_entropy = (c.run for c in doctor.CHECKS)
+    assert [c.run for c in doctor.CHECKS[::3]] == [doctor._rowwise, doctor._cross_entropy]
+    assert [c.run.__qualname__ for c in doctor.CHECKS[1:3]] == ["_attention.<locals>.run"] * 2
+    rowwise, cross_entropy = doctor._rowwise, doctor._cross_entropy
+    noncausal, causal = doctor._attention(False), doctor._attention(True)  # made here, not at import
 
     def close(actual, expected):
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
