@@ -1,6 +1,7 @@
 """Beam search against independent references: exhaustive search, greedy decoding, a plain-Python
 fairseq beam search and one-sentence-at-a-time decoding, all scoring with full (cache-free) forward passes."""
 
+import dataclasses
 import itertools
 import math
 import re
@@ -152,6 +153,18 @@ def test_empty_batch():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchConfig(**kwargs)
+
+
+def test_defaults_are_fairseqs_iwslt14_evaluation():
+    """fairseq's IWSLT14 example (``--eval-bleu-args '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}'``) with
+    fairseq-generate's own ``--lenpen 1`` and ``--min-len 1``."""
+    assert dataclasses.asdict(BeamSearchConfig()) == {
+        "beam_size": 5,
+        "max_len_a": 1.2,
+        "max_len_b": 10,
+        "length_penalty": 1.0,
+        "min_len": 1,
+    }
 
 
 def test_zero_length_bounds_are_valid():
