@@ -7,6 +7,7 @@ so that the fallback path runs at once on the CPU (what is checked is that it is
 
 import importlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,7 +171,8 @@ def test_the_failure_is_recorded_as_its_type_and_first_line_and_the_warning_poin
         "backend 'auto' computes it with 'compile' from now on. Run `mmlight doctor` for details, "
         "or set backend 'triton' to get the error raised."
     )
-    assert caught[0].filename == __file__  # stacklevel 2: the line that called run_fused
+    # stacklevel 2: the line that called run_fused (under mutation testing, mutmut's trampoline is that caller)
+    assert Path(caught[0].filename).name in (Path(__file__).name, "trampoline.py")
 
 
 def test_kernel_key_names_the_dtype_and_the_power_of_two_at_or_above_the_last_dim():
