@@ -226,3 +226,11 @@ def test_numpy_integers_and_edge_values_are_accepted():
     dm = RecallDataModule(**{**SMALL, "num_keys": np.int64(5), "seed": np.int64(0), "train_size": 16, "num_workers": 0})
     assert dm.num_keys == 5 and dm.sizes["train"] == 16
     assert RecallDataModule(**{**SMALL, "num_queries": 1, "val_size": 1}).sequences("val").shape == (1, 12)
+
+
+def test_test_and_predict_read_the_test_split_in_order():
+    dm = RecallDataModule(**SMALL)
+    for loader in (dm.test_dataloader(), dm.predict_dataloader()):
+        rows = torch.cat([torch.cat([b["input"], b["target"][:, -1:]], dim=1) for b in loader])
+        np.testing.assert_array_equal(rows.numpy(), dm.sequences("test"))
+        assert [len(b["input"]) for b in loader] == [16, 14]  # the last partial batch kept

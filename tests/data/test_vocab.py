@@ -247,3 +247,13 @@ def test_reprepare_hint_names_the_command_of_the_data_set():
     assert "`mmlight prepare digits --src <raw data> --out r`" in reprepare_hint("r", {"dataset": "sklearn-digits"})
     assert "`mmlight prepare wikitext103 --src" in reprepare_hint("r", {"dataset": "wikitext103"})
     assert "`mmlight prepare <dataset> --src" in reprepare_hint("r", {})
+
+
+def test_a_class_map_keeps_a_tuple_and_names_its_errors_exactly():
+    classes = ClassMap(["cat", "dog"])
+    assert classes.names == ("cat", "dog") and len(classes) == 2 and hash(classes) == hash(ClassMap(("cat", "dog")))
+    assert classes.to_dict() == {"classes": ["cat", "dog"]}
+    with pytest.raises(ValueError, match=r"^a class map needs at least one class$"):
+        ClassMap([])
+    with pytest.raises(ValueError, match=r"^no 'classes' entry: not a class map$"):
+        ClassMap.from_dict({})

@@ -486,3 +486,13 @@ def test_training_needs_one_block_in_the_split_when_chunks_are_longer(shards, tm
         assert WikiTextDataModule(str(copy), block_size=32, batch_size=1).train_steps() == 1
         with pytest.raises(ValueError, match="hold at most 33 tokens, and a block of block_size=33 needs 34"):
             WikiTextDataModule(str(copy), block_size=33, batch_size=1).train_steps()
+
+
+def test_eval_windows_default_to_one_rank_and_run_in_the_main_process(shards):
+    stream = np.arange(4, 20)
+    one_rank = EvalWindows(stream, 5, 2, batch_size=2, pad_id=1, eos_id=2)
+    assert one_rank.windows == eval_windows(16, 5, 2)
+    with pytest.raises(ValueError, match=r"^eval_context must be in \[0, eval_block_size\), got 5 with block 5$"):
+        eval_windows(10, 5, 5)
+    _, out = shards
+    assert WikiTextDataModule(str(out), block_size=3).test_dataloader().num_workers == 0  # a small split in memory
