@@ -234,3 +234,14 @@ def test_test_and_predict_read_the_test_split_in_order():
         rows = torch.cat([torch.cat([b["input"], b["target"][:, -1:]], dim=1) for b in loader])
         np.testing.assert_array_equal(rows.numpy(), dm.sequences("test"))
         assert [len(b["input"]) for b in loader] == [16, 14]  # the last partial batch kept
+
+
+def test_each_split_is_drawn_from_its_own_stream_of_the_seed():
+    """``default_rng([seed, k])`` with k = 0, 1, 2 for train, val, test, as the class documents."""
+    from mmlight.data.recall import mqar_sequences
+
+    dm = RecallDataModule(**{**SMALL, "seed": 3})
+    for k, split in enumerate(("train", "val", "test")):
+        size = SMALL[f"{split}_size"]
+        expected = mqar_sequences(size, 12, 10, 5, 3, np.random.default_rng([3, k]))
+        np.testing.assert_array_equal(dm.sequences(split), expected)

@@ -155,7 +155,8 @@ def test_a_version_1_translation_set_still_loads(tmp_path):
 def test_a_repeated_token_keeps_its_first_id_and_tensors_decode_like_lists():
     import torch
 
-    vocab = Vocab(SPECIALS + ("a", "b", "a"))
+    vocab = Vocab([*SPECIALS, "a", "b", "a"])
+    assert vocab.tokens == (*SPECIALS, "a", "b", "a") and hash(vocab.tokens)  # a list is kept as a tuple
     assert vocab.index == {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "a": 4, "b": 5}
     assert vocab.encode("a b a") == [4, 5, 4] and vocab.decode([6, 5]) == "a b"
     ids = [0, 4, 5, 3, 1, 2]
