@@ -496,3 +496,22 @@ def test_eval_windows_default_to_one_rank_and_run_in_the_main_process(shards):
         eval_windows(10, 5, 5)
     _, out = shards
     assert WikiTextDataModule(str(out), block_size=3).test_dataloader().num_workers == 0  # a small split in memory
+
+
+def test_unreadable_training_shards_are_counted_at_each_draw(shards, tmp_path, monkeypatch):
+    from mmlight.data import streaming
+
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    broken = [str(copy / f"train-00000{i}.tar") for i in (1, 2)]
+    for url in broken:
+        Path(url).write_bytes(b"\xff" * 700)  # no tar header
+    draws = []
+    index = streaming.tar_index
+    monkeypatch.setattr(streaming, "tar_index", lambda url: draws.append(url) or index(url))
+    dm = WikiTextDataModule(str(copy), block_size=3, batch_size=2, num_workers=0, shuffle_buffer=0)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 5 and all(b["input"].shape == (2, 3) for b in batches)
+    drawn = sum(url in broken for url in draws)
+    assert drawn >= 1 and dm.skipped.value == drawn
