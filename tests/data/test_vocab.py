@@ -258,3 +258,18 @@ def test_a_class_map_keeps_a_tuple_and_names_its_errors_exactly():
         ClassMap([])
     with pytest.raises(ValueError, match=r"^no 'classes' entry: not a class map$"):
         ClassMap.from_dict({})
+
+
+def test_encode_and_decode_pass_the_language_on():
+    from mmlight.data.vocab import VocabAttributes
+
+    vocab = Vocab(SPECIALS + ("l&apos;", "homme", "l", "&apos;homme", ","), tokenizer=Tokenizer(True, "fr", "en"))
+
+    class Data(VocabAttributes):
+        def load_vocab(self) -> Vocab:
+            return vocab
+
+    for side in (vocab, Data()):
+        assert side.encode("l'homme,") == [4, 5, 8] and side.encode("l'homme,", "en") == [6, 7, 8]
+        assert side.decode([4, 5, 8]) == "l' homme," and side.decode([4, 5, 8], lang="fr") == "l'homme,"
+        assert side.decode([4, 5, 8], False) == "l&apos; homme ,"
