@@ -245,3 +245,19 @@ def test_each_split_is_drawn_from_its_own_stream_of_the_seed():
         size = SMALL[f"{split}_size"]
         expected = mqar_sequences(size, 12, 10, 5, 3, np.random.default_rng([3, k]))
         np.testing.assert_array_equal(dm.sequences(split), expected)
+
+
+def test_defaults_and_exact_messages():
+    dm = RecallDataModule()
+    assert (dm.num_keys, dm.num_values, dm.num_pairs, dm.num_queries) == (32, 32, 8, 8)
+    assert dm.sizes == {"train": 20000, "val": 1000, "test": 1000} and (dm.batch_size, dm.seed, dm.num_workers) == (
+        64,
+        0,
+        0,
+    )
+    assert RecallDataModule(**{**SMALL, "num_workers": 1}).val_dataloader().num_workers == 1
+    for name in ("num_pairs", "train_size", "val_size", "batch_size"):
+        with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got 0$"):
+            RecallDataModule(**{**SMALL, name: 0})
+    with pytest.raises(ValueError, match=r"; partial training batches are dropped, so no step would run$"):
+        RecallDataModule(**{**SMALL, "train_size": 8})

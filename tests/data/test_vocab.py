@@ -237,7 +237,11 @@ def test_a_vocabulary_file_is_written_once_then_verified_byte_for_byte(tmp_path,
     assert path.stat().st_mtime_ns == before
     assert load_vocab(path) == ["<s>", "x"]
     path.write_bytes(b"<s>\r\nx\r\n")  # the same lines with Windows line ends: another file
-    with pytest.raises(ValueError, match=r"vocab.txt differs .* \(2 vs 2 entries\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab.txt differs .* \(2 vs 2 entries\): the raw data or its "
+        r"tokenisation changed; prepare into an empty --out folder$",
+    ):
         save_vocab(path, ["<s>", "x"])
     with pytest.raises(ValueError, match=r"dict.txt differs .* \(0 vs 1 entries\)"):
         (tmp_path / "dict.txt").write_text("")
