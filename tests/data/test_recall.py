@@ -198,6 +198,7 @@ def test_ranks_share_one_permutation_and_take_alternate_batches():
         torch.manual_seed(0)
         rows[rank] = [b["input"] for b in dm.train_dataloader()]
         assert len(rows[rank]) == len(dm.train_dataloader()) == 2
+        assert dm.train_dataloader().state_dict()["world_size"] == 2  # recorded, so a resume can compare
     seen = torch.cat(rows[0] + rows[1])
     expected = torch.from_numpy(dm.sequences("train")[:, :-1])
     # the two ranks together read every row exactly once
