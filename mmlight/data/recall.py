@@ -203,15 +203,9 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
         for split in needed.get(stage, SPLITS):
             self.dataset(split)
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        return DataLoader(
-            self.dataset(split),
-            batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=train and self.num_workers > 0,
-        )
+    def _eval_loader(self, split: str) -> DataLoader:
+        """``split`` in order, the last partial batch kept (training reads :meth:`train_dataloader`)."""
+        return DataLoader(self.dataset(split), batch_size=self.batch_size, num_workers=self.num_workers)
 
     def train_dataloader(self) -> ResumableLoader:
         """Batches in an order fixed by the seed and epoch, resumable at any batch (:class:`RecallStream`)."""
@@ -226,10 +220,10 @@ class RecallDataModule(VocabAttributes, L.LightningDataModule):
         return ResumableLoader(StreamDataset(stream, steps, run_seed(), rank), self.num_workers, world)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
+        return self._eval_loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
+        return self._eval_loader("test")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", train=False)
+        return self._eval_loader("test")

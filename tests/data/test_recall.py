@@ -157,3 +157,108 @@ def test_oracle_reaches_one_and_the_majority_baseline_is_chance():
 def test_bad_arguments_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         RecallDataModule(**{**SMALL, **bad})
+
+
+def test_the_vocabulary_attributes_and_text_round_trip():
+    dm = RecallDataModule(**SMALL)
+    assert (dm.bos_id, dm.pad_id, dm.eos_id, dm.unk_id) == (0, 1, 2, 3)
+    assert dm.encode("k0 v9 k11 x") == [4, 4 + 12 + 9, 4 + 11, 3]
+    assert dm.decode(torch.tensor([0, 4, 25, 15, 3, 2, 1])) == "k0 v9 k11 <unk>"
+    assert str(dm) == "RecallDataModule(num_keys=12, num_values=10, num_pairs=5)"
+
+
+def test_setup_builds_only_the_splits_of_its_stage():
+    for stage, splits in [
+        ("fit", {"train", "val"}),
+        ("validate", {"val"}),
+        ("test", {"test"}),
+        ("predict", {"test"}),
+        (None, {"train", "val", "test"}),
+    ]:
+        dm = RecallDataModule(**SMALL)
+        dm.setup(stage)
+        assert set(dm._data) == splits, stage
+    with pytest.raises(KeyError, match="unknown split 'valid'"):
+        dm.sequences("valid")
+
+
+def test_as_many_queries_as_pairs_are_drawn_without_replacement():
+    seqs = RecallDataModule(**{**SMALL, "num_queries": 5}).sequences("val")
+    for seq in seqs:  # every pair queried once: the queries are a permutation of the keys
+        assert sorted(seq[10::2].tolist()) == sorted(seq[0:10:2].tolist())
+
+
+def test_ranks_share_one_permutation_and_take_alternate_batches():
+    from types import SimpleNamespace
+
+    dm = RecallDataModule(**SMALL)  # 64 rows, batches of 16: 2 steps per rank on 2 ranks
+    rows = {}
+    for rank in (0, 1):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        torch.manual_seed(0)
+        rows[rank] = [b["input"] for b in dm.train_dataloader()]
+        assert len(rows[rank]) == len(dm.train_dataloader()) == 2
+        assert dm.train_dataloader().state_dict()["world_size"] == 2  # recorded, so a resume can compare
+    seen = torch.cat(rows[0] + rows[1])
+    expected = torch.from_numpy(dm.sequences("train")[:, :-1])
+    # the two ranks together read every row exactly once
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, expected.tolist()))
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=8)
+    with pytest.raises(ValueError, match=r"train_size=64 is smaller than one global batch \(16 x 8 devices\)"):
+        dm.train_dataloader()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"num_keys": True}, "num_keys must be a positive integer, got True"),
+        ({"test_size": 2.0}, "test_size must be a positive integer, got 2.0"),
+        ({"seed": True}, "seed must be a non-negative integer, got True"),
+        ({"seed": 0.5}, "seed must be a non-negative integer"),
+        ({"num_workers": 1.0}, "num_workers must be a non-negative integer, got 1.0"),
+    ],
+)
+def test_arguments_of_other_types_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RecallDataModule(**{**SMALL, **bad})
+
+
+def test_numpy_integers_and_edge_values_are_accepted():
+    dm = RecallDataModule(**{**SMALL, "num_keys": np.int64(5), "seed": np.int64(0), "train_size": 16, "num_workers": 0})
+    assert dm.num_keys == 5 and dm.sizes["train"] == 16
+    assert RecallDataModule(**{**SMALL, "num_queries": 1, "val_size": 1}).sequences("val").shape == (1, 12)
+
+
+def test_test_and_predict_read_the_test_split_in_order():
+    dm = RecallDataModule(**SMALL)
+    for loader in (dm.test_dataloader(), dm.predict_dataloader()):
+        rows = torch.cat([torch.cat([b["input"], b["target"][:, -1:]], dim=1) for b in loader])
+        np.testing.assert_array_equal(rows.numpy(), dm.sequences("test"))
+        assert [len(b["input"]) for b in loader] == [16, 14]  # the last partial batch kept
+
+
+def test_each_split_is_drawn_from_its_own_stream_of_the_seed():
+    """``default_rng([seed, k])`` with k = 0, 1, 2 for train, val, test, as the class documents."""
+    from mmlight.data.recall import mqar_sequences
+
+    dm = RecallDataModule(**{**SMALL, "seed": 3})
+    for k, split in enumerate(("train", "val", "test")):
+        size = SMALL[f"{split}_size"]
+        expected = mqar_sequences(size, 12, 10, 5, 3, np.random.default_rng([3, k]))
+        np.testing.assert_array_equal(dm.sequences(split), expected)
+
+
+def test_defaults_and_exact_messages():
+    dm = RecallDataModule()
+    assert (dm.num_keys, dm.num_values, dm.num_pairs, dm.num_queries) == (32, 32, 8, 8)
+    assert dm.sizes == {"train": 20000, "val": 1000, "test": 1000} and (dm.batch_size, dm.seed, dm.num_workers) == (
+        64,
+        0,
+        0,
+    )
+    assert RecallDataModule(**{**SMALL, "num_workers": 1}).val_dataloader().num_workers == 1
+    for name in ("num_pairs", "train_size", "val_size", "batch_size"):
+        with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got 0$"):
+            RecallDataModule(**{**SMALL, name: 0})
+    with pytest.raises(ValueError, match=r"; partial training batches are dropped, so no step would run$"):
+        RecallDataModule(**{**SMALL, "train_size": 8})

@@ -8,7 +8,20 @@ import pytest
 
 from mmlight.data import ToyTranslationDataModule, WikiTextDataModule, read_info
 from mmlight.data.shards import INFO_FILE, INFO_VERSION, write_info
-from mmlight.data.vocab import SPECIAL_IDS, SPECIALS, ClassMap, Tokenizer, Vocab
+from mmlight.data.vocab import (
+    SPECIAL_IDS,
+    SPECIALS,
+    ClassMap,
+    Tokenizer,
+    Vocab,
+    build_dictionary,
+    load_dictionary,
+    load_vocab,
+    reprepare_hint,
+    save_vocab,
+    vocab_entry,
+    write_dictionary,
+)
 
 WORDS = ("the", "dog", "sees", "a", "cat")
 
@@ -137,3 +150,130 @@ def test_a_version_1_translation_set_still_loads(tmp_path):
     assert before.encode(line) == now.encode(line)
     assert before.decode(now.encode(line)) == "heute sieht der hund den fisch."
     assert before.decoder_start_id == now.eos_id
+
+
+def test_a_repeated_token_keeps_its_first_id_and_tensors_decode_like_lists():
+    import torch
+
+    vocab = Vocab([*SPECIALS, "a", "b", "a"])
+    assert vocab.tokens == (*SPECIALS, "a", "b", "a") and hash(vocab.tokens)  # a list is kept as a tuple
+    assert vocab.index == {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "a": 4, "b": 5}
+    assert vocab.encode("a b a") == [4, 5, 4] and vocab.decode([6, 5]) == "a b"
+    ids = [0, 4, 5, 3, 1, 2]
+    assert vocab.decode(torch.tensor(ids)) == vocab.decode(ids) == "a b <unk>"
+    assert Vocab.from_dict({"tokens": list(vocab.tokens), "special_ids": dict(SPECIAL_IDS)}) == vocab
+
+
+def test_the_tokenizer_language_defaults_and_overrides():
+    """The language decides Moses' apostrophes (French keeps ``l'`` on the article, English moves it to the
+    noun); ``encode`` uses ``src_lang`` and ``decode`` ``tgt_lang`` unless given one."""
+    fr_en = Tokenizer(moses=True, src_lang="fr", tgt_lang="en")
+    assert fr_en.tokenize("l'homme") == ["l&apos;", "homme"]
+    assert fr_en.tokenize("l'homme", "en") == ["l", "&apos;homme"]
+    assert fr_en.detokenize(["l&apos;", "homme", ","]) == "l' homme,"
+    assert fr_en.detokenize(["l&apos;", "homme", ","], lang="fr") == "l'homme,"
+    assert fr_en.detokenize(["l&apos;", "homme", ","], moses=False) == "l&apos; homme ,"
+    # without Moses, decoding never detokenises
+    assert Tokenizer(src_lang="fr", tgt_lang="fr").detokenize(["l&apos;", "homme", ","]) == "l&apos; homme ,"
+
+
+def test_bpe_is_applied_and_removed():
+    codes = "#version: 0.2\nd o\ndo g</w>\n"
+    tokenizer = Tokenizer(bpe_codes=codes)
+    assert tokenizer.tokenize("dog dot") == ["dog", "do@@", "t"]
+    assert tokenizer.detokenize(["dog", "do@@", "t"]) == "dog dot"
+
+
+def test_vocab_entry_names_the_bpe_codes_by_file():
+    entry = vocab_entry("dict.txt", "dict", 9, Tokenizer(moses=True, src_lang="de", bpe_codes="x"), "code", 100)
+    assert entry == {
+        "file": "dict.txt",
+        "format": "dict",
+        "size": 9,
+        "special_ids": SPECIAL_IDS,
+        "tokenizer": {
+            "moses": True,
+            "src_lang": "de",
+            "tgt_lang": None,
+            "version": None,
+            "bpe_file": "code",
+            "bpe_merges": 100,
+        },
+    }
+
+
+def test_a_dict_txt_set_loads_with_its_bpe_codes_and_a_wrong_size_is_refused(tmp_path):
+    write_dictionary(build_dictionary([["b a a", "c </s> a"], ["b <unk> <pad>"]]), tmp_path / "dict.txt")
+    assert (tmp_path / "dict.txt").read_text() == "a 3\nb 2\nc 1\n"  # by count, ties by name, no specials
+    (tmp_path / "code").write_text("#version: 0.2\na b\n")
+    info = {"dataset": "toy-translation", "vocab": vocab_entry("dict.txt", "dict", 7, Tokenizer(), "code", 1)}
+    vocab = Vocab.from_shards(tmp_path, info)
+    assert vocab == Vocab(SPECIALS + ("a", "b", "c"), tokenizer=Tokenizer(bpe_codes="#version: 0.2\na b\n"))
+    info["vocab"]["size"] = 8
+    with pytest.raises(
+        ValueError,
+        match=rf"dict.txt has 7 entries, _info.json says 8: prepare it again with `mmlight prepare "
+        rf"toy-translation --src <raw data> --out {tmp_path}`",
+    ):
+        Vocab.from_shards(tmp_path, info)
+
+
+def test_build_dictionary_orders_by_count_then_by_code_point():
+    sides = [["z y x", "y Z"], ["x y"]]
+    assert build_dictionary(sides) == [("y", 3), ("x", 2), ("Z", 1), ("z", 1)]
+    assert build_dictionary([["<s> <pad> </s> <unk>"]]) == []
+
+
+def test_load_dictionary_skips_blank_lines_and_keeps_the_token_before_the_count(tmp_path):
+    (tmp_path / "dict.txt").write_text("a 5\n\n  \nb 1\n")
+    assert load_dictionary(tmp_path / "dict.txt") == [*SPECIALS, "a", "b"]
+
+
+def test_a_vocabulary_file_is_written_once_then_verified_byte_for_byte(tmp_path, caplog):
+    path = tmp_path / "vocab.txt"
+    assert save_vocab(path, ["<s>", "x"]) == path and path.read_bytes() == b"<s>\nx\n"
+    before = path.stat().st_mtime_ns
+    save_vocab(path, ["<s>", "x"])
+    assert path.stat().st_mtime_ns == before
+    assert load_vocab(path) == ["<s>", "x"]
+    path.write_bytes(b"<s>\r\nx\r\n")  # the same lines with Windows line ends: another file
+    with pytest.raises(
+        ValueError,
+        match=r"vocab.txt differs .* \(2 vs 2 entries\): the raw data or its "
+        r"tokenisation changed; prepare into an empty --out folder$",
+    ):
+        save_vocab(path, ["<s>", "x"])
+    with pytest.raises(ValueError, match=r"dict.txt differs .* \(0 vs 1 entries\)"):
+        (tmp_path / "dict.txt").write_text("")
+        write_dictionary([("a", 1)], tmp_path / "dict.txt")
+
+
+def test_reprepare_hint_names_the_command_of_the_data_set():
+    assert "`mmlight prepare digits --src <raw data> --out r`" in reprepare_hint("r", {"dataset": "sklearn-digits"})
+    assert "`mmlight prepare wikitext103 --src" in reprepare_hint("r", {"dataset": "wikitext103"})
+    assert "`mmlight prepare <dataset> --src" in reprepare_hint("r", {})
+
+
+def test_a_class_map_keeps_a_tuple_and_names_its_errors_exactly():
+    classes = ClassMap(["cat", "dog"])
+    assert classes.names == ("cat", "dog") and len(classes) == 2 and hash(classes) == hash(ClassMap(("cat", "dog")))
+    assert classes.to_dict() == {"classes": ["cat", "dog"]}
+    with pytest.raises(ValueError, match=r"^a class map needs at least one class$"):
+        ClassMap([])
+    with pytest.raises(ValueError, match=r"^no 'classes' entry: not a class map$"):
+        ClassMap.from_dict({})
+
+
+def test_encode_and_decode_pass_the_language_on():
+    from mmlight.data.vocab import VocabAttributes
+
+    vocab = Vocab(SPECIALS + ("l&apos;", "homme", "l", "&apos;homme", ","), tokenizer=Tokenizer(True, "fr", "en"))
+
+    class Data(VocabAttributes):
+        def load_vocab(self) -> Vocab:
+            return vocab
+
+    for side in (vocab, Data()):
+        assert side.encode("l'homme,") == [4, 5, 8] and side.encode("l'homme,", "en") == [6, 7, 8]
+        assert side.decode([4, 5, 8]) == "l' homme," and side.decode([4, 5, 8], lang="fr") == "l'homme,"
+        assert side.decode([4, 5, 8], False) == "l&apos; homme ,"

@@ -1,6 +1,7 @@
 """WikiText-103: raw text -> vocabulary + token-id shards -> training blocks and evaluation windows."""
 
 import collections
+import io
 import json
 import math
 import shutil
@@ -16,7 +17,7 @@ import yaml
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.shards import sha256
-from mmlight.data.text import EvalWindows, WikiTextDataModule, eval_windows
+from mmlight.data.text import EvalWindows, WikiTextDataModule, block_starts, eval_windows
 from mmlight.data.vocab import load_vocab
 
 # The real raw format: every line starts with a space, "empty" lines hold one space, headings are
@@ -382,3 +383,135 @@ def test_chunks_too_short_for_one_block_stop_before_training(shards):
     assert WikiTextDataModule(str(out), block_size=CHUNK - 1, batch_size=1, num_workers=0).train_steps() >= 1
     with pytest.raises(ValueError, match=r"hold at most 8 tokens, and a block of block_size=8 needs 9"):
         WikiTextDataModule(str(out), block_size=CHUNK, batch_size=1, num_workers=0).train_steps()
+
+
+def test_block_starts_against_an_exhaustive_reference():
+    """Every start from the offset on, a block apart, whose block of ``block_size + 1`` tokens fits the
+    chunk; the offsets drawn cover exactly ``[0, block_size)``."""
+    import random
+
+    class Fixed(random.Random):
+        """Draws ``offset``, after checking that it was asked for one in ``[0, block)``."""
+
+        def __init__(self, offset: int, block: int):
+            super().__init__(0)
+            self.offset, self.block = offset, block
+
+        def randrange(self, n):
+            assert n == self.block
+            return self.offset
+
+    for length in range(0, 12):
+        for block in range(1, 6):
+            for offset in range(block):
+                expected = [s for s in range(offset, length) if (s - offset) % block == 0 and s + block + 1 <= length]
+                assert list(block_starts(length, block, Fixed(offset, block))) == expected
+            assert list(block_starts(length, block, random.Random(0), random_offset=False)) == [
+                s for s in range(0, length, block) if s + block + 1 <= length
+            ]
+    rng = random.Random(0)
+    assert {block_starts(100, 4, rng)[0] for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_eval_windows_dataset_length_is_the_number_of_batches():
+    for n, block, context, batch, world in [(16, 5, 2, 2, 2), (16, 5, 2, 3, 1), (16, 4, 0, 4, 1), (1, 4, 0, 2, 1)]:
+        for rank in range(world):
+            ds = EvalWindows(
+                np.arange(4, 4 + n), block, context, batch, pad_id=1, eos_id=2, rank=rank, world_size=world
+            )
+            windows = len(eval_windows(n, block, context)[rank::world])
+            assert len(ds) == len(list(ds)) == math.ceil(windows / batch)
+            assert sum(len(b["start"]) for b in ds) == windows
+
+
+def test_eval_window_defaults_and_bad_sizes(shards):
+    _, out = shards
+    dm = WikiTextDataModule(str(out), block_size=3, batch_size=2, num_workers=0)
+    assert (dm.eval_block_size, dm.eval_context) == (3, 0)
+    batches = list(dm.test_dataloader())  # 16 targets in windows of 3 without context
+    assert [b["input"].shape for b in batches] == [(2, 3)] * 3
+    assert torch.cat([b["start"] for b in batches]).tolist() == list(range(0, 16, 3))
+    assert int(sum(b["loss_mask"].sum() for b in batches)) == 16
+    assert dm.val_dataloader() is not None and int(sum(b["loss_mask"].sum() for b in dm.val_dataloader())) == 10
+    for bad in ({"block_size": 0}, {"batch_size": 0}, {"eval_block_size": 2, "eval_context": -1}):
+        with pytest.raises(ValueError, match="must be"):
+            WikiTextDataModule(str(out), **{"block_size": 3, "batch_size": 2, **bad})
+    assert WikiTextDataModule(str(out), block_size=1, batch_size=1, eval_block_size=1).eval_context == 0
+
+
+def test_a_stream_that_disagrees_with_its_info_is_refused(shards, tmp_path):
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    info = json.loads((copy / "_info.json").read_text())
+    info["splits"]["valid"]["num_tokens"] = 11
+    (copy / "_info.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match=r"split 'valid' of .* has 10 tokens, _info.json says 11"):
+        WikiTextDataModule(str(copy)).stream("valid")
+    with tarfile.open(out / info["splits"]["test"]["shards"][0]["name"]) as tar:  # its first chunk renamed
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(copy / info["splits"]["test"]["shards"][0]["name"], "w") as tar:
+        for member, data in members:
+            member.name = member.name.replace("000000.", "000007.")
+            tar.addfile(member, io.BytesIO(data))
+    with pytest.raises(ValueError, match=r"split 'test' of .* does not hold consecutive chunks 000000"):
+        WikiTextDataModule(str(copy)).stream("test")
+
+
+def test_an_empty_split_is_an_empty_stream(shards, tmp_path):
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    info = json.loads((copy / "_info.json").read_text())
+    info["splits"]["valid"].update(num_tokens=0, shards=[])
+    (copy / "_info.json").write_text(json.dumps(info))
+    dm = WikiTextDataModule(str(copy), block_size=3)
+    assert dm.stream("valid").dtype == np.int64 and dm.stream("valid").shape == (0,)
+    assert list(dm.val_dataloader()) == []
+
+
+def test_training_needs_one_block_in_the_split_when_chunks_are_longer(shards, tmp_path):
+    """Without a chunk size in _info.json, or with chunks longer than the split, the split's own length
+    bounds the block."""
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    info = json.loads((copy / "_info.json").read_text())
+    for chunk_tokens in (None, 1000):
+        if chunk_tokens is None:
+            info.pop("chunk_tokens")
+        else:
+            info["chunk_tokens"] = chunk_tokens
+        (copy / "_info.json").write_text(json.dumps(info))
+        assert WikiTextDataModule(str(copy), block_size=32, batch_size=1).train_steps() == 1
+        with pytest.raises(ValueError, match="hold at most 33 tokens, and a block of block_size=33 needs 34"):
+            WikiTextDataModule(str(copy), block_size=33, batch_size=1).train_steps()
+
+
+def test_eval_windows_default_to_one_rank_and_run_in_the_main_process(shards):
+    stream = np.arange(4, 20)
+    one_rank = EvalWindows(stream, 5, 2, batch_size=2, pad_id=1, eos_id=2)
+    assert one_rank.windows == eval_windows(16, 5, 2)
+    with pytest.raises(ValueError, match=r"^eval_context must be in \[0, eval_block_size\), got 5 with block 5$"):
+        eval_windows(10, 5, 5)
+    _, out = shards
+    assert WikiTextDataModule(str(out), block_size=3).test_dataloader().num_workers == 0  # a small split in memory
+
+
+def test_unreadable_training_shards_are_counted_at_each_draw(shards, tmp_path, monkeypatch):
+    from mmlight.data import streaming
+
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    broken = [str(copy / f"train-00000{i}.tar") for i in (1, 2)]
+    for url in broken:
+        Path(url).write_bytes(b"\xff" * 700)  # no tar header
+    draws = []
+    index = streaming.tar_index
+    monkeypatch.setattr(streaming, "tar_index", lambda url: draws.append(url) or index(url))
+    dm = WikiTextDataModule(str(copy), block_size=3, batch_size=2, num_workers=0, shuffle_buffer=0)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 5 and all(b["input"].shape == (2, 3) for b in batches)
+    drawn = sum(url in broken for url in draws)
+    assert drawn >= 1 and dm.skipped.value == drawn
