@@ -80,3 +80,43 @@ def test_a_learnable_temperature_divides_the_scores_and_learns():
     torch.testing.assert_close(weights, torch.softmax(x / 2.0, dim=-1))
     (weights[:, 0]).sum().backward()
     assert module.log_temperature.grad is not None and module.log_temperature.grad.item() != 0.0
+
+
+def test_a_name_registered_twice_is_refused_by_name():
+    from mmlight.reweighting.registry import register
+
+    with pytest.raises(ValueError, match=r"^reweighting 'softmax' is registered twice$"):
+        register("softmax")(Softmax)
+
+
+def test_constructor_arguments_out_of_range_are_named():
+    with pytest.raises(ValueError, match=r"^sigmoid bias must be finite, got inf$"):
+        build("sigmoid", bias=float("inf"))
+    with pytest.raises(ValueError, match=r"^top-k needs k >= 1, got 0$"):
+        build("topk", k=0)
+
+
+def test_top_1_keeps_the_largest_score_alone():
+    weights = build("topk", k=1, backend="reference")(torch.tensor([[0.5, 2.0, -1.0, 1.5]]))
+    assert torch.equal(weights, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+def test_ssmax_keeps_half_precision_inputs_in_their_dtype():
+    """Its learnable scale is float32; the weights stay in the scores' dtype (as softmax's do)."""
+    module = build("ssmax", num_heads=2, backend="reference")
+    scores = torch.randn(1, 2, 3, 5).bfloat16()
+    weights = module(scores)
+    assert weights.dtype == torch.bfloat16
+    torch.testing.assert_close(weights.float(), module(scores.float()), atol=2e-2, rtol=0)
+
+
+def test_triton_runs_on_cuda_or_under_the_interpreter_only(monkeypatch):
+    from mmlight.reweighting import backend
+
+    monkeypatch.setattr(backend, "triton_interpreting", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"needs CUDA tensors \(or TRITON_INTERPRET=1 on the CPU\), got a tensor on cpu"
+    ):
+        backend.resolve_backend("triton", torch.ones(2), True, "f")
+    monkeypatch.setattr(backend, "triton_interpreting", lambda: True)
+    assert backend.resolve_backend("triton", torch.ones(2), True, "f") == "triton"

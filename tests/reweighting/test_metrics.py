@@ -50,14 +50,18 @@ def test_fraction_below():
 
 
 def _row_metrics(x: list[float], p: list[float], eps: float, threshold: float, counted: list[bool]):
-    """M, entropy and the fraction below ``threshold`` of one row, from the definitions, in Python."""
+    """M, entropy, the fraction below ``threshold`` and S (reference: the row's smallest softmax
+    weight) of one row, from the definitions, in Python."""
     top = max(range(len(x)), key=lambda i: x[i])  # the first maximum, as argmax
     gaps = [p[top] - p[n] for n in range(len(x)) if eps < x[n] < x[top]]
     m = 1.0 - sum(gaps) / len(gaps) if gaps else 1.0
     h = -sum(v * math.log(v) for v in p if v > 0)
     kept = [v for v, c in zip(p, counted) if c]
     below = sum(v < threshold for v in kept) / len(kept) if kept else 0.0
-    return m, h, below
+    s = min(math.exp(v) for v in x) / sum(math.exp(v) for v in x)
+    terms = [math.exp((s - p[n]) / s - 1) for n in range(len(x)) if x[n] < eps]
+    sparse = sum(terms) / len(terms) if terms else 0.0
+    return m, h, below, sparse
 
 
 def test_metrics_are_per_row_on_batched_inputs_against_a_python_reference():
@@ -70,11 +74,19 @@ def test_metrics_are_per_row_on_batched_inputs_against_a_python_reference():
     p = torch.softmax(2 * x, dim=-1)
     p[0, 1, 2] = 0.0
     p[1, 0, 3] = 0.0625  # exactly the threshold below
+    x[0, 0, 4] = 0.0  # exactly M's and S's threshold: neither relevant to M nor small for S
+    x[1, 1] = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.25])  # a single score below S's threshold
     mask = torch.rand(2, 3, 5, generator=gen) > 0.3
+    mask[1, 0, 3] = True
     mask[0, 0] = torch.tensor([False, False, True, False, False])
     mask[0, 2] = False
-    got = (multimodality(x, p), entropy(p), fraction_below(p, 0.0625, mask))
+    got = (multimodality(x, p), entropy(p), fraction_below(p, 0.0625, mask), sparsity(x, p, eps=0.0))
     for i in range(2):
         for j in range(3):
             want = _row_metrics(x[i, j].tolist(), p[i, j].tolist(), 0.0, 0.0625, mask[i, j].tolist())
             assert [g[i, j].item() for g in got] == pytest.approx(want, rel=1e-6, abs=0)  # the fraction is float32
+
+
+def test_sparsity_keeps_the_weights_dtype():
+    x = torch.randn(3, 6)
+    assert sparsity(x, torch.softmax(x, -1), eps=0.0).dtype == torch.float32
