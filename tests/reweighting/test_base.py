@@ -120,3 +120,67 @@ def test_triton_runs_on_cuda_or_under_the_interpreter_only(monkeypatch):
         backend.resolve_backend("triton", torch.ones(2), True, "f")
     monkeypatch.setattr(backend, "triton_interpreting", lambda: True)
     assert backend.resolve_backend("triton", torch.ones(2), True, "f") == "triton"
+
+
+def test_multimax_init_is_torchs_truncated_normal_within_two_std_and_can_be_frozen():
+    torch.manual_seed(7)
+    module = build("multimax", order=2, init_std=0.05)
+    torch.manual_seed(7)
+    want = [nn.init.trunc_normal_(torch.empty(4), std=0.05, a=-0.1, b=0.1) for _ in range(2)]
+    assert torch.equal(module.ranges.data, want[0]) and torch.equal(module.ts.data, want[1])
+    frozen = build("multimax", order=1, learnable=False)
+    assert not frozen.ranges.requires_grad and not frozen.ts.requires_grad
+
+
+def test_fused_ops_carry_the_functions_parameters():
+    multimax = build("multimax", order=2, terms="low")
+    ops = multimax.fused()
+    assert ops.scale == 1.0 and ops.ranges is multimax.ranges
+    assert torch.equal(ops.ts, multimax.active_ts()) and ops.ts[1].item() == 0.0
+    softmax = Softmax(temperature=4.0)
+    assert (softmax.fused().scale, softmax.fused().ranges, softmax.fused().ts) == (0.25, None, None)
+    assert Softmax(temperature=4.0, learnable=True).fused() is None  # a learnt temperature has no kernel
+    with pytest.raises(ValueError, match=r"^softmax temperature must be positive, got 0.0$"):
+        Softmax(temperature=0.0)
+
+
+def test_alpha_entmax_arguments_defaults_and_dtype():
+    import inspect
+
+    import entmax
+
+    from mmlight.reweighting.alpha_entmax import MIN_ALPHA_GAP
+
+    assert build("alpha_entmax").n_iter == inspect.signature(entmax.entmax_bisect).parameters["n_iter"].default
+    build("alpha_entmax", init=1 + MIN_ALPHA_GAP)  # the lowest start allowed
+    for init in (1 + MIN_ALPHA_GAP / 2, 2.0):
+        with pytest.raises(
+            ValueError, match=rf"^alpha_entmax init must lie in \[{1 + MIN_ALPHA_GAP}, 2\), got {init}$"
+        ):
+            build("alpha_entmax", init=init)
+    with pytest.raises(ValueError, match=r"^alpha_entmax needs num_heads >= 1, got 0$"):
+        build("alpha_entmax", num_heads=0)
+    module = build("alpha_entmax", init=1.3, n_iter=3, backend="reference")
+    x = torch.randn(2, 7, dtype=torch.float64)
+    want = entmax.entmax_bisect(x, torch.tensor(1.3, dtype=torch.float64), dim=-1, n_iter=3)
+    torch.testing.assert_close(module.double()(x), want)  # few iterations: the count reaches the bisection
+    assert build("alpha_entmax", backend="reference")(torch.randn(2, 7).bfloat16()).dtype == torch.bfloat16
+
+
+def test_ssmax_query_scale_is_s_log_n_in_float64():
+    module = build("ssmax", num_heads=1, init=0.5).double()
+    n = torch.tensor([1, 2, 7, 1000]).view(4, 1)
+    want = 0.5 * torch.log(n.double())  # (4, 1)
+    got = module.query_scale(n)
+    torch.testing.assert_close(got, want.expand_as(got), rtol=1e-14, atol=0)
+    assert got[..., 0, 0].abs().max() == 0  # one key: log 1 = 0
+    with pytest.raises(ValueError, match=r"^ssmax needs num_heads >= 1, got 0$"):
+        build("ssmax", num_heads=0)
+
+
+def test_stickbreaking_names_scores_without_a_query_axis_and_runs_on_the_inputs_device():
+    module = build("stickbreaking", backend="reference")
+    with pytest.raises(ValueError, match=r"got \(5,\)$"):
+        module(torch.randn(5))
+    out = module(torch.randn(2, 3, 4, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)
