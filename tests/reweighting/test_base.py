@@ -184,3 +184,48 @@ def test_stickbreaking_names_scores_without_a_query_axis_and_runs_on_the_inputs_
         module(torch.randn(5))
     out = module(torch.randn(2, 3, 4, device="meta"))
     assert out.device.type == "meta" and out.shape == (2, 3, 4)
+
+
+def test_resolve_backend_for_every_request():
+    """``auto`` picks the kernel for a CUDA tensor of a supported dtype when there is one (a stand-in
+    tensor here: no GPU needed), the reference otherwise; explicit names pass through or are refused
+    with the reason."""
+    from types import SimpleNamespace
+
+    from mmlight.reweighting.backend import resolve_backend
+
+    cuda = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")
+    cpu = torch.ones(2)
+    assert resolve_backend("auto", cuda, True, "f") == "triton"
+    assert resolve_backend("auto", cuda, False, "f") == "reference"
+    assert resolve_backend("auto", SimpleNamespace(is_cuda=True, dtype=torch.float64), True, "f") == "reference"
+    assert resolve_backend("auto", cpu, True, "f") == "reference"
+    assert resolve_backend("reference", cuda, True, "f") == "reference"
+    assert resolve_backend("compile", cuda, True, "f") == "compile"
+    assert resolve_backend("triton", cuda, True, "f") == "triton"
+    with pytest.raises(ValueError, match=r"^Sparse has no Triton kernel; use backend 'reference' or 'compile'$"):
+        resolve_backend("triton", cuda, False, "Sparse")
+    with pytest.raises(ValueError, match=r"^backend 'triton' takes \['torch.float32', .*got torch.float64$"):
+        resolve_backend("triton", SimpleNamespace(is_cuda=True, dtype=torch.float64, device="cuda:0"), True, "f")
+
+
+def test_a_function_without_kernels_names_itself_when_triton_is_asked_for():
+    with pytest.raises(ValueError, match=r"^Sparsemax has no Triton kernel"):
+        build("sparsemax", backend="triton")(torch.randn(2, 5))
+
+
+def test_the_compile_backend_compiles_the_reference_once_per_module(monkeypatch):
+    compiled = []
+
+    def spy(fn):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", spy)
+    module = build("entmax15", backend="compile")
+    scores, mask = torch.randn(2, 6), torch.tensor([[True] * 6, [True, True, False, True, False, True]])
+    first, second = module(scores, mask), module(scores)
+    assert len(compiled) == 1 and compiled[0] == module.reference  # cached on the module
+    torch.testing.assert_close(first, module.reference(scores, mask), rtol=0, atol=0)
+    torch.testing.assert_close(second, module.reference(scores), rtol=0, atol=0)
+    assert first[1, 2] == 0 and first[1, 4] == 0

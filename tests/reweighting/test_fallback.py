@@ -124,8 +124,10 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
     scores = torch.randn(2, 3, 5, 7)
     q, k, v = torch.randn(3, 2, 2, 5, 16).unbind(0)
     logits, target = torch.randn(4, 9), torch.tensor([0, 3, 8, 1])
+    mask = torch.rand(2, 3, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3
     with pytest.warns(RuntimeWarning) as record:
         weights = module(scores)
+        masked = module(scores, mask)  # the fallback gets the mask too
         out = attention_module.attention(q, k, v, module, is_causal=True)
         loss = module.cross_entropy(logits, target)
     named = " ".join(str(w.message) for w in record)
@@ -136,6 +138,7 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
     ):
         assert f"the Triton kernel for {key} failed" in named
     torch.testing.assert_close(weights, module.reference(scores))
+    torch.testing.assert_close(masked, module.reference(scores, mask))
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     torch.testing.assert_close(out, module.reference(q @ k.transpose(-2, -1) * 16**-0.5, causal) @ v)
     torch.testing.assert_close(loss, F.cross_entropy(module.modulate(logits), target))
