@@ -229,3 +229,25 @@ def test_the_compile_backend_compiles_the_reference_once_per_module(monkeypatch)
     torch.testing.assert_close(first, module.reference(scores, mask), rtol=0, atol=0)
     torch.testing.assert_close(second, module.reference(scores), rtol=0, atol=0)
     assert first[1, 2] == 0 and first[1, 4] == 0
+
+
+def test_a_mask_that_is_not_bool_is_refused_by_its_dtype():
+    with pytest.raises(TypeError, match=r"^mask must be a bool tensor \(True = keep\), got dtype torch.int64$"):
+        Softmax()(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.long))
+
+
+def test_ev_softmax_against_its_definition_in_training_and_evaluation():
+    """w_i ∝ (1[x_i >= mean of the kept x] + eps·training) · exp(x_i) (Chen et al., 2021); a row with one
+    kept negative score keeps it (its own mean)."""
+    module = build("evsoftmax", eps=1e-3, backend="reference").double()
+    x = torch.tensor([[-2.0, 0.5, 1.0, -1.0], [-3.0, 5.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    for training in (True, False):
+        module.train(training)
+        got = module(x, mask)
+        for row in range(2):
+            kept = x[row][mask[row]]
+            weight = (kept >= kept.mean()).double() + (1e-3 if training else 0.0)
+            want = weight * kept.exp() / (weight * kept.exp()).sum()
+            torch.testing.assert_close(got[row][mask[row]], want, rtol=1e-12, atol=0)
+    assert got[1, 0] == 1.0
