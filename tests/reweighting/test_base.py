@@ -251,3 +251,8 @@ def test_ev_softmax_against_its_definition_in_training_and_evaluation():
             want = weight * kept.exp() / (weight * kept.exp()).sum()
             torch.testing.assert_close(got[row][mask[row]], want, rtol=1e-12, atol=0)
     assert got[1, 0] == 1.0
+
+
+def test_softmax_by_default_is_plain_softmax():
+    x = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(Softmax(backend="reference").double()(x), torch.softmax(x, dim=-1), rtol=1e-12, atol=0)
