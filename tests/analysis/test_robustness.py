@@ -377,3 +377,14 @@ def test_robustness_runs_evict_at_the_keep_ratios_asked_for():
         (0.9, "streaming", 0),
         (0.3, "streaming", 0),
     ]
+
+
+def test_robustness_rows_evaluate_at_the_keep_ratios_asked_for():
+    from mmlight.analysis.robustness import SINK_LEVELS, robustness_rows
+    from mmlight.tasks import LanguageModel
+
+    trainer = StandInTrainer("ppl")
+    rows = robustness_rows(trainer, LanguageModel(tiny_transformer(n_layers=1)), None, "val", 0, None, (0.5,))
+    assert [(name, level) for name, level, _, _ in rows] == [("none", 0)] + [
+        ("sink_masking", k) for k in SINK_LEVELS
+    ] + [("kv_l2", 0.5), ("kv_streaming", 0.5)]
