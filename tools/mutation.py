@@ -226,6 +226,7 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_metrics.py",
             "tests/reweighting/test_fallback.py",
             "tests/reweighting/test_base.py",
+            "tests/reweighting/test_spec.py",
             *(
                 f"tests/reweighting/test_{name}.py"
                 for name in ("softmax1", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking")

@@ -47,9 +47,9 @@ def shift_and_fill(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
     The result is finite everywhere (also for fully masked rows), so forward and backward are NaN-free.
     """
-    neg_inf = torch.finfo(x.dtype).min
-    row_max = torch.where(keep, x, neg_inf).amax(dim=-1, keepdim=True)
-    row_max = torch.where(keep.any(dim=-1, keepdim=True), row_max, 0.0).detach()
+    # A fully masked row's maximum is the dtype's lowest value; every entry of such a row takes the
+    # fill, and `where` sends no gradient through the unselected (possibly overflowing) x - row_max.
+    row_max = torch.where(keep, x, torch.finfo(x.dtype).min).amax(dim=-1, keepdim=True).detach()
     return torch.where(keep, x - row_max, -MASKED_GAP)
 
 

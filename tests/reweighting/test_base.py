@@ -2,6 +2,8 @@
 query-scale default, the readable reprs, and the glue between a function and its fused kernels (the
 kernels themselves are tested under the Triton interpreter in tests/kernels/)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -132,6 +134,24 @@ def test_multimax_init_is_torchs_truncated_normal_within_two_std_and_can_be_froz
     assert not frozen.ranges.requires_grad and not frozen.ts.requires_grad
 
 
+def test_multimax_init_stays_within_two_std_with_the_truncated_spread():
+    """Over 4,000 draws per parameter (1,000 modules of order 2, seed 0), every value lies in
+    [-2 std, 2 std], both ends are reached within 0.2 std, and the sample std is the truncated
+    normal's, std * sqrt(1 - 4 phi(2) / (2 Phi(2) - 1)) = 0.8796 std, within 0.03 std (its standard
+    error here is about 0.01 std). torch draws 4 values without ever leaving +-2 std, so the
+    seeded comparison above cannot tell the bounds apart."""
+    std = 0.05
+    torch.manual_seed(0)
+    modules = [build("multimax", order=2, init_std=std) for _ in range(1000)]
+    phi2 = math.exp(-2.0) / math.sqrt(2 * math.pi)
+    truncated_std = std * math.sqrt(1 - 4 * phi2 / math.erf(2 / math.sqrt(2)))
+    for name in ("ranges", "ts"):
+        values = torch.cat([getattr(m, name).detach() for m in modules]).double()
+        assert values.min() >= -2 * std and values.max() <= 2 * std, name
+        assert values.min() < -1.8 * std and values.max() > 1.8 * std, name
+        assert abs(values.std().item() - truncated_std) < 0.03 * std, (name, values.std().item(), truncated_std)
+
+
 def test_fused_ops_carry_the_functions_parameters():
     multimax = build("multimax", order=2, terms="low")
     ops = multimax.fused()
@@ -256,3 +276,74 @@ def test_ev_softmax_against_its_definition_in_training_and_evaluation():
 def test_softmax_by_default_is_plain_softmax():
     x = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(Softmax(backend="reference").double()(x), torch.softmax(x, dim=-1), rtol=1e-12, atol=0)
+
+
+def test_argument_errors_name_the_value_and_the_choices(monkeypatch):
+    from mmlight.reweighting import backend
+
+    monkeypatch.setattr(backend, "triton_interpreting", lambda: False)
+    choices = r"\['auto', 'reference', 'compile', 'triton'\]"
+    with pytest.raises(ValueError, match=rf"^unknown backend 'fast'; choose one of {choices}$"):
+        backend.check_backend("fast")
+    with pytest.raises(
+        ValueError,
+        match=r"^backend 'triton' needs CUDA tensors \(or TRITON_INTERPRET=1 on the CPU\), got a tensor on cpu$",
+    ):
+        backend.resolve_backend("triton", torch.ones(2), True, "f")
+    with pytest.raises(
+        ValueError,
+        match=r"^reweighting 'softmax' got unknown option\(s\) \['tempreature'\]; "
+        r"it accepts \['temperature', 'learnable', 'backend'\]$",
+    ):
+        build("softmax", tempreature=2.0)
+
+
+def test_per_head_values_broadcast_against_unbatched_scores():
+    """Scores without a batch axis, ``(nh, Tq, Tk)``, take a per-head parameter (and so does ssmax)."""
+    from mmlight.reweighting.base import per_head
+
+    values, scores = torch.tensor([1.0, 2.0]), torch.zeros(2, 3, 4)
+    assert torch.equal(
+        per_head(values, scores) * torch.ones_like(scores), torch.tensor([1.0, 2.0]).view(2, 1, 1).expand(2, 3, 4)
+    )
+    with pytest.raises(
+        ValueError, match=r"^a parameter with 2 heads needs scores \(\.\.\., 2, Tq, Tk\), got shape \(3, 4\)$"
+    ):
+        per_head(values, torch.zeros(3, 4))
+    module = build("ssmax", num_heads=2)
+    with torch.no_grad():
+        module.s.copy_(torch.tensor([0.5, 2.0]))
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    want = torch.softmax(
+        torch.tensor([0.5, 2.0], dtype=torch.float64).view(2, 1, 1) * torch.log(torch.tensor(5.0)) * x, -1
+    )
+    torch.testing.assert_close(module(x), want)
+
+
+@pytest.mark.parametrize("name", ["softmax", "sparsemax", "evsoftmax"])
+def test_masked_keys_get_nothing_even_when_every_kept_score_is_far_below_zero(name):
+    """Kept scores of about -6,000 with masked keys beside them: the masked keys sit ``MASKED_GAP``
+    below the row's maximum, not below zero, so the kept keys still share all the mass."""
+    scores = torch.tensor([[-6000.0, -6001.0, 3.0, -6000.5]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False, True]])
+    kept = scores[mask]
+    want = {
+        "softmax": torch.softmax(kept, -1),
+        # sparsemax of (0, -1, -0.5): threshold -0.75, so (0.75, 0, 0.25)
+        "sparsemax": torch.tensor([0.75, 0.0, 0.25], dtype=torch.float64),
+        # ev-softmax (evaluation): the mean is -0.5, so softmax over 0 and -0.5 only
+        "evsoftmax": torch.tensor([1.0, 0.0, math.exp(-0.5)], dtype=torch.float64) / (1 + math.exp(-0.5)),
+    }[name]
+    got = build(name).eval()(scores, mask)
+    assert got[0, 2] == 0
+    torch.testing.assert_close(got[mask], want)
+
+
+def test_default_top_k_keeps_eight_and_default_ev_softmax_trains_with_eps_one_in_a_million():
+    scores = torch.arange(10, dtype=torch.float64).flip(0).unsqueeze(0)  # 9, 8, ..., 0
+    top = build("topk")(scores)
+    torch.testing.assert_close(top[0, :8], torch.softmax(scores[0, :8], -1))
+    assert torch.equal(top[0, 8:], torch.zeros(2, dtype=torch.float64))
+    # ev-softmax in training: the entries below the mean (4.5) keep eps * exp(x) of unnormalised weight
+    weight = torch.exp(scores[0]) * ((scores[0] >= 4.5).double() + 1e-6)
+    torch.testing.assert_close(build("evsoftmax").train()(scores)[0], weight / weight.sum(), rtol=1e-12, atol=0)

@@ -127,6 +127,7 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
     mask = torch.rand(2, 3, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3
     with pytest.warns(RuntimeWarning) as record:
         weights = module(scores)
+        compiled = getattr(module, "_compiled_reference", None)  # set by the compile backend only
         masked = module(scores, mask)  # the fallback gets the mask too
         out = attention_module.attention(q, k, v, module, is_causal=True)
         loss = module.cross_entropy(logits, target)
@@ -137,6 +138,7 @@ def test_every_call_site_falls_back_under_auto(triton_chosen_and_broken):
         "MultiMax cross-entropy (torch.float32, <=16)",
     ):
         assert f"the Triton kernel for {key} failed" in named
+    assert compiled == module.reference  # the row-wise fallback is the compile backend
     torch.testing.assert_close(weights, module.reference(scores))
     torch.testing.assert_close(masked, module.reference(scores, mask))
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
