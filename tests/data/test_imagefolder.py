@@ -80,6 +80,112 @@ def test_val_class_unknown_to_train_is_an_error(tmp_path):
 
 
 def test_missing_val_is_named(tmp_path):
+    """No val/ folder, or a file named val (the test split beside it is not read alone): an error naming it."""
     (tmp_path / "raw/train/cat").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match=r"expected the validation images \(val/<class>/\*\)"):
+    message = f"expected the validation images (val/<class>/*) in the folder {tmp_path / 'raw' / 'val'}"
+    with pytest.raises(FileNotFoundError) as err:
         prepare("imagefolder", tmp_path / "raw", tmp_path / "out")
+    assert str(err.value) == message
+    (tmp_path / "raw/test/cat").mkdir(parents=True)
+    (tmp_path / "raw/val").write_text("not a folder")
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagefolder", tmp_path / "raw", tmp_path / "out")
+    assert str(err.value) == message
+
+
+def composited_on_white(rgb_values: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """The reference: ``c * a / 255 + 255 * (1 - a / 255)`` per channel, in float64."""
+    a = alpha.astype(np.float64)[..., None] / 255
+    return rgb_values.astype(np.float64) * a + 255 * (1 - a)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "PA"])
+def test_as_rgb_composites_every_transparent_mode_on_white(mode):
+    """Each mode with an alpha band: the colour weighted by its alpha over white (a plain ``convert("RGB")``
+    would drop the alpha and keep the hidden colour)."""
+    from mmlight.data.prepare.image_files import as_rgb
+
+    colour = rgb(7, (4, 5))
+    alpha = np.array([0, 64, 128, 200, 255] * 4, np.uint8).reshape(4, 5)
+    if mode == "RGBA":
+        image = Image.fromarray(np.dstack([colour, alpha]), mode="RGBA")
+        want_rgb = colour
+    elif mode == "LA":
+        image = Image.fromarray(np.dstack([colour[..., 0], alpha]), mode="LA")
+        want_rgb = np.repeat(colour[..., :1], 3, axis=-1)
+    else:  # a palette of 4 colours, each pixel's index and its own alpha
+        palette = rgb(8, (4, 1)).reshape(4, 3)
+        indices = (np.arange(20) % 4).astype(np.uint8).reshape(4, 5)
+        image = Image.merge("PA", (Image.fromarray(indices, mode="L"), Image.fromarray(alpha, mode="L")))
+        image.putpalette(palette.flatten().tolist())
+        want_rgb = palette[indices]
+    got = as_rgb(image)
+    assert got.mode == "RGB" and got.size == image.size
+    np.testing.assert_allclose(np.asarray(got), composited_on_white(want_rgb, alpha), atol=1)
+
+
+def test_as_rgb_turns_a_palette_image_transparent_colour_white_and_keeps_opaque_images():
+    """A palette PNG with a transparent index (``transparency`` in its info, mode ``P``): that index becomes
+    white. Images without transparency are converted as they are."""
+    from io import BytesIO
+
+    from mmlight.data.prepare.image_files import as_rgb
+
+    palette = np.array([[10, 20, 30], [200, 100, 50], [0, 255, 0]], np.uint8)
+    indices = np.array([[0, 1, 2], [2, 1, 0]], np.uint8)
+    image = Image.fromarray(indices, mode="L").convert("P")
+    image.putpalette(palette.flatten().tolist())
+    buf = BytesIO()
+    image.save(buf, format="PNG", transparency=2)  # index 2 (green) is transparent
+    with Image.open(BytesIO(buf.getvalue())) as png:
+        assert png.mode == "P" and "transparency" in png.info
+        got = np.asarray(as_rgb(png))
+    want = palette[indices].copy()
+    want[indices == 2] = 255
+    np.testing.assert_array_equal(got, want)
+    # opaque: the colour unchanged (no white blending), from greyscale, palette and CMYK alike
+    grey = rgb(9, (3, 4))[..., 0]
+    np.testing.assert_array_equal(np.asarray(as_rgb(Image.fromarray(grey, mode="L"))), np.dstack([grey] * 3))
+    opaque = Image.fromarray(indices, mode="L").convert("P")
+    opaque.putpalette(palette.flatten().tolist())
+    assert "transparency" not in opaque.info
+    np.testing.assert_array_equal(np.asarray(as_rgb(opaque)), palette[indices])
+    cmyk = Image.new("CMYK", (2, 2), (0, 0, 0, 255))  # full black ink
+    np.testing.assert_array_equal(np.asarray(as_rgb(cmyk)), np.zeros((2, 2, 3), np.uint8))
+
+
+def test_missing_or_empty_train_is_named_and_at_most_five_unknown_classes_are_listed(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagefolder", raw, tmp_path / "out")
+    assert str(err.value) == f"expected the training images (train/<class>/*) at {raw / 'train'}"
+    (raw / "train").mkdir()
+    (raw / "train" / "loose.jpg").write_bytes(encoded(rgb(1), "JPEG"))  # a file, not a class folder
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagefolder", raw, tmp_path / "out")
+    assert str(err.value) == f"expected class folders train/<class>/ in {raw / 'train'}"
+    (raw / "train" / "cat").mkdir()
+    for name in ("f", "b", "a", "e", "d", "c"):
+        (raw / "val" / name).mkdir(parents=True)
+    with pytest.raises(ValueError) as err:
+        prepare("imagefolder", raw, tmp_path / "out")
+    assert str(err.value) == "val/ has class folders not in train/: ['a', 'b', 'c', 'd', 'e']"
+
+
+def test_info_names_the_dataset_and_a_test_split_is_read_when_present(tmp_path):
+    raw = tmp_path / "raw"
+    for split, name, seed in (("train", "cat", 1), ("train", "dog", 2), ("val", "dog", 3), ("test", "cat", 4)):
+        (raw / split / name).mkdir(parents=True, exist_ok=True)
+        (raw / split / name / f"{seed}.jpg").write_bytes(encoded(rgb(seed), "JPEG"))
+    info = prepare("imagefolder", raw, tmp_path / "out")
+    assert info["dataset"] == "imagefolder" and info["classes"] == ["cat", "dog"]
+    got = {
+        split: sorted((image_bytes(s), int(s["cls"])) for s in split_samples(tmp_path / "out", split).values())
+        for split in ("train", "val", "test")
+    }
+    assert got == {
+        "train": sorted([(encoded(rgb(1), "JPEG"), 0), (encoded(rgb(2), "JPEG"), 1)]),
+        "val": [(encoded(rgb(3), "JPEG"), 1)],
+        "test": [(encoded(rgb(4), "JPEG"), 0)],
+    }

@@ -515,3 +515,35 @@ def test_unreadable_training_shards_are_counted_at_each_draw(shards, tmp_path, m
     assert len(batches) == 5 and all(b["input"].shape == (2, 3) for b in batches)
     drawn = sum(url in broken for url in draws)
     assert drawn >= 1 and dm.skipped.value == drawn
+
+
+def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
+    """A bad line right after the last full shard's tokens goes to the last shard (there is no next one); a split
+    of nothing but a bad line is one shard with no sample and that skip; an empty file is a split of no shard."""
+    from mmlight.data.prepare.wikitext import plan_split
+
+    train = b" a b c \n" * 4 + b"\xff\xfe bad \n"  # 16 tokens = one shard of 2 chunks of 8, then the bad line
+    src = write_raw(
+        tmp_path / "raw", {"wiki.train.tokens": train, "wiki.valid.tokens": b"", "wiki.test.tokens": b"caf\xe9\n"}
+    )
+    info = prepare(src, tmp_path / "out", workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    assert info["eos_per_line"] is True and info["chunk_tokens"] == CHUNK
+    assert load_vocab(tmp_path / "out" / "vocab.txt") == ["<s>", "<pad>", "</s>", "<unk>", "a", "b", "c"]
+    train_info, valid, test = (info["splits"][s] for s in ("train", "valid", "test"))
+    assert (train_info["num_tokens"], train_info["num_lines"], train_info["num_samples"]) == (16, 4, 2)
+    assert [s["name"] for s in train_info["shards"]] == ["train-000000.tar"]
+    assert train_info["skipped"] == [
+        {"path": f"{src / 'wiki.train.tokens'}:5", "reason": "line is not valid UTF-8 (invalid start byte at byte 0)"}
+    ]
+    record = json.loads((tmp_path / "out" / "train-000000.tar.done.json").read_text())
+    assert record["skipped"] == train_info["skipped"]
+    assert (valid["num_tokens"], valid["num_lines"], valid["num_samples"], valid["shards"]) == (0, 0, 0, [])
+    assert (test["num_tokens"], test["num_lines"], test["num_samples"], test["num_skipped"]) == (0, 0, 0, 1)
+    assert [s["name"] for s in test["shards"]] == ["test-000000.tar"]
+    # the line is decoded without its "\n": a cut character at its end is "unexpected end of data"
+    reason = "line is not valid UTF-8 (unexpected end of data at byte 3)"
+    assert test["skipped"] == [{"path": f"{src / 'wiki.test.tokens'}:1", "reason": reason}]
+    for chunk_tokens, per_shard in ((0, 2), (8, 0)):
+        with pytest.raises(ValueError) as err:
+            plan_split("train", np.zeros(3, np.uint32), [], chunk_tokens, per_shard)
+        assert str(err.value) == f"chunk_tokens and chunks_per_shard must be >= 1, got {chunk_tokens}, {per_shard}"

@@ -188,8 +188,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     vocab, train_ids, train_lines, train_bad = count_train(paths["train"])
     save_vocab(out / VOCAB_FILE, vocab)
-    index = {w: i for i, w in enumerate(vocab)}
-    index.update({s: i for i, s in enumerate(SPECIALS)})
+    index = {w: i for i, w in enumerate(vocab)}  # the specials included: they open the vocabulary
     splits: dict[str, dict] = {}
     for split, path in paths.items():
         if split == "train":
