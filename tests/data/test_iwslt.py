@@ -551,7 +551,7 @@ def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_cod
     src.mkdir()
     lines = {
         "train": ([b"ein  hund", b"  ", b"eine\tkatze "], [b"a dog", b"nothing", b" a  cat"]),
-        "valid": ([b"gut", b"kaputt \xc3"], [b"good", b"broken"]),
+        "valid": ([b"kaputt \xc3", b"gut"], [b"broken", b"good"]),
         "test": ([b"ja"], [b"yes \xff"]),
     }
     for split, (de, en) in lines.items():
@@ -566,7 +566,7 @@ def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_cod
     }
     assert skipped == {
         "train": [{"path": f"{src}/train.de:2", "reason": "empty German side"}],
-        "valid": [{"path": f"{src}/valid.de:2", "reason": "invalid UTF-8 (unexpected end of data at byte 7)"}],
+        "valid": [{"path": f"{src}/valid.de:1", "reason": "invalid UTF-8 (unexpected end of data at byte 7)"}],
         "test": [{"path": f"{src}/test.en:1", "reason": "invalid UTF-8 (invalid start byte at byte 4)"}],
     }
     out = tmp_path / "out"
@@ -577,6 +577,12 @@ def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_cod
     before = (out / "code").stat().st_mtime_ns
     prepare_iwslt(src, out, workers=1, samples_per_shard=4)
     assert (out / "code").stat().st_mtime_ns == before
+    (src / "test.en").write_bytes(b"yes\nno\n")
+    with pytest.raises(ValueError) as err:
+        _read_fairseq(src)
+    assert str(err.value) == (
+        f"test: {src}/test.de has 1 lines but {src}/test.en has 2; the German and English sides must be line-aligned"
+    )
 
 
 def test_detect_layout_names_what_each_layout_misses(raw, tmp_path):
@@ -600,3 +606,14 @@ def test_detect_layout_names_what_each_layout_misses(raw, tmp_path):
         f"(missing: valid.en, code); the raw release needs {', '.join(RAW_FILES)} "
         "(missing: IWSLT14.TED.tst2011.de-en.en.xml)"
     )
+
+
+def test_each_side_is_tokenised_by_its_own_language_rules(raw, tmp_path):
+    """German keeps an ordinal's period before a capital (``3.``: on ``nonbreaking_prefix.de``'s list, not on
+    English's) and splits ``no.`` before a number (a numeric-only prefix of other languages, not of German)."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    (src / "train.tags.de-en.de").write_text("Am 3. Mai kam das Kapitel no. 5 .\n")
+    (src / "train.tags.de-en.en").write_text("Chapter 5 came on May 3. It was late.\n")
+    texts, _, _ = _read_raw(src, workers=1)
+    assert texts["train"] == (["am 3. mai kam das kapitel no . 5 ."], ["chapter 5 came on may 3 . it was late ."])
