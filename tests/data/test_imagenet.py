@@ -290,7 +290,8 @@ def test_only_image_files_in_class_folders_are_read_and_every_layout_error_is_na
     (flat / "val" / "ILSVRC2012_val_00000099.JPEG").write_bytes(jpeg(7))
     with pytest.raises(ValueError) as err:
         prepare("imagenet", flat, tmp_path / "out3")
-    assert str(err.value) == f"no label for {flat / 'val' / 'ILSVRC2012_val_00000099.JPEG'} in the validation label file"
+    unlabelled = flat / "val" / "ILSVRC2012_val_00000099.JPEG"
+    assert str(err.value) == f"no label for {unlabelled} in the validation label file"
     (flat / "LOC_val_solution.csv").unlink()
     with pytest.raises(FileNotFoundError) as err:
         prepare("imagenet", flat, tmp_path / "out3")
