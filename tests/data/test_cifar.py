@@ -122,3 +122,28 @@ def test_missing_pickles_are_named(tmp_path):
     (tmp_path / "raw").mkdir()
     with pytest.raises(FileNotFoundError, match="expected the cifar10 pickles .*cifar-10-python.tar.gz"):
         prepare("cifar10", tmp_path / "raw", tmp_path / "out")
+
+
+def test_names_as_str_a_wrong_data_shape_and_the_missing_files_message(tmp_path):
+    """Class names pickled as ``str`` (a Python 3 re-pickle) are read as they are; a data array that is not
+    N x 3072 for its N labels is refused, naming the file; each release's info names its dataset."""
+    folder = tmp_path / "raw"
+    batches = write_cifar10(folder)
+    meta = {b"label_names": [f"name{i}" for i in range(10)]}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    info = prepare("cifar10", folder, tmp_path / "out")
+    assert info["dataset"] == "cifar10" and info["classes"] == [f"name{i}" for i in range(10)]
+    bad = {**batches["data_batch_3"], b"data": batches["data_batch_3"][b"data"][:, :3000]}
+    (folder / "data_batch_3").write_bytes(pickle.dumps(bad, protocol=2))
+    with pytest.raises(ValueError) as err:
+        prepare("cifar10", folder, tmp_path / "out2")
+    assert str(err.value) == f"cifar10 data_batch_3: data has shape ({PER_BATCH}, 3000), expected ({PER_BATCH}, 3072)"
+    write_cifar100(tmp_path / "raw100")
+    assert prepare("cifar100", tmp_path / "raw100", tmp_path / "out100")["dataset"] == "cifar100"
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("cifar100", tmp_path / "out", tmp_path / "out3")
+    src = tmp_path / "out"
+    assert str(err.value) == (
+        f"expected the cifar100 pickles (meta, ...) in {src} or {src / 'cifar-100-python'}, "
+        f"or the archive {src / 'cifar-100-python.tar.gz'}"
+    )
