@@ -617,3 +617,35 @@ def test_each_side_is_tokenised_by_its_own_language_rules(raw, tmp_path):
     (src / "train.tags.de-en.en").write_text("Chapter 5 came on May 3. It was late.\n")
     texts, _, _ = _read_raw(src, workers=1)
     assert texts["train"] == (["am 3. mai kam das kapitel no . 5 ."], ["chapter 5 came on may 3 . it was late ."])
+
+
+def test_a_tag_on_either_side_drops_the_pair_and_title_tags_are_stripped_from_both(raw, tmp_path):
+    """The recipe's ``grep -v`` runs on each language's file alone; dropping a line from one side only would
+    misalign the two, so a pair goes when either side holds ``<url>``, ``<talkid>`` or ``<keywords>``.
+    ``<title>``/``<description>`` tags are cut from both sides, their text kept."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    lines = [
+        (b"<url>http://x</url>", b"A stray line ."),
+        (b"Eine Zeile .", b"<talkid>5</talkid>"),
+        (b"<keywords>a, b</keywords>", b"<keywords>a, b</keywords>"),
+        (b"<title>Der Titel</title>", b"<title>The title</title>"),
+        (b"<description>Eine Rede .</description>", b"<description>A talk .</description>"),
+        (b"<b> Ein Zeichen .", b"<b> A sign ."),  # other tags stay, even opening a line (escaped by Moses)
+    ]
+    (src / "train.tags.de-en.de").write_bytes(b"".join(de + b"\n" for de, _ in lines))
+    (src / "train.tags.de-en.en").write_bytes(b"".join(en + b"\n" for _, en in lines))
+    texts, _, stats = _read_raw(src, workers=1)
+    assert stats == {"tag_lines_dropped": 3, "cleaned_out": 0}
+    assert texts["train"] == (
+        ["der titel", "eine rede .", "&lt; b &gt; ein zeichen ."],
+        ["the title", "a talk .", "&lt; b &gt; a sign ."],
+    )
+    with open(src / "train.tags.de-en.de", "ab") as f:
+        f.write(b"Noch eine .\n")
+    with pytest.raises(ValueError) as err:
+        _read_raw(src, workers=1)
+    assert str(err.value) == (
+        f"training text: {src}/train.tags.de-en.de has 7 lines but {src}/train.tags.de-en.en has 6; "
+        "the German and English sides must be line-aligned"
+    )
