@@ -649,3 +649,14 @@ def test_a_tag_on_either_side_drops_the_pair_and_title_tags_are_stripped_from_bo
         f"training text: {src}/train.tags.de-en.de has 7 lines but {src}/train.tags.de-en.en has 6; "
         "the German and English sides must be line-aligned"
     )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_parallel_keeps_the_order_of_the_lines_across_chunks(workers):
+    """Chunks of 2 lines, tokenised in the main process or in 2 worker processes: the lines in their order."""
+    from mmlight.data.prepare.iwslt import _parallel, _tokenize_chunk
+    from mmlight.data.tokenizers import moses_tokenize
+
+    lines = [f"Line {i}, isn't it?" for i in range(7)]
+    got = _parallel(_tokenize_chunk, "en", lines, workers, chunk=2)
+    assert got == [moses_tokenize(line, "en") for line in lines] and got[6] == "line 6 , isn &apos;t it ?"
