@@ -2,7 +2,9 @@
 JPEG (kept as they are), a CMYK JPEG, an animated GIF, an RGBA PNG and a BMP (converted to RGB
 PNGs), and a text file and a truncated JPEG (skipped with their reasons)."""
 
+import json
 import logging
+import tarfile
 
 import numpy as np
 import pytest
@@ -189,3 +191,62 @@ def test_info_names_the_dataset_and_a_test_split_is_read_when_present(tmp_path):
         "val": [(encoded(rgb(3), "JPEG"), 1)],
         "test": [(encoded(rgb(4), "JPEG"), 0)],
     }
+
+
+def test_image_sample_keeps_rgb_and_grey_pngs_and_skips_an_empty_file(tmp_path):
+    """PNG in RGB or L is stored byte for byte under ``png`` (JPEG under ``jpg``); an empty file is skipped as
+    such; the sample's key and class come from the item."""
+    from mmlight.data.prepare.image_files import image_sample
+
+    files = {
+        "rgb.png": encoded(rgb(11), "PNG"),
+        "grey.png": encoded(rgb(12)[..., 0], "PNG", mode="L"),
+        "photo.jpg": encoded(rgb(13), "JPEG"),
+        "empty.jpg": b"",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    assert image_sample(("k1", str(tmp_path / "rgb.png"), 3)) == {"__key__": "k1", "png": files["rgb.png"], "cls": "3"}
+    assert image_sample(("k2", str(tmp_path / "grey.png"), 0)) == {
+        "__key__": "k2",
+        "png": files["grey.png"],
+        "cls": "0",
+    }
+    assert image_sample(("k3", str(tmp_path / "photo.jpg"), 1)) == {
+        "__key__": "k3",
+        "jpg": files["photo.jpg"],
+        "cls": "1",
+    }
+    empty = image_sample(("k4", str(tmp_path / "empty.jpg"), 1))
+    assert (empty.path, empty.reason) == (str(tmp_path / "empty.jpg"), "empty file")
+    missing = image_sample(("k5", str(tmp_path / "gone.jpg"), 1))
+    assert (missing.path, missing.reason) == (str(tmp_path / "gone.jpg"), "listed but missing")
+
+
+def test_write_image_splits_keys_items_in_order_and_shuffles_only_the_named_splits(tmp_path):
+    """Keys are ``{split}{index:07d}`` in the list's order; ``train`` (the default ``shuffle``) is written in a
+    fixed shuffled order across its shards, the other splits in their order, ``per_shard`` to a shard."""
+    from mmlight.data.prepare.image_files import write_image_splits
+
+    def sample(item):
+        key, value, label = item
+        return {"__key__": key, "txt": value, "cls": str(label)}
+
+    items = [(f"item{i}", i % 3) for i in range(10)]
+    splits = {"train": items, "val": items}
+    info = write_image_splits(tmp_path, "toy", ["a", "b", "c"], splits, 1, per_shard=4, make_sample=sample)
+    written = json.loads((tmp_path / "_info.json").read_text())
+    assert (written["dataset"], written["classes"], written["splits"]) == ("toy", ["a", "b", "c"], info["splits"])
+    for split in ("train", "val"):
+        shards = info["splits"][split]["shards"]
+        assert [s["num_samples"] for s in shards] == [4, 4, 2]
+        order = []
+        for shard in shards:
+            with tarfile.open(tmp_path / shard["name"]) as tar:
+                order += [m.name.split(".")[0] for m in tar.getmembers() if m.name.endswith(".txt")]
+        samples = split_samples(tmp_path, split)
+        assert {k: (s["txt"].decode(), int(s["cls"])) for k, s in samples.items()} == {
+            f"{split}{i:07d}": item for i, item in enumerate(items)
+        }
+        keys = [f"{split}{i:07d}" for i in range(10)]
+        assert sorted(order) == keys and (order == keys) == (split == "val")
