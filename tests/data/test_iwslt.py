@@ -1,6 +1,8 @@
 """IWSLT14 de-en: preparation from both raw layouts, and token-budget streaming."""
 
+import hashlib
 import io
+import json
 import random
 import shutil
 from types import SimpleNamespace
@@ -13,7 +15,8 @@ from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
-from mmlight.data.shards import read_info
+from mmlight.data.shards import read_info, sha256
+from mmlight.data.tokenizers import TOKENIZER
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
@@ -494,6 +497,8 @@ def test_tokenised_text_is_cached_by_the_raw_files_checksums(raw, tmp_path, monk
     out.mkdir()
     first = iwslt._read_raw_cached(src, out, workers=1)
     assert first == _read_raw(src, workers=1)
+    key = json.loads((out / "tokenised.json").read_text(encoding="utf-8"))["key"]
+    assert key == {**{name: sha256(src / name) for name in iwslt.RAW_FILES}, "tokenizer": TOKENIZER}
     calls = []
 
     def counted(*args):
@@ -527,6 +532,12 @@ def test_bpe_codes_are_learnt_once_and_again_when_their_inputs_change(tmp_path, 
     learn_bpe(io.StringIO("".join(line + "\n" for line in de + en)), reference, 12)
     assert codes == tmp_path / "code" and codes.read_text() == reference.getvalue()
     assert count_bpe_merges(codes) == 12
+    corpus_sha = hashlib.sha256("".join(line + "\n" for line in de + en).encode()).hexdigest()
+    assert json.loads((tmp_path / "code.json").read_text()) == {
+        "merges": 12,
+        "train_sha256": corpus_sha,
+        "sha256": hashlib.sha256(codes.read_bytes()).hexdigest(),
+    }
     learnt = []
     monkeypatch.setattr("subword_nmt.learn_bpe.learn_bpe", lambda *a: learnt.append(a) or learn_bpe(*a))
     assert iwslt.learn_joint_bpe((de, en), tmp_path, merges=12) == codes and learnt == []  # reused
@@ -539,6 +550,9 @@ def test_bpe_codes_are_learnt_once_and_again_when_their_inputs_change(tmp_path, 
     assert len(learnt) == 3 and count_bpe_merges(codes) == 5
     iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)
     assert len(learnt) == 3
+    (tmp_path / "code.json").unlink()  # codes without their record: learnt again
+    iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)
+    assert len(learnt) == 4 and (tmp_path / "code.json").is_file()
 
 
 def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_codes(tmp_path):
@@ -569,6 +583,8 @@ def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_cod
         "valid": [{"path": f"{src}/valid.de:1", "reason": "invalid UTF-8 (unexpected end of data at byte 7)"}],
         "test": [{"path": f"{src}/test.en:1", "reason": "invalid UTF-8 (invalid start byte at byte 4)"}],
     }
+    info = prepare_iwslt(src, tmp_path / "new" / "out", workers=1, samples_per_shard=4)  # parents made
+    assert info["cleaning"] == {} and (tmp_path / "new" / "out" / "code").read_bytes() == (src / "code").read_bytes()
     out = tmp_path / "out"
     out.mkdir()
     (out / "code").write_text("#version: 0.2\nstale codes\n")
@@ -660,3 +676,17 @@ def test_parallel_keeps_the_order_of_the_lines_across_chunks(workers):
     lines = [f"Line {i}, isn't it?" for i in range(7)]
     got = _parallel(_tokenize_chunk, "en", lines, workers, chunk=2)
     assert got == [moses_tokenize(line, "en") for line in lines] and got[6] == "line 6 , isn &apos;t it ?"
+
+
+def test_only_the_line_end_is_cut_before_decoding(raw, tmp_path):
+    """``\\n`` or ``\\r\\n`` is cut from each raw line, nothing else: a line ending in ``X`` keeps it, and a cut
+    character followed by a space is reported as the invalid byte it is (not as a line cut short)."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    (src / "train.tags.de-en.de").write_bytes(b"Ein X\r\nkaputt \xc3 \nXX\n")
+    (src / "train.tags.de-en.en").write_bytes(b"An X\r\nbroken\nXX\n")
+    texts, skipped, _ = _read_raw(src, workers=1)
+    assert texts["train"] == (["ein x", "xx"], ["an x", "xx"])
+    assert skipped["train"] == [
+        {"path": f"{src}/train.tags.de-en.de:2", "reason": "invalid UTF-8 (invalid continuation byte at byte 7)"}
+    ]
