@@ -612,6 +612,7 @@ def test_detect_layout_names_what_each_layout_misses(raw, tmp_path):
     assert detect_layout(src) == "fairseq"  # both complete: fairseq's is read as is
     (src / "code").unlink()
     (src / "IWSLT14.TED.tst2011.de-en.en.xml").unlink()
+    (src / "IWSLT14.TED.tst2012.de-en.de.xml").unlink()
     (src / "valid.en").unlink()
     (src / "valid.en").mkdir()  # a folder is not the file
     (src / "valid.en.tmp").write_text("x\n")
@@ -620,7 +621,7 @@ def test_detect_layout_names_what_each_layout_misses(raw, tmp_path):
     assert str(err.value) == (
         f"{src} holds neither IWSLT14 layout. fairseq's prepared output needs {', '.join(FAIRSEQ_FILES)} "
         f"(missing: valid.en, code); the raw release needs {', '.join(RAW_FILES)} "
-        "(missing: IWSLT14.TED.tst2011.de-en.en.xml)"
+        "(missing: IWSLT14.TED.tst2011.de-en.en.xml, IWSLT14.TED.tst2012.de-en.de.xml)"
     )
 
 
