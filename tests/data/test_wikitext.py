@@ -117,6 +117,15 @@ def test_vocabulary_and_counts(shards):
     # the bad line sits after token 20, in chunk 2, i.e. shard 1
     record = json.loads((out / "train-000001.tar.done.json").read_text())
     assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.train.tokens'}:5"]
+    # each split's samples, read from the tars: chunks of 8 ids keyed 000000, 000001, ... that join into its
+    # stream, the reference tokenisation of the raw text
+    for split, data in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
+        chunks = []
+        for shard in info["splits"][split]["shards"]:
+            chunks += [(name, np.load(io.BytesIO(data_))) for name, data_ in members(out / shard["name"])]
+        assert [name for name, _ in chunks] == [f"{i:06d}.ids.npy" for i in range(len(chunks))]
+        assert all(len(c) == CHUNK for _, c in chunks[:-1]) and all(c.dtype == np.uint32 for _, c in chunks)
+        np.testing.assert_array_equal(np.concatenate([c for _, c in chunks]), ids(data))
 
 
 def test_streams_reassemble_in_order(shards):
@@ -523,9 +532,9 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
     from mmlight.data.prepare.wikitext import plan_split
 
     train = b" a b c \n" * 4 + b"\xff\xfe bad \n"  # 16 tokens = one shard of 2 chunks of 8, then the bad line
-    src = write_raw(
-        tmp_path / "raw", {"wiki.train.tokens": train, "wiki.valid.tokens": b"", "wiki.test.tokens": b"caf\xe9\n"}
-    )
+    valid = b" a b c \n" * 4 + b"\xff\n" + b" a b \n"  # the bad line opens shard 1, the last
+    files = {"wiki.train.tokens": train, "wiki.valid.tokens": valid, "wiki.test.tokens": b"caf\xe9\n"}
+    src = write_raw(tmp_path / "raw", files)
     info = prepare(src, tmp_path / "out", workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
     assert info["eos_per_line"] is True and info["chunk_tokens"] == CHUNK
     assert load_vocab(tmp_path / "out" / "vocab.txt") == ["<s>", "<pad>", "</s>", "<unk>", "a", "b", "c"]
@@ -537,12 +546,21 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
     ]
     record = json.loads((tmp_path / "out" / "train-000000.tar.done.json").read_text())
     assert record["skipped"] == train_info["skipped"]
-    assert (valid["num_tokens"], valid["num_lines"], valid["num_samples"], valid["shards"]) == (0, 0, 0, [])
+    assert (valid["num_tokens"], valid["num_lines"], valid["num_samples"]) == (19, 5, 3)
+    assert [s["num_samples"] for s in valid["shards"]] == [2, 1]
+    record = json.loads((tmp_path / "out" / "valid-000001.tar.done.json").read_text())
+    assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.valid.tokens'}:5"]
     assert (test["num_tokens"], test["num_lines"], test["num_samples"], test["num_skipped"]) == (0, 0, 0, 1)
     assert [s["name"] for s in test["shards"]] == ["test-000000.tar"]
     # the line is decoded without its "\n": a cut character at its end is "unexpected end of data"
     reason = "line is not valid UTF-8 (unexpected end of data at byte 3)"
     assert test["skipped"] == [{"path": f"{src / 'wiki.test.tokens'}:1", "reason": reason}]
+    empty = prepare(write_raw(tmp_path / "raw2", dict(files, **{"wiki.valid.tokens": b""})), tmp_path / "out2")
+    assert [empty["splits"]["valid"][k] for k in ("num_tokens", "num_lines", "num_samples", "shards")] == [0, 0, 0, []]
+    jobs = plan_split("train", np.arange(3, dtype=np.uint32), [], 1, 1)  # the smallest sizes
+    assert [(job.name, [key for key, _ in job.items]) for job in jobs] == [
+        (f"train-00000{i}.tar", [f"00000{i}"]) for i in range(3)
+    ]
     for chunk_tokens, per_shard in ((0, 2), (8, 0)):
         with pytest.raises(ValueError) as err:
             plan_split("train", np.zeros(3, np.uint32), [], chunk_tokens, per_shard)
