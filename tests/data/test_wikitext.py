@@ -192,8 +192,9 @@ def test_changed_vocabulary_is_refused(shards, tmp_path):
 
 def test_missing_file_is_named(tmp_path, capsys):
     src = write_raw(tmp_path / "raw", {"wiki.train.tokens": TRAIN, "wiki.test.tokens": TEST})
-    with pytest.raises(FileNotFoundError, match="wiki.valid.tokens"):
+    with pytest.raises(FileNotFoundError) as err:
         prepare(src, tmp_path / "out", workers=1)
+    assert str(err.value) == f"expected the WikiText-103 valid file wiki.valid.tokens at {src / 'wiki.valid.tokens'}"
     with pytest.raises(SystemExit) as exit_info:
         prepare_main(["wikitext103", "--src", str(src), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -533,7 +534,8 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
 
     train = b" a b c \n" * 4 + b"\xff\xfe bad \n"  # 16 tokens = one shard of 2 chunks of 8, then the bad line
     valid = b" a b c \n" * 4 + b"\xff\n" + b" a b \n"  # the bad line opens shard 1, the last
-    files = {"wiki.train.tokens": train, "wiki.valid.tokens": valid, "wiki.test.tokens": b"caf\xe9\n"}
+    test = b"caf\xe9\ncaf\xe9 \n X\n"  # a character cut at the line's end, then before a space; then "X"
+    files = {"wiki.train.tokens": train, "wiki.valid.tokens": valid, "wiki.test.tokens": test}
     src = write_raw(tmp_path / "raw", files)
     info = prepare(src, tmp_path / "out", workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
     assert info["eos_per_line"] is True and info["chunk_tokens"] == CHUNK
@@ -550,13 +552,32 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
     assert [s["num_samples"] for s in valid["shards"]] == [2, 1]
     record = json.loads((tmp_path / "out" / "valid-000001.tar.done.json").read_text())
     assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.valid.tokens'}:5"]
-    assert (test["num_tokens"], test["num_lines"], test["num_samples"], test["num_skipped"]) == (0, 0, 0, 1)
+    assert (test["num_tokens"], test["num_lines"], test["num_samples"], test["num_skipped"]) == (2, 1, 1, 2)
     assert [s["name"] for s in test["shards"]] == ["test-000000.tar"]
-    # the line is decoded without its "\n": a cut character at its end is "unexpected end of data"
-    reason = "line is not valid UTF-8 (unexpected end of data at byte 3)"
-    assert test["skipped"] == [{"path": f"{src / 'wiki.test.tokens'}:1", "reason": reason}]
-    empty = prepare(write_raw(tmp_path / "raw2", dict(files, **{"wiki.valid.tokens": b""})), tmp_path / "out2")
+    # a line is decoded without its "\n" and nothing else: a cut character at its end is "unexpected end of
+    # data", one before a space an "invalid continuation byte"; the final "X" is a word (<unk>, then </s>)
+    assert test["skipped"] == [
+        {
+            "path": f"{src / 'wiki.test.tokens'}:1",
+            "reason": "line is not valid UTF-8 (unexpected end of data at byte 3)",
+        },
+        {
+            "path": f"{src / 'wiki.test.tokens'}:2",
+            "reason": "line is not valid UTF-8 (invalid continuation byte at byte 3)",
+        },
+    ]
+    # a training file without words (the vocabulary is the specials), an empty file, into a new folder's child
+    files = {"wiki.train.tokens": b" \n \n", "wiki.valid.tokens": b"", "wiki.test.tokens": b" a \n"}
+    empty = prepare(write_raw(tmp_path / "raw2", files), tmp_path / "new" / "out", chunk_tokens=CHUNK)
+    assert load_vocab(tmp_path / "new" / "out" / "vocab.txt") == ["<s>", "<pad>", "</s>", "<unk>"]
     assert [empty["splits"]["valid"][k] for k in ("num_tokens", "num_lines", "num_samples", "shards")] == [0, 0, 0, []]
+    streams = {split: [] for split in ("train", "test")}
+    for split, stream in streams.items():
+        for shard in empty["splits"][split]["shards"]:
+            stream += [
+                np.load(io.BytesIO(data)).tolist() for _, data in members(tmp_path / "new" / "out" / shard["name"])
+            ]
+    assert streams == {"train": [[2, 2]], "test": [[3, 2]]}
     jobs = plan_split("train", np.arange(3, dtype=np.uint32), [], 1, 1)  # the smallest sizes
     assert [(job.name, [key for key, _ in job.items]) for job in jobs] == [
         (f"train-00000{i}.tar", [f"00000{i}"]) for i in range(3)
