@@ -281,10 +281,12 @@ def test_only_image_files_in_class_folders_are_read_and_every_layout_error_is_na
     info = prepare("imagenet", raw, tmp_path / "out", workers=1)
     assert (info["splits"]["train"]["num_samples"], info["splits"]["train"]["num_skipped"]) == (14, 2)
     # errors
-    (raw / "val" / "n09999999").mkdir()
-    with pytest.raises(ValueError) as err:
+    assert info["dataset"] == "imagenet"
+    for k in range(6):
+        (raw / "val" / f"n0999999{k}").mkdir()
+    with pytest.raises(ValueError) as err:  # the first five named
         prepare("imagenet", raw, tmp_path / "out2")
-    assert str(err.value) == "val/ has class folders not in train/: ['n09999999']"
+    assert str(err.value) == f"val/ has class folders not in train/: {[f'n0999999{k}' for k in range(5)]}"
     flat = tmp_path / "flat"
     write_raw(flat, "flat")
     (flat / "val" / "ILSVRC2012_val_00000099.JPEG").write_bytes(jpeg(7))
@@ -303,7 +305,11 @@ def test_only_image_files_in_class_folders_are_read_and_every_layout_error_is_na
     with pytest.raises(FileNotFoundError, match="holds images directly"):
         prepare("imagenet", flat, tmp_path / "out3")
     empty = tmp_path / "empty"
-    (empty / "train").mkdir(parents=True)
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagenet", empty, tmp_path / "out4")
+    assert str(err.value) == f"expected the training images (train/<wnid>/*.JPEG) at {empty / 'train'}"
+    (empty / "train").mkdir()
     with pytest.raises(FileNotFoundError) as err:
         prepare("imagenet", empty, tmp_path / "out4")
     assert str(err.value) == f"expected class folders train/<wnid>/ in {empty / 'train'}"
