@@ -59,7 +59,8 @@ def test_formats_are_kept_converted_or_skipped_with_reasons(tmp_path, caplog):
         s["path"].split("raw/")[1]: s["reason"] for split in ("train", "val") for s in info["splits"][split]["skipped"]
     }
     assert set(skipped) == {"train/cat/cut.jpg", "val/dog/notes.txt"}
-    assert all(reason.startswith("not a readable image") for reason in skipped.values())
+    assert skipped["val/dog/notes.txt"].startswith("not a readable image (UnidentifiedImageError: cannot identify")
+    assert skipped["train/cat/cut.jpg"].startswith("not a readable image (OSError: ")
     for split, want in cases.items():
         samples = list(split_samples(tmp_path / "out", split).values())
         for expected, label, kind in want:
@@ -225,12 +226,20 @@ def test_image_sample_keeps_rgb_and_grey_pngs_and_skips_an_empty_file(tmp_path):
 
 def test_write_image_splits_keys_items_in_order_and_shuffles_only_the_named_splits(tmp_path):
     """Keys are ``{split}{index:07d}`` in the list's order; ``train`` (the default ``shuffle``) is written in a
-    fixed shuffled order across its shards, the other splits in their order, ``per_shard`` to a shard."""
+    fixed shuffled order across its shards (the same in a second folder), the other splits in their order,
+    ``per_shard`` to a shard."""
     from mmlight.data.prepare.image_files import write_image_splits
 
     def sample(item):
         key, value, label = item
         return {"__key__": key, "txt": value, "cls": str(label)}
+
+    def written_order(out, shards):
+        order = []
+        for shard in shards:
+            with tarfile.open(out / shard["name"]) as tar:
+                order += [m.name.split(".")[0] for m in tar.getmembers() if m.name.endswith(".txt")]
+        return order
 
     items = [(f"item{i}", i % 3) for i in range(10)]
     splits = {"train": items, "val": items}
@@ -240,13 +249,14 @@ def test_write_image_splits_keys_items_in_order_and_shuffles_only_the_named_spli
     for split in ("train", "val"):
         shards = info["splits"][split]["shards"]
         assert [s["num_samples"] for s in shards] == [4, 4, 2]
-        order = []
-        for shard in shards:
-            with tarfile.open(tmp_path / shard["name"]) as tar:
-                order += [m.name.split(".")[0] for m in tar.getmembers() if m.name.endswith(".txt")]
         samples = split_samples(tmp_path, split)
         assert {k: (s["txt"].decode(), int(s["cls"])) for k, s in samples.items()} == {
             f"{split}{i:07d}": item for i, item in enumerate(items)
         }
         keys = [f"{split}{i:07d}" for i in range(10)]
+        order = written_order(tmp_path, shards)
         assert sorted(order) == keys and (order == keys) == (split == "val")
+    again = write_image_splits(tmp_path / "again", "toy", ["a", "b", "c"], splits, 1, per_shard=4, make_sample=sample)
+    assert written_order(tmp_path / "again", again["splits"]["train"]["shards"]) == written_order(
+        tmp_path, info["splits"]["train"]["shards"]
+    )
