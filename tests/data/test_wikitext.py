@@ -531,6 +531,7 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
     """A bad line right after the last full shard's tokens goes to the last shard (there is no next one); a split
     of nothing but a bad line is one shard with no sample and that skip; an empty file is a split of no shard."""
     from mmlight.data.prepare.wikitext import plan_split
+    from mmlight.data.shard_writer import Skipped
 
     train = b" a b c \n" * 4 + b"\xff\xfe bad \n"  # 16 tokens = one shard of 2 chunks of 8, then the bad line
     valid = b" a b c \n" * 4 + b"\xff\n" + b" a b \n"  # the bad line opens shard 1, the last
@@ -578,6 +579,9 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
                 np.load(io.BytesIO(data)).tolist() for _, data in members(tmp_path / "new" / "out" / shard["name"])
             ]
     assert streams == {"train": [[2, 2]], "test": [[3, 2]]}
+    skip = Skipped("wiki.test.tokens:1", "line is not valid UTF-8")  # a split of nothing but a bad line
+    [job] = plan_split("test", np.zeros(0, np.uint32), [(0, skip)], CHUNK, PER_SHARD)
+    assert (job.name, job.items) == ("test-000000.tar", [skip])
     jobs = plan_split("train", np.arange(3, dtype=np.uint32), [], 1, 1)  # the smallest sizes
     assert [(job.name, [key for key, _ in job.items]) for job in jobs] == [
         (f"train-00000{i}.tar", [f"00000{i}"]) for i in range(3)
