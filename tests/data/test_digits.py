@@ -171,3 +171,22 @@ def test_prepare_command_line_options(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[-1] == (
         "food101 shards in shards: train 5 samples (0 skipped), val 2 samples (1 skipped)"
     )
+
+
+def test_prepare_command_logs_info_lines_with_level_and_logger(tmp_path, capsys, monkeypatch):
+    """Without logging set up (a plain ``mmlight prepare`` process), the command shows INFO records on stderr as
+    ``LEVEL logger: message``."""
+    import logging
+
+    from mmlight.data import prepare as prepare_module
+
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process (pytest installs its own)
+    monkeypatch.setattr(logging.root, "level", logging.WARNING)
+
+    def prepare(*args):
+        logging.getLogger("mmlight.data.prepare.toy").info("wrote %d shards", 3)
+        return {"splits": {}}
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    prepare_module.main(["digits", "--out", str(tmp_path)])
+    assert capsys.readouterr().err == "INFO mmlight.data.prepare.toy: wrote 3 shards\n"
