@@ -205,11 +205,13 @@ MODULES: dict[str, Module] = {
             "tests/data/test_toy_translation.py",
         ),
     ),
+    # test_tokenizers.py also reaches iwslt.py (its tokenising step and its cache's tokeniser key)
     "prepare": Module(
         ("mmlight/data/prepare/*",),
         (
             "tests/data/test_imagenet.py",
             "tests/data/test_iwslt.py",
+            "tests/data/test_tokenizers.py",
             "tests/data/test_wikitext.py",
             "tests/data/test_digits.py",
             "tests/data/test_imagefolder.py",

@@ -122,3 +122,65 @@ def test_missing_pickles_are_named(tmp_path):
     (tmp_path / "raw").mkdir()
     with pytest.raises(FileNotFoundError, match="expected the cifar10 pickles .*cifar-10-python.tar.gz"):
         prepare("cifar10", tmp_path / "raw", tmp_path / "out")
+
+
+def test_names_as_str_a_wrong_data_shape_and_the_missing_files_message(tmp_path):
+    """Class names pickled as ``str`` (a Python 3 re-pickle) are read as they are; a data array that is not
+    N x 3072 for its N labels is refused, naming the file; each release's info names its dataset."""
+    folder = tmp_path / "raw"
+    batches = write_cifar10(folder)
+    meta = {b"label_names": [f"name{i}" for i in range(10)]}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    info = prepare("cifar10", folder, tmp_path / "out")
+    assert info["dataset"] == "cifar10" and info["classes"] == [f"name{i}" for i in range(10)]
+    bad = {**batches["data_batch_3"], b"data": batches["data_batch_3"][b"data"][:, :3000]}
+    (folder / "data_batch_3").write_bytes(pickle.dumps(bad, protocol=2))
+    with pytest.raises(ValueError) as err:
+        prepare("cifar10", folder, tmp_path / "out2")
+    assert str(err.value) == f"cifar10 data_batch_3: data has shape ({PER_BATCH}, 3000), expected ({PER_BATCH}, 3072)"
+    write_cifar100(tmp_path / "raw100")
+    assert prepare("cifar100", tmp_path / "raw100", tmp_path / "out100")["dataset"] == "cifar100"
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("cifar100", tmp_path / "out", tmp_path / "out3")
+    src = tmp_path / "out"
+    assert str(err.value) == (
+        f"expected the cifar100 pickles (meta, ...) in {src} or {src / 'cifar-100-python'}, "
+        f"or the archive {src / 'cifar-100-python.tar.gz'}"
+    )
+
+
+def py2_pickle(content: dict) -> bytes:
+    """``content`` pickled as Python 2 wrote the official files: keys and class names as Python 2 ``str``
+    (``SHORT_BINSTRING``, which Python 3 must read with ``encoding="bytes"``), arrays as NumPy pickles them."""
+    as_text = {
+        key.decode(): [v.decode() for v in value]
+        if isinstance(value, list) and value and isinstance(value[0], bytes)
+        else value
+        for key, value in content.items()
+    }
+    data = pickle.dumps(as_text, protocol=2)
+    names = list(as_text) + [
+        v for value in as_text.values() if isinstance(value, list) for v in value if isinstance(v, str)
+    ]
+    for name in names:
+        raw = name.encode()
+        unicode_op, str_op = b"X" + len(raw).to_bytes(4, "little") + raw, b"U" + bytes([len(raw)]) + raw
+        assert data.count(unicode_op) == 1
+        data = data.replace(unicode_op, str_op)
+    return data
+
+
+def test_python2_pickles_and_shards_of_at_most_5000_images(tmp_path):
+    """The official pickles hold Python 2 strings (read as bytes, then decoded); a split of 1,001 images is one
+    shard (5,000 images to a shard)."""
+    folder = tmp_path / "raw"
+    batches = write_cifar10(folder)
+    batches["data_batch_2"] = batch(2, 1001 - 4 * PER_BATCH, b"labels", 10)
+    for name, content in batches.items():
+        (folder / name).write_bytes(py2_pickle(content))
+    raw = (folder / "data_batch_1").read_bytes()  # Python 2 strings: str by default, bytes on request
+    assert b"labels" in pickle.loads(raw, encoding="bytes") and "labels" in pickle.loads(raw)
+    info = prepare("cifar10", folder, tmp_path / "out")
+    assert info["classes"] == [f"class{i}" for i in range(10)]
+    assert [s["num_samples"] for s in info["splits"]["train"]["shards"]] == [1001]
+    check_split(tmp_path / "out", "train", raw_images(batches, [f"data_batch_{i}" for i in range(1, 6)], b"labels"))

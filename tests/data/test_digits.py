@@ -111,3 +111,82 @@ def split_labels(root, split):
 
 def split_keys(root, split):
     return list(split_labels(root, split))
+
+
+def test_prepare_refuses_an_unknown_dataset_and_a_missing_or_non_folder_src(tmp_path, capsys):
+    """``prepare``'s checks before any work, and the command's exit 2 with the message (digits alone needs no
+    ``--src``)."""
+    from mmlight.data.prepare import DATASETS, main, prepare
+
+    with pytest.raises(ValueError) as err:
+        prepare("mnist", tmp_path, tmp_path / "out")
+    assert str(err.value) == f"unknown dataset 'mnist'; choose one of {sorted(DATASETS)}"
+    with pytest.raises(ValueError) as err:
+        prepare("wikitext103", None, tmp_path / "out")
+    assert str(err.value) == "wikitext103 needs --src (the raw data folder)"
+    (tmp_path / "a_file").write_text("x")
+    for src in (tmp_path / "missing", tmp_path / "a_file"):
+        with pytest.raises(FileNotFoundError) as err:
+            prepare("food101", src, tmp_path / "out")
+        assert str(err.value) == f"--src {src} is not a folder"
+        with pytest.raises(FileNotFoundError):
+            prepare("digits", src, tmp_path / "out")  # a --src given to digits is still checked
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["iwslt14", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "mmlight prepare: error: iwslt14 needs --src (the raw data folder)\n"
+
+
+def test_prepare_command_line_options(tmp_path, capsys, monkeypatch):
+    """``mmlight prepare --help`` names every dataset and option; ``--workers`` defaults to the cores, at most 8;
+    ``--out`` is required."""
+    import os
+
+    from mmlight.data import prepare as prepare_module
+
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_module.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert help_text.startswith("usage: mmlight prepare [-h] [--src SRC] --out OUT [--workers WORKERS]")
+    assert "{cifar10,cifar100,digits,flowers102,food101,imagefolder,imagenet,iwslt14,wikitext103}" in help_text
+    assert "raw datasets to webdataset shards" in help_text
+    assert (
+        "--src SRC raw data folder (not needed for digits) --out OUT shard set folder to write (or verify) "
+        "--workers WORKERS writer processes"
+    ) in help_text
+    with pytest.raises(SystemExit):
+        prepare_module.main(["digits"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
+    seen = []
+    splits = {"train": {"num_samples": 5}, "val": {"num_samples": 2, "num_skipped": 1}}  # no count: none skipped
+    monkeypatch.setattr(prepare_module, "prepare", lambda *args: seen.append(args) or {"splits": splits})
+    for cores, workers in ((2, 2), (32, 8), (None, 1)):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        prepare_module.main(["digits", "--out", str(tmp_path)])
+        assert seen[-1] == ("digits", None, str(tmp_path), workers)
+    prepare_module.main(["food101", "--src", "raw", "--out", "shards", "--workers", "3"])
+    assert seen[-1] == ("food101", "raw", "shards", 3)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "food101 shards in shards: train 5 samples (0 skipped), val 2 samples (1 skipped)"
+    )
+
+
+def test_prepare_command_logs_info_lines_with_level_and_logger(tmp_path, capsys, monkeypatch):
+    """Without logging set up (a plain ``mmlight prepare`` process), the command shows INFO records on stderr as
+    ``LEVEL logger: message``."""
+    import logging
+
+    from mmlight.data import prepare as prepare_module
+
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process (pytest installs its own)
+    monkeypatch.setattr(logging.root, "level", logging.WARNING)
+
+    def prepare(*args):
+        logging.getLogger("mmlight.data.prepare.toy").info("wrote %d shards", 3)
+        return {"splits": {}}
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    prepare_module.main(["digits", "--out", str(tmp_path)])
+    assert capsys.readouterr().err == "INFO mmlight.data.prepare.toy: wrote 3 shards\n"

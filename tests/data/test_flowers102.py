@@ -55,3 +55,41 @@ def test_missing_label_file_is_named(tmp_path):
     (tmp_path / "raw" / "setid.mat").unlink()
     with pytest.raises(FileNotFoundError, match=r"expected the splits \(setid.mat\)"):
         prepare("flowers102", tmp_path / "raw", tmp_path / "out")
+
+
+def test_image_numbers_outside_the_labels_are_refused_and_each_missing_part_is_named(tmp_path):
+    raw = tmp_path / "raw"
+    write_release(raw)
+    assert prepare("flowers102", raw, tmp_path / "out")["dataset"] == "flowers102"
+    for key, ids in (("tstid", [3, 11]), ("valid", [0, 4])):  # 10 images: 1..10 are valid
+        savemat(str(raw / "setid.mat"), {k: np.array([ids if k == key else v], float) for k, v in SETID.items()})
+        with pytest.raises(ValueError) as err:
+            prepare("flowers102", raw, tmp_path / "out2")
+        assert str(err.value) == f"setid.mat {key} lists images outside 1..10 (imagelabels.mat)"
+    savemat(str(raw / "setid.mat"), {k: np.array([[10, 1] if k == "trnid" else v], float) for k, v in SETID.items()})
+    assert prepare("flowers102", raw, tmp_path / "out2")["splits"]["train"]["num_samples"] == 2  # both ends kept
+    savemat(str(raw / "setid.mat"), {k: np.array([v], float) for k, v in SETID.items()})
+    (raw / "jpg").rename(raw / "images")
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("flowers102", raw, tmp_path / "out2")
+    assert str(err.value) == f"expected the images (jpg/image_00001.jpg ...) at {raw / 'jpg'}"
+    (raw / "imagelabels.mat").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("flowers102", raw, tmp_path / "out2")
+    assert str(err.value) == f"expected the labels (imagelabels.mat) at {raw / 'imagelabels.mat'}"
+
+
+def test_a_single_image_split_and_the_classes_up_to_the_largest_label(tmp_path):
+    """MATLAB saves a one-element list as a scalar (``squeeze_me``): still a split of one image. The classes run
+    up to the largest label, even when some class has no image."""
+    raw = tmp_path / "raw"
+    files = write_release(raw)
+    labels = [5 if label == 3 else label for label in LABELS]  # classes 3 and 4 unused
+    savemat(str(raw / "imagelabels.mat"), {"labels": np.array([labels], dtype=np.float64)})
+    setid = dict(SETID, trnid=[9])
+    savemat(str(raw / "setid.mat"), {k: np.array([v], dtype=np.float64) for k, v in setid.items()})
+    info = prepare("flowers102", raw, tmp_path / "out")
+    assert info["classes"] == ["1", "2", "3", "4", "5"]
+    for split, key in (("train", "trnid"), ("val", "valid"), ("test", "tstid")):
+        got = sorted((image_bytes(s), int(s["cls"])) for s in split_samples(tmp_path / "out", split).values())
+        assert got == sorted((files[i], labels[i - 1] - 1) for i in setid[key])

@@ -42,3 +42,21 @@ def test_unlisted_class_is_an_error(tmp_path):
     (tmp_path / "raw" / "meta" / "classes.txt").write_text("apple_pie\nbaklava\n")
     with pytest.raises(ValueError, match="names class 'baby_back_ribs', which meta/classes.txt does not list"):
         prepare("food101", tmp_path / "raw", tmp_path / "out")
+
+
+def test_info_names_the_dataset_and_each_missing_part_is_named(tmp_path):
+    raw = tmp_path / "raw"
+    write_release(raw)
+    assert prepare("food101", raw, tmp_path / "out")["dataset"] == "food101"
+    (raw / "meta" / "test.txt").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("food101", raw, tmp_path / "out2")
+    assert str(err.value) == f"expected the test list (meta/test.txt) at {raw / 'meta' / 'test.txt'}"
+    (raw / "images").rename(raw / "images.moved")
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("food101", raw, tmp_path / "out2")
+    assert str(err.value) == f"expected the images (images/<class>/<id>.jpg) at {raw / 'images'}"
+    (raw / "meta" / "classes.txt").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("food101", raw, tmp_path / "out2")
+    assert str(err.value) == f"expected the class list (meta/classes.txt) at {raw / 'meta' / 'classes.txt'}"

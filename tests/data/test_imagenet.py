@@ -261,3 +261,75 @@ def test_a_jpeg_cut_inside_its_image_data_is_skipped_though_its_header_reads(tmp
     assert imagenet.make_sample((str(whole), 4)) == {"__key__": "whole", "jpg": buf.getvalue(), "cls": "4"}
     skipped = imagenet.make_sample((str(cut), 4))
     assert skipped.path == str(cut) and skipped.reason.startswith("OSError: image file is truncated")
+
+
+def test_only_image_files_in_class_folders_are_read_and_every_layout_error_is_named(tmp_path):
+    """``*.JPEG``/``*.jpg``/``*.png`` in any case are images; other files, sub-folders and loose files beside
+    the class folders are not items. Each layout mistake stops with a message naming it."""
+    raw = tmp_path / "raw"
+    write_raw(raw, "folders")
+    extra = raw / "train" / WNIDS[2]
+    (extra / "upper.JPG").write_bytes(jpeg(50))
+    (extra / "lower.png").write_bytes(jpeg(51))  # a JPEG named .png still decodes
+    (extra / "readme.txt").write_text("not an image")
+    (extra / "nested.JPEG").mkdir()
+    (raw / "train" / "loose.JPEG").write_bytes(jpeg(52))
+    assert [p.name for p in imagenet._images(extra)] == sorted(
+        [f"{WNIDS[2]}_{i}.JPEG" for i in range(4)] + ["lower.png", "upper.JPG"]
+    )
+    assert list(imagenet.class_folders(raw / "train")) == WNIDS
+    info = prepare("imagenet", raw, tmp_path / "out", workers=1)
+    assert (info["splits"]["train"]["num_samples"], info["splits"]["train"]["num_skipped"]) == (14, 2)
+    # errors
+    assert info["dataset"] == "imagenet"
+    for k in range(6):
+        (raw / "val" / f"n0999999{k}").mkdir()
+    with pytest.raises(ValueError) as err:  # the first five named
+        prepare("imagenet", raw, tmp_path / "out2")
+    assert str(err.value) == f"val/ has class folders not in train/: {[f'n0999999{k}' for k in range(5)]}"
+    flat = tmp_path / "flat"
+    write_raw(flat, "flat")
+    (flat / "val" / "ILSVRC2012_val_00000099.JPEG").write_bytes(jpeg(7))
+    with pytest.raises(ValueError) as err:
+        prepare("imagenet", flat, tmp_path / "out3")
+    unlabelled = flat / "val" / "ILSVRC2012_val_00000099.JPEG"
+    assert str(err.value) == f"no label for {unlabelled} in the validation label file"
+    (flat / "LOC_val_solution.csv").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagenet", flat, tmp_path / "out3")
+    assert str(err.value) == (
+        f"val/ in {flat} holds images directly, so a label file is needed: expected {flat / 'LOC_val_solution.csv'}, "
+        f"or {flat / 'ILSVRC2012_validation_ground_truth.txt'} with {flat / 'meta.mat'}"
+    )
+    (flat / "ILSVRC2012_validation_ground_truth.txt").write_text("1\n")  # without meta.mat: still no label file
+    with pytest.raises(FileNotFoundError, match="holds images directly"):
+        prepare("imagenet", flat, tmp_path / "out3")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagenet", empty, tmp_path / "out4")
+    assert str(err.value) == f"expected the training images (train/<wnid>/*.JPEG) at {empty / 'train'}"
+    (empty / "train").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagenet", empty, tmp_path / "out4")
+    assert str(err.value) == f"expected class folders train/<wnid>/ in {empty / 'train'}"
+    (empty / "train" / WNIDS[0]).mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        prepare("imagenet", empty, tmp_path / "out4")
+    assert str(err.value) == f"expected the validation images (val/) at {empty / 'val'}"
+
+
+def test_training_shards_mix_the_classes_in_a_fixed_order(tmp_path, small_shards):
+    """Training items are shuffled once with a fixed seed: shards mix classes, and a second preparation writes
+    the same shards."""
+    write_raw(tmp_path / "raw", "folders")
+    for out in ("a", "b"):
+        prepare("imagenet", tmp_path / "raw", tmp_path / out, workers=1)
+    orders = [[name for name, _ in read_shards(tmp_path / out, "train") if name.endswith(".cls")] for out in "ab"]
+    assert orders[0] == orders[1]
+    train_shards = read_info(tmp_path / "a")["splits"]["train"]["shards"]
+    labels_per_shard = []
+    for shard in train_shards:
+        with tarfile.open(tmp_path / "a" / shard["name"]) as tar:
+            labels_per_shard.append({tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".cls")})
+    assert sum(len(labels) > 1 for labels in labels_per_shard) >= 2  # class-sorted shards would hold one each

@@ -1,5 +1,8 @@
 """IWSLT14 de-en: preparation from both raw layouts, and token-budget streaming."""
 
+import hashlib
+import io
+import json
 import random
 import shutil
 from types import SimpleNamespace
@@ -12,7 +15,8 @@ from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
-from mmlight.data.shards import read_info
+from mmlight.data.shards import read_info, sha256
+from mmlight.data.tokenizers import TOKENIZER
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
@@ -400,3 +404,290 @@ def test_raw_pairs_removed_by_each_rule_are_counted_and_the_rest_kept_in_order(r
     assert reasons[f"{src}/train.tags.de-en.en:9"] == "invalid UTF-8 (invalid start byte at byte 5)"
     kept = [(de.decode(), en.decode()) for de, en, what in lines if what == "kept"]
     assert texts["train"] == ([de for de, _ in kept], [en for _, en in kept]) and texts["valid"] == ([], [])
+
+
+def _xml(segs: list[bytes]) -> bytes:
+    """An IWSLT XML file around ``<seg>`` lines (given whole, as bytes)."""
+    head = b'<?xml version="1.0" encoding="UTF-8"?>\n<mteval>\n<doc docid="1">\n<talkid>7</talkid>\n'
+    return head + b"".join(s + b"\n" for s in segs) + b"</doc>\n</mteval>\n"
+
+
+def test_test_sets_skip_bad_segments_with_their_seg_number_and_keep_the_rest(raw, tmp_path):
+    """In a dev/test XML file: a ``<seg>`` that is not UTF-8 and one whose side is empty are skipped, located as
+    ``file:segN`` (N counts ``<seg>`` lines only) under ``test``; the others are cut to their text (any id,
+    spaces around it, ``’`` made ``'``), tokenised, and kept in the recipe's order of the five sets."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    name = RAW_TEST_SETS[2]
+    de_xml, en_xml = src / f"{name}.de-en.de.xml", src / f"{name}.de-en.en.xml"
+    de_xml.write_bytes(
+        _xml(
+            [
+                b'<seg id="1"> Hallo Welt . </seg>',
+                b'<seg id="2">Kaputt \xff .</seg>',
+                b'<seg id="30">   Das ist gut .   </seg>   ',
+                b'<seg id="4"> Leer ? </seg>',
+                b'<seg id="5">Er sagt \xe2\x80\x99 ja \xe2\x80\x99 .</seg>',
+            ]
+        )
+    )
+    en_xml.write_bytes(
+        _xml(
+            [
+                b'<seg id="1"> Hello world . </seg>',
+                b'<seg id="2">Broken .</seg>',
+                b'<seg id="30">That is good .</seg>',
+                b'<seg id="4">   </seg>',
+                b'<seg id="5">He says \xe2\x80\x99 yes \xe2\x80\x99 .</seg>',
+            ]
+        )
+    )
+    texts, skipped, _ = _read_raw(src, workers=1)
+    assert skipped["test"] == [
+        {"path": f"{de_xml}:seg2", "reason": "invalid UTF-8 (invalid start byte at byte 19)"},  # in the whole line
+        {"path": f"{en_xml}:seg4", "reason": "empty English side"},
+    ]
+    assert skipped["valid"] == [] and len(skipped["train"]) == 2  # the fixture's own two training skips
+    test = raw[2]
+    before, after = [p for p in test[:4]], [p for p in test[6:]]  # sets 0, 1 and 3, 4 are the fixture's
+    want = [(_tok(d, "de"), _tok(e, "en")) for d, e in before]
+    want += [
+        (_tok("Hallo Welt .", "de"), _tok("Hello world .", "en")),
+        (_tok("Das ist gut .", "de"), _tok("That is good .", "en")),
+        (_tok("Er sagt ' ja ' .", "de"), _tok("He says ' yes ' .", "en")),
+    ]
+    want += [(_tok(d, "de"), _tok(e, "en")) for d, e in after]
+    assert list(zip(*texts["test"])) == want
+
+
+def test_test_set_segment_counts_must_agree(raw, tmp_path):
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    name = RAW_TEST_SETS[4]
+    (src / f"{name}.de-en.en.xml").write_bytes(_xml([b'<seg id="1">Only one .</seg>']))
+    with pytest.raises(ValueError) as err:
+        _read_raw(src, workers=1)
+    assert str(err.value) == (
+        f"<seg> lines of {name}: {src}/{name}.de-en.de.xml has 2 lines but {src}/{name}.de-en.en.xml has 1; "
+        "the German and English sides must be line-aligned"
+    )
+
+
+def test_crlf_line_ends_and_windows_files_give_the_same_text(raw, tmp_path):
+    """``\\r\\n`` line ends (a file saved on Windows) are cut like ``\\n``: the same tokenised text."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    for path in [src / f"train.tags.de-en.{lang}" for lang in ("de", "en")] + list(src.glob("*.xml")):
+        path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    texts, skipped, stats = _read_raw(src, workers=1)
+    assert (texts, stats) == _read_raw(raw[0], workers=1)[::2]
+    assert [(s["path"].replace(str(src), "SRC"), s["reason"]) for s in skipped["train"]] == [
+        ("SRC/train.tags.de-en.de:20", "invalid UTF-8 (invalid start byte at byte 7)"),
+        ("SRC/train.tags.de-en.en:10", "empty English side"),
+    ]
+
+
+def test_tokenised_text_is_cached_by_the_raw_files_checksums(raw, tmp_path, monkeypatch):
+    """``tokenised.json``: a rerun on the same raw files reads it (no tokenising); a changed raw file or an
+    unreadable cache tokenises again."""
+    from mmlight.data.prepare import iwslt
+
+    src, out = tmp_path / "raw", tmp_path / "out"
+    shutil.copytree(raw[0], src)
+    out.mkdir()
+    first = iwslt._read_raw_cached(src, out, workers=1)
+    assert first == _read_raw(src, workers=1)
+    key = json.loads((out / "tokenised.json").read_text(encoding="utf-8"))["key"]
+    assert key == {**{name: sha256(src / name) for name in iwslt.RAW_FILES}, "tokenizer": TOKENIZER}
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return _read_raw(*args)
+
+    monkeypatch.setattr(iwslt, "_read_raw", counted)
+    assert iwslt._read_raw_cached(src, out, workers=1) == first and calls == []  # reused, same types
+    (out / "tokenised.json").write_text("{not json")
+    assert iwslt._read_raw_cached(src, out, workers=1) == first and len(calls) == 1
+    assert iwslt._read_raw_cached(src, out, workers=1) == first and len(calls) == 1  # the rewritten cache
+    with open(src / "train.tags.de-en.en", "ab") as f, open(src / "train.tags.de-en.de", "ab") as g:
+        f.write(b"One more line .\n")
+        g.write(b"Noch eine Zeile .\n")
+    texts, _, _ = iwslt._read_raw_cached(src, out, workers=1)
+    assert len(calls) == 2 and texts["train"][1][-1] == "one more line ."
+
+
+def test_bpe_codes_are_learnt_once_and_again_when_their_inputs_change(tmp_path, monkeypatch):
+    """``learn_joint_bpe``: the codes subword-nmt learns on train de + en, one line each; kept while the merge
+    count, the training text and the codes file itself are unchanged, learnt again when one changes."""
+    from subword_nmt.learn_bpe import learn_bpe
+
+    from mmlight.data.prepare import iwslt
+    from mmlight.data.tokenizers import count_bpe_merges
+
+    de = ["der hund sieht die sonne", "die katze sieht den hund"]
+    en = ["the dog sees the sun", "the cat sees the dog"]
+    codes = iwslt.learn_joint_bpe((de, en), tmp_path, merges=12)
+    reference = io.StringIO()
+    learn_bpe(io.StringIO("".join(line + "\n" for line in de + en)), reference, 12)
+    assert codes == tmp_path / "code" and codes.read_text() == reference.getvalue()
+    assert count_bpe_merges(codes) == 12
+    corpus_sha = hashlib.sha256("".join(line + "\n" for line in de + en).encode()).hexdigest()
+    assert json.loads((tmp_path / "code.json").read_text()) == {
+        "merges": 12,
+        "train_sha256": corpus_sha,
+        "sha256": hashlib.sha256(codes.read_bytes()).hexdigest(),
+    }
+    learnt = []
+    monkeypatch.setattr("subword_nmt.learn_bpe.learn_bpe", lambda *a: learnt.append(a) or learn_bpe(*a))
+    assert iwslt.learn_joint_bpe((de, en), tmp_path, merges=12) == codes and learnt == []  # reused
+    iwslt.learn_joint_bpe((de, en), tmp_path, merges=5)  # another merge count
+    assert len(learnt) == 1 and count_bpe_merges(codes) == 5
+    iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)  # another training text
+    assert len(learnt) == 2
+    codes.write_text(codes.read_text() + "x y\n")  # the codes edited by hand
+    iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)
+    assert len(learnt) == 3 and count_bpe_merges(codes) == 5
+    iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)
+    assert len(learnt) == 3
+    (tmp_path / "code.json").unlink()  # codes without their record: learnt again
+    iwslt.learn_joint_bpe((de, en[::-1]), tmp_path, merges=5)
+    assert len(learnt) == 4 and (tmp_path / "code.json").is_file()
+
+
+def test_fairseq_layout_normalises_spaces_skips_bad_pairs_and_replaces_stale_codes(tmp_path):
+    """fairseq's files: runs of spaces and tabs become one space; a pair with invalid UTF-8 or an empty side
+    is skipped under its split with ``path:line``; a ``code`` in the output that differs from the source's is
+    replaced, an identical one kept."""
+    from mmlight.data.prepare.iwslt import _read_fairseq
+
+    src = tmp_path / "fairseq"
+    src.mkdir()
+    lines = {
+        "train": ([b"ein  hund", b"  ", b"eine\tkatze "], [b"a dog", b"nothing", b" a  cat"]),
+        "valid": ([b"kaputt \xc3", b"gut"], [b"broken", b"good"]),
+        "test": ([b"ja"], [b"yes \xff"]),
+    }
+    for split, (de, en) in lines.items():
+        (src / f"{split}.de").write_bytes(b"".join(x + b"\n" for x in de))
+        (src / f"{split}.en").write_bytes(b"".join(x + b"\n" for x in en))
+    (src / "code").write_text("#version: 0.2\ne i\nh u\n")
+    texts, skipped = _read_fairseq(src)
+    assert texts == {
+        "train": (["ein hund", "eine katze"], ["a dog", "a cat"]),
+        "valid": (["gut"], ["good"]),
+        "test": ([], []),
+    }
+    assert skipped == {
+        "train": [{"path": f"{src}/train.de:2", "reason": "empty German side"}],
+        "valid": [{"path": f"{src}/valid.de:1", "reason": "invalid UTF-8 (unexpected end of data at byte 7)"}],
+        "test": [{"path": f"{src}/test.en:1", "reason": "invalid UTF-8 (invalid start byte at byte 4)"}],
+    }
+    info = prepare_iwslt(src, tmp_path / "new" / "out", workers=1, samples_per_shard=4)  # parents made
+    assert info["cleaning"] == {} and (tmp_path / "new" / "out" / "code").read_bytes() == (src / "code").read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "code").write_text("#version: 0.2\nstale codes\n")
+    info = prepare_iwslt(src, out, workers=1, samples_per_shard=4)
+    assert (out / "code").read_bytes() == (src / "code").read_bytes() and info["vocab"]["tokenizer"]["bpe_merges"] == 2
+    before = (out / "code").stat().st_mtime_ns
+    prepare_iwslt(src, out, workers=1, samples_per_shard=4)
+    assert (out / "code").stat().st_mtime_ns == before
+    (src / "test.en").write_bytes(b"yes\nno\n")
+    with pytest.raises(ValueError) as err:
+        _read_fairseq(src)
+    assert str(err.value) == (
+        f"test: {src}/test.de has 1 lines but {src}/test.en has 2; the German and English sides must be line-aligned"
+    )
+
+
+def test_detect_layout_names_what_each_layout_misses(raw, tmp_path):
+    from mmlight.data.prepare.iwslt import FAIRSEQ_FILES, RAW_FILES, detect_layout
+
+    assert detect_layout(raw[0]) == "raw"
+    src = tmp_path / "both"
+    shutil.copytree(raw[0], src)
+    for name in FAIRSEQ_FILES:
+        (src / name).write_text("x\n")
+    assert detect_layout(src) == "fairseq"  # both complete: fairseq's is read as is
+    (src / "code").unlink()
+    (src / "IWSLT14.TED.tst2011.de-en.en.xml").unlink()
+    (src / "IWSLT14.TED.tst2012.de-en.de.xml").unlink()
+    (src / "valid.en").unlink()
+    (src / "valid.en").mkdir()  # a folder is not the file
+    (src / "valid.en.tmp").write_text("x\n")
+    with pytest.raises(FileNotFoundError) as err:
+        detect_layout(src)
+    assert str(err.value) == (
+        f"{src} holds neither IWSLT14 layout. fairseq's prepared output needs {', '.join(FAIRSEQ_FILES)} "
+        f"(missing: valid.en, code); the raw release needs {', '.join(RAW_FILES)} "
+        "(missing: IWSLT14.TED.tst2011.de-en.en.xml, IWSLT14.TED.tst2012.de-en.de.xml)"
+    )
+
+
+def test_each_side_is_tokenised_by_its_own_language_rules(raw, tmp_path):
+    """German keeps an ordinal's period before a capital (``3.``: on ``nonbreaking_prefix.de``'s list, not on
+    English's) and splits ``no.`` before a number (a numeric-only prefix of other languages, not of German)."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    (src / "train.tags.de-en.de").write_text("Am 3. Mai kam das Kapitel no. 5 .\n")
+    (src / "train.tags.de-en.en").write_text("Chapter 5 came on May 3. It was late.\n")
+    texts, _, _ = _read_raw(src, workers=1)
+    assert texts["train"] == (["am 3. mai kam das kapitel no . 5 ."], ["chapter 5 came on may 3 . it was late ."])
+
+
+def test_a_tag_on_either_side_drops_the_pair_and_title_tags_are_stripped_from_both(raw, tmp_path):
+    """The recipe's ``grep -v`` runs on each language's file alone; dropping a line from one side only would
+    misalign the two, so a pair goes when either side holds ``<url>``, ``<talkid>`` or ``<keywords>``.
+    ``<title>``/``<description>`` tags are cut from both sides, their text kept."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    lines = [
+        (b"<url>http://x</url>", b"A stray line ."),
+        (b"Eine Zeile .", b"<talkid>5</talkid>"),
+        (b"<keywords>a, b</keywords>", b"<keywords>a, b</keywords>"),
+        (b"<title>Der Titel</title>", b"<title>The title</title>"),
+        (b"<description>Eine Rede .</description>", b"<description>A talk .</description>"),
+        (b"<b> Ein Zeichen .", b"<b> A sign ."),  # other tags stay, even opening a line (escaped by Moses)
+    ]
+    (src / "train.tags.de-en.de").write_bytes(b"".join(de + b"\n" for de, _ in lines))
+    (src / "train.tags.de-en.en").write_bytes(b"".join(en + b"\n" for _, en in lines))
+    texts, _, stats = _read_raw(src, workers=1)
+    assert stats == {"tag_lines_dropped": 3, "cleaned_out": 0}
+    assert texts["train"] == (
+        ["der titel", "eine rede .", "&lt; b &gt; ein zeichen ."],
+        ["the title", "a talk .", "&lt; b &gt; a sign ."],
+    )
+    with open(src / "train.tags.de-en.de", "ab") as f:
+        f.write(b"Noch eine .\n")
+    with pytest.raises(ValueError) as err:
+        _read_raw(src, workers=1)
+    assert str(err.value) == (
+        f"training text: {src}/train.tags.de-en.de has 7 lines but {src}/train.tags.de-en.en has 6; "
+        "the German and English sides must be line-aligned"
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_parallel_keeps_the_order_of_the_lines_across_chunks(workers):
+    """Chunks of 2 lines, tokenised in the main process or in 2 worker processes: the lines in their order."""
+    from mmlight.data.prepare.iwslt import _parallel, _tokenize_chunk
+    from mmlight.data.tokenizers import moses_tokenize
+
+    lines = [f"Line {i}, isn't it?" for i in range(7)]
+    got = _parallel(_tokenize_chunk, "en", lines, workers, chunk=2)
+    assert got == [moses_tokenize(line, "en") for line in lines] and got[6] == "line 6 , isn &apos;t it ?"
+
+
+def test_only_the_line_end_is_cut_before_decoding(raw, tmp_path):
+    """``\\n`` or ``\\r\\n`` is cut from each raw line, nothing else: a line ending in ``X`` keeps it, and a cut
+    character followed by a space is reported as the invalid byte it is (not as a line cut short)."""
+    src = tmp_path / "raw"
+    shutil.copytree(raw[0], src)
+    (src / "train.tags.de-en.de").write_bytes(b"Ein X\r\nkaputt \xc3 \nXX\n")
+    (src / "train.tags.de-en.en").write_bytes(b"An X\r\nbroken\nXX\n")
+    texts, skipped, _ = _read_raw(src, workers=1)
+    assert texts["train"] == (["ein x", "xx"], ["an x", "xx"])
+    assert skipped["train"] == [
+        {"path": f"{src}/train.tags.de-en.de:2", "reason": "invalid UTF-8 (invalid continuation byte at byte 7)"}
+    ]

@@ -117,6 +117,15 @@ def test_vocabulary_and_counts(shards):
     # the bad line sits after token 20, in chunk 2, i.e. shard 1
     record = json.loads((out / "train-000001.tar.done.json").read_text())
     assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.train.tokens'}:5"]
+    # each split's samples, read from the tars: chunks of 8 ids keyed 000000, 000001, ... that join into its
+    # stream, the reference tokenisation of the raw text
+    for split, data in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
+        chunks = []
+        for shard in info["splits"][split]["shards"]:
+            chunks += [(name, np.load(io.BytesIO(data_))) for name, data_ in members(out / shard["name"])]
+        assert [name for name, _ in chunks] == [f"{i:06d}.ids.npy" for i in range(len(chunks))]
+        assert all(len(c) == CHUNK for _, c in chunks[:-1]) and all(c.dtype == np.uint32 for _, c in chunks)
+        np.testing.assert_array_equal(np.concatenate([c for _, c in chunks]), ids(data))
 
 
 def test_streams_reassemble_in_order(shards):
@@ -183,8 +192,9 @@ def test_changed_vocabulary_is_refused(shards, tmp_path):
 
 def test_missing_file_is_named(tmp_path, capsys):
     src = write_raw(tmp_path / "raw", {"wiki.train.tokens": TRAIN, "wiki.test.tokens": TEST})
-    with pytest.raises(FileNotFoundError, match="wiki.valid.tokens"):
+    with pytest.raises(FileNotFoundError) as err:
         prepare(src, tmp_path / "out", workers=1)
+    assert str(err.value) == f"expected the WikiText-103 valid file wiki.valid.tokens at {src / 'wiki.valid.tokens'}"
     with pytest.raises(SystemExit) as exit_info:
         prepare_main(["wikitext103", "--src", str(src), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
@@ -515,3 +525,68 @@ def test_unreadable_training_shards_are_counted_at_each_draw(shards, tmp_path, m
     assert len(batches) == 5 and all(b["input"].shape == (2, 3) for b in batches)
     drawn = sum(url in broken for url in draws)
     assert drawn >= 1 and dm.skipped.value == drawn
+
+
+def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
+    """A bad line right after the last full shard's tokens goes to the last shard (there is no next one); a split
+    of nothing but a bad line is one shard with no sample and that skip; an empty file is a split of no shard."""
+    from mmlight.data.prepare.wikitext import plan_split
+    from mmlight.data.shard_writer import Skipped
+
+    train = b" a b c \n" * 4 + b"\xff\xfe bad \n"  # 16 tokens = one shard of 2 chunks of 8, then the bad line
+    valid = b" a b c \n" * 4 + b"\xff\n" + b" a b \n"  # the bad line opens shard 1, the last
+    test = b"caf\xe9\ncaf\xe9 \n X\n"  # a character cut at the line's end, then before a space; then "X"
+    files = {"wiki.train.tokens": train, "wiki.valid.tokens": valid, "wiki.test.tokens": test}
+    src = write_raw(tmp_path / "raw", files)
+    info = prepare(src, tmp_path / "out", workers=1, chunk_tokens=CHUNK, chunks_per_shard=PER_SHARD)
+    assert info["eos_per_line"] is True and info["chunk_tokens"] == CHUNK
+    assert load_vocab(tmp_path / "out" / "vocab.txt") == ["<s>", "<pad>", "</s>", "<unk>", "a", "b", "c"]
+    train_info, valid, test = (info["splits"][s] for s in ("train", "valid", "test"))
+    assert (train_info["num_tokens"], train_info["num_lines"], train_info["num_samples"]) == (16, 4, 2)
+    assert [s["name"] for s in train_info["shards"]] == ["train-000000.tar"]
+    assert train_info["skipped"] == [
+        {"path": f"{src / 'wiki.train.tokens'}:5", "reason": "line is not valid UTF-8 (invalid start byte at byte 0)"}
+    ]
+    record = json.loads((tmp_path / "out" / "train-000000.tar.done.json").read_text())
+    assert record["skipped"] == train_info["skipped"]
+    assert (valid["num_tokens"], valid["num_lines"], valid["num_samples"]) == (19, 5, 3)
+    assert [s["num_samples"] for s in valid["shards"]] == [2, 1]
+    record = json.loads((tmp_path / "out" / "valid-000001.tar.done.json").read_text())
+    assert [s["path"] for s in record["skipped"]] == [f"{src / 'wiki.valid.tokens'}:5"]
+    assert (test["num_tokens"], test["num_lines"], test["num_samples"], test["num_skipped"]) == (2, 1, 1, 2)
+    assert [s["name"] for s in test["shards"]] == ["test-000000.tar"]
+    # a line is decoded without its "\n" and nothing else: a cut character at its end is "unexpected end of
+    # data", one before a space an "invalid continuation byte"; the final "X" is a word (<unk>, then </s>)
+    assert test["skipped"] == [
+        {
+            "path": f"{src / 'wiki.test.tokens'}:1",
+            "reason": "line is not valid UTF-8 (unexpected end of data at byte 3)",
+        },
+        {
+            "path": f"{src / 'wiki.test.tokens'}:2",
+            "reason": "line is not valid UTF-8 (invalid continuation byte at byte 3)",
+        },
+    ]
+    # a training file without words (the vocabulary is the specials), an empty file, into a new folder's child
+    files = {"wiki.train.tokens": b" \n \n", "wiki.valid.tokens": b"", "wiki.test.tokens": b" a \n"}
+    empty = prepare(write_raw(tmp_path / "raw2", files), tmp_path / "new" / "out", chunk_tokens=CHUNK)
+    assert load_vocab(tmp_path / "new" / "out" / "vocab.txt") == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert [empty["splits"]["valid"][k] for k in ("num_tokens", "num_lines", "num_samples", "shards")] == [0, 0, 0, []]
+    streams = {split: [] for split in ("train", "test")}
+    for split, stream in streams.items():
+        for shard in empty["splits"][split]["shards"]:
+            stream += [
+                np.load(io.BytesIO(data)).tolist() for _, data in members(tmp_path / "new" / "out" / shard["name"])
+            ]
+    assert streams == {"train": [[2, 2]], "test": [[3, 2]]}
+    skip = Skipped("wiki.test.tokens:1", "line is not valid UTF-8")  # a split of nothing but a bad line
+    [job] = plan_split("test", np.zeros(0, np.uint32), [(0, skip)], CHUNK, PER_SHARD)
+    assert (job.name, job.items) == ("test-000000.tar", [skip])
+    jobs = plan_split("train", np.arange(3, dtype=np.uint32), [], 1, 1)  # the smallest sizes
+    assert [(job.name, [key for key, _ in job.items]) for job in jobs] == [
+        (f"train-00000{i}.tar", [f"00000{i}"]) for i in range(3)
+    ]
+    for chunk_tokens, per_shard in ((0, 2), (8, 0)):
+        with pytest.raises(ValueError) as err:
+            plan_split("train", np.zeros(3, np.uint32), [], chunk_tokens, per_shard)
+        assert str(err.value) == f"chunk_tokens and chunks_per_shard must be >= 1, got {chunk_tokens}, {per_shard}"

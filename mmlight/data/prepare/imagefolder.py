@@ -33,7 +33,8 @@ def prepare(src: Path, out: Path, workers: int) -> dict:
     train = class_files(require(src / "train", "the training images (train/<class>/*)"))
     if not train:
         raise FileNotFoundError(f"expected class folders train/<class>/ in {src / 'train'}")
-    require(src / "val", "the validation images (val/<class>/*)")
+    if not (src / "val").is_dir():  # missing, or a file of that name (which would leave no val split, silently)
+        raise FileNotFoundError(f"expected the validation images (val/<class>/*) in the folder {src / 'val'}")
     classes = sorted(train)
     index = {name: i for i, name in enumerate(classes)}
     splits = {}

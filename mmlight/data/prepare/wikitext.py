@@ -141,10 +141,10 @@ def encode_file(path: Path, index: dict[str, int]) -> tuple[np.ndarray, int, lis
 
 
 def make_sample(item) -> dict | Skipped:
-    """Shard item -> sample: ``("chunk", key, ids)`` or an already-made :class:`Skipped` record."""
+    """Shard item -> sample: ``(key, ids)`` or an already-made :class:`Skipped` record."""
     if isinstance(item, Skipped):
         return item
-    _, key, ids = item
+    key, ids = item
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(ids, dtype=np.uint32), allow_pickle=False)
     return {"__key__": key, "ids.npy": buf.getvalue()}
@@ -157,7 +157,7 @@ def plan_split(
     if chunk_tokens < 1 or chunks_per_shard < 1:
         raise ValueError(f"chunk_tokens and chunks_per_shard must be >= 1, got {chunk_tokens}, {chunks_per_shard}")
     starts = range(0, len(ids), chunk_tokens)
-    chunks = [("chunk", f"{i:06d}", ids[s : s + chunk_tokens]) for i, s in enumerate(starts)]
+    chunks = [(f"{i:06d}", ids[s : s + chunk_tokens]) for i, s in enumerate(starts)]
     num_jobs = max(1 if bad else 0, -(-len(chunks) // chunks_per_shard))
     jobs = [
         ShardJob(f"{split}-{j:06d}.tar", chunks[j * chunks_per_shard : (j + 1) * chunks_per_shard])
@@ -188,8 +188,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     vocab, train_ids, train_lines, train_bad = count_train(paths["train"])
     save_vocab(out / VOCAB_FILE, vocab)
-    index = {w: i for i, w in enumerate(vocab)}
-    index.update({s: i for i, s in enumerate(SPECIALS)})
+    index = {w: i for i, w in enumerate(vocab)}  # the specials included: they open the vocabulary
     splits: dict[str, dict] = {}
     for split, path in paths.items():
         if split == "train":
