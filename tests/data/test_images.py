@@ -207,3 +207,45 @@ def test_stream_batches_are_float_unless_uint8_and_a_batch_of_no_readable_image_
     unit[1] = {**refs["img0003"], "__copies__": 2, "__rows__": [1, 2]}
     images, labels = source.materialise(unit)
     assert images.shape == (4, 3, 8, 8) and labels.tolist() == [0, 0, 0, 0]  # img0003 fills the rows of img0009
+
+
+# ---------------------------------------------------------------------------- ImageShardDataModule's loaders
+
+
+def test_datamodule_options_reach_its_loaders(image_set, monkeypatch):
+    """``draft_decode=False`` decodes training JPEGs at full size (True: reduced where the crops allow);
+    training skips are counted in the module's counter; the evaluation loader runs ``num_workers`` workers;
+    too small a training split names the per-device batch."""
+    from mmlight.data import ImageShardDataModule, image_decode
+
+    big = ImageAugment(image_size=4, scale=(0.9, 1.0))  # 20 x 24 images, 4-pixel crops: room for 1/4
+    scales = []
+    opened = image_decode.open_image
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: scales.append(a[2:]) or opened(*a))
+    for draft in (False, True):
+        scales.clear()
+        dm = ImageShardDataModule(str(image_set), batch_size=4, num_workers=0, augment=big, draft_decode=draft)
+        next(iter(dm.train_dataloader()))
+        assert scales and all(scale == (1,) for scale in scales) == (not draft)
+    dm = ImageShardDataModule(str(image_set), batch_size=4, num_workers=0, augment=big, shuffle_buffer=1)
+    for _ in dm.train_dataloader():
+        pass
+    assert dm.skipped.value > 0  # img0002, img0009, img0016 are not JPEGs
+    val = ImageShardDataModule(str(image_set), num_workers=3, val_split="train").val_dataloader()
+    assert val.pipeline[0].num_workers == 3  # webdataset's WebLoader: a DataLoader at the head of its pipeline
+    with pytest.raises(ValueError, match=r"is smaller than one global batch \(40 samples x 1 devices\)"):
+        ImageShardDataModule(str(image_set), batch_size=40, num_workers=0).train_dataloader()
+
+
+def test_batch_tensors_are_shared_only_in_a_loader_worker(monkeypatch):
+    """In the main process a batch is ordinary memory; in a loader worker, shared memory of the shape and
+    dtype asked (so sending it passes a handle)."""
+    from mmlight.data import image_decode
+
+    plain = image_decode._batch_tensor((2, 3, 4), torch.uint8)
+    assert not plain.is_shared() and plain.shape == (2, 3, 4) and plain.dtype == torch.uint8
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    shared = image_decode._batch_tensor((2, 3, 4))
+    assert shared.is_shared() and shared.shape == (2, 3, 4) and shared.dtype == torch.float32
+    shared.fill_(1.5)
+    assert shared.sum().item() == 36.0
