@@ -347,3 +347,43 @@ def test_a_reduced_decode_resizes_with_the_drawn_filter(monkeypatch):
     assert scale >= 4 and len(colours) > 1000  # reduced, and many colours to tell filters apart
     for image, _ in copies:
         assert all(tuple(p) in colours for p in np.asarray(image).reshape(-1, 3).tolist())
+
+
+def test_open_image_at_a_scale_larger_than_the_image_keeps_one_pixel():
+    """libjpeg reduces an 8 x 16 image by 8 to 1 x 2 (and 16 x 8 to 2 x 1): the requested size is never
+    rounded up past the reduction asked for."""
+    for width, height in ((8, 16), (16, 8)):
+        data = smooth_jpeg(width, height)
+        assert image_decode.open_image(data, "RGB", 8).size == (width // 8, height // 8)
+
+
+def test_open_image_returns_the_decoded_image_when_the_mode_matches():
+    """No conversion (which would copy) when the JPEG decodes to the mode asked; a conversion otherwise."""
+    from PIL import JpegImagePlugin
+
+    data = smooth_jpeg(16, 12)
+    assert isinstance(image_decode.open_image(data, "RGB"), JpegImagePlugin.JpegImageFile)
+    assert not isinstance(image_decode.open_image(data, "L"), JpegImagePlugin.JpegImageFile)
+
+
+def test_a_group_has_the_copies_its_sample_names_and_a_sample_without_image_is_named():
+    split = SplitTransform(PLAIN_TRAIN.build(train=True))
+    data = smooth_jpeg(64, 48)
+    assert len(AugmentGroup(3, split)({"jpg": data, "cls": "1"})) == 1  # one copy by default
+    assert len(AugmentGroup(3, split, copies=3)({"jpg": data, "cls": "1", "__copies__": 2})) == 2
+    with pytest.raises(ValueError, match=r"^sample k7 has no image \(jpg/jpeg/png\)$"):
+        AugmentGroup(3, split)({"__key__": "k7", "txt": b"x", "cls": "1"})
+
+
+def test_a_group_decodes_reduced_by_default(monkeypatch):
+    scales = []
+    monkeypatch.setattr(image_decode, "open_image", lambda *a: scales.append(a[2]) or _open(*a))
+    AugmentGroup(3, SplitTransform(PLAIN_TRAIN.build(train=True)))({"jpg": smooth_jpeg(64, 48), "cls": "0"})
+    assert scales[0] >= 2  # crops of >= 22 pixels for an 8-pixel input
+
+
+def test_a_transform_without_to_tensor_is_refused():
+    from torchvision import transforms as tv
+
+    with pytest.raises(ValueError, match="expected PIL ops, ToTensor, Normalize"):
+        SplitTransform(tv.Compose([tv.CenterCrop(4)]))

@@ -249,3 +249,11 @@ def test_batch_tensors_are_shared_only_in_a_loader_worker(monkeypatch):
     assert shared.is_shared() and shared.shape == (2, 3, 4) and shared.dtype == torch.float32
     shared.fill_(1.5)
     assert shared.sum().item() == 36.0
+
+
+def test_datamodule_defaults(image_set):
+    from mmlight.data import ImageShardDataModule
+
+    dm = ImageShardDataModule(str(image_set))
+    assert (dm.batch_size, dm.num_workers, dm.shuffle_buffer, dm.repeated_augmentation) == (64, 4, 5000, 1)
+    assert dm.draft_decode and dm.normalize_on_device and dm.augment == ImageAugment()
