@@ -257,3 +257,14 @@ def test_datamodule_defaults(image_set):
     dm = ImageShardDataModule(str(image_set))
     assert (dm.batch_size, dm.num_workers, dm.shuffle_buffer, dm.repeated_augmentation) == (64, 4, 5000, 1)
     assert dm.draft_decode and dm.normalize_on_device and dm.augment == ImageAugment()
+
+
+def test_datamodule_refuses_empty_batches_and_no_copies(image_set):
+    from mmlight.data import ImageShardDataModule
+
+    assert ImageShardDataModule(str(image_set), batch_size=1).batch_size == 1
+    assert ImageShardDataModule(str(image_set)).test_split == "val"
+    with pytest.raises(ValueError, match=r"^batch_size must be >= 1, got 0$"):
+        ImageShardDataModule(str(image_set), batch_size=0)
+    with pytest.raises(ValueError, match=r"^repeated_augmentation must be >= 1, got 0$"):
+        ImageShardDataModule(str(image_set), repeated_augmentation=0)

@@ -277,3 +277,15 @@ def test_only_a_uint8_image_batch_is_finished():
     assert out.shape == (2, 3, 4, 4) and torch.allclose(out, torch.full_like(out, 2.0)) and out_labels is labels
     for batch in ({"images": images}, images, (["a", "b"], images), ("ab", labels)):
         assert normalized_batch(batch, (0.5,) * 3, (0.25,) * 3) is batch
+
+
+def test_rand_fills_are_a_function_of_the_seed():
+    """'rand' colours come from the batch's seeded generator: the same seed gives the same colours whatever
+    torch's global generator did, another seed others."""
+    boxes = torch.tensor([[[0, 0, 2, 2]], [[1, 1, 2, 2]]])  # (B=2, K=1, 4)
+    base = torch.zeros(2, 3, 4, 4)
+    torch.manual_seed(0)
+    first = erased(base.clone(), ErasingBoxes(boxes, "rand", seed=11))
+    torch.manual_seed(1)
+    assert torch.equal(first, erased(base.clone(), ErasingBoxes(boxes, "rand", seed=11)))
+    assert not torch.equal(first, erased(base.clone(), ErasingBoxes(boxes, "rand", seed=12)))
