@@ -387,3 +387,18 @@ def test_a_transform_without_to_tensor_is_refused():
 
     with pytest.raises(ValueError, match="expected PIL ops, ToTensor, Normalize"):
         SplitTransform(tv.Compose([tv.CenterCrop(4)]))
+
+
+def test_split_mean_and_std_are_float32_under_a_float64_default():
+    """The normalisation constants stay float32 when the default dtype is float64 (Lightning's ``64-true``
+    sets it), so the worker rows keep the float32 arithmetic of the device path."""
+    from torchvision import transforms as tv
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        split = SplitTransform(tv.Compose([tv.ToTensor(), tv.Normalize((0.3, 0.4), (0.2, 0.1))]))
+    finally:
+        torch.set_default_dtype(default)
+    assert split.mean.dtype == split.std.dtype == torch.float32
+    assert split.mean.tolist() == pytest.approx([0.3, 0.4]) and split.std.tolist() == pytest.approx([0.2, 0.1])

@@ -192,7 +192,7 @@ def test_stream_batches_are_float_unless_uint8_and_a_batch_of_no_readable_image_
     refs = {}
     for ref in resampled_samples(urls, random.Random(0), None):  # references as the stream makes them
         refs[ref["__key__"]] = ref
-        if {"img0003", "img0009", "img0016"} <= refs.keys():
+        if {"img0001", "img0003", "img0009", "img0016"} <= refs.keys():
             break
     unit = [
         {**refs["img0009"], "__copies__": 2, "__rows__": [3, 0]},
@@ -207,6 +207,16 @@ def test_stream_batches_are_float_unless_uint8_and_a_batch_of_no_readable_image_
     unit[1] = {**refs["img0003"], "__copies__": 2, "__rows__": [1, 2]}
     images, labels = source.materialise(unit)
     assert images.shape == (4, 3, 8, 8) and labels.tolist() == [0, 0, 0, 0]  # img0003 fills the rows of img0009
+    # a skipped row takes a copy of a kept row; the kept rows stay where they were drawn
+    unit = [
+        {**refs["img0009"], "__copies__": 1, "__rows__": [0]},
+        {**refs["img0003"], "__copies__": 1, "__rows__": [1]},
+        {**refs["img0016"], "__copies__": 1, "__rows__": [2]},
+        {**refs["img0001"], "__copies__": 1, "__rows__": [3]},
+    ]
+    images, labels = source.materialise(unit)
+    assert labels.tolist() == [0, 0, 0, 1]  # rows 0 and 2 (unreadable) take copies of kept rows i % 2 = 0
+    assert torch.equal(images[0], images[1]) and torch.equal(images[2], images[1])
 
 
 # ---------------------------------------------------------------------------- ImageShardDataModule's loaders
