@@ -166,6 +166,7 @@ MODULES: dict[str, Module] = {
             "tests/data/test_digits.py",
         ),
     ),
+    # test_streaming.py's image streams are ImageStream's tests (the rest of that file is the streaming set's)
     "image_data": Module(
         (
             "mmlight/data/image_decode.py",
@@ -175,11 +176,20 @@ MODULES: dict[str, Module] = {
         ),
         (
             "tests/data/test_image_decode.py",
+            "tests/data/test_images.py",
             "tests/data/test_on_device.py",
             "tests/data/test_imagenet.py",
             "tests/data/test_digits.py",
             "tests/data/test_shard_datamodule.py",
             "tests/data/test_malformed_shards.py",
+            *_node_ids(
+                "tests/data/test_streaming.py",
+                "test_same_seed_same_batches_other_seed_other_order[images]",
+                "test_resume_from_state_continues_with_the_next_batch[images]",
+                "test_ranks_get_different_streams",
+                "test_resuming_skips_without_decoding",
+                "test_corrupt_image_keeps_the_batch_size_and_is_counted",
+            ),
         ),
     ),
     "text_data": Module(

@@ -1,6 +1,8 @@
 """The digits shard set: written once, streamed through the same path as ImageNet."""
 
+import io
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -190,3 +192,71 @@ def test_prepare_command_logs_info_lines_with_level_and_logger(tmp_path, capsys,
     monkeypatch.setattr(prepare_module, "prepare", prepare)
     prepare_module.main(["digits", "--out", str(tmp_path)])
     assert capsys.readouterr().err == "INFO mmlight.data.prepare.toy: wrote 3 shards\n"
+
+
+def test_written_samples_are_greyscale_pngs_of_the_digits_in_shards_of_300(tmp_path, caplog):
+    """Written here (not by the module fixture): each sample holds a ``png`` (PNG, mode L, the digit's 0..16
+    values times 16, 16 giving 255 after the clip) and its ``cls``; shards hold 300 samples but the last;
+    each split's summary line is labelled with it."""
+    from PIL import Image
+
+    from tests.data.shard_contents import split_samples
+
+    with caplog.at_level(logging.INFO, logger="mmlight.data.shard_writer"):
+        info = write_digits_shards(tmp_path)
+    summaries = [r.getMessage() for r in caplog.records if "shards written" in r.getMessage()]
+    assert [m.split(":")[0] for m in summaries] == ["digits val", "digits train"]
+    digits = load_digits()
+    assert (digits.images == 16).any()  # the clip is reached
+    for split in ("train", "val"):
+        counts = [s["num_samples"] for s in info["splits"][split]["shards"]]
+        assert all(n == 300 for n in counts[:-1]) and 0 < counts[-1] <= 300
+        for key, sample in list(split_samples(tmp_path, split).items())[:40]:
+            assert set(sample) >= {"png", "cls"} and not set(sample) - {"png", "cls", "__key__", "__url__"}
+            image = Image.open(io.BytesIO(sample["png"]))
+            assert (image.format, image.mode) == ("PNG", "L")
+            i = int(key[5:])
+            expected = np.minimum(digits.images[i] * 16, 255).astype(np.uint8)
+            np.testing.assert_array_equal(np.asarray(image), expected)
+            assert int(sample["cls"]) == digits.target[i]
+
+
+def test_digits_outside_0_to_9_or_none_are_refused(tmp_path):
+    for digits in ([10], [], [9, 10], [-1]):
+        with pytest.raises(ValueError, match=r"^digits must be distinct values in 0\.\.9, got "):
+            DigitsDataModule(cache_dir=str(tmp_path), digits=digits)
+
+
+def test_defaults_of_the_quick_start():
+    import os
+
+    dm = DigitsDataModule()
+    assert dm.root == os.path.expanduser("~/.cache/mmlight/digits")
+    assert (dm.batch_size, dm.num_workers, dm.shuffle_buffer, dm.normalize_on_device) == (64, 0, 2000, False)
+    assert dm.digits == list(range(10)) and (dm.val_fraction, dm.seed) == (0.2, 0)
+
+
+def test_prepare_writes_the_split_and_digits_asked(tmp_path):
+    DigitsDataModule(cache_dir=str(tmp_path), seed=3, val_fraction=0.25, digits=[4, 1]).prepare_data()
+    info = read_info(tmp_path)
+    assert (info["seed"], info["val_fraction"], info["digits"], info["classes"]) == (3, 0.25, [4, 1], ["4", "1"])
+    assert info["splits"]["val"]["num_samples"] == sum(
+        1 for i in np.random.default_rng(3).permutation(1797)[:449] if load_digits().target[i] in (4, 1)
+    )
+
+
+def test_a_cache_written_before_digits_were_recorded_holds_all_ten(tmp_path):
+    """An ``_info.json`` without ``digits`` (written before subsets existed) is all ten digits: accepted for
+    all ten, refused for a subset, with the full message."""
+    DigitsDataModule(cache_dir=str(tmp_path)).prepare_data()
+    info = json.loads((tmp_path / "_info.json").read_text())
+    del info["digits"]
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+    DigitsDataModule(cache_dir=str(tmp_path)).prepare_data()
+    message = (
+        f"{tmp_path} holds digits shards split with val_fraction=0.2, seed=0, not 0.2, 0, or of digits "
+        f"{list(range(10))}, not [1, 2]: choose another cache_dir or delete that folder"
+    )
+    with pytest.raises(ValueError) as error:
+        DigitsDataModule(cache_dir=str(tmp_path), digits=[1, 2]).prepare_data()
+    assert str(error.value) == message

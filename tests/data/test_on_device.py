@@ -3,15 +3,18 @@ the worker-side float32 path: the same boxes under one seed, the same pixels out
 with timm's distribution, and a trainer that hands the steps normalised images."""
 
 import random
+import warnings
 
 import lightning as L
 import pytest
 import torch
+from PIL import Image
 from timm.data.random_erasing import RandomErasing
+from torchvision import transforms as tv
 
 from mmlight.data import ImageShardDataModule
 from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches
-from mmlight.data.on_device import ErasingBoxes, draw_boxes, erased, normalized, normalized_batch
+from mmlight.data.on_device import ErasingBoxes, draw_boxes, draw_erasing, erased, normalized, normalized_batch
 from tests.conftest import quiet_trainer
 from tests.data.test_image_decode import DEIT_16, seeded, smooth_jpeg
 from tests.data.test_streaming import DEIT_LIKE, write_image_shards
@@ -184,3 +187,105 @@ def test_trainer_steps_receive_normalised_float_images(shards, monkeypatch, tmp_
         assert len(batch) == 2 and batch[0].dtype == dtype and batch[0].shape == (4, 3, 16, 16)
         if stage == "val":  # no erasing noise: every value in the normalised range of 0..255
             assert low - 1e-5 <= batch[0].min() and batch[0].max() <= high + 1e-5
+
+
+@pytest.mark.parametrize("height, width, max_count", [(23, 31, 3), (3, 200, 2), (40, 5, 1)])
+def test_a_batch_of_boxes_is_timms_on_a_batch_under_the_same_seed(height, width, max_count):
+    """timm's RandomErasing on a ``(B, C, H, W)`` batch of ones in 'const' mode zeroes its boxes row after
+    row: draw_erasing gives exactly those boxes per row, as int64, for wide, tall and thin images (on a
+    3-pixel-high image most draws fail timm's fit test and some boxes give up after their 10 attempts)."""
+    erasing = RandomErasing(probability=0.7, mode="const", max_count=max_count, device="cpu")
+    for seed in range(60):
+        random.seed(seed)
+        expected = erasing(torch.ones(5, 2, height, width))[:, 0] == 0  # (B, H, W)
+        random.seed(seed)
+        drawn = draw_erasing(erasing, 5, height, width)
+        assert drawn.boxes.dtype == torch.int64 and drawn.boxes.shape == (5, max_count, 4)
+        for row in range(5):
+            assert torch.equal(box_mask(drawn.boxes[row], height, width), expected[row])
+
+
+def test_a_boundary_draw_erases_as_timm_does(monkeypatch):
+    """Draws exactly on timm's bounds, with ``random()`` equal to the probability (timm still erases) and
+    square boxes (aspect ratio e^0): a box one pixel smaller than the 8 x 8 image fits, one of the image's
+    size never does (timm's strict ``<``: ten attempts, then no box)."""
+    monkeypatch.setattr(random, "random", lambda: 0.5)
+    monkeypatch.setattr(random, "uniform", lambda low, high: 0.0 if low < 0 else low)
+    for area, side in ((0.75, 7), (1.0, None)):  # round(sqrt(0.75 * 64)) = 7; sqrt(64) = 8
+        erasing = RandomErasing(probability=0.5, mode="const", min_area=area, max_area=area, device="cpu")
+        random.seed(0)
+        expected = erasing(torch.ones(1, 8, 8))[0] == 0
+        random.seed(0)
+        boxes = draw_boxes(erasing, 8, 8)
+        assert [box[2:] for box in boxes] == ([] if side is None else [(side, side)])
+        assert torch.equal(box_mask(torch.tensor(boxes).view(-1, 4), 8, 8), expected)
+
+
+@pytest.mark.parametrize("mode", ["pixel", "rand", "const"])
+def test_the_boxes_carry_timms_mode_and_a_fill_seed_per_batch(mode):
+    """The fill mode is the transform's; the seed is drawn from torch's generator (the same torch seed, the
+    same seed) and differs from batch to batch (200 batches, 200 seeds)."""
+    erasing = RandomErasing(probability=1.0, mode=mode, device="cpu")
+    torch.manual_seed(0)
+    seeds = [draw_erasing(erasing, 2, 8, 8).seed for _ in range(200)]
+    torch.manual_seed(0)
+    assert draw_erasing(erasing, 2, 8, 8).mode == mode and draw_erasing(erasing, 2, 8, 8).seed == seeds[1]
+    assert len(set(seeds)) == 200 and all(0 <= seed < 2**63 for seed in seeds)
+
+
+@pytest.mark.parametrize("mode", ["pixel", "rand", "const"])
+def test_erasing_keeps_the_images_dtype(mode):
+    """bf16 images stay bf16 (the fill is drawn in the images' dtype, not promoted to float32); pixels
+    outside the box are untouched."""
+    boxes = torch.tensor([[[1, 2, 3, 4]]])  # (B=1, K=1, 4)
+    images = torch.full((1, 3, 6, 8), 0.25, dtype=torch.bfloat16)
+    out = erased(images, ErasingBoxes(boxes, mode, seed=1))
+    assert out.dtype == torch.bfloat16 and out.shape == images.shape
+    mask = box_mask(boxes[0], 6, 8)
+    assert (out[0][:, ~mask] == 0.25).all()
+    assert (out[0][:, mask] != 0.25).all()
+
+
+def test_normalized_keeps_the_device_float32_and_the_worker_side_values():
+    """On another device (``meta`` stands in for an accelerator) the output is made there; under a float64
+    default dtype (Lightning's ``64-true`` sets it) it is still float32 and equal, bit for bit, to the
+    worker-side rows; no resize warning from a wrongly shaped ``out``. Mean and std unused elsewhere, so
+    the cached constants are made in this test."""
+    mean, std = (0.41, 0.52, 0.33), (0.27, 0.21, 0.19)
+    images = torch.randint(0, 256, (3, 5, 7, 3), dtype=torch.uint8)  # (B, H, W, C), H != W
+    on_meta = normalized(images.to("meta"), mean, std)
+    assert on_meta.device.type == "meta" and on_meta.shape == (3, 3, 5, 7) and on_meta.dtype == torch.float32
+    split = SplitTransform(tv.Compose([tv.ToTensor(), tv.Normalize(mean, std)]))
+    worker = NormalizedBatches(3, split, partial=True)
+    rows = torch.stack([worker.collate([(Image.fromarray(image.numpy()), 0)])[0][0] for image in images])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = normalized(images, mean, std)
+    finally:
+        torch.set_default_dtype(default)
+    assert out.dtype == torch.float32 and torch.equal(out, rows)
+
+
+def test_only_a_uint8_image_batch_is_finished():
+    """A list batch of uint8 images is normalised like a tuple; anything else comes back as it is: a
+    dict, a bare tensor, a batch whose first item is not a tensor."""
+    images, labels = torch.full((2, 4, 4, 3), 255, dtype=torch.uint8), torch.tensor([0, 1])
+    out, out_labels = normalized_batch([images, labels], (0.5,) * 3, (0.25,) * 3)
+    assert out.shape == (2, 3, 4, 4) and torch.allclose(out, torch.full_like(out, 2.0)) and out_labels is labels
+    for batch in ({"images": images}, images, (["a", "b"], images), ("ab", labels)):
+        assert normalized_batch(batch, (0.5,) * 3, (0.25,) * 3) is batch
+
+
+def test_rand_fills_are_a_function_of_the_seed():
+    """'rand' colours come from the batch's seeded generator: the same seed gives the same colours whatever
+    torch's global generator did, another seed others."""
+    boxes = torch.tensor([[[0, 0, 2, 2]], [[1, 1, 2, 2]]])  # (B=2, K=1, 4)
+    base = torch.zeros(2, 3, 4, 4)
+    torch.manual_seed(0)
+    first = erased(base.clone(), ErasingBoxes(boxes, "rand", seed=11))
+    torch.manual_seed(1)
+    assert torch.equal(first, erased(base.clone(), ErasingBoxes(boxes, "rand", seed=11)))
+    assert not torch.equal(first, erased(base.clone(), ErasingBoxes(boxes, "rand", seed=12)))
