@@ -400,3 +400,42 @@ def test_raw_pairs_removed_by_each_rule_are_counted_and_the_rest_kept_in_order(r
     assert reasons[f"{src}/train.tags.de-en.en:9"] == "invalid UTF-8 (invalid start byte at byte 5)"
     kept = [(de.decode(), en.decode()) for de, en, what in lines if what == "kept"]
     assert texts["train"] == ([de for de, _ in kept], [en for _, en in kept]) and texts["valid"] == ([], [])
+
+
+def test_num_tokens_sums_the_sample_sizes_of_each_split(shards):
+    """``num_tokens`` of ``_info.json`` (the training epoch's length) = sum of max(source, target) + 1."""
+    info = read_info(shards)
+    for split in ("train", "valid", "test"):
+        sizes = [max(len(s["src.npy"]), len(s["tgt.npy"])) + 1 for s in _read_split(shards, split)]
+        assert info["splits"][split]["num_tokens"] == sum(sizes)
+
+
+def _greedy_in_order(sizes, max_tokens):
+    """Batches of consecutive indices, each closed when one more sample would exceed the budget."""
+    out, batch = [], []
+    for i in range(len(sizes)):
+        if batch and (len(batch) + 1) * max(sizes[j] for j in batch + [i]) > max_tokens:
+            out.append(batch)
+            batch = []
+        batch.append(i)
+    return out + [batch]
+
+
+def test_predict_cuts_the_file_in_order_and_refuses_a_line_over_the_limits(raw, shards, tmp_path):
+    lines = [d for d, _ in raw[1][:7]]
+    src_file = tmp_path / "input.de"
+    src_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dm = TranslationDataModule(str(shards), max_tokens=40, num_workers=0, src_file=str(src_file))
+    sizes = [len(dm.encode(line)) + 1 for line in lines]
+    got = [b["ids"].tolist() for b in dm.predict_dataloader()]
+    assert got == _greedy_in_order(sizes, 40) and len(got) > 2
+    longest = max(sizes)
+    line_no = sizes.index(longest) + 1
+    for limits in ({"max_tokens": longest - 1}, {"max_source_positions": longest - 1}):
+        dm = TranslationDataModule(str(shards), **{"max_tokens": 64, **limits}, src_file=str(src_file))
+        with pytest.raises(ValueError, match=rf"input\.de:{line_no} has {longest} tokens with </s>"):
+            dm.predict_dataloader()
+    dm = TranslationDataModule(str(shards), max_tokens=longest, max_source_positions=longest, src_file=str(src_file))
+    assert sorted(i for b in dm.predict_dataloader() for i in b["ids"].tolist()) == list(range(7))
+    src_file.write_text("", encoding="utf-8")
+    assert list(TranslationDataModule(str(shards), src_file=str(src_file)).predict_dataloader()) == []

@@ -1,11 +1,16 @@
 """The toy translation corpus: its reordering rule, determinism, and streaming through the IWSLT pipeline."""
 
+import inspect
 import json
+import os
+from pathlib import Path
 
 import pytest
+import yaml
 from sacremoses import MosesDetokenizer
 
-from mmlight.data import ToyTranslationDataModule
+from mmlight.data import ToyTranslationDataModule, TranslationDataModule
+from mmlight.data.tokenizers import moses_tokenize
 from mmlight.data.toy_translation import (
     ADJECTIVES,
     ADVERBS,
@@ -20,6 +25,7 @@ from mmlight.data.toy_translation import (
 )
 from mmlight.data.vocab import load_dictionary
 
+ROOT = Path(__file__).resolve().parents[2]
 FILES = [f"{s}.{lang}" for s in ("train", "valid", "test") for lang in ("de", "en")] + ["code"]
 SMALL = {"train_size": 200, "valid_size": 30, "test_size": 20, "seed": 0, "max_tokens": 256, "samples_per_shard": 64}
 
@@ -208,3 +214,92 @@ def test_bad_arguments_raise(tmp_path):
         ToyTranslationDataModule(cache_dir=str(tmp_path), train_size=0)
     with pytest.raises(ValueError, match="seed"):
         ToyTranslationDataModule(cache_dir=str(tmp_path), seed=-1)
+
+
+# German masculine declension written out by hand: the determiners of each case, and the adjective ending
+# each determiner takes (weak after der/den, mixed after ein/mein/dein, -en in every accusative)
+NOMINATIVE = {"der": "e", "ein": "er", "mein": "er", "dein": "er"}
+ACCUSATIVE = {"den": "en", "einen": "en", "meinen": "en", "deinen": "en"}
+
+
+def _noun_phrases(de: str) -> list[tuple[str, list[str]]]:
+    """``(case, words)`` of each noun phrase of a German sentence, in order: each clause has its subject
+    (nominative) first and its object (accusative) second."""
+    words, out, i, case = de.split(), [], 0, "nom"
+    while i < len(words):
+        w = words[i]
+        if w in PRONOUN_WORDS or w in DETS:
+            n = 1 if w in PRONOUN_WORDS else 3 if words[i + 1] in ADJS else 2
+            out.append((case, words[i : i + n]))
+            case = "acc" if case == "nom" else "nom"
+            i += n
+        else:
+            i += 1
+    return out
+
+
+def test_noun_phrases_follow_the_case_and_the_declension():
+    pairs = toy_pairs(1500, seed=4, split="valid")
+    seen_endings = set()
+    for de, _ in pairs:
+        phrases = _noun_phrases(de)
+        assert len(phrases) == (4 if "," in de else 2)
+        for case, words in phrases:
+            table = NOMINATIVE if case == "nom" else ACCUSATIVE
+            assert words[0] in table or (case == "nom" and words[0] in PRONOUN_WORDS), de
+            if len(words) == 3:
+                stem = words[1][: -len(table[words[0]])]
+                assert words[1] == stem + table[words[0]] and stem in {s for s, _ in ADJECTIVES}, de
+                seen_endings.add((words[0], words[1][len(stem) :]))
+    assert seen_endings == {*NOMINATIVE.items(), *ACCUSATIVE.items()}
+
+
+def _within(count: int, n: int, p: float) -> bool:
+    """``count`` of ``n`` draws is within 5 standard deviations of a probability ``p``."""
+    return abs(count - n * p) <= 5 * (n * p * (1 - p)) ** 0.5
+
+
+def test_the_grammar_s_choices_have_their_probabilities_and_every_word_occurs():
+    """Adverb 0.3, subordinate clause 0.4, pronoun subject 0.2, adjective 0.5 (of the phrases that are
+    not pronouns), each checked within 5 standard deviations on 3000 sentences; lengths 5 to 18."""
+    pairs = toy_pairs(3000, seed=5, split="test")
+    n = len(pairs)
+    assert _within(sum(de.split()[0] in ADVERB_WORDS for de, _ in pairs), n, 0.3)
+    assert _within(sum("," in de for de, _ in pairs), n, 0.4)
+    phrases = [p for de, _ in pairs for p in _noun_phrases(de)]
+    subjects = [words for case, words in phrases if case == "nom"]
+    assert _within(sum(len(w) == 1 for w in subjects), len(subjects), 0.2)
+    full = [words for _, words in phrases if len(words) > 1]
+    assert _within(sum(len(w) == 3 for w in full), len(full), 0.5)
+    lengths = [len(de.split()) for de, _ in pairs]
+    assert (min(lengths), max(lengths)) == (5, 18)
+    assert {w for de, _ in pairs for w in de.split()} == set(lexicon())
+    assert {w for _, en in pairs for w in en.split()} == set(lexicon().values())
+
+
+def test_the_lexicon_is_already_moses_tokenised_and_one_to_one_per_form():
+    """Every word of both languages is left as it is by the data's tokeniser (so raw text and corpus agree),
+    and the lexicon holds each German form once: 8 determiners, 8 x 3 adjective forms and the other words."""
+    entries = lexicon()
+    assert len(entries) == 8 + 24 + len(NOUNS) + len(VERBS) + len(PRONOUNS) + len(ADVERBS) + len(CONJUNCTIONS) + 2
+    for de, en in entries.items():
+        assert moses_tokenize(de, "de") == de and moses_tokenize(en, "en") == en
+    assert len(set(entries.values())) == 4 + 8 + len(NOUNS) + len(VERBS) + len(PRONOUNS) + 4 + 3 + 2
+
+
+def test_the_defaults_are_the_quick_start_s_data():
+    """docs/python-api.md attaches ``ToyTranslationDataModule()`` as the quick start's data: its defaults
+    must be what the quick-start configs ask for, and the corpus docs/experiments.md describes (20,000 /
+    500 / 500 pairs under ``~/.cache/mmlight/toy_translation``); the arguments it shares with IWSLT14's
+    DataModule default alike, except the budget and the workers (a CPU quick start reads in-process)."""
+    for name in ("nmt_softmax", "nmt_multimax"):
+        config = yaml.safe_load((ROOT / "configs" / "quickstart" / f"{name}.yaml").read_text(encoding="utf-8"))
+        asked = ToyTranslationDataModule(**config["data"]["init_args"])
+        default = ToyTranslationDataModule()
+        assert default.generation_args() == asked.generation_args() and default._batching() == asked._batching()
+        assert default.root == asked.root == os.path.expanduser("~/.cache/mmlight/toy_translation")
+    assert (default.train_size, default.valid_size, default.test_size) == (20000, 500, 500)
+    assert (default.num_workers, default.src_file, default.max_tokens) == (0, None, 2048)
+    iwslt = inspect.signature(TranslationDataModule).parameters
+    for name in ("max_source_positions", "max_target_positions", "bucket_buffer"):
+        assert getattr(default, name) == iwslt[name].default
