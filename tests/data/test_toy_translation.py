@@ -3,6 +3,7 @@
 import inspect
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from mmlight.data.toy_translation import (
     ADVERBS,
     CONJUNCTIONS,
     DETERMINERS,
+    GENERATOR_VERSION,
     NOUNS,
     PRONOUNS,
     VERBS,
@@ -216,6 +218,74 @@ def test_bad_arguments_raise(tmp_path):
         ToyTranslationDataModule(cache_dir=str(tmp_path), seed=-1)
 
 
+@pytest.mark.parametrize("name", ["train_size", "valid_size", "test_size", "samples_per_shard"])
+def test_each_size_must_be_at_least_one(tmp_path, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be >= 1, got 0$"):
+        ToyTranslationDataModule(cache_dir=str(tmp_path), **{name: 0})
+    assert getattr(ToyTranslationDataModule(cache_dir=str(tmp_path), **{name: 1}), name) == 1
+
+
+def test_the_arguments_reach_the_streaming_data_module(tmp_path):
+    dm = ToyTranslationDataModule(
+        cache_dir=str(tmp_path / "c"),
+        max_tokens=300,
+        num_workers=3,
+        max_source_positions=40,
+        max_target_positions=50,
+        bucket_buffer=60,
+        src_file="input.de",
+    )
+    assert (dm.root, dm.num_workers, dm.src_file) == (str(tmp_path / "c"), 3, "input.de")
+    assert dm._batching() == {"max_tokens": 300, "buffer": 60, "max_source_positions": 40, "max_target_positions": 50}
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("version", 0), ("seed", 1), ("train_size", 7), ("valid_size", 7), ("test_size", 7), ("samples_per_shard", 7)],
+)
+def test_a_cache_written_with_any_other_generation_argument_is_refused(prepared, tmp_path, name, value):
+    """Each argument the corpus depends on is kept in ``toy_translation.json`` under its own name and
+    compared; an older generator's cache (another ``version``) is refused too."""
+    _, cache = prepared
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    args = json.loads((copy / "toy_translation.json").read_text())
+    assert args == {"version": GENERATOR_VERSION, **{k: v for k, v in SMALL.items() if k != "max_tokens"}}
+    args[name] = value
+    (copy / "toy_translation.json").write_text(json.dumps(args))
+    asked = GENERATOR_VERSION if name == "version" else SMALL[name]
+    with pytest.raises(ValueError, match=rf"other arguments: {name}={value} \(asked {asked}\); choose"):
+        ToyTranslationDataModule(cache_dir=str(copy), **SMALL).prepare_data()
+
+
+def test_every_differing_argument_is_named(prepared):
+    _, cache = prepared
+    with pytest.raises(ValueError, match=r"seed=0 \(asked 1\), train_size=200 \(asked 100\); choose"):
+        ToyTranslationDataModule(cache_dir=str(cache), **{**SMALL, "seed": 1, "train_size": 100}).prepare_data()
+
+
+def test_an_interrupted_write_is_written_again_into_a_new_nested_folder(prepared, tmp_path):
+    """A cache folder whose parents do not exist yet; then a write interrupted before ``_info.json``
+    (the last file) is done again over what it left, giving the same files."""
+    _, cache = prepared
+    root = tmp_path / "a" / "b" / "toy"
+    dm = ToyTranslationDataModule(cache_dir=str(root), **SMALL)
+    dm.prepare_data()
+    (root / "_info.json").unlink()
+    ToyTranslationDataModule(cache_dir=str(root), **SMALL).prepare_data()
+    for name in FILES:
+        assert (root / "raw" / name).read_bytes() == (cache / "raw" / name).read_bytes()
+    assert json.loads((root / "_info.json").read_text()) == json.loads((cache / "_info.json").read_text())
+    assert write_toy_corpus(tmp_path / "x" / "y", train_size=3, valid_size=1, test_size=1).is_dir()
+
+
+def test_the_shard_set_records_the_fairseq_layout_and_the_merges_of_its_codes(prepared):
+    dm, cache = prepared
+    merges = [line for line in (cache / "code").read_text().splitlines() if not line.startswith("#version")]
+    info = dm._info()
+    assert info["layout"] == "fairseq" and info["vocab"]["tokenizer"]["bpe_merges"] == len(merges) > 100
+
+
 # German masculine declension written out by hand: the determiners of each case, and the adjective ending
 # each determiner takes (weak after der/den, mixed after ein/mein/dein, -en in every accusative)
 NOMINATIVE = {"der": "e", "ein": "er", "mein": "er", "dein": "er"}
@@ -300,6 +370,12 @@ def test_the_defaults_are_the_quick_start_s_data():
         assert default.root == asked.root == os.path.expanduser("~/.cache/mmlight/toy_translation")
     assert (default.train_size, default.valid_size, default.test_size) == (20000, 500, 500)
     assert (default.num_workers, default.src_file, default.max_tokens) == (0, None, 2048)
+    # the training stream draws shards uniformly: equal shards draw every sample equally often
+    assert default.train_size % default.samples_per_shard == 0 and default.samples_per_shard < default.train_size
+    corpus = inspect.signature(write_toy_corpus).parameters  # the same corpus as the DataModule's
+    assert {k: corpus[k].default for k in ("seed", "train_size", "valid_size", "test_size")} == {
+        k: getattr(default, k) for k in ("seed", "train_size", "valid_size", "test_size")
+    }
     iwslt = inspect.signature(TranslationDataModule).parameters
     for name in ("max_source_positions", "max_target_positions", "bucket_buffer"):
         assert getattr(default, name) == iwslt[name].default
