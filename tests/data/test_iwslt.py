@@ -439,3 +439,18 @@ def test_predict_cuts_the_file_in_order_and_refuses_a_line_over_the_limits(raw, 
     assert sorted(i for b in dm.predict_dataloader() for i in b["ids"].tolist()) == list(range(7))
     src_file.write_text("", encoding="utf-8")
     assert list(TranslationDataModule(str(shards), src_file=str(src_file)).predict_dataloader()) == []
+
+
+def test_predict_keeps_each_line_whole_and_reads_the_test_split_without_a_file(shards, tmp_path):
+    """A line ending in a capital X keeps it (only the newline is cut); a line over 1024 tokens is
+    translated when the position limit allows it; with no ``src_file``, predict reads the test split."""
+    long_line = " ".join(["Der Hund sieht die Sonne"] * 100)
+    src_file = tmp_path / "input.de"
+    src_file.write_text("Er sieht Teil X\n" + long_line + "\n", encoding="utf-8")
+    dm = TranslationDataModule(str(shards), max_tokens=4096, max_source_positions=2000, src_file=str(src_file))
+    assert len(dm.encode(long_line)) > 1024
+    rows = [row[mask].tolist() for b in dm.predict_dataloader() for row, mask in zip(b["src"], b["src_mask"])]
+    assert rows == [dm.encode(line) + [dm.eos_id] for line in ("Er sieht Teil X", long_line)]
+    assert dm.encode("Er sieht Teil X") != dm.encode("Er sieht Teil")
+    dm = TranslationDataModule(str(shards), max_tokens=64, num_workers=0, val_split="valid")
+    assert sorted(k for b in dm.predict_dataloader() for k in b["keys"]) == [f"test-{i:07d}" for i in range(10)]

@@ -124,6 +124,8 @@ def test_a_source_sample_has_a_line_key_and_no_target():
     s = source_sample(12, [4, 5])
     assert s["key"] == "line-0000012" and s["id"] == 12
     assert s["src"].dtype == np.int64 and s["src"].tolist() == [4, 5] and s["tgt"].shape == (0,)
+    empty = source_sample(0, [])  # an empty line: still int64 ids, like a shard's samples
+    assert empty["src"].dtype == empty["tgt"].dtype == np.int64 and empty["src"].shape == (0,)
     out = collate([s], pad_id=1, eos_id=2, start_id=2)
     assert out["tgt_in"].tolist() == [[2]] and out["tgt_out"].tolist() == [[2]] and out["ntokens"] == 1
 
