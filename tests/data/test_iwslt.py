@@ -1,13 +1,17 @@
 """IWSLT14 de-en: preparation from both raw layouts, and token-budget streaming."""
 
+import io
 import random
 import shutil
+import tarfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
+import yaml
 from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
@@ -16,6 +20,7 @@ from mmlight.data.shards import read_info
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
+ROOT = Path(__file__).resolve().parents[2]
 SUBJECTS = [
     ("der Hund", "the dog"),
     ("die Katze", "the cat"),
@@ -454,3 +459,31 @@ def test_predict_keeps_each_line_whole_and_reads_the_test_split_without_a_file(s
     assert dm.encode("Er sieht Teil X") != dm.encode("Er sieht Teil")
     dm = TranslationDataModule(str(shards), max_tokens=64, num_workers=0, val_split="valid")
     assert sorted(k for b in dm.predict_dataloader() for k in b["keys"]) == [f"test-{i:07d}" for i in range(10)]
+
+
+def test_shard_members_are_named_and_typed_as_documented(shards):
+    """Read with ``tarfile`` (no webdataset decoding, no lowercasing): each sample is ``<key>.src.npy``,
+    ``.src.txt``, ``.tgt.npy`` and ``.tgt.txt``, the ids int32 and the texts the BPE'd lines they encode."""
+    vocab = load_dictionary(shards / "dict.txt")
+    shard = read_info(shards)["splits"]["valid"]["shards"][0]["name"]
+    with tarfile.open(shards / shard) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    keys = sorted({name.split(".", 1)[0] for name in members})
+    assert keys and sorted(members) == sorted(
+        f"{k}.{ext}" for k in keys for ext in ("src.npy", "src.txt", "tgt.npy", "tgt.txt")
+    )
+    for key in keys:
+        for side in ("src", "tgt"):
+            ids = np.load(io.BytesIO(members[f"{key}.{side}.npy"]))
+            assert ids.dtype == np.int32 and ids.ndim == 1
+            assert [vocab[i] for i in ids] == members[f"{key}.{side}.txt"].decode("utf-8").split()
+
+
+def test_defaults_are_the_iwslt14_recipe_s(tmp_path):
+    """``TranslationDataModule(root)`` batches as the recipe configs ask (fairseq's ``--max-tokens 4096``
+    and 1024 positions, a 2000-sample bucketing buffer); only the worker count (speed) is the config's own."""
+    for path in sorted((ROOT / "configs").glob("nmt_iwslt14_*.yaml")):
+        asked = yaml.safe_load(path.read_text(encoding="utf-8"))["data"]["init_args"]
+        default = TranslationDataModule(str(tmp_path))
+        for name in ("max_tokens", "max_source_positions", "max_target_positions", "bucket_buffer"):
+            assert getattr(default, name) == asked[name], (path.name, name)
