@@ -1,9 +1,12 @@
 """IWSLT14 de-en: preparation from both raw layouts, and token-budget streaming."""
 
 import io
+import logging
 import random
 import shutil
 import tarfile
+import warnings
+from itertools import islice
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +20,10 @@ from sacremoses import MosesTokenizer
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info
+from mmlight.data.streaming import RankRandom
+from mmlight.data.tokenizers import TOKENIZER
 from mmlight.data.translation import TranslationDataModule
+from mmlight.data.translation_shards import write_translation_shards
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -487,3 +493,88 @@ def test_defaults_are_the_iwslt14_recipe_s(tmp_path):
         default = TranslationDataModule(str(tmp_path))
         for name in ("max_tokens", "max_source_positions", "max_target_positions", "bucket_buffer"):
             assert getattr(default, name) == asked[name], (path.name, name)
+
+
+def _damage_member(shard, member: str) -> None:
+    """Overwrite the ``.npy`` magic of ``member`` in place: the tar stays whole, the member is unreadable."""
+    with tarfile.open(shard) as tar:
+        offset = tar.getmember(member).offset_data
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"XXXXXX")
+
+
+def _damaged_copy(shards, tmp_path):
+    """The shard set with one unreadable member in ``train-000002.tar`` and in ``test-000001.tar``, and
+    ``train-000005.tar`` cut in the middle of its second sample."""
+    out = tmp_path / "damaged"
+    shutil.copytree(shards, out)
+    _damage_member(out / "train-000002.tar", "train-0000008.src.npy")
+    _damage_member(out / "test-000001.tar", "test-0000005.tgt.npy")
+    with tarfile.open(out / "train-000005.tar") as tar:
+        cut = tar.getmember("train-0000021.src.npy").offset_data + 40
+    (out / "train-000005.tar").write_bytes((out / "train-000005.tar").read_bytes()[:cut])
+    return out
+
+
+def test_training_units_count_and_warn_only_when_asked_and_are_shuffled_and_deterministic(shards, tmp_path, caplog):
+    """The worker that reports (``count_skips``) counts the unreadable member and the cut shard, logs them
+    and warns about the samples over the budget; a replaying worker draws the same batches silently. The
+    batches of a pool come in shuffled order, not by size."""
+    root = _damaged_copy(shards, tmp_path)
+    sizes = sorted(max(len(s["src.npy"]), len(s["tgt.npy"])) + 1 for s in _read_split(shards, "train"))
+    max_tokens = sizes[len(sizes) * 3 // 4]  # the longest quarter is over the budget
+    dm = TranslationDataModule(str(root), max_tokens=max_tokens, num_workers=0, bucket_buffer=1000)
+    stream = dm.train_dataloader().dataset.source
+
+    def units(count_skips):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [[r["key"] for r in unit] for unit in islice(stream.units(RankRandom(0, 0, 0), count_skips), 12)]
+        return got, [str(w.message) for w in caught]
+
+    with caplog.at_level(logging.WARNING):
+        quiet, quiet_warnings = units(False)
+        assert dm.skipped.value == 0 and quiet_warnings == [] and caplog.records == []
+        loud, loud_warnings = units(True)
+    assert loud == quiet and all(loud)
+    assert dm.skipped.value >= 2 and any("skipping sample" in w for w in loud_warnings)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "skipped corrupt sample train-0000008" in logged and "skipped the rest of shard" in logged
+    keys = {k for unit in loud for k in unit}
+    assert "train-0000008" not in keys
+    longest = [max(max(len(s["src.npy"]), len(s["tgt.npy"])) for s in _read_keys(shards, unit)) for unit in loud]
+    assert longest != sorted(longest)  # one pool of 1000: unshuffled, its batches would come by size
+
+
+def _read_keys(root, keys):
+    samples = {s["__key__"]: s for s in _read_split(root, "train") if s["__key__"] in keys}
+    return [samples[k] for k in keys]
+
+
+def test_evaluation_skips_and_counts_an_unreadable_sample_and_is_repeatable(shards, tmp_path):
+    root = _damaged_copy(shards, tmp_path)
+    dm = TranslationDataModule(str(root), max_tokens=48, num_workers=0, bucket_buffer=8)
+    first = [b["keys"] for b in dm.test_dataloader()]
+    assert sorted(k for keys in first for k in keys) == [f"test-{i:07d}" for i in range(10) if i != 5]
+    assert dm.skipped.value == 1
+    assert [b["keys"] for b in dm.test_dataloader()] == first  # the same batches in the same order
+    assert TranslationDataModule(str(root), num_workers=3).val_dataloader().pipeline[0].num_workers == 3
+
+
+def test_an_epoch_shorter_than_one_batch_is_refused_with_the_budget(shards):
+    dm = TranslationDataModule(str(shards), max_tokens=10**6, num_workers=0)
+    with pytest.raises(ValueError, match=r"smaller than one global batch \(1000000 tokens x 1 devices\)"):
+        dm.train_dataloader()
+
+
+def test_words_missing_from_the_training_dictionary_are_unk_and_the_info_keeps_the_tokeniser(tmp_path):
+    """The dictionary comes from the training text alone: a validation word it lacks is ``<unk>`` (id 3);
+    ``_info.json`` records the tokeniser version that cached tokenisations are checked against."""
+    texts = {"train": (["a b", "b"], ["x y", "y"]), "valid": (["a zz"], ["qq y"])}
+    info = write_translation_shards(texts, tmp_path, layout="fairseq", bpe_merges=0)
+    vocab = load_dictionary(tmp_path / "dict.txt")
+    valid = _read_split(tmp_path, "valid")[0]
+    assert valid["src.npy"].tolist() == [vocab.index("a"), 3] and valid["tgt.npy"].tolist() == [3, vocab.index("y")]
+    assert info["vocab"]["tokenizer"]["version"] == TOKENIZER and info["cleaning"] == {}
+    assert info["splits"]["valid"]["num_tokens"] == 3 and info["splits"]["train"]["num_tokens"] == 3 + 2

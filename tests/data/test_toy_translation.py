@@ -185,7 +185,9 @@ def test_prepare_writes_once_and_refuses_other_arguments(prepared, tmp_path):
 
 def test_loaders_before_prepare_data_say_so(tmp_path):
     dm = ToyTranslationDataModule(cache_dir=str(tmp_path / "empty"), **SMALL)
-    with pytest.raises(FileNotFoundError, match=r"call prepare_data\(\) first"):
+    with pytest.raises(
+        FileNotFoundError, match=r"call prepare_data\(\) first \(Lightning's fit/validate/test/predict call"
+    ):
         dm.train_dataloader()
     with pytest.raises(FileNotFoundError, match=r"prepare_data"):
         _ = dm.vocab

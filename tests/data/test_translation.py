@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from mmlight.data.skips import SkipCounter
-from mmlight.data.translation import BudgetStream, TranslationDataModule, budget_batches, collate, source_sample
+from mmlight.data.translation import (
+    BudgetStream,
+    TranslationDataModule,
+    _from_shard,
+    budget_batches,
+    collate,
+    source_sample,
+)
 
 
 def sample(key: str, src: int, tgt: int) -> dict:
@@ -34,7 +41,7 @@ def test_a_sample_fits_the_budget_with_its_end_of_sentence_token_on_either_side(
     )
     assert got == [["fits_src"], ["fits_tgt"]]  # 8 tokens each: one per batch
     assert len(warned) == 2 and "over_src" in warned[0] and "over_tgt" in warned[1]
-    assert "2 skipped so far" in warned[1]
+    assert warned[1].endswith("; 2 skipped so far in this worker")
 
 
 @pytest.mark.parametrize("side", ["source", "target"])
@@ -169,3 +176,20 @@ def test_budget_stream_reads_lengths_from_headers_and_counts_unreadable_samples(
     batch = stream.materialise(out)
     assert batch["src"].tolist() == [[5, 6, 7, 8, 2]] and batch["tgt_out"].tolist() == [[9, 10, 11, 2]]
     assert batch["ids"].tolist() == [3] and batch["keys"] == ["train-0000003"]
+
+
+def test_default_position_limits_are_fairseqs_1024():
+    """fairseq's ``DEFAULT_MAX_SOURCE_POSITIONS`` / ``..._TARGET_...`` = 1024, ``</s>`` included."""
+    for side in ((1023, 0), (0, 1023), (1024, 0), (0, 1024)):
+        got, _ = batches([sample("s", *side)], max_tokens=10**6)
+        assert got == ([["s"]] if max(side) == 1023 else []), side
+
+
+def test_a_shard_sample_s_index_is_the_number_after_the_last_dash():
+    raw = {"src.npy": _npy(np.array([4, 5], np.int32)), "tgt.npy": _npy(np.array([6], np.int32))}
+    out = _from_shard({"__key__": "tst-2014-0000042", **raw})
+    assert (out["key"], out["id"]) == ("tst-2014-0000042", 42)
+    assert out["src"].dtype == out["tgt"].dtype == np.int64 and out["src"].tolist() == [4, 5]
+    pickled = {**raw, "tgt.npy": _npy(np.array([6, 7], dtype=object))}  # loading it would run pickle
+    with pytest.raises(ValueError, match="allow_pickle"):
+        _from_shard({"__key__": "train-0000001", **pickled})
