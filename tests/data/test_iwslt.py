@@ -578,3 +578,9 @@ def test_words_missing_from_the_training_dictionary_are_unk_and_the_info_keeps_t
     assert valid["src.npy"].tolist() == [vocab.index("a"), 3] and valid["tgt.npy"].tolist() == [3, vocab.index("y")]
     assert info["vocab"]["tokenizer"]["version"] == TOKENIZER and info["cleaning"] == {}
     assert info["splits"]["valid"]["num_tokens"] == 3 and info["splits"]["train"]["num_tokens"] == 3 + 2
+    with tarfile.open(tmp_path / info["splits"]["valid"]["shards"][0]["name"]) as tar:  # no webdataset decoding
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    key = "valid-0000000"
+    assert sorted(members) == [f"{key}.{ext}" for ext in ("src.npy", "src.txt", "tgt.npy", "tgt.txt")]
+    assert [np.load(io.BytesIO(members[f"{key}.{side}.npy"])).dtype for side in ("src", "tgt")] == [np.int32] * 2
+    assert (members[f"{key}.src.txt"], members[f"{key}.tgt.txt"]) == (b"a zz", b"qq y")

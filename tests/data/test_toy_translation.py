@@ -277,7 +277,10 @@ def test_an_interrupted_write_is_written_again_into_a_new_nested_folder(prepared
     ToyTranslationDataModule(cache_dir=str(root), **SMALL).prepare_data()
     for name in FILES:
         assert (root / "raw" / name).read_bytes() == (cache / "raw" / name).read_bytes()
-    assert json.loads((root / "_info.json").read_text()) == json.loads((cache / "_info.json").read_text())
+    info = json.loads((root / "_info.json").read_text())
+    assert info == json.loads((cache / "_info.json").read_text())
+    merges = [line for line in (root / "code").read_text().splitlines() if not line.startswith("#version")]
+    assert info["layout"] == "fairseq" and info["vocab"]["tokenizer"]["bpe_merges"] == len(merges) > 100
     assert write_toy_corpus(tmp_path / "x" / "y", train_size=3, valid_size=1, test_size=1).is_dir()
 
 
@@ -374,10 +377,16 @@ def test_the_defaults_are_the_quick_start_s_data():
     assert (default.num_workers, default.src_file, default.max_tokens) == (0, None, 2048)
     # the training stream draws shards uniformly: equal shards draw every sample equally often
     assert default.train_size % default.samples_per_shard == 0 and default.samples_per_shard < default.train_size
-    corpus = inspect.signature(write_toy_corpus).parameters  # the same corpus as the DataModule's
-    assert {k: corpus[k].default for k in ("seed", "train_size", "valid_size", "test_size")} == {
-        k: getattr(default, k) for k in ("seed", "train_size", "valid_size", "test_size")
-    }
     iwslt = inspect.signature(TranslationDataModule).parameters
     for name in ("max_source_positions", "max_target_positions", "bucket_buffer"):
         assert getattr(default, name) == iwslt[name].default
+
+
+def test_write_toy_corpus_writes_the_quick_start_corpus_by_default(tmp_path):
+    """The defaults of :func:`write_toy_corpus` give the corpus of ``ToyTranslationDataModule()``."""
+    dm = ToyTranslationDataModule(cache_dir=str(tmp_path / "unused"))
+    out = write_toy_corpus(tmp_path / "corpus")
+    for split, size in (("train", dm.train_size), ("valid", dm.valid_size), ("test", dm.test_size)):
+        de, en = _lines(out / f"{split}.de"), _lines(out / f"{split}.en")
+        assert len(de) == len(en) == size
+        assert (de[0], en[0]) == toy_pairs(1, dm.seed, split)[0]
