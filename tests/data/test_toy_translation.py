@@ -284,6 +284,12 @@ def test_an_interrupted_write_is_written_again_into_a_new_nested_folder(prepared
     assert write_toy_corpus(tmp_path / "x" / "y", train_size=3, valid_size=1, test_size=1).is_dir()
 
 
+# German masculine declension written out by hand: the determiners of each case, and the adjective ending
+# each determiner takes (weak after der/den, mixed after ein/mein/dein, -en in every accusative)
+NOMINATIVE = {"der": "e", "ein": "er", "mein": "er", "dein": "er"}
+ACCUSATIVE = {"den": "en", "einen": "en", "meinen": "en", "deinen": "en"}
+
+
 def _noun_phrases(de: str) -> list[tuple[str, list[str]]]:
     """``(case, words)`` of each noun phrase of a German sentence, in order: each clause has its subject
     (nominative) first and its object (accusative) second."""
