@@ -3,23 +3,32 @@
 import hashlib
 import io
 import json
+import logging
 import random
 import shutil
+import tarfile
+import warnings
+from itertools import islice
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
+import yaml
 from sacremoses import MosesTokenizer
 
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info, sha256
+from mmlight.data.streaming import RankRandom
 from mmlight.data.tokenizers import TOKENIZER
 from mmlight.data.translation import TranslationDataModule
+from mmlight.data.translation_shards import write_translation_shards
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
 
+ROOT = Path(__file__).resolve().parents[2]
 SUBJECTS = [
     ("der Hund", "the dog"),
     ("die Katze", "the cat"),
@@ -691,3 +700,176 @@ def test_only_the_line_end_is_cut_before_decoding(raw, tmp_path):
     assert skipped["train"] == [
         {"path": f"{src}/train.tags.de-en.de:2", "reason": "invalid UTF-8 (invalid continuation byte at byte 7)"}
     ]
+
+
+def test_num_tokens_sums_the_sample_sizes_of_each_split(shards):
+    """``num_tokens`` of ``_info.json`` (the training epoch's length) = sum of max(source, target) + 1."""
+    info = read_info(shards)
+    for split in ("train", "valid", "test"):
+        sizes = [max(len(s["src.npy"]), len(s["tgt.npy"])) + 1 for s in _read_split(shards, split)]
+        assert info["splits"][split]["num_tokens"] == sum(sizes)
+
+
+def _greedy_in_order(sizes, max_tokens):
+    """Batches of consecutive indices, each closed when one more sample would exceed the budget."""
+    out, batch = [], []
+    for i in range(len(sizes)):
+        if batch and (len(batch) + 1) * max(sizes[j] for j in batch + [i]) > max_tokens:
+            out.append(batch)
+            batch = []
+        batch.append(i)
+    return out + [batch]
+
+
+def test_predict_cuts_the_file_in_order_and_refuses_a_line_over_the_limits(raw, shards, tmp_path):
+    lines = [d for d, _ in raw[1][:7]]
+    src_file = tmp_path / "input.de"
+    src_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dm = TranslationDataModule(str(shards), max_tokens=40, num_workers=0, src_file=str(src_file))
+    sizes = [len(dm.encode(line)) + 1 for line in lines]
+    got = [b["ids"].tolist() for b in dm.predict_dataloader()]
+    assert got == _greedy_in_order(sizes, 40) and len(got) > 2
+    longest = max(sizes)
+    line_no = sizes.index(longest) + 1
+    for limits in ({"max_tokens": longest - 1}, {"max_source_positions": longest - 1}):
+        dm = TranslationDataModule(str(shards), **{"max_tokens": 64, **limits}, src_file=str(src_file))
+        with pytest.raises(ValueError, match=rf"input\.de:{line_no} has {longest} tokens with </s>"):
+            dm.predict_dataloader()
+    dm = TranslationDataModule(str(shards), max_tokens=longest, max_source_positions=longest, src_file=str(src_file))
+    assert sorted(i for b in dm.predict_dataloader() for i in b["ids"].tolist()) == list(range(7))
+    src_file.write_text("", encoding="utf-8")
+    assert list(TranslationDataModule(str(shards), src_file=str(src_file)).predict_dataloader()) == []
+
+
+def test_predict_keeps_each_line_whole_and_reads_the_test_split_without_a_file(shards, tmp_path):
+    """A line ending in a capital X keeps it (only the newline is cut); a line over 1024 tokens is
+    translated when the position limit allows it; with no ``src_file``, predict reads the test split."""
+    long_line = " ".join(["Der Hund sieht die Sonne"] * 100)
+    src_file = tmp_path / "input.de"
+    src_file.write_text("Er sieht Teil X\n" + long_line + "\n", encoding="utf-8")
+    dm = TranslationDataModule(str(shards), max_tokens=4096, max_source_positions=2000, src_file=str(src_file))
+    assert len(dm.encode(long_line)) > 1024
+    rows = [row[mask].tolist() for b in dm.predict_dataloader() for row, mask in zip(b["src"], b["src_mask"])]
+    assert rows == [dm.encode(line) + [dm.eos_id] for line in ("Er sieht Teil X", long_line)]
+    assert dm.encode("Er sieht Teil X") != dm.encode("Er sieht Teil")
+    dm = TranslationDataModule(str(shards), max_tokens=64, num_workers=0, val_split="valid")
+    assert sorted(k for b in dm.predict_dataloader() for k in b["keys"]) == [f"test-{i:07d}" for i in range(10)]
+
+
+def test_shard_members_are_named_and_typed_as_documented(shards):
+    """Read with ``tarfile`` (no webdataset decoding, no lowercasing): each sample is ``<key>.src.npy``,
+    ``.src.txt``, ``.tgt.npy`` and ``.tgt.txt``, the ids int32 and the texts the BPE'd lines they encode."""
+    vocab = load_dictionary(shards / "dict.txt")
+    shard = read_info(shards)["splits"]["valid"]["shards"][0]["name"]
+    with tarfile.open(shards / shard) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    keys = sorted({name.split(".", 1)[0] for name in members})
+    assert keys and sorted(members) == sorted(
+        f"{k}.{ext}" for k in keys for ext in ("src.npy", "src.txt", "tgt.npy", "tgt.txt")
+    )
+    for key in keys:
+        for side in ("src", "tgt"):
+            ids = np.load(io.BytesIO(members[f"{key}.{side}.npy"]))
+            assert ids.dtype == np.int32 and ids.ndim == 1
+            assert [vocab[i] for i in ids] == members[f"{key}.{side}.txt"].decode("utf-8").split()
+
+
+def test_defaults_are_the_iwslt14_recipe_s(tmp_path):
+    """``TranslationDataModule(root)`` batches as the recipe configs ask (fairseq's ``--max-tokens 4096``
+    and 1024 positions, a 2000-sample bucketing buffer); only the worker count (speed) is the config's own."""
+    for path in sorted((ROOT / "configs").glob("nmt_iwslt14_*.yaml")):
+        asked = yaml.safe_load(path.read_text(encoding="utf-8"))["data"]["init_args"]
+        default = TranslationDataModule(str(tmp_path))
+        for name in ("max_tokens", "max_source_positions", "max_target_positions", "bucket_buffer"):
+            assert getattr(default, name) == asked[name], (path.name, name)
+
+
+def _damage_member(shard, member: str) -> None:
+    """Overwrite the ``.npy`` magic of ``member`` in place: the tar stays whole, the member is unreadable."""
+    with tarfile.open(shard) as tar:
+        offset = tar.getmember(member).offset_data
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(b"XXXXXX")
+
+
+def _damaged_copy(shards, tmp_path):
+    """The shard set with one unreadable member in ``train-000002.tar`` and in ``test-000001.tar``, and
+    ``train-000005.tar`` cut in the middle of its second sample."""
+    out = tmp_path / "damaged"
+    shutil.copytree(shards, out)
+    _damage_member(out / "train-000002.tar", "train-0000008.src.npy")
+    _damage_member(out / "test-000001.tar", "test-0000005.tgt.npy")
+    with tarfile.open(out / "train-000005.tar") as tar:
+        cut = tar.getmember("train-0000021.src.npy").offset_data + 40
+    (out / "train-000005.tar").write_bytes((out / "train-000005.tar").read_bytes()[:cut])
+    return out
+
+
+def test_training_units_count_and_warn_only_when_asked_and_are_shuffled_and_deterministic(shards, tmp_path, caplog):
+    """The worker that reports (``count_skips``) counts the unreadable member and the cut shard, logs them
+    and warns about the samples over the budget; a replaying worker draws the same batches silently. The
+    batches of a pool come in shuffled order, not by size."""
+    root = _damaged_copy(shards, tmp_path)
+    sizes = sorted(max(len(s["src.npy"]), len(s["tgt.npy"])) + 1 for s in _read_split(shards, "train"))
+    max_tokens = sizes[len(sizes) * 3 // 4]  # the longest quarter is over the budget
+    dm = TranslationDataModule(str(root), max_tokens=max_tokens, num_workers=0, bucket_buffer=1000)
+    stream = dm.train_dataloader().dataset.source
+
+    def units(count_skips):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [[r["key"] for r in unit] for unit in islice(stream.units(RankRandom(0, 0, 0), count_skips), 12)]
+        return got, [str(w.message) for w in caught]
+
+    with caplog.at_level(logging.WARNING):
+        quiet, quiet_warnings = units(False)
+        assert dm.skipped.value == 0 and quiet_warnings == [] and caplog.records == []
+        loud, loud_warnings = units(True)
+    assert loud == quiet and all(loud)
+    assert dm.skipped.value >= 2 and any("skipping sample" in w for w in loud_warnings)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "skipped corrupt sample train-0000008" in logged and "skipped the rest of shard" in logged
+    keys = {k for unit in loud for k in unit}
+    assert "train-0000008" not in keys
+    longest = [max(max(len(s["src.npy"]), len(s["tgt.npy"])) for s in _read_keys(shards, unit)) for unit in loud]
+    assert longest != sorted(longest)  # one pool of 1000: unshuffled, its batches would come by size
+
+
+def _read_keys(root, keys):
+    samples = {s["__key__"]: s for s in _read_split(root, "train") if s["__key__"] in keys}
+    return [samples[k] for k in keys]
+
+
+def test_evaluation_skips_and_counts_an_unreadable_sample_and_is_repeatable(shards, tmp_path):
+    root = _damaged_copy(shards, tmp_path)
+    dm = TranslationDataModule(str(root), max_tokens=48, num_workers=0, bucket_buffer=8)
+    first = [b["keys"] for b in dm.test_dataloader()]
+    assert sorted(k for keys in first for k in keys) == [f"test-{i:07d}" for i in range(10) if i != 5]
+    assert dm.skipped.value == 1
+    assert [b["keys"] for b in dm.test_dataloader()] == first  # the same batches in the same order
+    assert TranslationDataModule(str(root), num_workers=1).val_dataloader().pipeline[0].num_workers == 1
+
+
+def test_an_epoch_shorter_than_one_batch_is_refused_with_the_budget(shards):
+    dm = TranslationDataModule(str(shards), max_tokens=10**6, num_workers=0)
+    with pytest.raises(ValueError, match=r"smaller than one global batch \(1000000 tokens x 1 devices\)"):
+        dm.train_dataloader()
+
+
+def test_words_missing_from_the_training_dictionary_are_unk_and_the_info_keeps_the_tokeniser(tmp_path):
+    """The dictionary comes from the training text alone: a validation word it lacks is ``<unk>`` (id 3);
+    ``_info.json`` records the tokeniser version that cached tokenisations are checked against."""
+    texts = {"train": (["a b", "b"], ["x y", "y"]), "valid": (["a zz"], ["qq y"])}
+    info = write_translation_shards(texts, tmp_path, layout="fairseq", bpe_merges=0)
+    vocab = load_dictionary(tmp_path / "dict.txt")
+    valid = _read_split(tmp_path, "valid")[0]
+    assert valid["src.npy"].tolist() == [vocab.index("a"), 3] and valid["tgt.npy"].tolist() == [3, vocab.index("y")]
+    assert info["vocab"]["tokenizer"]["version"] == TOKENIZER and info["cleaning"] == {}
+    assert info["splits"]["valid"]["num_tokens"] == 3 and info["splits"]["train"]["num_tokens"] == 3 + 2
+    with tarfile.open(tmp_path / info["splits"]["valid"]["shards"][0]["name"]) as tar:  # no webdataset decoding
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    key = "valid-0000000"
+    assert sorted(members) == [f"{key}.{ext}" for ext in ("src.npy", "src.txt", "tgt.npy", "tgt.txt")]
+    assert [np.load(io.BytesIO(members[f"{key}.{side}.npy"])).dtype for side in ("src", "tgt")] == [np.int32] * 2
+    assert (members[f"{key}.src.txt"], members[f"{key}.tgt.txt"]) == (b"a zz", b"qq y")

@@ -10,12 +10,21 @@ matters. (The same lines, and 5,000 random ones, were also checked against the P
 while writing this; it is not shipped with mmlight.)
 """
 
+import io
 import json
 
 import pytest
 
 from mmlight.data.prepare import iwslt
-from mmlight.data.tokenizers import TOKENIZER, moses_tokenize, remove_bpe, split_final_period
+from mmlight.data.tokenizers import (
+    TOKENIZER,
+    apply_bpe,
+    count_bpe_merges,
+    moses_detokenize,
+    moses_tokenize,
+    remove_bpe,
+    split_final_period,
+)
 from tests.data.test_iwslt import _write_raw
 
 # (language, raw line, tokenizer.perl's output lowercased): the final period after an abbreviation,
@@ -99,3 +108,30 @@ def test_a_tokenised_cache_of_another_tokeniser_is_redone(tmp_path):
 def test_remove_bpe_joins_subwords_as_fairseqs_remove_bpe(bpe, words):
     """fairseq's ``--remove-bpe``: ``(line + " ").replace("@@ ", "").rstrip()``, written out per case."""
     assert remove_bpe(bpe) == words
+
+
+def test_count_bpe_merges_counts_the_merge_lines_only(tmp_path):
+    codes = tmp_path / "code"
+    codes.write_text("#version: 0.2\ne r\n\n  \nt h\nth e</w>\n", encoding="utf-8")
+    assert count_bpe_merges(codes) == 3  # the header and the blank lines are not merges
+    codes.write_text("#version: 0.2\n", encoding="utf-8")
+    assert count_bpe_merges(codes) == 0
+
+
+def test_apply_bpe_segments_with_the_given_codes():
+    """Two sets of codes on the same line: each is applied as subword-nmt's own BPE applies it."""
+    from subword_nmt.apply_bpe import BPE
+
+    whole = "#version: 0.2\nd o\ndo g</w>\n"
+    none = "#version: 0.2\nx y\n"
+    for codes in (whole, none, whole):
+        assert apply_bpe("dog dig", codes) == BPE(io.StringIO(codes)).process_line("dog dig")
+    assert apply_bpe("dog dig", whole) == "dog d@@ i@@ g" and apply_bpe("dog", none) == "d@@ o@@ g"
+
+
+def test_detokenisation_undoes_the_tokeniser_per_language():
+    assert moses_detokenize("he said &quot; yes . &quot;", "en") == 'he said "yes."'
+    assert moses_detokenize("wir fahren in die u.s.a .", "de") == "wir fahren in die u.s.a."
+    assert moses_detokenize("it &apos;s", "en") == "it's"  # English joins the clitic to the left
+    assert moses_detokenize("it &apos;s", "de") == "it 's"  # German does not
+    assert moses_detokenize("it &apos;s", "en") == "it's"  # each language keeps its own detokeniser
