@@ -265,7 +265,12 @@ MODULES: dict[str, Module] = {
     # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work
     "analysis_rest": Module(
         ("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
-        ("tests/analysis/test_analyze.py", "tests/analysis/test_figures.py", "tests/analysis/test_stats.py"),
+        (
+            "tests/analysis/test_analyze_outputs.py",
+            "tests/analysis/test_analyze.py",
+            "tests/analysis/test_figures.py",
+            "tests/analysis/test_stats.py",
+        ),
     ),
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU
     # and GPU branches with stand-ins

@@ -1,0 +1,223 @@
+"""`mmlight analyze`'s pieces that need no trained checkpoint (analysis/analyze.py, analysis/batches.py):
+argument checks, run labels, the size checks, the evaluation trainer and the files it writes, each
+against values written out by hand."""
+
+import csv
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmlight.analysis import analyze
+from mmlight.analysis.batches import batch_size, first_samples, map_batch
+from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings
+
+
+def test_parse_args_defaults_and_the_rest_for_the_config_parser():
+    args, rest = analyze.parse_args(["--config", "c.yaml", "--ckpt_path", "a.ckpt", "b.ckpt", "--out", "o"])
+    assert rest == ["--config", "c.yaml"]
+    assert args.ckpt_path == ["a.ckpt", "b.ckpt"] and args.out == "o"
+    assert (args.num_samples, args.split, args.robustness, args.kv_skip_layers) == (256, "val", False, 2)
+    assert (args.query_patch, args.sink_eps, args.keep_ratios) == (None, 3.0, [1.0, 0.9, 0.7, 0.5, 0.3, 0.1])
+    args, rest = analyze.parse_args(["--config=c.yaml", "--ckpt_path", "a", "--out", "o", "--data.x", "1"])
+    assert rest == ["--config=c.yaml", "--data.x", "1"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--config CONFIG is required"),
+        (["--config", "c", "--num_samples", "0"], "--num_samples must be >= 1, got 0"),
+        (["--config", "c", "--kv_skip_layers", "-1"], "--kv_skip_layers must be >= 0, got -1"),
+        (["--config", "c", "--keep_ratios", "1.5"], "--keep_ratios must each be in (0, 1], got [1.5]"),
+        (["--config", "c", "--keep_ratios", "0.5", "0"], "--keep_ratios must each be in (0, 1], got [0.5, 0.0]"),
+    ],
+)
+def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        analyze.parse_args(["--ckpt_path", "a", "--out", "o", *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    analyze.parse_args(
+        ["--ckpt_path", "a", "--out", "o", "--config", "c", "--num_samples", "1", "--kv_skip_layers", "0"]
+    )
+
+
+def test_run_labels_are_the_run_names_extended_only_where_they_repeat(tmp_path):
+    def ckpt(*parts):
+        return tmp_path.joinpath(*parts)
+
+    runs = [
+        ckpt("runs", "a", "version_0", "checkpoints", "last.ckpt"),
+        ckpt("runs", "b", "version_0", "checkpoints", "last.ckpt"),
+    ]
+    assert analyze.run_labels(runs) == ["a", "b"]
+    versions = [
+        ckpt("runs", "a", "version_0", "checkpoints", "last.ckpt"),
+        ckpt("runs", "a", "version_1", "checkpoints", "last.ckpt"),
+    ]
+    assert analyze.run_labels(versions) == ["a/version_0", "a/version_1"]
+    files = [ckpt("runs", "a", "version_0", "checkpoints", n) for n in ("last.ckpt", "best.ckpt")]
+    assert analyze.run_labels(files) == ["a/version_0/last", "a/version_0/best"]
+    loose = [ckpt("x", "m.ckpt"), ckpt("y", "m.ckpt")]  # not under checkpoints/: folder, then file stem
+    assert analyze.run_labels(loose) == ["x", "y"]
+    assert analyze.run_labels([ckpt("x", "m.ckpt"), ckpt("x", "n.ckpt")]) == ["x/m", "x/n"]
+    same = [ckpt("x", "m.ckpt"), ckpt("x", "m.ckpt")]  # nothing tells them apart: the paths
+    assert analyze.run_labels(same) == [str(p) for p in same]
+
+
+def network(**config):
+    """A stand-in task whose network (it names its attention sites) has a config with ``config``."""
+    return SimpleNamespace(model=SimpleNamespace(attention_sites=dict, config=SimpleNamespace(**config)))
+
+
+def test_check_fits_data_compares_vocabulary_and_classes(tmp_path):
+    task = network(vocab_size=20, num_classes=None)
+    analyze.check_fits_data(task, SimpleNamespace(vocab_size=20), tmp_path / "a.ckpt")
+    analyze.check_fits_data(task, SimpleNamespace(num_classes=10), tmp_path / "a.ckpt")  # the model says none
+    analyze.check_fits_data(
+        SimpleNamespace(model=SimpleNamespace(attention_sites=dict)), SimpleNamespace(vocab_size=3), tmp_path
+    )
+    with pytest.raises(analyze.AnalyzeError) as err:
+        analyze.check_fits_data(task, SimpleNamespace(vocab_size=21), tmp_path / "a.ckpt")
+    assert str(err.value) == f"checkpoint {tmp_path / 'a.ckpt'} has vocab_size=20 but the data has 21"
+    classes = network(num_classes=5)
+    with pytest.raises(analyze.AnalyzeError, match="has num_classes=5 but the data has 10$"):
+        analyze.check_fits_data(classes, SimpleNamespace(num_classes=10), tmp_path)
+
+
+def test_vocabulary_is_the_datas_token_list_or_none():
+    assert analyze.vocabulary(SimpleNamespace(vocab=("a", "b"))) == ["a", "b"]
+    assert analyze.vocabulary(SimpleNamespace(vocab={"a": 0})) is None
+    assert analyze.vocabulary(SimpleNamespace()) is None
+
+    class Unprepared:
+        @property
+        def vocab(self):
+            raise FileNotFoundError("dict.txt")
+
+    assert analyze.vocabulary(Unprepared()) is None
+
+
+def test_the_evaluation_trainer_keeps_only_the_configs_evaluation_settings():
+    trainer = analyze.eval_trainer(
+        {
+            "accelerator": "cpu",
+            "precision": "bf16-mixed",
+            "limit_val_batches": 3,
+            "max_epochs": 7,
+            "deterministic": None,
+        }
+    )
+    assert trainer.num_devices == 1 and trainer.num_nodes == 1 and trainer.logger is None
+    assert trainer.precision == "bf16-mixed" and trainer.limit_val_batches == 3
+    assert trainer.max_epochs != 7 and trainer.checkpoint_callback is None and not trainer.progress_bar_callback
+
+
+def stats_of(values: dict[str, list], similarity: list) -> dict:
+    """A hand-built ``collect_statistics`` result: layer values per site, and blocks' token similarity."""
+    sites = {}
+    for i, layer_values in enumerate(zip(*values.values())):
+        metrics = dict(zip(values, layer_values))
+        # one head, whose value is 100 above the layer's (so that a mean mixing them shows)
+        heads = {m: [None if metrics.get(m) is None else metrics[m] + 100] for m in HEAD_METRICS}
+        sites[f"blocks.{i}"] = {"heads": heads, "metrics": metrics}
+    return {"sites": sites, "blocks": {f"blocks.{i}": {"token_similarity": v} for i, v in enumerate(similarity)}}
+
+
+def test_layer_means_average_each_metric_over_the_layers_that_have_it():
+    values = {m: [1.0, 2.0] for m in HEAD_METRICS}
+    values["entropy"] = [0.5, None]  # a layer without a value is left out, not counted as 0
+    values["sink_ratio"] = [0.25, 0.75]
+    means = analyze.layer_means(stats_of(values, [0.2, 0.6]))
+    assert means["entropy"] == 0.5 and means["max_weight"] == 1.5 and means["sink_ratio"] == 0.5
+    assert means["token_similarity"] == pytest.approx(0.4, abs=0, rel=1e-15)
+    assert math.isnan(means["rollout_discrepancy"]) and math.isnan(means["zero_mass_rows"])
+    assert list(means) == list(HEAD_METRICS + LAYER_METRICS)
+
+
+def test_the_files_written_hold_every_row_the_meta_and_the_summary_table(tmp_path):
+    values = {m: [0.125, 0.375] for m in HEAD_METRICS}
+    results = {
+        "run_a": stats_of(values, [0.5, None]),
+        "run_b": stats_of({**values, "entropy": [1.0, 3.0]}, [0.25, 0.25]),
+    }
+    meta = {"num_samples": 8, "split": "val", "settings": Settings().__dict__, "keep_ratios": [0.5]}
+    analyze.write_stats(tmp_path, results, meta)
+    with open(tmp_path / "stats.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["checkpoint", "layer", "head", "metric", "value"]
+    per_run = 2 * 2 * len(HEAD_METRICS) + 2  # two sites, a head row and a layer row per metric; two blocks
+    assert len(rows) == 1 + 2 * per_run
+    assert ["run_a", "blocks.0", "0", "entropy", "100.125"] in rows and [
+        "run_a",
+        "blocks.0",
+        "",
+        "entropy",
+        "0.125",
+    ] in rows
+    assert ["run_a", "blocks.1", "", "token_similarity", ""] in rows  # None is written as an empty cell
+    payload = json.loads((tmp_path / "stats.json").read_text())
+    assert payload["num_samples"] == 8 and payload["keep_ratios"] == [0.5] and payload["details"] == results
+    assert payload["rows"][0] == {
+        "checkpoint": "run_a",
+        "layer": "blocks.0",
+        "head": 0,
+        "metric": "entropy",
+        "value": 100.125,
+    }
+    assert len(payload["rows"]) == 2 * per_run
+    assert payload["thresholds"]["frac_below_1e-3"] == Settings().near_zero
+    assert "exceeds 3.0 x the uniform share" in payload["thresholds"]["sink_ratio"]
+
+    robustness = [("run_a", "none", 0, "top1", 0.875), ("run_a", "kv_l2", 0.5, "top1", 0.5)]
+    analyze.write_summary(tmp_path, results, meta, ["fig.png"], robustness)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[0] == "# Attention analysis: 8 val samples"
+    columns = HEAD_METRICS + LAYER_METRICS
+    assert lines[4] == "| checkpoint | " + " | ".join(columns) + " |"
+    assert lines[5] == "|---" * (len(columns) + 1) + "|"
+    cells = dict(zip(columns, lines[7].strip("| ").split(" | ")[1:]))
+    assert lines[7].startswith("| run_b | ") and cells["entropy"] == "2" and cells["token_similarity"] == "0.25"
+    assert dict(zip(columns, lines[6].split(" | ")[1:]))["token_similarity"] == "0.5"
+    assert "| run_a | kv_l2 | 0.5 | top1 | 0.5 |" in lines and "| run_a | none | 0 | top1 | 0.875 |" in lines
+    assert lines[-1] == "- [fig.png](fig.png)" and "## Robustness (whole split)" in lines
+    analyze.write_summary(tmp_path, results, meta, [], [])
+    assert "## Robustness (whole split)" not in (tmp_path / "summary.md").read_text()
+
+
+def test_batches_their_size_a_map_over_their_tensors_and_the_first_samples():
+    images, labels = torch.arange(12.0).view(6, 2), torch.arange(6)
+    assert batch_size((images, labels)) == 6 and batch_size({"id": 3, "input": images[:4]}) == 4
+    doubled = map_batch({"a": (images, [labels, "name"]), "n": 1}, lambda t: t * 2)
+    assert torch.equal(doubled["a"][0], images * 2) and torch.equal(doubled["a"][1][0], labels * 2)
+    assert doubled["a"][1][1] == "name" and doubled["n"] == 1 and isinstance(doubled["a"], tuple)
+    loader = [(images[:0], labels[:0]), (images[:4], labels[:4]), (images[4:], labels[4:])]  # an empty batch first
+    taken = first_samples(loader, 5, "val")
+    assert [batch_size(b) for b in taken] == [4, 1]
+    assert torch.equal(torch.cat([b[1] for b in taken]), labels[:5])
+    assert [batch_size(b) for b in first_samples(loader, 6, "val")] == [4, 2]
+    with pytest.raises(ValueError) as err:
+        first_samples(loader, 7, "test")
+    assert str(err.value) == "--num_samples 7 is larger than the test split, which has 6 samples"
+
+
+def test_a_missing_or_foreign_checkpoint_is_named(tmp_path):
+    with pytest.raises(analyze.AnalyzeError) as err:
+        analyze.load_checkpoint(None, tmp_path / "none.ckpt")
+    assert str(err.value) == f"checkpoint {tmp_path / 'none.ckpt'} does not exist"
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}}, path)
+
+    class Task:
+        @classmethod
+        def load_from_checkpoint(cls, p, map_location):
+            assert (Path(p), map_location) == (path, "cpu")
+            raise KeyError("hyper_parameters")
+
+    with pytest.raises(analyze.AnalyzeError) as err:
+        analyze.load_checkpoint(Task, path)
+    assert str(err.value) == f"checkpoint {path} does not match the config's model Task: 'hyper_parameters'"
