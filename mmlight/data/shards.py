@@ -98,7 +98,7 @@ def upgrade_info(info: dict, root: str | Path) -> dict:
         )
     if version == INFO_VERSION:
         return info
-    info = {"version": INFO_VERSION, **info}
+    info = {**info, "version": INFO_VERSION}  # also over an explicit "version": 1
     specials = ("bos", "pad", "eos", "unk")
     if "vocab_file" in info:  # WikiText-103: vocab.txt, special ids as a mapping
         info["vocab"] = {

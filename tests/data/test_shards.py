@@ -116,3 +116,69 @@ def test_a_tar_without_end_blocks_ending_with_a_whole_member_is_read(tmp_path):
     (tmp_path / "cut.tar").write_bytes((tmp_path / "s.tar").read_bytes()[:end])
     assert list(iter_tar(tmp_path / "cut.tar")) == [("a.bin", b"x" * 512)]
     assert [(name, size) for name, _, size in tar_index(tmp_path / "cut.tar")] == [("a.bin", 512)]
+
+
+def test_upgrade_info_turns_each_version_1_layout_into_the_current_one_and_refuses_newer():
+    """Version-1 ``_info.json`` files (no ``version``; WikiText's ``vocab_file``/``special_ids``, IWSLT's
+    ``dict_file`` and flat ``*_id`` keys), written out by hand, against the version-2 content by hand."""
+    from mmlight.data.shards import INFO_VERSION, upgrade_info
+
+    assert INFO_VERSION == 2
+    splits = {"train": {"num_samples": 3, "shards": []}}
+    wikitext_v1 = {
+        "dataset": "wikitext103",
+        "splits": splits,
+        "vocab_file": "vocab.txt",
+        "vocab_size": 40,
+        "special_ids": {"pad": 0, "eos": 1},
+    }
+    assert upgrade_info(dict(wikitext_v1), "root") == {
+        "version": 2,
+        "dataset": "wikitext103",
+        "splits": splits,
+        "vocab": {
+            "file": "vocab.txt",
+            "format": "lines",
+            "size": 40,
+            "special_ids": {"pad": 0, "eos": 1},
+            "tokenizer": {"moses": False},
+        },
+    }
+    iwslt_v1 = {
+        "dataset": "iwslt14",
+        "splits": splits,
+        "src_lang": "de",
+        "tgt_lang": "en",
+        "bpe_file": "code",
+        "bpe_merges": 10000,
+        "dict_file": "dict.txt",
+        "vocab_size": 99,
+        "specials": ["<s>", "<pad>", "</s>", "<unk>"],
+        "bos_id": 0,
+        "pad_id": 1,
+        "eos_id": 2,
+        "unk_id": 3,
+    }
+    assert upgrade_info(dict(iwslt_v1), "root") == {
+        "version": 2,
+        "dataset": "iwslt14",
+        "splits": splits,
+        "vocab": {
+            "file": "dict.txt",
+            "format": "dict",
+            "size": 99,
+            "special_ids": {"bos": 0, "pad": 1, "eos": 2, "unk": 3},
+            "tokenizer": {"moses": True, "src_lang": "de", "tgt_lang": "en", "bpe_file": "code", "bpe_merges": 10000},
+        },
+    }
+    images_v1 = {"dataset": "digits", "splits": splits}  # nothing to move: only the version is added
+    assert upgrade_info(dict(images_v1), "root") == {"version": 2, **images_v1}
+    assert upgrade_info({"version": 1, **images_v1}, "root") == {"version": 2, **images_v1}
+    current = {"version": 2, "dataset": "x", "vocab_file": "kept as is"}
+    assert upgrade_info(current, "root") is current
+    for version in (3, "2", 2.0):
+        with pytest.raises(ValueError) as err:
+            upgrade_info({"version": version}, "root")
+        assert str(err.value) == (
+            f"root/_info.json has schema version {version!r}; this mmlight reads up to 2: update mmlight"
+        )
