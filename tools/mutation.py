@@ -10,6 +10,7 @@ by hand, docs/testing.md).
     python tools/mutation.py --survivors tasks  # after adding tests: test again what survived
     python tools/mutation.py --changed          # only the functions this branch changed (vs main)
     python tools/mutation.py --changed HEAD     # only the functions changed and not yet committed
+    python tools/mutation.py tasks --only mmlight/tasks/protocol.py  # some of a set's files
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
 module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/`` and
@@ -486,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested in parallel")
     parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="mutate only these source files of the named set (a set's new files, measured without the rest)",
+    )
+    parser.add_argument(
         "--changed",
         nargs="?",
         const="",
@@ -498,13 +506,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.modules) - MODULES.keys()
     if unknown:
         parser.error(f"unknown module(s) {sorted(unknown)}; choose from {', '.join(MODULES)}")
+    only = file_patterns(args.only, args.modules)
     failed = 0
     for name in args.modules or list(MODULES):
         workdir = write_workdir(name, MODULES[name], args.fresh and not args.report)
         if not args.report:
             again = []
             if args.survivors:
-                again = [k for k, status in statuses(workdir).items() if status in ("survived", "no tests")]
+                again = [
+                    k
+                    for k, status in statuses(workdir).items()
+                    if status in ("survived", "no tests") and (not only or any(fnmatch.fnmatch(k, p) for p in only))
+                ]
                 if not again:
                     print(f"== {name}: no surviving mutants")
                 # mutmut maps only tests it has not seen before to the functions they reach: a test
@@ -512,9 +525,24 @@ def main(argv: list[str] | None = None) -> int:
                 # against that function's mutants. Forgetting the map makes it map every test again.
                 (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
             if again or not args.survivors:
-                failed |= run(name, workdir, args.max_children, again) != 0
-        report(name, workdir)
+                failed |= run(name, workdir, args.max_children, again or only) != 0
+        report(name, workdir, only, file="report-only.md" if only else "report.md")
     return int(failed)
+
+
+def file_patterns(paths: list[str], modules: list[str]) -> list[str]:
+    """``--only``: mutmut name patterns (``mmlight.tasks.protocol.*``) of ``paths``, each checked to be a
+    source of the one set named (an error before any work otherwise)."""
+    if not paths:
+        return []
+    if len(modules) != 1:
+        raise SystemExit("--only takes the files of one set: name exactly one set before it")
+    patterns = []
+    for path in paths:
+        if not any(fnmatch.fnmatch(path, pattern) for pattern in MODULES[modules[0]].mutate):
+            raise SystemExit(f"--only {path}: not a source of the set {modules[0]!r} ({MODULES[modules[0]].mutate})")
+        patterns.append(path.removesuffix(".py").replace("/", ".").removesuffix(".__init__") + ".*")
+    return patterns
 
 
 def run_changed(base: str, max_children: int) -> int:

@@ -123,3 +123,24 @@ def test_a_changed_file_in_no_module_is_named():
         mutation.module_of("mmlight/elsewhere.py")
     assert mutation.module_of("mmlight/data/shards.py") == "shards"
     assert mutation.module_of("mmlight/data/prepare/iwslt.py") == "prepare"
+
+
+def test_only_turns_a_sets_files_into_mutmut_name_patterns():
+    assert mutation.file_patterns([], ["tasks"]) == []
+    assert mutation.file_patterns(["mmlight/tasks/protocol.py", "mmlight/tasks/inference.py"], ["tasks"]) == [
+        "mmlight.tasks.protocol.*",
+        "mmlight.tasks.inference.*",
+    ]
+    # the pattern matches mutmut's names of that file's mutants and no other file's
+    pattern = mutation.file_patterns(["mmlight/data/shards.py"], ["shards"])[0]
+    assert fnmatch.fnmatch("mmlight.data.shards.x_read_info__mutmut_3", pattern)
+    assert not fnmatch.fnmatch("mmlight.data.shard_writer.x_write__mutmut_3", pattern)
+
+
+def test_only_refuses_a_file_outside_the_set_or_several_sets():
+    with pytest.raises(SystemExit, match=r"--only mmlight/cli.py: not a source of the set 'tasks'"):
+        mutation.file_patterns(["mmlight/cli.py"], ["tasks"])
+    with pytest.raises(SystemExit, match="name exactly one set"):
+        mutation.file_patterns(["mmlight/tasks/protocol.py"], ["tasks", "vit"])
+    with pytest.raises(SystemExit, match="name exactly one set"):
+        mutation.file_patterns(["mmlight/tasks/protocol.py"], [])
