@@ -76,7 +76,9 @@ class BlockStream(StreamSource):
         self.counter = counter
         self.reader = MemberReader()
 
-    def _blocks(self, chunk: dict, rng: random.Random, count_skips: bool) -> Iterator[tuple]:
+    def _header(self, chunk: dict, count_skips: bool) -> tuple | None:
+        """``(dtype, number of tokens, data offset)`` of a chunk's ``ids.npy``; None, counted and logged,
+        when its header does not parse."""
         try:
             dtype, shape, data = npy_header(self.reader, chunk["__url__"], *chunk["ids.npy"])
         except Exception as err:  # a corrupt header may raise anything from numpy's parser
@@ -89,15 +91,46 @@ class BlockStream(StreamSource):
                     type(err).__name__,
                     err,
                 )
-            return
-        for s in block_starts(int(np.prod(shape)), self.block_size, rng):
-            yield chunk["__url__"], data + s * dtype.itemsize, dtype
+            return None
+        return dtype, int(np.prod(shape)), data
+
+    def _readable_chunks(self, chunks: Iterator[dict], count_skips: bool) -> Iterator[tuple[dict, tuple]]:
+        """The chunks whose header parses, with their headers (every one of them, short ones included:
+        each draws its block offset, which keeps the seeded stream as it was).
+
+        A chunk is usable when it also holds more than ``block_size`` tokens. A shard is drawn whole, so an
+        unusable chunk seen twice since the last usable one means its shard has none; once every shard is
+        such, the stream stops with an error naming them instead of drawing forever."""
+        seen: set[tuple[str, str]] = set()  # (shard, key) of the unusable chunks since the last usable one
+        barren: set[str] = set()
+        for chunk in chunks:
+            if "ids.npy" not in chunk:
+                continue
+            header = self._header(chunk, count_skips)
+            if header is not None and header[1] > self.block_size:
+                seen.clear()
+                barren.clear()
+            else:
+                identity = (chunk["__url__"], chunk["__key__"])
+                if identity in seen:
+                    barren.add(chunk["__url__"])
+                    if len(barren) == len(set(self.urls)):
+                        raise RuntimeError(
+                            f"no chunk of more than block_size={self.block_size} tokens with a readable header in "
+                            f"any of the {len(barren)} training shards, e.g. {sorted(barren)[:3]}: prepare the "
+                            "data again (mmlight prepare wikitext103)"
+                        )
+                seen.add(identity)
+            if header is not None:
+                yield chunk, header
 
     def units(self, rand: RankRandom, count_skips: bool):
         chunks = resampled_samples(self.urls, rand.python("shards"), self.counter if count_skips else None)
         offsets = rand.python("offsets")
         blocks = (
-            block for chunk in chunks if "ids.npy" in chunk for block in self._blocks(chunk, offsets, count_skips)
+            (chunk["__url__"], data + s * dtype.itemsize, dtype)
+            for chunk, (dtype, length, data) in self._readable_chunks(chunks, count_skips)
+            for s in block_starts(length, self.block_size, offsets)
         )
         return batched(shuffled(blocks, self.shuffle_buffer, rand.python("shuffle")), self.batch_size)
 

@@ -17,7 +17,9 @@ import yaml
 from mmlight.data.prepare import main as prepare_main
 from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.shards import sha256
-from mmlight.data.text import EvalWindows, WikiTextDataModule, block_starts, eval_windows
+from mmlight.data.skips import SkipCounter
+from mmlight.data.streaming import RankRandom
+from mmlight.data.text import BlockStream, EvalWindows, WikiTextDataModule, block_starts, eval_windows
 from mmlight.data.vocab import load_vocab
 
 # The real raw format: every line starts with a space, "empty" lines hold one space, headings are
@@ -384,6 +386,70 @@ def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog,
     skips = [r.getMessage() for r in caplog.records if "skipped corrupt chunk" in r.getMessage()]
     assert len(draws) >= 2 and dm.skipped.value == len(draws) == len(skips)
     assert all(m.startswith("skipped corrupt chunk corrupt in ") for m in skips)
+
+
+def corrupt_headers(out, copy, shards=None):
+    """A copy of the shard set ``out`` in ``copy`` whose training chunks in ``shards`` (names; all if None)
+    hold bytes that are no ``.npy`` file; returns the training shard names."""
+    import webdataset as wds
+
+    shutil.copytree(out, copy)
+    names = [s["name"] for s in json.loads((copy / "_info.json").read_text())["splits"]["train"]["shards"]]
+    for name in names if shards is None else shards:
+        keys = [sample["__key__"] for sample in wds.WebDataset(str(out / name), shardshuffle=False)]
+        with wds.TarWriter(str(copy / name)) as writer:
+            for key in keys:
+                writer.write({"__key__": key, "ids.npy": b"not an npy file"})
+    return names
+
+
+@pytest.mark.parametrize("shards_kept", [None, 1])
+def test_training_shards_without_a_readable_chunk_stop_the_stream(shards, tmp_path, monkeypatch, shards_kept):
+    """Every chunk header corrupt (in every shard, or in the one shard kept): the stream stops with an error
+    naming the shards, after counting each chunk it skipped, instead of drawing shards forever."""
+    from mmlight.data import streaming
+
+    _, out = shards
+    copy = tmp_path / "shards"
+    names = corrupt_headers(out, copy)
+    urls = [str(copy / name) for name in names[:shards_kept]]
+    chunks = {
+        s["name"]: s["num_samples"] for s in json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]
+    }
+    draws = []  # every shard the stream draws, seen where its header index is read
+    index = streaming.tar_index
+    monkeypatch.setattr(streaming, "tar_index", lambda url: draws.append(Path(url).name) or index(url))
+    counter = SkipCounter()
+    stream = BlockStream(urls, block_size=4, batch_size=2, shuffle_buffer=0, counter=counter)
+    with pytest.raises(RuntimeError, match=rf"block_size=4 tokens with a readable header in any of the {len(urls)} "):
+        next(iter(stream.units(RankRandom(0, 0, 0), count_skips=True)))
+    # every shard drawn twice at least (a chunk seen again is what shows its shard has none); every chunk of
+    # every draw counted, the last draw stopped at its first chunk
+    assert all(draws.count(Path(url).name) >= 2 for url in urls)
+    assert counter.value == sum(chunks[name] for name in draws[:-1]) + 1
+
+
+def test_a_shard_without_a_readable_chunk_leaves_the_others_training(shards, tmp_path):
+    """One shard's chunks all corrupt: the stream skips them at every draw and trains on the other shards."""
+    _, out = shards
+    copy = tmp_path / "shards"
+    names = json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]
+    corrupt_headers(out, copy, [names[0]["name"]])
+    dm = WikiTextDataModule(str(copy), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == dm.train_steps() and all(b["input"].shape == (2, 4) for b in batches)
+    assert dm.skipped.value % PER_SHARD == 0 and dm.skipped.value > 0  # whole draws of the corrupt shard
+
+
+def test_chunks_shorter_than_a_block_in_every_shard_stop_the_stream(shards):
+    """The stream itself (not only train_steps) stops when no chunk can hold a block: 8-token chunks, a block
+    of 8 needs 9."""
+    _, out = shards
+    info = json.loads((out / "_info.json").read_text())
+    urls = [str(out / s["name"]) for s in info["splits"]["train"]["shards"]]
+    stream = BlockStream(urls, block_size=CHUNK, batch_size=1, shuffle_buffer=0, counter=SkipCounter())
+    with pytest.raises(RuntimeError, match=rf"no chunk of more than block_size={CHUNK} tokens"):
+        next(iter(stream.units(RankRandom(0, 0, 0), count_skips=True)))
 
 
 def test_chunks_too_short_for_one_block_stop_before_training(shards):
