@@ -388,6 +388,22 @@ def test_corrupt_training_chunk_is_skipped_and_counted(shards, tmp_path, caplog,
     assert all(m.startswith("skipped corrupt chunk corrupt in ") for m in skips)
 
 
+def record_draws(monkeypatch, limit=100):
+    """The names of the shards the stream draws, in order (seen where a shard's header index is read); more
+    than ``limit`` draws fail the test, so that a stream that would draw forever fails at once."""
+    from mmlight.data import streaming
+
+    draws, index = [], streaming.tar_index
+
+    def recorded(url):
+        draws.append(Path(url).name)
+        assert len(draws) <= limit, f"the stream drew {limit} shards and goes on"
+        return index(url)
+
+    monkeypatch.setattr(streaming, "tar_index", recorded)
+    return draws
+
+
 def corrupt_headers(out, copy, shards=None):
     """A copy of the shard set ``out`` in ``copy`` whose training chunks in ``shards`` (names; all if None)
     hold bytes that are no ``.npy`` file; returns the training shard names."""
@@ -407,8 +423,6 @@ def corrupt_headers(out, copy, shards=None):
 def test_training_shards_without_a_readable_chunk_stop_the_stream(shards, tmp_path, monkeypatch, shards_kept):
     """Every chunk header corrupt (in every shard, or in the one shard kept): the stream stops with an error
     naming the shards, after counting each chunk it skipped, instead of drawing shards forever."""
-    from mmlight.data import streaming
-
     _, out = shards
     copy = tmp_path / "shards"
     names = corrupt_headers(out, copy)
@@ -416,9 +430,7 @@ def test_training_shards_without_a_readable_chunk_stop_the_stream(shards, tmp_pa
     chunks = {
         s["name"]: s["num_samples"] for s in json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]
     }
-    draws = []  # every shard the stream draws, seen where its header index is read
-    index = streaming.tar_index
-    monkeypatch.setattr(streaming, "tar_index", lambda url: draws.append(Path(url).name) or index(url))
+    draws = record_draws(monkeypatch)
     counter = SkipCounter()
     stream = BlockStream(urls, block_size=4, batch_size=2, shuffle_buffer=0, counter=counter)
     with pytest.raises(RuntimeError, match=rf"block_size=4 tokens with a readable header in any of the {len(urls)} "):
@@ -429,21 +441,23 @@ def test_training_shards_without_a_readable_chunk_stop_the_stream(shards, tmp_pa
     assert counter.value == sum(chunks[name] for name in draws[:-1]) + 1
 
 
-def test_a_shard_without_a_readable_chunk_leaves_the_others_training(shards, tmp_path):
+def test_a_shard_without_a_readable_chunk_leaves_the_others_training(shards, tmp_path, monkeypatch):
     """One shard's chunks all corrupt: the stream skips them at every draw and trains on the other shards."""
     _, out = shards
     copy = tmp_path / "shards"
     names = json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]
     corrupt_headers(out, copy, [names[0]["name"]])
+    record_draws(monkeypatch, limit=1000)
     dm = WikiTextDataModule(str(copy), block_size=4, batch_size=2, num_workers=0, shuffle_buffer=0)
     batches = list(dm.train_dataloader())
     assert len(batches) == dm.train_steps() and all(b["input"].shape == (2, 4) for b in batches)
     assert dm.skipped.value % PER_SHARD == 0 and dm.skipped.value > 0  # whole draws of the corrupt shard
 
 
-def test_chunks_shorter_than_a_block_in_every_shard_stop_the_stream(shards):
+def test_chunks_shorter_than_a_block_in_every_shard_stop_the_stream(shards, monkeypatch):
     """The stream itself (not only train_steps) stops when no chunk can hold a block: 8-token chunks, a block
     of 8 needs 9."""
+    record_draws(monkeypatch)
     _, out = shards
     info = json.loads((out / "_info.json").read_text())
     urls = [str(out / s["name"]) for s in info["splits"]["train"]["shards"]]
