@@ -251,7 +251,8 @@ def test_training_blocks_are_contiguous_slices(shards, world_size):
     assert len(batches) == steps
     for batch in batches:
         assert batch["input"].shape == batch["target"].shape == (2, 3)
-        assert batch["input"].dtype == batch["target"].dtype == torch.int64 and batch["loss_mask"].all()
+        assert batch["input"].dtype == batch["target"].dtype == torch.int64
+        assert batch["loss_mask"].dtype == torch.bool and batch["loss_mask"].all()
         for inp, tgt in zip(batch["input"].numpy(), batch["target"].numpy()):
             block = np.concatenate([inp, tgt[-1:]])
             assert np.array_equal(inp[1:], tgt[:-1])  # target = input shifted by one
@@ -419,22 +420,32 @@ def corrupt_headers(out, copy, shards=None):
     return names
 
 
-@pytest.mark.parametrize("shards_kept", [None, 1])
+@pytest.mark.parametrize("shards_kept", [None, 1, 4])
 def test_training_shards_without_a_readable_chunk_stop_the_stream(shards, tmp_path, monkeypatch, shards_kept):
     """Every chunk header corrupt (in every shard, or in the one shard kept): the stream stops with an error
     naming the shards, after counting each chunk it skipped, instead of drawing shards forever."""
     _, out = shards
     copy = tmp_path / "shards"
     names = corrupt_headers(out, copy)
+    if shards_kept == 4:  # more shards than the message names: a fourth, a copy of the first
+        shutil.copy(copy / names[0], copy / "train-000003.tar")
+        names.append("train-000003.tar")
     urls = [str(copy / name) for name in names[:shards_kept]]
     chunks = {
         s["name"]: s["num_samples"] for s in json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]
     }
+    chunks["train-000003.tar"] = chunks[names[0]]
     draws = record_draws(monkeypatch)
     counter = SkipCounter()
     stream = BlockStream(urls, block_size=4, batch_size=2, shuffle_buffer=0, counter=counter)
-    with pytest.raises(RuntimeError, match=rf"block_size=4 tokens with a readable header in any of the {len(urls)} "):
+    shown = sorted(urls)[:3]
+    message = (
+        f"no chunk of more than block_size=4 tokens with a readable header in any of the {len(urls)} training "
+        f"shards, e.g. {shown}: prepare the data again (mmlight prepare wikitext103)"
+    )
+    with pytest.raises(RuntimeError) as stopped:
         next(iter(stream.units(RankRandom(0, 0, 0), count_skips=True)))
+    assert str(stopped.value) == message
     # every shard drawn twice at least (a chunk seen again is what shows its shard has none); every chunk of
     # every draw counted, the last draw stopped at its first chunk
     assert all(draws.count(Path(url).name) >= 2 for url in urls)
@@ -471,8 +482,16 @@ def test_chunks_too_short_for_one_block_stop_before_training(shards):
     the resampled stream would wait forever for it."""
     _, out = shards
     assert WikiTextDataModule(str(out), block_size=CHUNK - 1, batch_size=1, num_workers=0).train_steps() >= 1
-    with pytest.raises(ValueError, match=r"hold at most 8 tokens, and a block of block_size=8 needs 9"):
+    with pytest.raises(ValueError) as refused:
         WikiTextDataModule(str(out), block_size=CHUNK, batch_size=1, num_workers=0).train_steps()
+    assert str(refused.value) == (
+        f"the training chunks of {out} hold at most 8 tokens, and a block of block_size=8 needs 9: lower "
+        "block_size, or prepare the data again with longer chunks (mmlight.data.prepare.wikitext.prepare's "
+        "chunk_tokens)"
+    )
+    with pytest.raises(ValueError) as refused:  # 33 training tokens, a batch of 5 x 7 = 35
+        WikiTextDataModule(str(out), block_size=7, batch_size=5, num_workers=0).train_steps()
+    assert str(refused.value) == "the training split (33) is smaller than one global batch (5 x 7 tokens x 1 devices)"
 
 
 def test_block_starts_against_an_exhaustive_reference():
@@ -670,3 +689,75 @@ def test_bad_lines_at_the_edges_of_a_split_and_empty_splits(tmp_path):
         with pytest.raises(ValueError) as err:
             plan_split("train", np.zeros(3, np.uint32), [], chunk_tokens, per_shard)
         assert str(err.value) == f"chunk_tokens and chunks_per_shard must be >= 1, got {chunk_tokens}, {per_shard}"
+
+
+def test_defaults_are_the_documented_recipe(shards):
+    """tokens_per_sample 512 of fairseq's transformer_lm WikiText-103 recipe, and the documented loader sizes."""
+    _, out = shards
+    dm = WikiTextDataModule(str(out))
+    assert (dm.block_size, dm.batch_size, dm.num_workers, dm.shuffle_buffer) == (512, 8, 2, 4096)
+    assert (dm.eval_block_size, dm.eval_context, dm.train_split) == (512, 0, "train")
+
+
+def rewrite_shard(src, dst, extra=(), replace=None):
+    """``dst``: the tar ``src`` with the members ``extra`` ((name, bytes)) written first and the bytes of the
+    members named in ``replace`` ({name: bytes}) replaced."""
+    with tarfile.open(src) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    with tarfile.open(dst, "w") as tar:
+        for name, data in [*extra, *members]:
+            data = (replace or {}).get(name, data)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_evaluation_streams_read_only_token_arrays_and_never_pickles(shards, tmp_path):
+    """A member other than ``*.ids.npy`` in an evaluation shard is ignored; a chunk holding a pickled object
+    array is refused (loading it would run the pickle's code)."""
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    info = json.loads((copy / "_info.json").read_text())
+    first = info["splits"]["valid"]["shards"][0]["name"]
+    want = WikiTextDataModule(str(out)).stream("valid")
+    rewrite_shard(out / first, copy / first, extra=[("000000.txt", b"not a token array")])
+    assert np.array_equal(WikiTextDataModule(str(copy)).stream("valid"), want)
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([object()] * 3, dtype=object), allow_pickle=True)
+    rewrite_shard(out / first, copy / first, replace={"000000.ids.npy": pickled.getvalue()})
+    with pytest.raises(ValueError, match="Object arrays cannot be loaded when allow_pickle=False"):
+        WikiTextDataModule(str(copy)).stream("valid")
+
+
+def test_a_training_sample_without_token_ids_is_passed_over(shards, tmp_path):
+    """A sample with no ``ids.npy`` (a stray member) ahead of a shard's chunks: the chunks after it still give
+    the blocks."""
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    name = json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"][0]["name"]
+    rewrite_shard(out / name, copy / name, extra=[("000000-readme.txt", b"notes")])
+    stream = BlockStream([str(copy / name)], block_size=3, batch_size=1, shuffle_buffer=0, counter=SkipCounter())
+    first = next(iter(stream.units(RankRandom(0, 0, 0), count_skips=True)))
+    assert len(first) == 1 and first[0][0] == str(copy / name)
+
+
+def test_only_the_reporting_worker_counts_unreadable_shards(shards, tmp_path, monkeypatch):
+    """``count_skips=False`` (a loader worker that replays what another reports) counts nothing; True counts one
+    skip per draw of the unreadable shard, on the same draws."""
+    _, out = shards
+    copy = tmp_path / "shards"
+    shutil.copytree(out, copy)
+    names = [s["name"] for s in json.loads((out / "_info.json").read_text())["splits"]["train"]["shards"]]
+    (copy / names[1]).write_bytes(b"\xff" * 700)  # no tar header
+    urls = [str(copy / n) for n in names]
+    for count_skips in (False, True):
+        draws = record_draws(monkeypatch)
+        counter = SkipCounter()
+        stream = BlockStream(urls, block_size=3, batch_size=2, shuffle_buffer=0, counter=counter)
+        units = stream.units(RankRandom(0, 0, 0), count_skips=count_skips)
+        for _ in range(6):
+            next(units)
+        assert draws.count(names[1]) >= 1
+        assert counter.value == (draws.count(names[1]) if count_skips else 0)
