@@ -153,6 +153,20 @@ def test_bad_input_to_translate_is_named():
         translator.use_data(SimpleNamespace(vocab=Vocab(SPECIALS)))
 
 
+def test_a_task_without_its_data_says_how_to_attach_it():
+    """The fast twin of the checkpoint tests below: a translator never given its vocabulary names itself,
+    what it lacks and the call that attaches it, whole."""
+    config = TransformerConfig(vocab_size=14, d_model=8, n_heads=2, ffn_dim=8, n_layers=1, n_encoder_layers=1)
+    with pytest.raises(RuntimeError) as refused:
+        Translator(config).translate(["w1 w2"])
+    assert str(refused.value) == (
+        "this Translator has no vocabulary: its checkpoint was written before mmlight kept them in checkpoints "
+        "(or the model was never attached to data). Attach the data it was trained on once: "
+        "`model.use_data(TranslationDataModule(...))` with the data section of the run's config.yaml; "
+        "checkpoints written afterwards carry it"
+    )
+
+
 def test_a_checkpoint_of_other_data_is_refused():
     translator = tiny_translator()
     state = translator.data_state()

@@ -211,13 +211,32 @@ def test_the_toy_task_satisfies_the_protocol_and_a_bare_module_is_named_clearly(
     task = ToyTask()
     check_analysed_task(task)
     assert isinstance(task, AnalysedTask)
-    with pytest.raises(
-        TypeError,
-        match=r"LightningModule lacks what attention analysis needs: task_metric, "
-        r"interventions, teacher_forced, query_keep, example_inputs, "
-        r"metric_evaluation, attention_sites\(\)",
-    ):
+    with pytest.raises(TypeError) as refused:
         check_analysed_task(L.LightningModule())
+    assert str(refused.value) == (
+        "LightningModule lacks what attention analysis needs: task_metric, interventions, teacher_forced, "
+        "query_keep, example_inputs, metric_evaluation, attention_sites() (LightningModule names no attention "
+        "sites (no attention_sites() on it or its .model)) (see mmlight.tasks.protocol.AnalysedTask)"
+    )
+
+
+class SitesOnly(nn.Module):
+    """A network that names its attention sites but not its blocks."""
+
+    def attention_sites(self) -> dict:
+        return {}
+
+
+def test_a_network_without_blocks_is_named_with_what_the_task_lacks():
+    task = L.LightningModule()
+    task.model = SitesOnly()
+    with pytest.raises(TypeError) as refused:
+        check_analysed_task(task)
+    assert str(refused.value) == (
+        "LightningModule lacks what attention analysis needs: task_metric, interventions, teacher_forced, "
+        "query_keep, example_inputs, metric_evaluation, blocks() on SitesOnly "
+        "(see mmlight.tasks.protocol.AnalysedTask)"
+    )
 
 
 @pytest.mark.slow
