@@ -93,7 +93,7 @@ def _mmlight_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 def _timm_weights(name: str) -> dict[str, torch.Tensor]:
     import timm
 
-    if not timm.is_model(name.split(".")[0]):
+    if not timm.is_model(name):  # a pretrained tag (".fb_in1k") is split off by timm itself
         raise ValueError(f"timm has no model {name!r} (timm.list_models('deit*') lists some)")
     try:
         model = timm.create_model(name, pretrained=True)

@@ -4,13 +4,15 @@ No weights can be downloaded here, so a randomly initialised (and perturbed, so 
 its default) ``timm.create_model("deit_tiny_patch16_224")`` saved to a file stands in for them.
 """
 
+import re
+
 import pytest
 import safetensors.torch
 import timm
 import torch
 
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
-from mmlight.models.pretrained import PretrainedMismatch
+from mmlight.models.pretrained import LoadReport, PretrainedMismatch, architecture_of, load_pretrained, read_pretrained
 
 TIMM_NAME = "deit_tiny_patch16_224"
 IDENTITY = ReweightingSpec("multimax", {"order": 2, "init_std": 0})
@@ -160,8 +162,18 @@ def test_timm_name_offline_without_cache_is_a_clear_error(monkeypatch, tmp_path)
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(RuntimeError, match=rf"timm could not get the weights of '{TIMM_NAME}'.*not in the Hugging"):
+    with pytest.raises(RuntimeError) as refused:
         ReweightedViT(deit_tiny(f"timm:{TIMM_NAME}"))
+    assert re.fullmatch(
+        rf"timm could not get the weights of '{TIMM_NAME}': they are not in the Hugging Face cache "
+        rf"\({re.escape(str(tmp_path))}\) and the hub could not be reached or has no such weights "
+        rf"\({type(refused.value.__cause__).__name__}: .*\)\. On a machine with access, run "
+        rf"`python -c \"import timm; timm.create_model\('{TIMM_NAME}', pretrained=True\)\"` to fill the cache "
+        r"\(set HF_HOME to share it\), or save the weights to a file and give its path as `pretrained`\.",
+        str(refused.value),
+        flags=re.DOTALL,
+    )
+    assert type(refused.value.__cause__).__name__ != "NoneType"
 
 
 def test_unknown_timm_name():
@@ -181,6 +193,8 @@ def test_timm_name_from_the_cache_offline(monkeypatch, tmp_path, timm_state):
     safetensors.torch.save_file(timm_state, str(repo / "snapshots" / revision / "model.safetensors"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    tagged = read_pretrained(f"timm:{TIMM_NAME}.fb_in1k")  # a name with its pretrained tag, as timm lists them
+    assert all(torch.equal(tagged[k], v) for k, v in timm_state.items())
     model = ReweightedViT(deit_tiny(f"timm:{TIMM_NAME}")).double().eval()
     x = images()
     with torch.no_grad():
@@ -212,3 +226,90 @@ def test_pretrained_null_on_the_command_line_means_no_weights():
     task = parser.instantiate_classes(parser.parse_args(args)).model
     assert task.model.config.pretrained is None
     assert ViTConfig(pretrained="None").pretrained is None and ViTConfig(pretrained="w.pth").pretrained == "w.pth"
+
+
+def test_an_mmlight_checkpoint_is_read_by_its_vit_weights(timm_state, tmp_path):
+    """A Lightning checkpoint of an ImageClassifier (``model.vit.*`` in ``state_dict``, other entries beside) is
+    read as the timm weights under that prefix; one without them is named."""
+    path = tmp_path / "last.ckpt"
+    state = {f"model.vit.{k}": v for k, v in timm_state.items()} | {"model.other.weight": torch.zeros(1)}
+    torch.save({"state_dict": state, "epoch": 3}, path)
+    model = ReweightedViT(deit_tiny(path)).double().eval()
+    x = images()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
+    torch.save({"state_dict": {"model.other.weight": torch.zeros(1)}}, path)
+    with pytest.raises(PretrainedMismatch) as refused:
+        read_pretrained(str(path))
+    assert str(refused.value) == f"{path} holds no ImageClassifier weights (no 'model.vit.*' keys)"
+
+
+def test_a_file_with_ema_weights_gives_the_ema_weights(timm_state, tmp_path):
+    """Official DeiT files keep ``model`` and ``model_ema``: the EMA weights are read, as timm reads them."""
+    path = tmp_path / "deit.pth"
+    ema = {k: v + 1 for k, v in timm_state.items()}
+    torch.save({"model": timm_state, "model_ema": ema}, path)
+    read = read_pretrained(str(path))
+    assert read.keys() == ema.keys() and all(torch.equal(read[k], ema[k]) for k in ema)
+
+
+def test_architecture_of_reads_width_and_depth_and_names_a_state_that_is_no_vit():
+    patch = {"patch_embed.proj.weight": torch.zeros(192, 3, 16, 16)}
+    assert architecture_of(patch) == (192, 0)  # no block
+    assert architecture_of(patch | {"blocks.0.norm1.weight": torch.zeros(1), "blocks.11.mlp.fc1.bias": 0}) == (192, 12)
+    few = {f"k{i}": torch.zeros(1) for i in range(5)}
+    with pytest.raises(PretrainedMismatch) as refused:
+        architecture_of(few)
+    assert str(refused.value) == (
+        "the weights are not a timm VisionTransformer: no 'patch_embed.proj.weight' among k0, k1, k2, k3, k4"
+    )
+    with pytest.raises(PretrainedMismatch) as refused:
+        architecture_of(few | {"k5": torch.zeros(1)})
+    assert str(refused.value).endswith("among k0, k1, k2, k3, k4 ...")
+
+
+def test_a_mismatch_lists_at_most_eight_keys_of_each_kind(timm_state, tmp_path):
+    """Eight missing keys are listed whole, nine with an ellipsis; the kinds are joined by '; '."""
+    names = sorted(k for k in timm_state if k.startswith("blocks.1.") or k.startswith("blocks.2."))
+    for cut, tail in ((8, ""), (9, " ...")):
+        state = {k: v for k, v in timm_state.items() if k not in names[:cut]} | {"extra": torch.zeros(1)}
+        path = tmp_path / f"cut{cut}.pth"
+        torch.save(state, path)
+        with pytest.raises(PretrainedMismatch) as refused:
+            ReweightedViT(deit_tiny(path))
+        assert str(refused.value) == (
+            f"the pretrained weights {path} do not fit the model: missing: {', '.join(sorted(names[:cut])[:8])}"
+            f"{tail}; unexpected: extra. Pick the variant, image size, patch size and class_token of the weights' "
+            "architecture."
+        )
+
+
+def test_a_model_without_a_head_drops_the_pretrained_head(timm_state):
+    """``num_classes=0`` (a feature extractor): the pretrained classifier is dropped, each key with its reason."""
+    vit = timm.create_model(TIMM_NAME, num_classes=0)
+    report = load_pretrained(vit, dict(timm_state), "w.pth", set())
+    assert report.dropped == {
+        "head.bias": "shape (1000,); the model has no head.bias",
+        "head.weight": "shape (1000, 192); the model has no head.weight",
+    }
+    assert report.new == [] and torch.equal(vit.state_dict()["cls_token"], timm_state["cls_token"])
+
+
+@pytest.mark.parametrize(
+    "dropped, new, text",
+    [
+        ({}, [], "dropped none; new (initialised here): none"),
+        (
+            {"head.bias": "why"},
+            [f"n{i}" for i in range(6)],
+            "dropped head.bias: why; new (initialised here): n0, n1, n2, n3, n4, n5",
+        ),
+        (
+            {},
+            [f"n{i}" for i in range(7)],
+            "dropped none; new (initialised here): n0, n1, n2, n3, n4, n5 ... (7 in all)",
+        ),
+    ],
+)
+def test_the_summary_of_nothing_dropped_six_and_seven_new_keys(dropped, new, text):
+    assert LoadReport("w.pth", dropped, new).summary() == f"pretrained weights w.pth: {text}"
