@@ -301,3 +301,158 @@ def test_a_checksum_field_with_a_stray_character_is_not_a_header():
     header[148:156] = header[148:154] + b"X\0"
     with pytest.raises(ValueError, match="not a tar header at byte 1024"):
         _check_header(bytes(header), "s.tar", 1024)
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 512)
+
+
+def pax_record(key: str, value: str) -> bytes:
+    """One pax record ``"<len> key=value\\n"``, ``len`` counting its own digits."""
+    body = f" {key}={value}\n".encode()
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode() + body
+
+
+def ustar_header(name: str, size: int, kind: bytes = tarfile.REGTYPE) -> bytearray:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return bytearray(info.tobuf(tarfile.USTAR_FORMAT))
+
+
+def rechecksum(header: bytearray) -> bytes:
+    """``header`` with its checksum recomputed (the field counted as 8 spaces), as tar writes it."""
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def pax_member(records: bytes, size: int | None = None) -> bytes:
+    """A pax extended header whose data is ``records`` (its size field ``size``, if given)."""
+    header = ustar_header("././@PaxHeader", len(records), tarfile.XHDTYPE)
+    if size is not None:
+        header[124:136] = b"%011o\0" % size
+    return rechecksum(header) + padded(records)
+
+
+def reference_members(path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
+
+
+def test_a_pax_path_holding_an_equals_sign_is_split_at_the_first_one(tmp_path):
+    """A pax record is ``key=value``; the value (a path) may hold ``=`` itself."""
+    path = tmp_path / "s.tar"
+    name = "k=v" + "c" * 120 + ".cls"  # over 100 bytes: tarfile writes it as a pax path
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"5"))
+    assert reference_members(path) == [(name, b"5")]
+    assert list(iter_tar(path)) == [(name, b"5")]
+    assert [n for n, _, _ in tar_index(path)] == [name]
+
+
+def test_pax_records_padded_with_nuls_end_at_the_first_nul(tmp_path):
+    """A pax header whose size counts NUL padding after its records (tarfile stops at the NUL too)."""
+    path = tmp_path / "s.tar"
+    name = "p" * 150 + ".cls"
+    records = pax_record("path", name)
+    path.write_bytes(
+        pax_member(records + b"\0" * 40)
+        + rechecksum(ustar_header("short.cls", 1))
+        + padded(b"5")
+        + b"\0" * 1024
+    )
+    assert reference_members(path) == [(name, b"5")]
+    assert list(iter_tar(path)) == [(name, b"5")]
+    assert list(tar_index(path)) == [(name, 512 * 3, 1)]  # pax header, its data, the member's header
+
+
+def test_a_pax_header_without_a_path_keeps_the_path_of_the_one_before(tmp_path):
+    """Two pax headers before one member, the second without a path (a comment): the first one's path
+    still names the member, as in tarfile."""
+    path = tmp_path / "s.tar"
+    name = "p" * 150 + ".cls"
+    path.write_bytes(
+        pax_member(pax_record("path", name))
+        + pax_member(pax_record("comment", "hi"))
+        + rechecksum(ustar_header("short.cls", 1))
+        + padded(b"5")
+        + b"\0" * 1024
+    )
+    assert reference_members(path) == [(name, b"5")]
+    assert list(iter_tar(path)) == [(name, b"5")]
+
+
+def test_a_pax_path_wins_over_the_ustar_prefix(tmp_path):
+    """A member named by a pax path whose own header also holds a ustar prefix (as writers fill in a
+    split of the name): the pax path alone is the name, as in tarfile."""
+    path = tmp_path / "s.tar"
+    name = "ÿ" * 60 + ".cls"  # non-ASCII: a pax path even though it is short
+    header = ustar_header("x.cls", 1)
+    header[345:354] = b"elsewhere"
+    path.write_bytes(
+        pax_member(pax_record("path", name)) + rechecksum(header) + padded(b"5") + b"\0" * 1024
+    )
+    assert reference_members(path) == [(name, b"5")]
+    assert list(iter_tar(path)) == [(name, b"5")]
+
+
+def test_the_ustar_prefix_ends_before_the_header_padding(tmp_path):
+    """The prefix field is bytes 345..499; bytes 500..511 are padding, ignored whatever they hold."""
+    path = tmp_path / "s.tar"
+    name = "d" * 60 + "/" + "n" * 60 + ".cls"  # 125 bytes: split into prefix and name
+    header = ustar_header(name, 1)
+    assert header[345:405] == b"d" * 60
+    header[500] = ord("X")
+    path.write_bytes(rechecksum(header) + padded(b"5") + b"\0" * 1024)
+    assert reference_members(path) == [(name, b"5")]
+    assert list(iter_tar(path)) == [(name, b"5")]
+
+
+def test_a_size_field_written_left_aligned_is_read_whole(tmp_path):
+    """A size field of digits then NULs (``1750`` = 1000 bytes), which tarfile reads too: the first
+    byte of the field is a digit that counts."""
+    path = tmp_path / "s.tar"
+    header = ustar_header("a.bin", 1000)
+    header[124:136] = b"1750" + b"\0" * 8
+    path.write_bytes(rechecksum(header) + padded(b"x" * 1000) + rechecksum(ustar_header("b.cls", 1)) + padded(b"7"))
+    assert reference_members(path) == [("a.bin", b"x" * 1000), ("b.cls", b"7")]
+    assert list(iter_tar(path)) == [("a.bin", b"x" * 1000), ("b.cls", b"7")]
+    assert list(tar_index(path)) == [("a.bin", 512, 1000), ("b.cls", 512 + 1024 + 512, 1)]  # header, 1000 bytes padded, header
+
+
+def test_a_size_field_with_a_stray_character_is_refused(tmp_path):
+    """A size field ``0000000001X`` (valid checksum) is no size: tarfile refuses the header, so does the reader."""
+    path = tmp_path / "s.tar"
+    header = ustar_header("a.bin", 1)
+    header[124:136] = b"0000000001X\0"
+    path.write_bytes(rechecksum(header) + padded(b"x") + b"\0" * 1024)
+    with pytest.raises(tarfile.ReadError):
+        reference_members(path)
+    with pytest.raises(ValueError):
+        list(iter_tar(path))
+
+
+def test_a_partial_header_at_the_end_is_a_truncated_header_whatever_its_bytes(tmp_path):
+    """A whole member, then 100 bytes of a header cut short (here the letter X) instead of the end blocks."""
+    path = tmp_path / "s.tar"
+    path.write_bytes(rechecksum(ustar_header("a.cls", 1)) + padded(b"5") + b"X" * 100)
+    read = []
+    with pytest.raises(EOFError) as err:
+        for name, _ in iter_tar(path):
+            read.append(name)
+    assert read == ["a.cls"]
+    assert str(err.value) == f"{path}: truncated tar header"
+
+
+def test_the_header_index_names_the_shard_in_its_errors(tmp_path):
+    path = tmp_path / "s.tar"
+    write_shard(path)
+    damage(path, "truncated")
+    with pytest.raises(EOFError) as err:
+        list(tar_index(path))
+    assert str(err.value) == f"{path}: truncated member (100 of {len(jpeg(2))} bytes)"
