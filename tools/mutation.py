@@ -162,6 +162,7 @@ MODULES: dict[str, Module] = {
         ("mmlight/data/shards.py", "mmlight/data/shard_writer.py"),
         (
             "tests/data/test_shards.py",
+            "tests/data/test_shard_writer.py",
             "tests/data/test_malformed_shards.py",
             "tests/data/test_imagenet.py",
             "tests/data/test_digits.py",
