@@ -361,10 +361,7 @@ def test_pax_records_padded_with_nuls_end_at_the_first_nul(tmp_path):
     name = "p" * 150 + ".cls"
     records = pax_record("path", name)
     path.write_bytes(
-        pax_member(records + b"\0" * 40)
-        + rechecksum(ustar_header("short.cls", 1))
-        + padded(b"5")
-        + b"\0" * 1024
+        pax_member(records + b"\0" * 40) + rechecksum(ustar_header("short.cls", 1)) + padded(b"5") + b"\0" * 1024
     )
     assert reference_members(path) == [(name, b"5")]
     assert list(iter_tar(path)) == [(name, b"5")]
@@ -394,9 +391,7 @@ def test_a_pax_path_wins_over_the_ustar_prefix(tmp_path):
     name = "ÿ" * 60 + ".cls"  # non-ASCII: a pax path even though it is short
     header = ustar_header("x.cls", 1)
     header[345:354] = b"elsewhere"
-    path.write_bytes(
-        pax_member(pax_record("path", name)) + rechecksum(header) + padded(b"5") + b"\0" * 1024
-    )
+    path.write_bytes(pax_member(pax_record("path", name)) + rechecksum(header) + padded(b"5") + b"\0" * 1024)
     assert reference_members(path) == [(name, b"5")]
     assert list(iter_tar(path)) == [(name, b"5")]
 
@@ -422,7 +417,10 @@ def test_a_size_field_written_left_aligned_is_read_whole(tmp_path):
     path.write_bytes(rechecksum(header) + padded(b"x" * 1000) + rechecksum(ustar_header("b.cls", 1)) + padded(b"7"))
     assert reference_members(path) == [("a.bin", b"x" * 1000), ("b.cls", b"7")]
     assert list(iter_tar(path)) == [("a.bin", b"x" * 1000), ("b.cls", b"7")]
-    assert list(tar_index(path)) == [("a.bin", 512, 1000), ("b.cls", 512 + 1024 + 512, 1)]  # header, 1000 bytes padded, header
+    assert list(tar_index(path)) == [
+        ("a.bin", 512, 1000),
+        ("b.cls", 512 + 1024 + 512, 1),
+    ]  # header, 1000 bytes padded, header
 
 
 def test_a_size_field_with_a_stray_character_is_refused(tmp_path):

@@ -372,7 +372,7 @@ def test_write_text_atomic_writes_utf8_whatever_the_locale(tmp_path):
     )
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
     subprocess.run([sys.executable, "-c", code, shards.__file__, str(tmp_path / "t.txt")], env=env, check=True)
-    assert (tmp_path / "t.txt").read_bytes() == "\xe9\r\n\xfc\n".encode("utf-8")
+    assert (tmp_path / "t.txt").read_bytes() == "\xe9\r\n\xfc\n".encode()
     assert not (tmp_path / "t.txt.tmp").exists()
 
 
