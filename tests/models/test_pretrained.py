@@ -5,6 +5,7 @@ its default) ``timm.create_model("deit_tiny_patch16_224")`` saved to a file stan
 """
 
 import re
+from pathlib import PurePosixPath
 
 import pytest
 import safetensors.torch
@@ -233,15 +234,18 @@ def test_an_mmlight_checkpoint_is_read_by_its_vit_weights(timm_state, tmp_path):
     read as the timm weights under that prefix; one without them is named."""
     path = tmp_path / "last.ckpt"
     state = {f"model.vit.{k}": v for k, v in timm_state.items()} | {"model.other.weight": torch.zeros(1)}
-    torch.save({"state_dict": state, "epoch": 3}, path)
+    # a run's hyperparameters may hold any picklable object (here a path), which torch's weights-only loader
+    # refuses: the checkpoint is read in full
+    torch.save({"state_dict": state, "epoch": 3, "hyper_parameters": {"root": PurePosixPath("/data")}}, path)
     model = ReweightedViT(deit_tiny(path)).double().eval()
     x = images()
     with torch.no_grad():
         torch.testing.assert_close(model(x), timm_reference(timm_state)(x), atol=1e-10, rtol=1e-10)
-    torch.save({"state_dict": {"model.other.weight": torch.zeros(1)}}, path)
-    with pytest.raises(PretrainedMismatch) as refused:
-        read_pretrained(str(path))
-    assert str(refused.value) == f"{path} holds no ImageClassifier weights (no 'model.vit.*' keys)"
+    for content in ({"state_dict": {"model.other.weight": torch.zeros(1)}}, {"epoch": 3}):  # no state_dict at all
+        torch.save(content, path)
+        with pytest.raises(PretrainedMismatch) as refused:
+            read_pretrained(str(path))
+        assert str(refused.value) == f"{path} holds no ImageClassifier weights (no 'model.vit.*' keys)"
 
 
 def test_a_file_with_ema_weights_gives_the_ema_weights(timm_state, tmp_path):
