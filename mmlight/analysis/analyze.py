@@ -87,6 +87,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--kv_skip_layers must be >= 0, got {args.kv_skip_layers}")
     if not all(0.0 < r <= 1.0 for r in args.keep_ratios):
         parser.error(f"--keep_ratios must each be in (0, 1], got {args.keep_ratios}")
+    resolved = [Path(p).resolve() for p in args.ckpt_path]
+    repeated = [p for i, p in enumerate(args.ckpt_path) if resolved[i] in resolved[:i]]
+    if repeated:  # one label per file: a repeat would silently replace the first one's results
+        parser.error(f"--ckpt_path names {repeated[0]} more than once")
     return args, rest
 
 

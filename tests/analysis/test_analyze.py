@@ -292,3 +292,81 @@ def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
         assert images.dtype == torch.float32 and images.shape[1:] == (1, 8, 8)
         torch.testing.assert_close(images, want_images, atol=1e-6, rtol=1e-6)
         assert torch.equal(labels, want_labels)
+
+
+def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_robustness(tmp_path, capsys, monkeypatch):
+    """The whole of ``analyze()`` on two 1-step recall checkpoints (fast; the slow tests above check each
+    task's figures and metrics in depth): each label's entropies against weights recorded here on the
+    split's first samples, every option reaching the files it names, and the progress bar's total."""
+    from mmlight.data import RecallDataModule
+    from mmlight.nn.attention import record_attention
+    from mmlight.tasks import LanguageModel
+
+    config = QUICK / "lm_softmax.yaml"
+    data = ["--data.init_args.train_size", "64", "--data.init_args.val_size", "8"]
+    step = ["--trainer.max_steps", "1"]
+    first = fit(config, tmp_path / "runs", *data, *step)
+    second = fit(
+        config, tmp_path / "runs", *data, *step, "--seed_everything", "1", "--trainer.logger.init_args.name", "lm_seed1"
+    )
+    argv = ["mmlight", "analyze"]
+    monkeypatch.setattr(sys, "argv", argv)
+    out = tmp_path / "out"
+    options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
+    analyze(config, [first, second], out, *options, "--sink_eps", "2.5", overrides=data)
+    assert sys.argv is argv and argv == ["mmlight", "analyze"]  # the config parser's argv was put back
+
+    # statistics: per label, that checkpoint's weights on the first 6 validation sequences
+    recall = RecallDataModule(train_size=64, val_size=8, batch_size=64)
+    recall.setup("validate")
+    batch = {k: v[:6] for k, v in next(iter(recall.val_dataloader())).items()}
+    rows = read_csv(out / "stats.csv")
+    value = {(r["checkpoint"], r["layer"], r["head"], r["metric"]): float(r["value"]) for r in rows}
+    for label, ckpt in (("lm_softmax", first), ("lm_seed1", second)):
+        task = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu").eval()
+        with torch.no_grad(), record_attention(task) as recorder:
+            task.teacher_forced(batch)
+        for layer in ("decoder.layers.0.self_attn", "decoder.layers.1.self_attn"):
+            weights = recorder[layer][0].weights.double()  # (6, nh, T, T)
+            entropy = -(weights * weights.clamp_min(1e-300).log()).sum(-1).mean((0, 2))
+            for h in range(weights.shape[1]):
+                assert value[(label, layer, str(h), "entropy")] == pytest.approx(entropy[h].item(), rel=1e-6)
+    assert value[("lm_softmax", "decoder.layers.0.self_attn", "0", "entropy")] != pytest.approx(
+        value[("lm_seed1", "decoder.layers.0.self_attn", "0", "entropy")], rel=1e-6
+    )
+
+    stats = json.loads((out / "stats.json").read_text())
+    assert {k: stats[k] for k in ("num_samples", "split", "kv_skip_layers", "keep_ratios", "checkpoints")} == {
+        "num_samples": 6,
+        "split": "val",
+        "kv_skip_layers": 1,
+        "keep_ratios": [1.0, 0.5],
+        "checkpoints": {"lm_softmax": str(first), "lm_seed1": str(second)},
+    }
+    assert (
+        stats["settings"]["sink_eps"] == 2.5 and "exceeds 2.5 x the uniform share" in stats["thresholds"]["sink_ratio"]
+    )
+    assert len(stats["rows"]) == len(rows)
+
+    robust = read_csv(out / "robustness.csv")
+    levels = {(r["intervention"], r["level"]) for r in robust}
+    assert levels == {("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")} | {
+        (kind, ratio) for kind in ("kv_l2", "kv_streaming") for ratio in ("1.0", "0.5")
+    }
+    assert [r["checkpoint"] for r in robust] == ["lm_softmax"] * 8 + ["lm_seed1"] * 8
+    assert {r["metric"] for r in robust} == {"acc"}
+
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# Attention analysis: 6 val samples\n")
+    assert "sinks above 2.5 x the uniform share" in summary
+    assert "| lm_softmax | " in summary and "| lm_seed1 | " in summary and "## Robustness (whole split)" in summary
+    assert "| lm_seed1 | kv_l2 | 0.5 | acc | " in summary
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert "robustness.png" in figures and "attention_heatmap_decoder_self_lm_seed1.png" in figures
+    assert [line for line in summary.splitlines() if line.startswith("- [")] == [
+        f"- [{name}]({name})" for name in sorted(figures, key=summary.index)
+    ]
+    captured = capsys.readouterr()
+    assert f"mmlight analyze: 2 checkpoint(s), 6 val samples -> {out}/summary.md" in captured.out
+    total = 2 * (6 + 8)  # per checkpoint: its samples, then one validation run per robustness row
+    assert f"{total}/{total} " in captured.err

@@ -46,6 +46,17 @@ def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
     )
 
 
+def test_parse_args_refuses_a_checkpoint_named_twice_however_it_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        analyze.parse_args(["--config", "c", "--out", "o", "--ckpt_path", "a.ckpt", "b.ckpt", "runs/../b.ckpt"])
+    assert exit_info.value.code == 2
+    assert "--ckpt_path names runs/../b.ckpt more than once" in capsys.readouterr().err
+    args, _ = analyze.parse_args(["--config", "c", "--out", "o", "--ckpt_path", "a.ckpt", "runs/a.ckpt"])
+    assert args.ckpt_path == ["a.ckpt", "runs/a.ckpt"]
+
+
 def test_run_labels_are_the_run_names_extended_only_where_they_repeat(tmp_path):
     def ckpt(*parts):
         return tmp_path.joinpath(*parts)
