@@ -232,3 +232,348 @@ def test_the_attention_map_shows_each_heads_weights_of_the_query_patch_over_the_
                 shown = axes[row * (heads + 1) + h + 1].get_images()[0].get_array()
                 want = weights[s][h, 1 + want_query, 1:].reshape(4, 4)
                 np.testing.assert_allclose(np.asarray(shown), want.numpy(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ what each figure shows a reader
+# Titles, axis labels, scales, legends and sizes, each written out here: a figure that loses its labels
+# or draws on the wrong scale still "works", so only these checks notice.
+
+
+def visible(fig) -> list:
+    return [ax for ax in fig.axes if ax.axison]
+
+
+def legend_texts(ax) -> tuple[list[str], float]:
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()], legend.get_texts()[0].get_fontsize()
+
+
+def integer_ticks(ax) -> bool:
+    ax.figure.canvas.draw()
+    ticks = ax.get_xticks()
+    return len(ticks) > 0 and all(float(t).is_integer() for t in ticks)
+
+
+def test_grid_lays_out_n_panels_in_rows_and_hides_the_rest():
+    from mmlight.analysis.figures import grid
+
+    fig, axes = grid(5)
+    assert len(axes) == 5 and len(fig.axes) == 8  # 2 rows of 4, the last 3 hidden
+    assert [ax.axison for ax in fig.axes] == [True] * 5 + [False] * 3
+    assert list(fig.get_size_inches()) == pytest.approx([4 * 3.2, 2 * 2.6])
+    fig, axes = grid(2, cols=3, size=(1.0, 2.0))  # fewer panels than columns: one row of 2
+    assert len(fig.axes) == 2 and list(fig.get_size_inches()) == pytest.approx([2.0, 2.0])
+    fig, axes = grid(7, cols=3)
+    assert len(fig.axes) == 9 and list(fig.get_size_inches()) == pytest.approx([3 * 3.2, 3 * 2.6])
+
+
+def reference_pixels(fig, dpi: float) -> np.ndarray:
+    """The figure after a tight layout, rendered by matplotlib's own PNG writer, as RGB."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return np.asarray(Image.open(buffer).convert("RGB"))
+
+
+def labelled_figure():
+    from mmlight.analysis.figures import new_figure
+
+    fig = new_figure((3.0, 2.0))
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1])
+    ax.set(title="a title", xlabel="a long x label", ylabel="a long y label")  # what a tight layout moves
+    return fig
+
+
+def test_to_image_is_the_tight_figure_as_rgb_and_save_writes_it_at_110_dpi(tmp_path):
+    from PIL import Image
+
+    from mmlight.analysis.figures import save, to_image
+
+    fig = labelled_figure()
+    image = to_image(fig)
+    want = reference_pixels(labelled_figure(), dpi=100)
+    assert image.dtype == np.uint8 and image.shape == (200, 300, 3)
+    np.testing.assert_array_equal(image, want)
+    fig.axes[0].set_title("drawn again")  # the image is a copy: a later drawing of the figure leaves it alone
+    fig.canvas.draw()
+    np.testing.assert_array_equal(image, want)
+    assert save(labelled_figure(), tmp_path, "x.png") == "x.png"
+    saved = np.asarray(Image.open(tmp_path / "x.png").convert("RGB"))
+    assert saved.shape == (220, 330, 3)
+    np.testing.assert_array_equal(saved, reference_pixels(labelled_figure(), dpi=110))
+
+
+def test_similarity_figure_labels_markers_and_integer_layers():
+    from mmlight.analysis.figures import similarity_figure
+
+    # two layers per stack: with depths 1 and 2 only, matplotlib's default ticks would be 1.0, 1.2, ...
+    blocks = {f"b.{i}": {"stack": f"s{i % 4}", "layer": i // 4, "token_similarity": 0.1 * i} for i in range(8)}
+    fig = similarity_figure({"run a": {"blocks": blocks}, "run b": {"blocks": blocks}})
+    axes = visible(fig)
+    assert len(axes) == 4 and list(fig.get_size_inches()) == pytest.approx([3 * 3.2, 2 * 2.6])
+    for ax in axes:
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "mean pairwise cosine")
+        assert legend_texts(ax) == (["run a", "run b"], 7)
+        assert {line.get_marker() for line in ax.get_lines()} == {"o"}
+        assert integer_ticks(ax)
+
+
+@pytest.mark.parametrize("cdf", [False, True])
+def test_histogram_figures_scales_labels_and_a_run_without_the_site(cdf):
+    from mmlight.analysis.figures import histogram_figure, layers_figure
+
+    edges = [1e-3, 1e-2, 1e-1, 1.0]
+    sites = {name: {"histogram": [1, 2, 3, 4]} for name in ("blocks.0", "blocks.1")}
+    full = {"histogram_edges": edges, "sites": sites}
+    partial = {"histogram_edges": edges, "sites": {"blocks.1": sites["blocks.1"]}}
+    fig = histogram_figure({"a": full, "b": partial, "c": full}, cdf=cdf)
+    axes = visible(fig)
+    assert [ax.get_title() for ax in axes] == ["blocks.0", "blocks.1"]
+    assert [legend_texts(ax) for ax in axes] == [(["a", "c"], 6), (["a", "b", "c"], 6)]  # b has no blocks.0
+    y_label, y_scale = ("fraction below", "linear") if cdf else ("count", "log")
+    for ax in axes:
+        assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_xscale(), ax.get_yscale()) == (
+            "attention weight",
+            y_label,
+            "log",
+            y_scale,
+        )
+    fig = layers_figure(full, cdf=cdf)
+    (ax,) = fig.axes
+    assert list(fig.get_size_inches()) == pytest.approx([4.5, 3.2])
+    assert legend_texts(ax) == (["blocks.0", "blocks.1"], 6)
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_xscale(), ax.get_yscale()) == (
+        "",
+        "attention weight",
+        y_label,
+        "log",
+        y_scale,
+    )
+
+
+def test_per_layer_figure_panels_labels_markers_and_the_default_metrics():
+    from mmlight.analysis.figures import PER_LAYER, per_layer_figure
+
+    metrics = {name: 0.5 for name in PER_LAYER}
+    stats = {"sites": {"d.0": site("self", 0, **metrics), "d.1": site("self", 1, **metrics)}}
+    fig = per_layer_figure({"run": stats})
+    axes = visible(fig)
+    assert (
+        [ax.get_title() for ax in axes]
+        == list(PER_LAYER)
+        == [
+            "entropy",
+            "normalized_entropy",
+            "multimodality",
+            "sparsity",
+            "frac_below_1e-3",
+            "frac_zero",
+            "max_weight",
+            "sink_ratio",
+            "rollout_discrepancy",
+        ]
+    )
+    assert list(fig.get_size_inches()) == pytest.approx([3 * 3.2, 3 * 2.6])
+    for ax in axes:
+        assert (ax.get_xlabel(), ax.get_ylabel(), legend_texts(ax)) == ("layer", "", (["run"], 6))
+        assert [line.get_marker() for line in ax.get_lines()] == ["o"]
+        assert integer_ticks(ax)
+
+
+def test_sinks_figure_threshold_line_labels_and_first_32_positions():
+    from mmlight.analysis.figures import sinks_figure
+
+    def stats(eps):
+        return {"sites": {"blocks.0": {"incoming_relative": [1.0] * 40}}, "settings": {"sink_eps": eps}}
+
+    fig = sinks_figure({"a": stats(2.5), "b": stats(9.0)})  # the first run's threshold is drawn
+    (ax,) = visible(fig)
+    run_a, run_b, threshold = ax.get_lines()
+    assert list(run_a.get_xdata()) == list(range(32)) and run_a.get_marker() == "."
+    assert list(threshold.get_ydata()) == [2.5, 2.5]
+    assert (threshold.get_color(), threshold.get_linewidth(), threshold.get_linestyle()) == ("k", 0.8, "--")
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("blocks.0", "key position", "incoming / uniform")
+    assert legend_texts(ax) == (["a", "b"], 6)
+
+
+def test_robustness_figure_titles_size_and_markers(tmp_path, monkeypatch):
+    from mmlight.analysis import figures
+
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or name)
+    rows = [
+        ("a", "none", 0, "acc", 0.5),
+        ("a", "sink_masking", 1, "acc", 0.4),
+        ("a", "kv_l2", 0.5, "acc", 0.3),
+        ("b", "none", 0, "acc", 0.6),
+        ("b", "sink_masking", 1, "acc", 0.2),
+    ]
+    figures.robustness(rows, tmp_path)
+    sink, kv = visible(drawn[0])
+    assert list(drawn[0].get_size_inches()) == pytest.approx([2 * 4.5, 3.2])
+    assert (sink.get_title(), kv.get_title()) == ("sink masking: top-k keys masked", "KV eviction: keep ratio")
+    assert lines_of(sink) == [("a", [0, 1], [0.5, 0.4]), ("b", [0, 1], [0.6, 0.2])]  # each from its own baseline
+    assert legend_texts(sink) == (["a", "b"], 6) and legend_texts(kv) == (["a l2"], 6)
+    assert {line.get_marker() for ax in (sink, kv) for line in ax.get_lines()} == {"o"}
+    assert kv.get_ylabel() == "acc"
+    figures.robustness(rows[:2], tmp_path)
+    assert list(drawn[1].get_size_inches()) == pytest.approx([4.5, 3.2])
+
+
+def test_attention_map_panels_titles_query_marker_and_size(tmp_path, monkeypatch):
+    """Figure 7's frame around the weights checked above: the input image (mean over channels) first,
+    one titled panel per head with the query patch marked, no axes, the run in the title."""
+    from mmlight.analysis import figures
+    from mmlight.tasks import ImageClassifier
+
+    torch.manual_seed(0)
+    task = ImageClassifier(model=micro_vit(global_pool="token", in_chans=3))
+    image = torch.randn(1, 3, 8, 8)  # three channels: the panel shows their mean
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault("fig", fig) and name)
+    one = (image, torch.tensor([1]))
+    figures.attention_map(task, one, task.example_inputs(one), "run a", tmp_path, 6)
+    fig = drawn["fig"]
+    sites = sorted(figures.recorded(task, one), key=lambda s: s.layer)
+    heads = len(fig.axes) // len(sites) - 1
+    assert list(fig.get_size_inches()) == pytest.approx([2.1 * (heads + 1), 2.1 * len(sites)])
+    assert fig._suptitle.get_text() == "run a: attention of patch 6 (red +)" and fig._suptitle.get_fontsize() == 9
+    assert not any(ax.axison for ax in fig.axes)
+    for row, s in enumerate(sites):
+        first, *head_axes = fig.axes[row * (heads + 1) : (row + 1) * (heads + 1)]
+        assert (first.get_title(), first.title.get_fontsize()) == (s.name, 8)
+        (shown,) = first.get_images()
+        np.testing.assert_allclose(np.asarray(shown.get_array()), image[0].mean(0).numpy(), rtol=1e-6)
+        assert shown.get_cmap().name == "gray"
+        for h, ax in enumerate(head_axes):
+            assert (ax.get_title(), ax.title.get_fontsize()) == (f"head {h}", 8)
+            assert ax.get_images()[0].get_cmap().name == "viridis"
+            (marker,) = ax.get_lines()  # patch 6 of a 4-wide grid: row 1, column 2
+            assert (list(marker.get_xdata()), list(marker.get_ydata())) == ([2], [1])
+            assert (marker.get_marker(), marker.get_color(), marker.get_linestyle()) == ("+", "r", "None")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_grad_cam_figure_overlays_the_map_on_the_image_and_keeps_the_mode(tmp_path, monkeypatch, training):
+    from mmlight.analysis import figures
+    from mmlight.tasks import ImageClassifier
+
+    torch.manual_seed(0)
+    task = ImageClassifier(model=micro_vit(global_pool="avg", in_chans=2)).train(training)
+    image = torch.randn(1, 2, 8, 8)
+    inputs = task.example_inputs((image, torch.tensor([0])))
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)
+    assert figures.grad_cam(task, inputs, "run/b", tmp_path) == "fig6_gradcam_run_b.png"
+    assert task.model.training is training  # Grad-CAM ran in eval mode, then the mode came back
+    fig = drawn["fig6_gradcam_run_b.png"]
+    assert list(fig.get_size_inches()) == pytest.approx([5.0, 2.6]) and not any(ax.axison for ax in fig.axes)
+    assert fig._suptitle.get_text() == "run/b: Grad-CAM of the predicted class" and fig._suptitle.get_fontsize() == 9
+    (plain,), (under, heat) = (ax.get_images() for ax in fig.axes)
+    for shown in (plain, under):
+        np.testing.assert_allclose(np.asarray(shown.get_array()), image[0].mean(0).numpy(), rtol=1e-6)
+        assert shown.get_cmap().name == "gray"
+    task.eval()
+    want = reference_grad_cam(task.model, image)  # the predicted class's map, by its definition above
+    np.testing.assert_allclose(np.asarray(heat.get_array()), want.numpy(), atol=1e-5)
+    assert (heat.get_cmap().name, heat.get_alpha()) == ("jet", 0.5)
+
+
+def tiny_translation_batch():
+    """One sentence pair with padding on both sides (pad id 1): 4 real source tokens, 3 real target ones."""
+    return {
+        "src": torch.tensor([[5, 6, 7, 2, 1]]),
+        "src_mask": torch.tensor([[True, True, True, True, False]]),
+        "tgt_in": torch.tensor([[2, 8, 9, 1]]),
+    }
+
+
+def test_text_heatmaps_show_the_head_mean_over_real_tokens_with_their_words(tmp_path, monkeypatch):
+    """Per attention kind of a translation model, one figure: each layer's weights averaged over heads,
+    padding rows and columns dropped, the axes labelled with the stacks and the tokens' words (the id where
+    the vocabulary has none)."""
+    from mmlight.analysis import figures
+    from mmlight.nn.attention import record_attention
+    from tests.tasks.test_translator import tiny_translator
+
+    task = tiny_translator(12)
+    batch = tiny_translation_batch()
+    vocab = ["<s>", "<pad>", "</s>", "<unk>", "a", "das", "ist", "gut", "this", "is"]  # ids 10, 11: no word
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)
+    names = figures.text_heatmaps(task, batch, task.example_inputs(batch), "run 1", tmp_path, vocab)
+    assert names == [
+        "attention_heatmap_encoder_self_run_1.png",
+        "attention_heatmap_decoder_self_run_1.png",
+        "cross_attention_alignment_run_1.png",
+    ]
+    with torch.no_grad(), record_attention(task.eval()) as recorder:
+        task.teacher_forced(batch)
+    src_words, tgt_words = ["das", "ist", "gut", "</s>"], ["</s>", "this", "is"]
+    expected = {  # file: (site, query stack, key stack, rows kept, columns kept, row words, column words)
+        names[0]: ("encoder.layers.0.self_attn", "encoder", "encoder", 4, 4, src_words, src_words),
+        names[1]: ("decoder.layers.0.self_attn", "decoder", "decoder", 3, 3, tgt_words, tgt_words),
+        names[2]: ("decoder.layers.0.cross_attn", "decoder", "encoder", 3, 4, tgt_words, src_words),
+    }
+    for name, (site_name, q_stack, k_stack, rows, cols, row_words, col_words) in expected.items():
+        fig = drawn[name]
+        title = "cross attention alignment" if "cross" in name else f"attention heatmap {q_stack} self"
+        assert fig._suptitle.get_text() == f"run 1: {title} (mean over heads)" and fig._suptitle.get_fontsize() == 9
+        assert list(fig.get_size_inches()) == pytest.approx([4.2, 3.8])  # one layer: one panel
+        (ax,) = visible(fig)
+        assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == (
+            site_name,
+            f"key ({k_stack})",
+            f"query ({q_stack})",
+        )
+        (shown,) = ax.get_images()
+        want = recorder[site_name][0].weights[0].mean(0)[:rows, :cols]  # (rows, cols): the padding is last
+        np.testing.assert_allclose(np.asarray(shown.get_array()), want.numpy(), rtol=1e-5, atol=1e-7)
+        assert (shown.get_cmap().name, ax.get_aspect()) == ("viridis", "auto")
+        assert [t.get_text() for t in ax.get_xticklabels()] == col_words
+        assert [t.get_text() for t in ax.get_yticklabels()] == row_words
+        assert {(t.get_fontsize(), t.get_rotation()) for t in ax.get_xticklabels()} == {(5, 90)}
+        assert {(t.get_fontsize(), t.get_rotation()) for t in ax.get_yticklabels()} == {(5, 0)}
+    # without a vocabulary, or past its end, the ids label the ticks
+    drawn.clear()
+    figures.text_heatmaps(task, batch, task.example_inputs(batch), "run", tmp_path)
+    ax = visible(drawn["cross_attention_alignment_run.png"])[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["5", "6", "7", "2"]
+    drawn.clear()
+    figures.text_heatmaps(task, batch, task.example_inputs(batch), "run", tmp_path, vocab[:6])
+    ax = visible(drawn["cross_attention_alignment_run.png"])[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["das", "6", "7", "</s>"]
+
+
+def test_text_heatmaps_leave_long_sequences_and_unnamed_stacks_without_words(tmp_path, monkeypatch):
+    from mmlight.analysis import figures
+    from mmlight.tasks.protocol import ExampleInputs
+    from tests.tasks.test_translator import tiny_translator
+
+    task = tiny_translator(12)
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)
+    vocab = [f"w{i}" for i in range(12)]
+
+    def ticks(batch, inputs):
+        drawn.clear()
+        figures.text_heatmaps(task, batch, inputs, "r", tmp_path, vocab)
+        (ax,) = visible(drawn["cross_attention_alignment_r.png"])
+        return [t.get_text() for t in ax.get_xticklabels()], [t.get_text() for t in ax.get_yticklabels()]
+
+    batch = tiny_translation_batch()
+    columns, rows = ticks(batch, ExampleInputs(tokens={"decoder": batch["tgt_in"]}))  # no encoder tokens named
+    assert "w5" not in columns and rows == ["w2", "w8", "w9"]
+    for length, named in ((40, True), (41, False)):  # up to 40 real tokens get their words
+        src = torch.full((1, length + 1), 5)
+        src[0, -1] = 1
+        long = {**batch, "src": src, "src_mask": src != 1}
+        columns, _ = ticks(long, task.example_inputs(long))
+        assert (columns == ["w5"] * length) is named
