@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mmlight.experiments.table import load_table
-from tests.slurm.test_slurm import cluster, job_env  # noqa: F401  (cluster is a fixture)
+from tests.slurm.test_slurm import cluster, job_env, sbatch_and_wait  # noqa: F401  (cluster is a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tables" / "tiny.yaml"
@@ -21,7 +21,6 @@ def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_pat
     command = [
         "sbatch",
         "--parsable",
-        "--wait",
         "--array=0-3%2",
         "--chdir",
         str(tmp_path),
@@ -37,7 +36,7 @@ def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_pat
         "--trainer.enable_model_summary",
         "false",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=job_env(), cwd=ROOT)
+    result = sbatch_and_wait(command, timeout=1200, env=job_env(), cwd=ROOT)
     array = result.stdout.strip().split(";")[0]
     logs = {i: (tmp_path / f"job-{array}_{i}.out") for i in range(4)}
     text = {i: log.read_text() if log.is_file() else "" for i, log in logs.items()}
@@ -67,9 +66,7 @@ def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_pat
     assert [row["n"] for row in rows] == ["2", "2"]
 
     # a second submission of one task finds its run done and does nothing
-    again = subprocess.run(
-        [*command[:3], "--array=1", *command[4:]], capture_output=True, text=True, timeout=600, env=job_env(), cwd=ROOT
-    )
+    again = sbatch_and_wait([*command[:2], "--array=1", *command[3:]], timeout=600, env=job_env(), cwd=ROOT)
     job = again.stdout.strip().split(";")[0]
     log = (tmp_path / f"job-{job}_1.out").read_text()
     assert again.returncode == 0 and "task 1 done" in log and "restart 0" not in log
