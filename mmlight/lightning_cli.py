@@ -103,7 +103,7 @@ class MmlightCLI(LightningCLI):
             check_checkpoint_file(self.config[subcommand].get("ckpt_path"))
         super()._parse_ckpt_path()
         subcommand = self.config.get("subcommand")
-        overrides = model_options(getattr(self, "_argv", []))
+        overrides = model_options(self._argv)  # parse_arguments ran first: LightningCLI.__init__ calls it
         if subcommand and overrides and self.config[subcommand].get("ckpt_path"):
             self.config = self.parser.parse_args([subcommand, *overrides], namespace=self.config)
 
