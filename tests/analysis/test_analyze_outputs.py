@@ -66,6 +66,7 @@ def test_run_labels_are_the_run_names_extended_only_where_they_repeat(tmp_path):
         ckpt("runs", "b", "version_0", "checkpoints", "last.ckpt"),
     ]
     assert analyze.run_labels(runs) == ["a", "b"]
+    assert analyze.run_labels(runs[:1]) == ["a"]  # one checkpoint: its run name too
     versions = [
         ckpt("runs", "a", "version_0", "checkpoints", "last.ckpt"),
         ckpt("runs", "a", "version_1", "checkpoints", "last.ckpt"),
