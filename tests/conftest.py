@@ -1,6 +1,7 @@
 """Shared fixtures: every test starts from the same global state."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,20 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # when a kernel is decorated, so it is set before any test imports mmlight.kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session):
+    """Start the Docker test's image builds (minutes of downloads and disk writes) in the background once
+    the tests are chosen, when that test is among them: see tests/test_docker_image.py."""
+    if any(item.path.name == "test_docker_image.py" for item in session.items):
+        from tests.test_docker_image import start_background_build
+
+        start_background_build()
+
+
+def pytest_sessionfinish(session):
+    if "tests.test_docker_image" in sys.modules:
+        sys.modules["tests.test_docker_image"].stop_background_build()
 
 
 @pytest.fixture(autouse=True)

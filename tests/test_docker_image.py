@@ -8,6 +8,11 @@ as the image's own user. Skips, saying why, where buildah or debootstrap is miss
 
 The images are kept under ``localhost/mmlight-test/`` so that buildah's layer cache makes a rerun
 quick; the Debian base is reused when present (``buildah rmi`` it to rebuild from Debian).
+
+The builds are mostly downloads and disk writes. When this file's tests are among those chosen,
+tests/conftest.py starts them in a background process (``python -m tests.test_docker_image``) as soon
+as collection ends, so that they run alongside the CPU-bound tests; the ``images`` fixture waits for
+that process. Run alone, or where nothing started it, the fixture builds in-process.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,31 +129,69 @@ def debootstrap_base() -> None:
         buildah("rm", container, check=False)
 
 
-@pytest.fixture(scope="module")
-def torch_base() -> dict:
-    """The stand-in for NGC: the Debian base, then docker/torch-base.Dockerfile; build times (s)."""
-    reason = buildah_unavailable()
-    if reason:
-        pytest.skip(f"buildah cannot run: {reason}")
+def build_images() -> dict:
+    """The stand-in for NGC (the Debian base, then docker/torch-base.Dockerfile) and mmlight built on it;
+    build times (s), image sizes and the mmlight layers (bytes), and the mmlight build's log."""
     figures: dict = {}
     if not image_exists(DEBIAN):
         start = time.monotonic()
         debootstrap_base()
         figures["debootstrap_s"] = time.monotonic() - start
     figures["torch_base_s"], _ = build(DOCKER / "torch-base.Dockerfile", TORCH_BASE, {"PYTHON_IMAGE": DEBIAN})
-    return figures
-
-
-@pytest.fixture(scope="module")
-def images(torch_base) -> dict:
-    """mmlight built on the stand-in; build times (s), image sizes and the mmlight layers (bytes)."""
-    figures = dict(torch_base)
     figures["mmlight_s"], figures["build_log"] = build(
         DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}
     )
     figures["sizes"] = {name: sum(size for _, size in layers(name)) for name in (DEBIAN, TORCH_BASE, IMAGE)}
     base_layers = len(layers(TORCH_BASE))
     figures["mmlight_layers"] = [(step[-100:], size) for step, size in layers(IMAGE)[base_layers:]]
+    return figures
+
+
+#: the background build that tests/conftest.py started: (process, its result file, its log file)
+BACKGROUND: dict[str, tuple[subprocess.Popen, Path, Path]] = {}
+
+
+def start_background_build() -> None:
+    """Start :func:`build_images` in a process of its own (where buildah can run), for the fixture below."""
+    if BACKGROUND or buildah_unavailable() is not None:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="mmlight-docker-build-"))
+    result, log = folder / "images.json", folder / "build.log"
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.test_docker_image", str(result)],
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            start_new_session=True,  # its own process group, which stop_background_build ends whole
+        )
+    BACKGROUND["build"] = (process, result, log)
+
+
+def stop_background_build() -> None:
+    """End a background build still running (the session ended before the fixture waited for it)."""
+    process, _, _ = BACKGROUND.pop("build", (None, None, None))
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def images() -> dict:
+    """:func:`build_images`' figures: from the background build where one was started, else built here."""
+    reason = buildah_unavailable()
+    if reason:
+        pytest.skip(f"buildah cannot run: {reason}")
+    started = BACKGROUND.get("build")
+    if started is None:
+        figures = build_images()
+    else:
+        process, result, log = started
+        process.wait(timeout=1800)
+        BACKGROUND.pop("build")
+        assert process.returncode == 0, f"the background image build failed:\n{log.read_text()[-6000:]}"
+        figures = json.loads(result.read_text())
     print(json.dumps({k: v for k, v in figures.items() if k != "build_log"}, indent=1))
     return figures
 
@@ -351,7 +396,7 @@ FAKE_OLD_TORCH = (  # one line of Python for `python -c "..."` in a RUN step
 )
 
 
-def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path):
+def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
     """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's torch>=2.4:
     pip would replace it, and the guard fails the build with its message."""
     containerfile = tmp_path / "Containerfile"
@@ -374,3 +419,7 @@ def test_torch_guard_stops_a_build_that_would_replace_torch(torch_base, tmp_path
     finally:
         buildah("rm", probe, check=False)
         buildah("rmi", "--force", GUARD_BASE, check=False)
+
+
+if __name__ == "__main__":  # the background build: python -m tests.test_docker_image RESULT.json
+    Path(sys.argv[1]).write_text(json.dumps(build_images()))

@@ -69,7 +69,8 @@ RUNS = {
 }
 
 
-def fit(workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
+def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
+    """``mmlight fit`` of ``run`` in ``workdir``, in a process of its own (one thread)."""
     config, _, kill_at, overrides = RUNS[run]
     command = [
         sys.executable,
@@ -92,11 +93,20 @@ def fit(workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
         *extra,
     ]
     if run == "digits":
-        command += ["--data.init_args.cache_dir", str(workdir.parent / "digits")]
+        command += ["--data.init_args.cache_dir", str(workdir / "digits")]  # one per run: two run at once
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = process.communicate(timeout=900)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def fit(workdir: Path, run: str, *extra: str) -> subprocess.CompletedProcess:
+    return finished(start(workdir, run, *extra))
 
 
 def load(path: Path) -> dict:
@@ -134,18 +144,22 @@ def assert_same_tensors(a, b, where: str) -> None:
 @pytest.mark.parametrize("run", list(RUNS))
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, run):
     _, name, kill_at, _ = RUNS[run]
-    straight = fit(tmp_path / "straight", run)
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    uninterrupted = start(tmp_path / "straight", run)  # alongside the killed run and its resumption (2 cores)
+    try:
+        killer = ["--trainer.callbacks+=tests.test_resume.KillAtStep", f"--trainer.callbacks.step={kill_at}"]
+        killed = fit(tmp_path / "killed", run, *killer)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        runs = tmp_path / "killed" / "runs" / name
+        assert load(runs / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == kill_at
 
-    killer = ["--trainer.callbacks+=tests.test_resume.KillAtStep", f"--trainer.callbacks.step={kill_at}"]
-    killed = fit(tmp_path / "killed", run, *killer)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    runs = tmp_path / "killed" / "runs" / name
-    assert load(runs / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == kill_at
-
-    resumed = fit(tmp_path / "killed", run, "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "--ckpt_path last -> " in resumed.stdout and "version_0" in resumed.stdout
+        resumed = fit(tmp_path / "killed", run, "--ckpt_path", "last")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert "--ckpt_path last -> " in resumed.stdout and "version_0" in resumed.stdout
+        straight = finished(uninterrupted)
+        assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
 
     reference = load(tmp_path / "straight" / "runs" / name / "version_0" / "checkpoints" / "last.ckpt")
     final = load(runs / "version_1" / "checkpoints" / "last.ckpt")
