@@ -254,7 +254,7 @@ def write_csv(path: Path, header: tuple, rows: list) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
-        writer.writerows(["" if v is None else v for v in row] for row in rows)
+        writer.writerows(rows)  # csv writes None as an empty field
 
 
 def write_stats(out: Path, results: dict, meta: dict) -> None:
