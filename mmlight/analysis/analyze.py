@@ -43,7 +43,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for the LightningCLI parser."""
     parser = argparse.ArgumentParser(
         prog="mmlight analyze",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
         "the model comes from each checkpoint's own hyperparameters.",
     )

@@ -369,4 +369,5 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     captured = capsys.readouterr()
     assert f"mmlight analyze: 2 checkpoint(s), 6 val samples -> {out}/summary.md" in captured.out
     total = 2 * (6 + 8)  # per checkpoint: its samples, then one validation run per robustness row
-    assert f"{total}/{total} " in captured.err
+    assert "mmlight analyze: 100%" in captured.err and f"{total}/{total} " in captured.err
+    assert "sample/s, lm_softmax]" in captured.err and "sample/s, lm_seed1]" in captured.err  # the run in progress

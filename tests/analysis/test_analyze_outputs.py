@@ -46,6 +46,48 @@ def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
     )
 
 
+def test_help_says_what_each_option_does_and_where_the_config_goes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        analyze.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert text.startswith("usage: mmlight analyze [-h] --ckpt_path CKPT_PATH [CKPT_PATH ...] --out OUT")
+    for phrase in (
+        "mmlight analyze: attention statistics, figures and robustness of trained checkpoints.",
+        "--ckpt_path CKPT_PATH [CKPT_PATH ...] one or more checkpoints to compare",
+        "--out OUT output folder (created)",
+        "--num_samples NUM_SAMPLES the first N samples of the split (default 256)",
+        "--split {val,test} which split (default val)",
+        "--robustness also evaluate under sink masking and KV eviction",
+        "--kv_skip_layers KV_SKIP_LAYERS KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)",
+        "--keep_ratios R [R ...] KV eviction: the keep ratios, each in (0, 1] (default 1 0.9 0.7 0.5 0.3 0.1)",
+        "--query_patch QUERY_PATCH ViT: the query patch of the attention-map figure (default: the centre patch)",
+        "--sink_eps SINK_EPS a key is a sink above this multiple of the uniform share (default 3)",
+        "--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
+        "the model comes from each checkpoint's own hyperparameters.",
+    ):
+        assert phrase in text, phrase
+
+
+def test_a_task_without_what_analysis_needs_is_named_before_any_work(tmp_path, monkeypatch):
+    """Lightning's BoringModel trains, but has no attention sites, metric or interventions to analyse."""
+    import sys
+
+    from mmlight.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
+    config = tmp_path / "boring.yaml"
+    demos = "lightning.pytorch.demos.boring_classes"
+    config.write_text(f"model:\n  class_path: {demos}.BoringModel\ndata:\n  class_path: {demos}.BoringDataModule\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "--config", str(config), "--ckpt_path", str(tmp_path / "x.ckpt"), "--out", str(out)])
+    assert str(exit_info.value).startswith(
+        "mmlight analyze: error: BoringModel lacks what attention analysis needs: task_metric, interventions, "
+    )
+    assert not out.exists()
+
+
 def test_parse_args_refuses_a_checkpoint_named_twice_however_it_is_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
@@ -182,13 +224,24 @@ def test_the_files_written_hold_every_row_the_meta_and_the_summary_table(tmp_pat
         "value": 100.125,
     }
     assert len(payload["rows"]) == 2 * per_run
-    assert payload["thresholds"]["frac_below_1e-3"] == Settings().near_zero
-    assert "exceeds 3.0 x the uniform share" in payload["thresholds"]["sink_ratio"]
+    assert payload["thresholds"] == {
+        "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
+        "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
+        "frac_below_1e-3": 0.001,
+        "sink_ratio": "fraction of key positions whose mean incoming attention exceeds 3.0 x the uniform share "
+        "(ratio form)",
+    }
+    assert (tmp_path / "stats.json").read_text().startswith('{\n "num_samples": 8,\n')  # indented, one key a line
 
     robustness = [("run_a", "none", 0, "top1", 0.875), ("run_a", "kv_l2", 0.5, "top1", 0.5)]
     analyze.write_summary(tmp_path, results, meta, ["fig.png"], robustness)
     lines = (tmp_path / "summary.md").read_text().splitlines()
     assert lines[0] == "# Attention analysis: 8 val samples"
+    assert lines[2] == (
+        "Thresholds: M above the row mean score + 0.0, S below the row mean + 0.0; near zero < 0.001; sinks above "
+        "3.0 x the uniform share. Values are means over layers (all attention kinds together; stats.csv has each "
+        "layer)."
+    )
     columns = HEAD_METRICS + LAYER_METRICS
     assert lines[4] == "| checkpoint | " + " | ".join(columns) + " |"
     assert lines[5] == "|---" * (len(columns) + 1) + "|"
