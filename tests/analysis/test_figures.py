@@ -577,3 +577,41 @@ def test_text_heatmaps_leave_long_sequences_and_unnamed_stacks_without_words(tmp
         long = {**batch, "src": src, "src_mask": src != 1}
         columns, _ = ticks(long, task.example_inputs(long))
         assert (columns == ["w5"] * length) is named
+
+
+def test_attention_map_of_a_one_layer_network_on_a_wide_patch_grid(tmp_path, monkeypatch):
+    """A task of one attention layer (its figure is one row) whose image is 2 x 8 patches: the default
+    query is the centre patch of that grid, row 1 and column 4."""
+    from collections import namedtuple
+
+    from mmlight.analysis import figures
+    from mmlight.tasks.protocol import ExampleInputs
+
+    site = namedtuple("Site", "name layer")("only", 0)
+    weights = torch.rand(2, 1 + 16, 1 + 16)  # (nh, CLS + 2 x 8 patches, same)
+    monkeypatch.setattr(figures, "recorded", lambda task, batch: {site: weights})
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault("fig", fig) and name)
+    inputs = ExampleInputs(image=torch.rand(1, 1, 4, 16), patch_grid=(2, 8), prefix=1)
+    assert figures.attention_map(None, None, inputs, "r", tmp_path, None) == "fig7_attention_map_r.png"
+    fig = drawn["fig"]
+    assert len(fig.axes) == 3 and list(fig.get_size_inches()) == pytest.approx([2.1 * 3, 2.1])
+    assert fig._suptitle.get_text() == "r: attention of patch 12 (red +)"
+    for h, ax in enumerate(fig.axes[1:]):
+        shown = np.asarray(ax.get_images()[0].get_array())
+        np.testing.assert_array_equal(shown, weights[h, 1 + 12, 1:].reshape(2, 8).numpy())
+        (marker,) = ax.get_lines()
+        assert (list(marker.get_xdata()), list(marker.get_ydata())) == ([4], [1])
+
+
+def test_grad_cam_panels_side_by_side(tmp_path, monkeypatch):
+    from mmlight.analysis import figures
+    from mmlight.tasks import ImageClassifier
+
+    task = ImageClassifier(model=micro_vit())
+    inputs = task.example_inputs((torch.randn(1, 1, 8, 8), torch.tensor([0])))
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault("fig", fig) and name)
+    figures.grad_cam(task, inputs, "r", tmp_path)
+    left, right = (ax.get_position() for ax in drawn["fig"].axes)
+    assert len(drawn["fig"].axes) == 2 and left.y0 == pytest.approx(right.y0) and left.x1 < right.x0  # one row of two
