@@ -615,3 +615,27 @@ def test_grad_cam_panels_side_by_side(tmp_path, monkeypatch):
     figures.grad_cam(task, inputs, "r", tmp_path)
     left, right = (ax.get_position() for ax in drawn["fig"].axes)
     assert len(drawn["fig"].axes) == 2 and left.y0 == pytest.approx(right.y0) and left.x1 < right.x0  # one row of two
+
+
+def test_text_heatmaps_of_four_layers_and_a_stack_without_a_mask(tmp_path, monkeypatch):
+    """Four decoder layers lay out as rows of three panels in depth order; a stack whose ``query_keep``
+    is None keeps every position (here the whole source, its padding included)."""
+    from mmlight.analysis import figures
+    from mmlight.tasks import Translator
+    from tests.models.test_transformer import tiny_transformer
+
+    torch.manual_seed(0)
+    task = Translator(tiny_transformer(vocab_size=12, n_layers=4, n_encoder_layers=1, dropout=0.0))
+    batch = tiny_translation_batch()
+    masks = task.query_keep(batch)
+    monkeypatch.setattr(task, "query_keep", lambda batch: {**masks, "encoder": None})
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)
+    figures.text_heatmaps(task, batch, task.example_inputs(batch), "r", tmp_path)
+    fig = drawn["cross_attention_alignment_r.png"]
+    assert len(fig.axes) == 6 and list(fig.get_size_inches()) == pytest.approx([3 * 4.2, 2 * 3.8])
+    axes = visible(fig)
+    assert [ax.get_title() for ax in axes] == [f"decoder.layers.{i}.cross_attn" for i in range(4)]
+    assert {np.asarray(ax.get_images()[0].get_array()).shape for ax in axes} == {(3, 5)}  # all 5 source positions
+    (encoder,) = visible(drawn["attention_heatmap_encoder_self_r.png"])
+    assert np.asarray(encoder.get_images()[0].get_array()).shape == (5, 5)
