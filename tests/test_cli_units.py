@@ -619,6 +619,24 @@ def test_every_command_has_its_own_help(command, capsys):
     assert stop.value.code in (0, None)
     out = capsys.readouterr().out
     assert out.startswith("usage:") and f" {command}" in out.splitlines()[0]
+    summary = {  # the Trainer's commands describe themselves (the tools' help is their own parsers')
+        "fit": "train a model from a config (task, data, trainer); --ckpt_path last resumes",
+        "validate": "evaluate a model on the validation split",
+        "test": "evaluate a model on the test split",
+        "predict": "run a model's predictions (e.g. the translator's hypotheses)",
+    }.get(command)
+    assert summary is None or summary in " ".join(out.split())
+
+
+def test_a_config_without_data_stops_at_parse_time(tmp_path, capsys):
+    """The data section is required: a model that brings its own loaders (Lightning's BoringModel) is not
+    trained without it."""
+    config = tmp_path / "model_only.yaml"
+    config.write_text("model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n")
+    with pytest.raises(SystemExit) as stop:
+        lightning_cli.build_cli(["--config", str(config), "--trainer.logger", "false"], run=False)
+    assert stop.value.code == 2
+    assert "the following arguments are required: data" in capsys.readouterr().err
 
 
 @pytest.fixture
