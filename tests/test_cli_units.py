@@ -588,6 +588,10 @@ def test_the_cli_keeps_the_command_line_it_parsed(parse_only, monkeypatch):
     assert parse_only(tuple(args))._argv == args
     monkeypatch.setattr(sys, "argv", ["mmlight", *args])
     assert parse_only(None)._argv == args
+    config = yaml.safe_load(DIGITS.read_text())  # arguments as a dict have no command-line overrides
+    config["model"]["init_args"]["lr"] = 0.5
+    built = parse_only({"subcommand": "validate", "validate": config})
+    assert built._argv == [] and built.config.validate.model.init_args.lr == 0.5
 
 
 #: the commands a user can type, in the order ``mmlight --help`` lists them
