@@ -16,7 +16,9 @@ if not torch.cuda.is_available():
 def pytest_collection_finish(session):
     """Start the Docker test's image builds (minutes of downloads and disk writes) in the background once
     the tests are chosen, when that test is among them: see tests/test_docker_image.py."""
-    if any(item.path.name == "test_docker_image.py" for item in session.items):
+    if not session.config.option.collectonly and any(
+        item.path.name == "test_docker_image.py" for item in session.items
+    ):
         from tests.test_docker_image import start_background_build
 
         start_background_build()
