@@ -171,10 +171,12 @@ def start_background_build() -> None:
 
 def stop_background_build() -> None:
     """End a background build still running (the session ended before the fixture waited for it)."""
-    process, _, _ = BACKGROUND.pop("build", (None, None, None))
+    process, result, _ = BACKGROUND.pop("build", (None, None, None))
     if process is not None and process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=60)
+    if result is not None:
+        shutil.rmtree(result.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +190,13 @@ def images() -> dict:
         figures = build_images()
     else:
         process, result, log = started
-        process.wait(timeout=1800)
-        BACKGROUND.pop("build")
-        assert process.returncode == 0, f"the background image build failed:\n{log.read_text()[-6000:]}"
-        figures = json.loads(result.read_text())
+        try:
+            process.wait(timeout=1800)
+            BACKGROUND.pop("build")
+            assert process.returncode == 0, f"the background image build failed:\n{log.read_text()[-6000:]}"
+            figures = json.loads(result.read_text())
+        finally:
+            shutil.rmtree(result.parent, ignore_errors=True)
     print(json.dumps({k: v for k, v in figures.items() if k != "build_log"}, indent=1))
     return figures
 
