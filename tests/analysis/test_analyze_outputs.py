@@ -286,3 +286,39 @@ def test_a_missing_or_foreign_checkpoint_is_named(tmp_path):
     with pytest.raises(analyze.AnalyzeError) as err:
         analyze.load_checkpoint(Task, path)
     assert str(err.value) == f"checkpoint {path} does not match the config's model Task: 'hyper_parameters'"
+
+
+def test_summary_md_whole(tmp_path):
+    """summary.md of one run, character for character: each head metric averages 0.25 and 0.75 over its
+    two layers, the token similarity 0.5 and 0.25; the layer metrics without values show nan."""
+    results = {"run": stats_of({m: [0.25, 0.75] for m in HEAD_METRICS}, [0.5, 0.25])}
+    meta = {"num_samples": 4, "split": "test", "settings": Settings(sink_eps=2.5).__dict__}
+    robustness = [("run", "none", 0, "bleu", 21.5), ("run", "kv_l2", 0.5, "bleu", 20.125)]
+    analyze.write_summary(tmp_path, results, meta, ["a.png", "b.png"], robustness)
+    columns = (
+        "entropy | normalized_entropy | multimodality | sparsity | frac_below_1e-3 | frac_zero | max_weight | "
+        "null_mass | frac_zero_mass | token_similarity | rollout_discrepancy | sink_ratio | zero_mass_rows"
+    )
+    assert (tmp_path / "summary.md").read_text() == (
+        "# Attention analysis: 4 test samples\n"
+        "\n"
+        "Thresholds: M above the row mean score + 0.0, S below the row mean + 0.0; near zero < 0.001; sinks above "
+        "2.5 x the uniform share. Values are means over layers (all attention kinds together; stats.csv has each "
+        "layer).\n"
+        "\n"
+        f"| checkpoint | {columns} |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| run | 0.5 | 0.5 | 0.5 | 0.5 | 0.5 | 0.5 | 0.5 | 0.5 | 0.5 | 0.375 | nan | nan | nan |\n"
+        "\n"
+        "## Robustness (whole split)\n"
+        "\n"
+        "| checkpoint | intervention | level | metric | value |\n"
+        "|---|---|---|---|---|\n"
+        "| run | none | 0 | bleu | 21.5 |\n"
+        "| run | kv_l2 | 0.5 | bleu | 20.12 |\n"
+        "\n"
+        "## Figures\n"
+        "\n"
+        "- [a.png](a.png)\n"
+        "- [b.png](b.png)\n"
+    )
