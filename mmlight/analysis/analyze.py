@@ -274,7 +274,7 @@ def write_stats(out: Path, results: dict, meta: dict) -> None:
         "rows": [dict(zip(("checkpoint", "layer", "head", "metric", "value"), r)) for r in rows],
         "details": results,
     }
-    (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False, default=str) + "\n")
+    (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
 def layer_means(stats: dict) -> dict[str, float]:
