@@ -78,6 +78,7 @@ MODULES: dict[str, Module] = {
             "tests/data/test_shard_datamodule.py",
             "tests/data/test_shards.py",
             "tests/data/test_skips.py",
+            "tests/data/test_malformed_shards.py",  # the training index of broken shards
         ),
     ),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.

@@ -90,7 +90,9 @@ def test_shuffle_buffer_permutes_and_depends_only_on_its_generator():
     assert sorted(out) == items and out != items
     assert out == list(shuffled(items, 8, random.Random(3)))
     assert out != list(shuffled(items, 8, random.Random(4)))
-    assert list(shuffled(items, 1, random.Random(3))) == items
+    rng = random.Random(3)
+    assert list(shuffled(items, 1, rng)) == items
+    assert rng.getstate() == random.Random(3).getstate()  # keeping the order draws nothing
 
 
 @pytest.mark.parametrize("buffer", [2, 4])
