@@ -639,3 +639,35 @@ def test_text_heatmaps_of_four_layers_and_a_stack_without_a_mask(tmp_path, monke
     assert {np.asarray(ax.get_images()[0].get_array()).shape for ax in axes} == {(3, 5)}  # all 5 source positions
     (encoder,) = visible(drawn["attention_heatmap_encoder_self_r.png"])
     assert np.asarray(encoder.get_images()[0].get_array()).shape == (5, 5)
+
+
+def test_examples_pass_the_query_patch_and_the_vocabulary_on(tmp_path, monkeypatch):
+    """``examples`` hands its ``query_patch`` to Figure 7 and its vocabulary to the text heat maps; the
+    colour maps are the figures' own, whatever the user's matplotlib style says."""
+    import matplotlib
+
+    from mmlight.analysis import figures
+    from mmlight.tasks import ImageClassifier
+    from tests.tasks.test_translator import tiny_translator
+
+    drawn = {}
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)
+    monkeypatch.setattr(figures, "grad_cam", lambda *args: "cam")
+    task = ImageClassifier(model=micro_vit(global_pool="token"))
+    with matplotlib.rc_context({"image.cmap": "magma"}):
+        figures.examples(task, (torch.randn(2, 1, 8, 8), torch.tensor([1, 2])), "v", tmp_path, query_patch=5)
+    fig = drawn["fig7_attention_map_v.png"]
+    assert fig._suptitle.get_text() == "v: attention of patch 5 (red +)"
+    assert {im.get_cmap().name for ax in fig.axes[1:5] for im in ax.get_images()} == {"viridis"}
+    translator = tiny_translator(12)
+    vocab = [f"w{i}" for i in range(12)]
+    figures.examples(translator, tiny_translation_batch(), "t", tmp_path, vocab=vocab)
+    (ax,) = visible(drawn["cross_attention_alignment_t.png"])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["w5", "w6", "w7", "w2"]
+
+
+def test_layers_figure_draws_counts_unless_asked_for_the_cdf():
+    from mmlight.analysis.figures import layers_figure
+
+    stats = {"histogram_edges": [0.1, 1.0], "sites": {"blocks.0": {"histogram": [1, 3]}}}
+    assert layers_figure(stats).axes[0].get_ylabel() == "count"
