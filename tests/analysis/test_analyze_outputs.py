@@ -95,6 +95,9 @@ def test_parse_args_refuses_a_checkpoint_named_twice_however_it_is_written(tmp_p
         analyze.parse_args(["--config", "c", "--out", "o", "--ckpt_path", "a.ckpt", "b.ckpt", "runs/../b.ckpt"])
     assert exit_info.value.code == 2
     assert "--ckpt_path names runs/../b.ckpt more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # two files repeated: the first repeat is named
+        analyze.parse_args(["--config", "c", "--out", "o", "--ckpt_path", "a.ckpt", "a.ckpt", "b.ckpt", "b.ckpt"])
+    assert "--ckpt_path names a.ckpt more than once" in capsys.readouterr().err
     args, _ = analyze.parse_args(["--config", "c", "--out", "o", "--ckpt_path", "a.ckpt", "runs/a.ckpt"])
     assert args.ckpt_path == ["a.ckpt", "runs/a.ckpt"]
 
