@@ -27,6 +27,7 @@ from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
 from mmlight.analysis.robustness import KEEP_RATIOS, robustness_rows, robustness_runs
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
+from mmlight.data.vocab import Vocab
 from mmlight.nn.attention import network_of
 from mmlight.tasks.protocol import check_analysed_task
 
@@ -146,12 +147,13 @@ def eval_loader(datamodule, split: str):
 
 
 def vocabulary(datamodule) -> list[str] | None:
-    """The data's token strings for the text figures' labels, when it has them."""
+    """The data's token strings (its typed :class:`~mmlight.data.vocab.Vocab`) for the text figures'
+    labels; None for data without one."""
     try:
         vocab = getattr(datamodule, "vocab", None)
     except (OSError, KeyError, ValueError):  # a text DataModule whose dictionary is not prepared
         return None
-    return list(vocab) if isinstance(vocab, (list, tuple)) else None
+    return list(vocab.tokens) if isinstance(vocab, Vocab) else None
 
 
 def eval_trainer(trainer_config) -> L.Trainer:

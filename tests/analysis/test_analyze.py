@@ -7,9 +7,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
+from mmlight.analysis import figures as analysis_figures
 from mmlight.cli import main
 from mmlight.lightning_cli import build_cli
 
@@ -195,7 +198,7 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     state["hyper_parameters"]["accuracy"] = False
     torch.save(state, ckpt)
-    out = tmp_path / "out"
+    out = tmp_path / "runs"  # a folder that exists already: analyze writes into it
     analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1", overrides=data)
     robust = read_csv(out / "robustness.csv")
     ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
@@ -294,6 +297,80 @@ def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
         assert torch.equal(labels, want_labels)
 
 
+class StagedData(L.LightningDataModule):
+    """A DataModule in the style of Lightning's docs: ``setup`` builds only the split its stage needs,
+    so a loader asked for under another stage fails; it records the stages and dataloader indices it
+    is given, and its hook marks each batch (x 10) on its way to the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages, self.indices, self.splits = [], [], {}
+
+    def setup(self, stage):
+        self.stages.append(stage)
+        split = {"validate": "val", "test": "test"}.get(stage)
+        if split is not None:
+            self.splits[split] = torch.arange(6.0) + (0 if split == "val" else 100)
+
+    def val_dataloader(self):
+        return DataLoader(self.splits["val"], batch_size=4)
+
+    def test_dataloader(self):
+        return DataLoader(self.splits["test"], batch_size=4)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.indices.append(dataloader_idx)
+        return batch * 10
+
+
+class Recorder(L.LightningModule):
+    """Records the batches that ``trainer.validate``/``trainer.test`` give it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(batch)
+
+    test_step = validation_step
+
+
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_eval_loader_sets_up_and_reads_the_split_as_lightnings_validate_and_test_do(split):
+    """The reference is Lightning itself: the stage passed to ``setup``, the batches and the
+    ``dataloader_idx`` of ``eval_loader(data, split)`` are those of ``trainer.validate``/``trainer.test``."""
+    from mmlight.analysis.analyze import eval_loader
+
+    analysed = StagedData()
+    batches = list(eval_loader(analysed, split))
+
+    reference, model = StagedData(), Recorder()
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    (trainer.validate if split == "val" else trainer.test)(model, datamodule=reference)
+
+    assert analysed.stages == reference.stages == ["validate" if split == "val" else "test"]
+    assert analysed.indices == reference.indices == [0, 0]
+    assert len(batches) == len(model.seen) == 2
+    for got, want in zip(batches, model.seen):
+        assert torch.equal(got, want)
+    first = 0.0 if split == "val" else 1000.0
+    assert batches[0].tolist() == [first, first + 10, first + 20, first + 30]
+
+
+def test_eval_loader_names_a_split_the_data_does_not_have():
+    from mmlight.analysis.analyze import AnalyzeError, eval_loader
+
+    class ValOnly(L.LightningDataModule):
+        def val_dataloader(self):
+            return DataLoader(torch.arange(4.0))
+
+    with pytest.raises(AnalyzeError) as err:
+        eval_loader(ValOnly(), "test")
+    assert str(err.value).startswith("the data has no usable test split: ")
+    assert "test_dataloader" in str(err.value)  # Lightning's own message, after ours
+
+
 def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_robustness(tmp_path, capsys, monkeypatch):
     """The whole of ``analyze()`` on two 1-step recall checkpoints (fast; the slow tests above check each
     task's figures and metrics in depth): each label's entropies against weights recorded here on the
@@ -311,13 +388,17 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     )
     argv = ["mmlight", "analyze"]
     monkeypatch.setattr(sys, "argv", argv)
-    out = tmp_path / "out"
+    vocabularies, draw_examples = [], analysis_figures.examples  # the vocabulary the text heat maps are labelled with
+    monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw_examples(*args))
+    out = tmp_path / "analyses" / "recall"  # under a folder that does not exist yet
     options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
     analyze(config, [first, second], out, *options, "--sink_eps", "2.5", overrides=data)
     assert sys.argv is argv and argv == ["mmlight", "analyze"]  # the config parser's argv was put back
 
     # statistics: per label, that checkpoint's weights on the first 6 validation sequences
     recall = RecallDataModule(train_size=64, val_size=8, batch_size=64)
+    tokens = ["<s>", "<pad>", "</s>", "<unk>"] + [f"k{i}" for i in range(recall.num_keys)]
+    assert vocabularies == [tokens + [f"v{j}" for j in range(recall.num_values)]] * 2
     recall.setup("validate")
     batch = {k: v[:6] for k, v in next(iter(recall.val_dataloader())).items()}
     rows = read_csv(out / "stats.csv")

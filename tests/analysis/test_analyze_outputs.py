@@ -14,6 +14,7 @@ import torch
 from mmlight.analysis import analyze
 from mmlight.analysis.batches import batch_size, first_samples, map_batch
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings
+from mmlight.data.vocab import Vocab
 
 
 def test_parse_args_defaults_and_the_rest_for_the_config_parser():
@@ -147,8 +148,9 @@ def test_check_fits_data_compares_vocabulary_and_classes(tmp_path):
 
 
 def test_vocabulary_is_the_datas_token_list_or_none():
-    assert analyze.vocabulary(SimpleNamespace(vocab=("a", "b"))) == ["a", "b"]
-    assert analyze.vocabulary(SimpleNamespace(vocab={"a": 0})) is None
+    tokens = ["<s>", "<pad>", "</s>", "<unk>", "a", "b"]
+    assert analyze.vocabulary(SimpleNamespace(vocab=Vocab(tokens))) == tokens
+    assert analyze.vocabulary(SimpleNamespace(vocab=tuple(tokens))) is None  # untyped: no labels, not wrong ones
     assert analyze.vocabulary(SimpleNamespace()) is None
 
     class Unprepared:
