@@ -262,6 +262,8 @@ def test_the_files_written_hold_every_row_the_meta_and_the_summary_table(tmp_pat
 def test_batches_their_size_a_map_over_their_tensors_and_the_first_samples():
     images, labels = torch.arange(12.0).view(6, 2), torch.arange(6)
     assert batch_size((images, labels)) == 6 and batch_size({"id": 3, "input": images[:4]}) == 4
+    named = next(iter(torch.utils.data.DataLoader([(image, f"{i}.JPEG") for i, image in enumerate(images)], 4)))
+    assert named[1] == ("0.JPEG", "1.JPEG", "2.JPEG", "3.JPEG") and batch_size(named) == 4  # the first item's size
     doubled = map_batch({"a": (images, [labels, "name"]), "n": 1}, lambda t: t * 2)
     assert torch.equal(doubled["a"][0], images * 2) and torch.equal(doubled["a"][1][0], labels * 2)
     assert doubled["a"][1][1] == "name" and doubled["n"] == 1 and isinstance(doubled["a"], tuple)
