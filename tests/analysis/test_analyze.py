@@ -388,11 +388,11 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     )
     argv = ["mmlight", "analyze"]
     monkeypatch.setattr(sys, "argv", argv)
-    vocabularies, draw_examples = [], analysis_figures.examples  # the vocabulary the text heat maps are labelled with
-    monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw_examples(*args))
+    vocabularies, draw = [], analysis_figures.examples  # the vocabulary the text heat maps are labelled with
+    monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw(*args))
     out = tmp_path / "analyses" / "recall"  # under a folder that does not exist yet
     options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
-    analyze(config, [first, second], out, *options, "--sink_eps", "2.5", overrides=data)
+    analyze(config, [first, second], out, *options, "--sink_eps", "1.1", overrides=data)
     assert sys.argv is argv and argv == ["mmlight", "analyze"]  # the config parser's argv was put back
 
     # statistics: per label, that checkpoint's weights on the first 6 validation sequences
@@ -425,7 +425,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
         "checkpoints": {"lm_softmax": str(first), "lm_seed1": str(second)},
     }
     assert (
-        stats["settings"]["sink_eps"] == 2.5 and "exceeds 2.5 x the uniform share" in stats["thresholds"]["sink_ratio"]
+        stats["settings"]["sink_eps"] == 1.1 and "exceeds 1.1 x the uniform share" in stats["thresholds"]["sink_ratio"]
     )
     assert len(stats["rows"]) == len(rows)
 
@@ -439,7 +439,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
 
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# Attention analysis: 6 val samples\n")
-    assert "sinks above 2.5 x the uniform share" in summary
+    assert "sinks above 1.1 x the uniform share" in summary
     assert "| lm_softmax | " in summary and "| lm_seed1 | " in summary and "## Robustness (whole split)" in summary
     assert "| lm_seed1 | kv_l2 | 0.5 | acc | " in summary
     figures = sorted(p.name for p in out.glob("*.png"))
@@ -452,3 +452,20 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     total = 2 * (6 + 8)  # per checkpoint: its samples, then one validation run per robustness row
     assert "mmlight analyze: 100%" in captured.err and f"{total}/{total} " in captured.err
     assert "sample/s, lm_softmax]" in captured.err and "sample/s, lm_seed1]" in captured.err  # the run in progress
+
+    # the sink ratio at --sink_eps 1.1, recounted from the per-position shares written beside it (these
+    # barely trained models exceed 1.1 x the uniform share at a few positions, the default 3 x at none)
+    ratios = []
+    for label in ("lm_softmax", "lm_seed1"):
+        for site, entry in stats["details"][label]["sites"].items():
+            shares = [v for v in entry["incoming_relative"] if v is not None]
+            assert value[(label, site, "", "sink_ratio")] == pytest.approx(sum(v > 1.1 for v in shares) / len(shares))
+            assert entry["metrics"]["sink_ratio"] == value[(label, site, "", "sink_ratio")]
+            ratios.append(value[(label, site, "", "sink_ratio")])
+    assert max(ratios) > 0
+
+    # again into the folder that now exists, one checkpoint, no robustness: the bar counts the samples only
+    analyze(config, [first], out, "--num_samples", "4", overrides=data)
+    assert json.loads((out / "stats.json").read_text())["checkpoints"] == {"lm_softmax": str(first)}
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert bar.startswith("mmlight analyze: 100%|") and "| 4/4 [" in bar
