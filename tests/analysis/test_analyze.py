@@ -83,10 +83,12 @@ def digits(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
+def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path, monkeypatch):
     root, data, softmax, sparse = digits
     out = tmp_path / "out"
     limit = ["--trainer.limit_val_batches", "1"]
+    queries, draw = [], analysis_figures.attention_map  # the query patch Figure 7 is drawn for
+    monkeypatch.setattr(analysis_figures, "attention_map", lambda *args: queries.append(args[-1]) or draw(*args))
     analyze(
         QUICK / "digits_softmax.yaml",
         [softmax, sparse],
@@ -94,8 +96,11 @@ def test_image_checkpoints_side_by_side_with_robustness(digits, tmp_path):
         "--num_samples",
         "24",
         "--robustness",
+        "--query_patch",
+        "5",
         overrides=[*data, *limit],
     )
+    assert queries == [5, 5]
     rows = read_csv(out / "stats.csv")
     assert set(rows[0]) == {"checkpoint", "layer", "head", "metric", "value"}
     labels = {r["checkpoint"] for r in rows}
