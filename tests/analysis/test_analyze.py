@@ -283,6 +283,13 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
     assert (out / "cross_attention_alignment_nmt_softmax.png").is_file()
     assert json.loads((out / "stats.json").read_text())["split"] == "test"
     assert not list(tmp_path.glob("test.*"))
+    # the plain run is `mmlight test` of the checkpoint (its files go to a folder of their own)
+    tested = tmp_path / "tested"
+    cli = build_cli(
+        ["test", "--config", str(config), *data, "--ckpt_path", str(ckpt), "--trainer.logger", "false"]
+        + ["--trainer.default_root_dir", str(tested)]
+    )
+    assert bleu[("none", 0.0)] == pytest.approx(float(cli.trainer.callback_metrics["test/bleu"]), abs=1e-9)
 
 
 def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
