@@ -4,6 +4,7 @@ against weights recorded here; the errors it gives before any work."""
 import csv
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -404,8 +405,12 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw(*args))
     out = tmp_path / "analyses" / "recall"  # under a folder that does not exist yet
     options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
-    analyze(config, [first, second], out, *options, "--sink_eps", "1.1", overrides=data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        analyze(config, [first, second], out, *options, "--sink_eps", "1.1", overrides=data)
     assert sys.argv is argv and argv == ["mmlight", "analyze"]  # the config parser's argv was put back
+    # the config parser saw only the options meant for it, not the command line's (Lightning warns of both)
+    assert not [w for w in caught if "provide both args and command line arguments" in str(w.message)]
 
     # statistics: per label, that checkpoint's weights on the first 6 validation sequences
     recall = RecallDataModule(train_size=64, val_size=8, batch_size=64)
@@ -442,6 +447,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     assert len(stats["rows"]) == len(rows)
 
     robust = read_csv(out / "robustness.csv")
+    assert list(robust[0]) == ["checkpoint", "intervention", "level", "metric", "value"]
     levels = {(r["intervention"], r["level"]) for r in robust}
     assert levels == {("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")} | {
         (kind, ratio) for kind in ("kv_l2", "kv_streaming") for ratio in ("1.0", "0.5")
