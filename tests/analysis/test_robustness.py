@@ -163,8 +163,11 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     from mmlight.tasks import LanguageModel
 
     task = LanguageModel(model=tiny_transformer(n_layers=3))
+    entered, context = [], task.metric_evaluation  # the protocol hands the task the split it evaluates
+    task.metric_evaluation = lambda split, scratch: entered.append(split) or context(split, scratch)
     trainer, ticks = StandInTrainer("ppl"), []
     rows = robustness_rows(trainer, task, "the datamodule", "test", skip_layers=1, progress=ticks.append)
+    assert entered == ["test"]
     want = (
         [("none", 0)]
         + [("sink_masking", k) for k in SINK_LEVELS]
@@ -361,6 +364,22 @@ def test_l2_eviction_breaks_norm_ties_by_keeping_the_older_key():
     q, k = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 40, 4)
     got = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, None)
     assert got[0, 0, 0].nonzero().flatten().tolist() == list(range(20)) + [39]
+
+
+def test_robustness_runs_skip_two_layers_by_default_and_name_unknown_interventions():
+    from mmlight.analysis.robustness import KVEviction, robustness_runs
+    from mmlight.tasks import LanguageModel
+
+    task = LanguageModel(tiny_transformer(n_layers=1))
+    evictions = [observer for _, _, observer in robustness_runs(task) if isinstance(observer, KVEviction)]
+    assert [o.skip_layers for o in evictions] == [2] * 12  # KVEviction's default, as the docs say
+    task.interventions = ("kv_eviction", "dropout", "head_pruning")
+    with pytest.raises(ValueError) as err:
+        robustness_runs(task)
+    assert str(err.value) == (
+        "LanguageModel.interventions names unknown interventions ['dropout', 'head_pruning']; "
+        "known: sink_masking, kv_eviction"
+    )
 
 
 def test_robustness_runs_evict_at_the_keep_ratios_asked_for():
