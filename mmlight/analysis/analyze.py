@@ -246,10 +246,15 @@ def checked_inputs(args: argparse.Namespace, rest: list[str]):
         batches = first_samples(loader, args.num_samples, args.split)
     except ValueError as err:
         raise AnalyzeError(str(err)) from err
-    grid = tasks[0].example_inputs(batches[0]).patch_grid  # None for a task without an image
-    if args.query_patch is not None and grid is not None and not 0 <= args.query_patch < grid[0] * grid[1]:
-        raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {args.query_patch}")
+    check_query_patch(args.query_patch, tasks[0].example_inputs(batches[0]).patch_grid)
     return cli, run_labels(paths), tasks, batches
+
+
+def check_query_patch(query_patch: int | None, grid: tuple[int, int] | None) -> None:
+    """Refuse a ``--query_patch`` outside the image's ``(rows, cols)`` patch grid (a task without an
+    image, whose grid is None, ignores it)."""
+    if query_patch is not None and grid is not None and not 0 <= query_patch < grid[0] * grid[1]:
+        raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {query_patch}")
 
 
 def write_csv(path: Path, header: tuple, rows: list) -> None:

@@ -487,3 +487,10 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     assert json.loads((out / "stats.json").read_text())["checkpoints"] == {"lm_softmax": str(first)}
     bar = capsys.readouterr().err.split("\r")[-1]
     assert bar.startswith("mmlight analyze: 100%|") and "| 4/4 [" in bar
+
+    # a checkpoint that does not fit the data is refused before any work (16 keys: 4 + 16 + 32 tokens)
+    fewer_keys = [*data, "--data.init_args.num_keys", "16"]
+    with pytest.raises(SystemExit) as refused:
+        analyze(config, [second], tmp_path / "refused", "--num_samples", "4", overrides=fewer_keys)
+    assert str(refused.value) == f"mmlight analyze: error: checkpoint {second} has vocab_size=68 but the data has 52"
+    assert not (tmp_path / "refused").exists()

@@ -68,6 +68,22 @@ def test_help_says_what_each_option_does_and_where_the_config_goes(capsys):
         "the model comes from each checkpoint's own hyperparameters.",
     ):
         assert phrase in text, phrase
+    # the description, between the usage and the options, is the module docstring's first paragraph alone
+    first_paragraph = "mmlight analyze: attention statistics, figures and robustness of trained checkpoints."
+    assert text.split(" options:", 1)[0].endswith(f"] {first_paragraph}")
+
+
+@pytest.mark.parametrize("query_patch", [None, 0, 15])
+def test_a_query_patch_inside_the_grid_is_accepted(query_patch):
+    analyze.check_query_patch(query_patch, (2, 8))  # 2 x 8 patches: 0 .. 15
+    analyze.check_query_patch(99, None)  # no image: nothing to check
+
+
+@pytest.mark.parametrize("query_patch", [-1, 16, 64])
+def test_a_query_patch_outside_the_grid_is_refused_naming_the_range(query_patch):
+    with pytest.raises(analyze.AnalyzeError) as err:
+        analyze.check_query_patch(query_patch, (2, 8))
+    assert str(err.value) == f"--query_patch must be in [0, 16), got {query_patch}"
 
 
 def test_a_task_without_what_analysis_needs_is_named_before_any_work(tmp_path, monkeypatch):
