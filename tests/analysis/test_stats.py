@@ -469,8 +469,8 @@ def test_record_keeps_calls_until_their_bytes_exceed_keep_bytes():
 
 
 def test_metric_rows_of_a_hand_built_result():
-    """Per head, then the layer value, for each head metric in order; rollout_discrepancy and
-    sink_ratio only when known; then the blocks' token similarity."""
+    """Per head, then the layer value, for each head metric in order; rollout_discrepancy, sink_ratio
+    and zero_mass_rows only when known (a count of 0 is known); then the blocks' token similarity."""
     from mmlight.analysis.stats import HEAD_METRICS
 
     assert HEAD_METRICS == HEAD_METRICS_REF
@@ -478,8 +478,14 @@ def test_metric_rows_of_a_hand_built_result():
     metrics = {m: i + 0.5 for i, m in enumerate(HEAD_METRICS)}
     stats = {
         "sites": {
-            "blocks.0": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": 0.25, "sink_ratio": None}},
-            "blocks.1": {"heads": heads, "metrics": {**metrics, "rollout_discrepancy": None, "sink_ratio": 0.75}},
+            "blocks.0": {
+                "heads": heads,
+                "metrics": {**metrics, "rollout_discrepancy": 0.25, "sink_ratio": None, "zero_mass_rows": 3},
+            },
+            "blocks.1": {
+                "heads": heads,
+                "metrics": {**metrics, "rollout_discrepancy": None, "sink_ratio": 0.75, "zero_mass_rows": 0},
+            },
         },
         "blocks": {"blocks.0": {"token_similarity": 0.3}, "blocks.1": {"token_similarity": None}},
     }
@@ -492,6 +498,7 @@ def test_metric_rows_of_a_hand_built_result():
             if site == "blocks.0"
             else ("blocks.1", None, "sink_ratio", 0.75)
         )
+        want.append((site, None, "zero_mass_rows", 3 if site == "blocks.0" else 0))
     want += [("blocks.0", None, "token_similarity", 0.3), ("blocks.1", None, "token_similarity", None)]
     assert metric_rows(stats) == want
 
