@@ -30,7 +30,7 @@ def test_parse_args_defaults_and_the_rest_for_the_config_parser():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ([], "--config CONFIG is required"),
+        ([], "--config CONFIG is required (the config the checkpoints were trained with)"),
         (["--config", "c", "--num_samples", "0"], "--num_samples must be >= 1, got 0"),
         (["--config", "c", "--kv_skip_layers", "-1"], "--kv_skip_layers must be >= 0, got -1"),
         (["--config", "c", "--keep_ratios", "1.5"], "--keep_ratios must each be in (0, 1], got [1.5]"),
@@ -41,7 +41,7 @@ def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         analyze.parse_args(["--ckpt_path", "a", "--out", "o", *extra])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == f"mmlight analyze: error: {message}"
     analyze.parse_args(
         ["--ckpt_path", "a", "--out", "o", "--config", "c", "--num_samples", "1", "--kv_skip_layers", "0"]
     )

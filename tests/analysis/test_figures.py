@@ -170,7 +170,7 @@ def test_comparisons_write_each_figure_under_its_name_and_labels_are_file_safe(t
     from mmlight.analysis import figures
     from mmlight.analysis.figures import comparisons, safe
 
-    assert safe("runs/a b:c-1.0") == "runs_a_b_c-1.0"
+    assert safe("runs/a b:c-1.0") == "runs_a_b_c-1.0" and safe("DeiT-S/16 MultiMax") == "DeiT-S_16_MultiMax"
     stats = {
         "sites": {
             "blocks.0": {**site("self", 0, rollout_discrepancy=0.1), "histogram": [1, 2], "incoming_relative": [1.0]}
@@ -661,9 +661,11 @@ def test_examples_pass_the_query_patch_and_the_vocabulary_on(tmp_path, monkeypat
     assert {im.get_cmap().name for ax in fig.axes[1:5] for im in ax.get_images()} == {"viridis"}
     translator = tiny_translator(12)
     vocab = [f"w{i}" for i in range(12)]
-    figures.examples(translator, tiny_translation_batch(), "t", tmp_path, vocab=vocab)
+    with matplotlib.rc_context({"image.cmap": "magma"}):
+        figures.examples(translator, tiny_translation_batch(), "t", tmp_path, vocab=vocab)
     (ax,) = visible(drawn["cross_attention_alignment_t.png"])
     assert [t.get_text() for t in ax.get_xticklabels()] == ["w5", "w6", "w7", "w2"]
+    assert ax.get_images()[0].get_cmap().name == "viridis"
 
 
 def test_layers_figure_draws_counts_unless_asked_for_the_cdf():
