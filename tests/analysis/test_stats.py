@@ -671,6 +671,25 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
     assert entry["metrics"]["sink_ratio"] == 0.0
     assert entry["heads"]["max_weight"] == pytest.approx([(0.5 + 0 + 0.2) / 3, (0.6 + 0.9 + 0.1) / 3])
 
+    # a row whose mass is exactly zero_mass attends to nothing ("at most this"): at 0.75 that is head 0's
+    # first row (0.5 + 0.25, exact in binary) besides the rows of mass 0, 0.6 and 0.3
+    observer = StatsObserver(Settings(zero_mass=0.75))
+    observer.edit_mask(SITES["blocks.0"], q, k, None)
+    observer.record(SITES["blocks.0"], w, None)
+    observer.flush()
+    entry = summarize(observer, {})["sites"]["blocks.0"]
+    assert entry["metrics"]["zero_mass_rows"] == 4 and entry["heads"]["frac_zero_mass"] == [1.0, pytest.approx(1 / 3)]
+
+
+def test_renormalised_rows_sum_to_one_and_rows_without_mass_are_zeros():
+    from mmlight.analysis.metrics import renormalised
+
+    weights = torch.tensor([[[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]]], dtype=torch.float64)  # (1, 3, 3)
+    mass = weights.sum(-1)
+    got = renormalised(weights, mass, mass > 0)
+    want = torch.tensor([[[2 / 3, 1 / 3, 0.0], [0.0, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3]]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0.0)
+
 
 def test_stick_breaking_lm_reports_its_first_queries_as_zero_mass_rows():
     """A stick-breaking LM: every first query attends to nothing (null mass 1), the others give
