@@ -254,6 +254,23 @@ def test_a_text_scored_alone_is_its_tokens_predicted_from_end_of_line(lm):
     assert model.score([long], block_size=8, context=4)[0].tokens == 31
 
 
+def test_joined_texts_each_get_the_log_probs_of_their_own_tokens(lm):
+    """Reference: one float64 forward pass over ``</s>`` + the texts' ids one after the other (the stream fits
+    one window), each token's log-probability added to the text it belongs to."""
+    model = LanguageModel.load_from_checkpoint(lm[1], map_location="cpu").eval()
+    texts = ["the game is", "zebra game", "a game of the series"]
+    ids = [model.vocab.encode(text) + [model.vocab.eos_id] for text in texts]
+    stream = [i for text_ids in ids for i in text_ids]
+    with torch.no_grad():
+        logits = model(torch.tensor([[model.vocab.eos_id] + stream[:-1]]))[0].double()  # (T, V)
+    per_token = logits.log_softmax(-1)[torch.arange(len(stream)), torch.tensor(stream)]
+    ends = np.cumsum([len(text_ids) for text_ids in ids]).tolist()
+    scores = model.score(texts, joined=True)
+    for score, text_ids, start, end in zip(scores, ids, [0, *ends[:-1]], ends):
+        assert score.tokens == len(text_ids)
+        assert score.log_prob == pytest.approx(per_token[start:end].sum().item(), rel=1e-5)
+
+
 def test_score_stops_on_a_window_over_the_model_s_positions(lm):
     model = LanguageModel.load_from_checkpoint(lm[1], map_location="cpu")
     with pytest.raises(ValueError, match="block_size=32 is over the model's max_positions=16"):

@@ -326,3 +326,20 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
         f"attention_heatmap_decoder_self_{label}.png",
     ):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_the_language_model_names_its_decoder_tokens_and_saves_no_vocabulary_it_lacks():
+    """The text figures label the decoder's axes with the batch's input ids; a model not yet given its data
+    writes no vocabulary into its checkpoints (and one given it writes its tokens)."""
+    from mmlight.data.vocab import Vocab
+    from mmlight.tasks import LanguageModel
+    from tests.models.test_transformer import tiny_transformer
+
+    task = LanguageModel(tiny_transformer(n_layers=1))
+    batch = {"input": torch.tensor([[5, 6, 7]]), "target": torch.tensor([[6, 7, 2]])}
+    inputs = task.example_inputs(batch)
+    assert list(inputs.tokens) == ["decoder"] and inputs.tokens["decoder"] is batch["input"]
+    assert inputs.image is None and inputs.patch_grid is None
+    assert task.data_state() == {}
+    task.vocab = Vocab(["<s>", "<pad>", "</s>", "<unk>", "a"])
+    assert task.data_state()["vocab"]["tokens"] == ["<s>", "<pad>", "</s>", "<unk>", "a"]
