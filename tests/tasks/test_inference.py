@@ -157,12 +157,21 @@ def test_translate_decodes_each_sentence_as_beam_search_does_alone():
     assert len(set(alone)) > 1  # the untrained model's outputs differ, so the order is checked
     assert translator.translate(sentences, batch_size=2) == alone
     assert translator.translate(sentences[::-1]) == alone[::-1]
+    greedy = BeamSearchConfig(beam_size=1, max_len_a=0.0, max_len_b=3)  # this call's settings, not the task's
+    src = torch.tensor([vocab.encode(sentences[2]) + [vocab.eos_id]])
+    assert translator.translate(sentences[2:3], beam=greedy) == [vocab.decode(translator.generate(src, beam=greedy)[0])]
+    assert len(translator.translate(sentences[2:3], beam=greedy)[0].split()) <= 3 < len(alone[2].split())
 
 
 def test_bad_input_to_translate_is_named():
     translator = tiny_translator()
-    with pytest.raises(TypeError, match="list of sentences"):
+    with pytest.raises(TypeError) as refused:
         translator.translate("w1 w2")
+    assert str(refused.value) == "translate takes a list of sentences; wrap a single one in a list"
+    assert len(translator.translate([" ".join(["w3"] * 15)])) == 1  # 15 words and </s>: max_positions exactly
+    with pytest.raises(ValueError) as refused:
+        translator.translate([" ".join(["w3"] * 16)])
+    assert str(refused.value).startswith("sentence 0 has 17 tokens with </s>, over the model's max_positions=16")
     with pytest.raises(ValueError, match="sentence 1 has 21 tokens .* max_positions=16"):
         translator.translate(["w1 w2", " ".join(["w3"] * 20)])
     with pytest.raises(ValueError, match="the data's vocabulary has 4 tokens but model.vocab_size is 14"):
