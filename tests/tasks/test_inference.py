@@ -199,6 +199,13 @@ def test_a_checkpoint_of_other_data_is_refused():
     tokens[5], tokens[6] = tokens[6], tokens[5]
     with pytest.raises(ValueError, match=f"id 5 is {tokens[5]!r} there, {tokens[6]!r} here"):
         translator.load_data_state(state)
+    tokens[5], tokens[6] = tokens[6], tokens[5]
+    tokens.append("w10")  # the data's tokens and one more: no id differs, the sizes do
+    with pytest.raises(ValueError) as refused:
+        translator.load_data_state(state)
+    assert str(refused.value) == (
+        "the checkpoint's vocabulary is not the data's (15 vs 14 tokens): the model was trained on other data"
+    )
 
 
 # ----------------------------------------------------------------------------- language model
@@ -300,8 +307,9 @@ def test_score_stops_on_a_window_over_the_model_s_positions(lm):
     model = LanguageModel.load_from_checkpoint(lm[1], map_location="cpu")
     with pytest.raises(ValueError, match="block_size=32 is over the model's max_positions=16"):
         model.score(["game"], block_size=32)
-    with pytest.raises(TypeError, match="list of texts"):
+    with pytest.raises(TypeError) as refused:
         model.score("game")
+    assert str(refused.value) == "score takes a list of texts; wrap a single one in a list"
 
 
 def test_an_lm_checkpoint_without_the_vocabulary_says_so(lm, tmp_path):
