@@ -402,3 +402,21 @@ def test_a_classifier_checkpoint_without_class_names_says_so(digits, tmp_path):
     old.use_data(DigitsDataModule(cache_dir=str(tmp / "cache")))
     image = [Image.new("L", (8, 8), 90)]
     assert old.classify(image) == ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").classify(image)
+
+
+def test_a_classifier_checkpoint_of_other_classes_is_refused_naming_the_first_of_each():
+    from mmlight.data.images import ImageAugment
+    from mmlight.data.vocab import ClassMap
+    from tests.models.test_vit import micro_vit
+
+    classifier = ImageClassifier(model=micro_vit(num_classes=5))
+    data = SimpleNamespace(class_map=ClassMap(["a", "b", "c", "d", "e"]), augment=ImageAugment(image_size=8))
+    classifier.use_data(data)
+    state = {**ClassMap(["a", "b", "x", "d", "e"]).to_dict(), "augment": {"image_size": 8}}
+    with pytest.raises(ValueError) as refused:
+        classifier.load_data_state(state)
+    assert str(refused.value) == (
+        "the checkpoint's classes are not the data's (['a', 'b', 'x']... vs ['a', 'b', 'c']...): "
+        "the model was trained on other data"
+    )
+    classifier.load_data_state(classifier.data_state())  # its own classes: accepted
