@@ -16,8 +16,9 @@ from PIL import Image
 
 from mmlight.cli import build_cli, main
 from mmlight.data import DigitsDataModule, ToyTranslationDataModule, WikiTextDataModule, read_info
+from mmlight.data.images import ImageAugment
 from mmlight.data.shards import group_samples, iter_tar, split_urls
-from mmlight.data.vocab import SPECIALS, Vocab
+from mmlight.data.vocab import SPECIALS, ClassMap, Vocab
 from mmlight.models import TransformerConfig
 from mmlight.models.beam_search import BeamSearchConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
@@ -286,6 +287,22 @@ def test_a_text_scored_alone_is_its_tokens_predicted_from_end_of_line(lm):
     assert model.score([long], block_size=8, context=4)[0].tokens == 31
 
 
+def test_a_long_text_is_scored_by_default_in_windows_without_context(lm):
+    """``context=0`` by default: a text longer than ``block_size`` is cut into windows that do not overlap, each
+    scored on its own. Reference: each window of ``</s>`` + the text's ids forwarded alone, in float64."""
+    model = LanguageModel.load_from_checkpoint(lm[1], map_location="cpu").eval()
+    ids = model.vocab.encode(" ".join(["game", "the", "series"] * 10)) + [model.vocab.eos_id]  # 31 tokens
+    inputs = [model.vocab.eos_id] + ids[:-1]
+    expected = 0.0
+    for start in range(0, len(ids), 8):  # windows of 8, 8, 8 and 7 tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([inputs[start : start + 8]]))[0].double()  # (T, V)
+        targets = torch.tensor(ids[start : start + 8])
+        expected += logits.log_softmax(-1)[torch.arange(len(targets)), targets].sum().item()
+    (score,) = model.score([" ".join(["game", "the", "series"] * 10)], block_size=8)
+    assert score.tokens == 31 and score.log_prob == pytest.approx(expected, rel=1e-5)
+
+
 def test_joined_texts_each_get_the_log_probs_of_their_own_tokens(lm):
     """Reference: one float64 forward pass over ``</s>`` + the texts' ids one after the other (the stream fits
     one window), each token's log-probability added to the text it belongs to."""
@@ -404,9 +421,26 @@ def test_a_classifier_checkpoint_without_class_names_says_so(digits, tmp_path):
     assert old.classify(image) == ImageClassifier.load_from_checkpoint(checkpoint, map_location="cpu").classify(image)
 
 
+def test_a_classifier_without_its_data_names_what_it_lacks_and_the_datamodule_to_attach():
+    """The fast twin of the checkpoint test above: the errors whole, the DataModule's name included."""
+    from tests.models.test_vit import micro_vit
+
+    classifier = ImageClassifier(model=micro_vit(num_classes=5))
+    with pytest.raises(RuntimeError) as refused:
+        classifier.classify([Image.new("L", (8, 8))])
+    assert str(refused.value) == (
+        "this ImageClassifier has no class names and image transforms: its checkpoint was written before mmlight "
+        "kept them in checkpoints (or the model was never attached to data). Attach the data it was trained on "
+        "once: `model.use_data(ImageShardDataModule(...))` with the data section of the run's config.yaml; "
+        "checkpoints written afterwards carry it"
+    )
+    classifier.use_data(SimpleNamespace(class_map=ClassMap(list("abcde")), augment=ImageAugment(image_size=8)))
+    with pytest.raises(TypeError) as refused:
+        classifier.classify("digit.png")
+    assert str(refused.value) == "classify takes a list of images or paths; wrap a single one in a list"
+
+
 def test_a_classifier_checkpoint_of_other_classes_is_refused_naming_the_first_of_each():
-    from mmlight.data.images import ImageAugment
-    from mmlight.data.vocab import ClassMap
     from tests.models.test_vit import micro_vit
 
     classifier = ImageClassifier(model=micro_vit(num_classes=5))
