@@ -9,14 +9,16 @@ webdataset sample, or into a :class:`Skipped` record when the item is bad. :func
   followed by a ``<name>.done.json``
   record (sample count, checksum, skipped items), so a killed run never leaves a shard that looks
   finished;
-* on a rerun verifies every shard that has a record (size and SHA-256) and skips it, so rerunning a
-  finished preparation only reads, and an interrupted one loses nothing already written;
+* on a rerun verifies every shard that has a record (its items, size and SHA-256) and skips it, so
+  rerunning a finished preparation only reads, an interrupted one loses nothing already written, and a
+  shard whose items changed (other raw data, another cleaning rule) is written again;
 * runs shards in ``workers`` processes with a progress bar;
 * logs every skipped item with its path and reason, and returns them for ``_info.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -68,14 +70,24 @@ def plan_shards(split: str, items: list[Any], per_shard: int) -> list[ShardJob]:
     ]
 
 
+def items_digest(items: list[Any]) -> str:
+    """SHA-256 of the items' ``repr``: what a shard was written from (paths, labels, text pairs), so that a
+    rerun on changed items writes the shard again even when their count is the same."""
+    return hashlib.sha256(repr(items).encode()).hexdigest()
+
+
 def _finished(out_dir: Path, job: ShardJob) -> dict | None:
-    """The shard's record if the shard on disk is complete and intact, else None."""
+    """The shard's record if the shard on disk is complete, intact and written from the job's items, else
+    None. A record of an older mmlight without ``items_sha256`` is judged by the item count alone."""
     record_path = out_dir / (job.name + DONE_SUFFIX)
     shard = out_dir / job.name
     if not (record_path.is_file() and shard.is_file()):
         return None
     record = json.loads(record_path.read_text())
     if record.get("num_items") != len(job.items) or shard.stat().st_size != record.get("bytes"):
+        return None
+    if record.get("items_sha256", items_digest(job.items)) != items_digest(job.items):
+        log.info("shard %s was written from other items; writing it again", shard)
         return None
     if sha256(shard) != record["sha256"]:
         log.warning("shard %s does not match its checksum; writing it again", shard)
@@ -102,6 +114,7 @@ def _write_one(job: ShardJob, out_dir: Path, make_sample: SampleMaker) -> dict:
         "name": job.name,
         "num_samples": count,
         "num_items": len(job.items),
+        "items_sha256": items_digest(job.items),
         "skipped": skipped,
         "bytes": shard.stat().st_size,
         "sha256": sha256(shard),

@@ -170,6 +170,15 @@ def _check_header(header: bytes, path, at: int) -> None:
     )
 
 
+def _member_size(header: bytes, path, at: int) -> int:
+    """The member size of a tar header (octal). A non-octal field under a valid checksum is a writer's bug
+    rather than a flipped bit; it gets the same kind of error as a bad header, naming the shard and byte."""
+    field = header[124:136].strip(b"\0 ") or b"0"
+    if not all(48 <= byte <= 55 for byte in field):  # octal digits
+        raise ValueError(f"{path}: tar header at byte {at} has a size field that is not octal: {header[124:136]!r}")
+    return int(field, 8)
+
+
 def _walk_tar(f, path, read_data: bool) -> Iterator[tuple[str, int, int, bytes | None]]:
     """``(member name, data offset, size, bytes or None)`` of the regular files of the open tar ``f``.
 
@@ -189,7 +198,7 @@ def _walk_tar(f, path, read_data: bool) -> Iterator[tuple[str, int, int, bytes |
             return
         offset = f.tell()
         _check_header(header, path, offset - 512)
-        size = int(header[124:136].rstrip(b"\0 ") or b"0", 8)
+        size = _member_size(header, path, offset - 512)
         kind = header[156:157]
         if offset + size > end:
             raise EOFError(f"{path}: truncated member ({end - offset} of {size} bytes)")

@@ -454,3 +454,37 @@ def test_the_header_index_names_the_shard_in_its_errors(tmp_path):
     with pytest.raises(EOFError) as err:
         list(tar_index(path))
     assert str(err.value) == f"{path}: truncated member (100 of {len(jpeg(2))} bytes)"
+
+
+# a stray letter, an 8 (one past octal), GNU's base-256
+@pytest.mark.parametrize("field", [b"0000000001X\0", b"00000000018\0", b"\x80" + b"\0" * 10 + b"\x01"])
+def test_a_size_field_that_is_not_octal_is_named_with_the_shard_and_byte(tmp_path, field):
+    """A header with a valid checksum but a size that is not octal digits (a writer's bug, or GNU's base-256
+    sizes of members over 8 GiB) stops the reader with the shard, the header's byte offset and the field,
+    as the other header errors do; before, Python's bare ``int()`` error named neither."""
+    path = tmp_path / "s.tar"
+    first = ustar_header("a.cls", 1)
+    second = ustar_header("b.cls", 1)
+    second[124:136] = field
+    path.write_bytes(rechecksum(first) + padded(b"5") + rechecksum(second) + padded(b"6") + b"\0" * 1024)
+    read = []
+    with pytest.raises(ValueError) as refused:
+        for name, _ in iter_tar(path):
+            read.append(name)
+    assert read == ["a.cls"]
+    assert str(refused.value) == f"{path}: tar header at byte 1024 has a size field that is not octal: {field!r}"
+
+
+def test_a_size_field_padded_with_spaces_or_nul_reads_as_tarfile_reads_it(tmp_path):
+    """Old writers right-align the octal size behind spaces, or end it with a space instead of NUL:
+    tarfile (the reference) reads both, and so must the reader."""
+    path = tmp_path / "s.tar"
+    members = b""
+    for name, field in [("a.cls", b"         12\0"), ("b.cls", b"00000000012 "), ("c.cls", b"\0" * 12)]:
+        header = ustar_header(name, 0)
+        header[124:136] = field
+        members += rechecksum(header) + padded(b"x" * int(field.strip(b"\0 ") or b"0", 8))
+    path.write_bytes(members + b"\0" * 1024)
+    assert (
+        list(iter_tar(path)) == reference_members(path) == [("a.cls", b"x" * 10), ("b.cls", b"x" * 10), ("c.cls", b"")]
+    )

@@ -2,6 +2,8 @@
 and shows on its progress bar, where make_sample runs (this process or the worker pool), and how a
 rerun tells a finished shard from one that must be written again. Shards are read back with tarfile."""
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -100,6 +102,35 @@ def test_a_shard_whose_job_gained_items_is_written_again(tmp_path, caplog):
     assert messages(caplog) == [("INFO", "shards: 1 shards written, 0 verified and kept, 0 items skipped")]
     assert entry["num_samples"] == 3
     assert members(tmp_path / "s.tar") == [("001.cls", b"1"), ("002.cls", b"2"), ("003.cls", b"3")]
+
+
+def test_a_shard_whose_items_changed_but_not_their_count_is_written_again(tmp_path, caplog):
+    """Two items in, two items still, but other ones (re-prepared raw data): the shard, its size and its
+    checksum still match the record, and only the record's digest of the items tells them apart."""
+    write_shards([ShardJob("s.tar", [1, 2])], tmp_path, negative_items_are_bad)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        entry = write_shards([ShardJob("s.tar", [1, 3])], tmp_path, negative_items_are_bad)
+    assert messages(caplog) == [
+        ("INFO", f"shard {tmp_path / 's.tar'} was written from other items; writing it again"),
+        ("INFO", "shards: 1 shards written, 0 verified and kept, 0 items skipped"),
+    ]
+    assert entry["num_samples"] == 2
+    assert members(tmp_path / "s.tar") == [("001.cls", b"1"), ("003.cls", b"3")]
+    record = json.loads((tmp_path / "s.tar.done.json").read_text())
+    assert record["items_sha256"] == hashlib.sha256(b"[1, 3]").hexdigest()
+
+
+def test_a_record_of_an_older_mmlight_without_the_items_digest_is_kept_by_its_count(tmp_path, caplog):
+    """Shard sets prepared before the digest existed are verified as before (count, size, checksum),
+    not all written again on the first rerun."""
+    write_shards([ShardJob("s.tar", [1, 2])], tmp_path, negative_items_are_bad)
+    record_path = tmp_path / "s.tar.done.json"
+    record = json.loads(record_path.read_text())
+    del record["items_sha256"]
+    record_path.write_text(json.dumps(record))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        write_shards([ShardJob("s.tar", [1, 2])], tmp_path, negative_items_are_bad)
+    assert messages(caplog) == [("INFO", "shards: 0 shards written, 1 verified and kept, 0 items skipped")]
 
 
 def test_missing_parent_folders_are_created(tmp_path):
