@@ -210,6 +210,11 @@ def test_state_keeps_the_schedule_and_the_history_and_an_old_checkpoint_starts_a
     resumed.load_state_dict({"validations": 7, "similarity_history": {**old, **history}})
     assert (resumed.validations, resumed.similarity_history) == (7, history)
     assert "1 recorded epoch(s) of the checkpoint name no stack and layer" in caplog.text
+    # a block naming its stack but not its layer cannot be placed either; an epoch that recorded no block
+    # has nothing to leave out
+    half = {"epoch 2": {"blocks": {"decoder.layers.0": {"token_similarity": 0.3, "stack": "decoder"}}}}
+    resumed.load_state_dict({"similarity_history": {**half, "epoch 3": {}, **history}})
+    assert resumed.similarity_history == {"epoch 3": {}, **history}
 
 
 class Board(TensorBoardLogger):

@@ -141,6 +141,15 @@ def test_the_warning_gives_the_measured_figures_and_the_workers_that_would_keep_
         )
 
 
+def test_the_device_kind_is_the_strategy_s_root_device_type_and_the_cpu_without_one():
+    from mmlight.callbacks.data_wait import device_kind
+
+    on_meta = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
+    assert device_kind(on_meta) == "meta"
+    # a trainer without a strategy, or a strategy without a root device (not yet set up)
+    assert device_kind(SimpleNamespace()) == device_kind(SimpleNamespace(strategy=SimpleNamespace())) == "cpu"
+
+
 def test_the_advice_names_gpus_and_workers_only_where_they_apply(monkeypatch):
     """Same clock as above (75% waiting): in-process loading on a GPU asks for workers; another accelerator
     is named by its device type, without the GPU figures; the CPU names neither GPUs nor BENCHMARKS.md, and
