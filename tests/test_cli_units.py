@@ -606,6 +606,20 @@ def test_help_lists_every_command_with_one_line(capsys):
     listed = text.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[0] for line in listed] == NINE
     assert all(len(line.split(maxsplit=1)[1]) > 10 for line in listed)  # a line saying what it does
+    # the summaries start in one column, two spaces after the longest name ("validate")
+    assert all(line.startswith(f"  {line.split()[0]:<8}  ") and line[12] != " " for line in listed)
+    head, tail = text.split("commands:\n", 1)
+    assert head == (
+        "usage: mmlight [-c CONFIG] COMMAND [options]\n\n"
+        "Attention reweighting (softmax, MultiMax, sparsemax, ...) as a PyTorch Lightning application.\n\n"
+    )
+    assert tail.split("\n\n", 1)[1] == (
+        "`mmlight COMMAND --help` shows a command's options. -c/--config and --print_config may also come\n"
+        "before fit, validate, test or predict, as in LightningCLI.\n"
+    )
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["-h"])
+    assert stop.value.code == 0 and capsys.readouterr().out == text
 
 
 def test_no_command_shows_the_list_and_fails(capsys):
@@ -673,7 +687,9 @@ def test_a_misspelt_command_names_the_nearest_and_runs_nothing(typed, meant, not
     with pytest.raises(SystemExit) as stop:
         cli.main([typed, "--config", "x.yaml"])
     assert stop.value.code == 2
-    assert f"unknown command {typed!r}; did you mean {meant!r}?" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"mmlight: unknown command {typed!r}; did you mean {meant!r}?\nRun `mmlight --help` for the list of commands.\n"
+    )
     assert nothing_runs == [] and CALLS == []
 
 
