@@ -130,6 +130,17 @@ def test_another_width_is_named(weights_file):
         ReweightedViT(deit_tiny(weights_file, variant="deit_small"))
 
 
+def test_weights_of_no_known_variant_say_so_whole():
+    from mmlight.models.vit import _check_variant
+
+    with pytest.raises(PretrainedMismatch) as refused:
+        _check_variant("deit_tiny", (100, 3), "in w.pth")
+    assert str(refused.value) == (
+        "the pretrained weights in w.pth are another architecture: width 100, 3 blocks; "
+        "model.variant deit_tiny has width 192, 12 blocks (fitting: none of the variants)"
+    )
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
