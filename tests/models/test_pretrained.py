@@ -11,6 +11,7 @@ import pytest
 import safetensors.torch
 import timm
 import torch
+from timm.models.vision_transformer import VisionTransformer
 
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.models.pretrained import LoadReport, PretrainedMismatch, architecture_of, load_pretrained, read_pretrained
@@ -126,8 +127,30 @@ def test_sparsemax_loads_but_changes_the_model(timm_state, weights_file):
 
 
 def test_another_width_is_named(weights_file):
-    with pytest.raises(PretrainedMismatch, match=r"another architecture: width 192, 12 blocks.*fitting: deit_tiny"):
+    with pytest.raises(PretrainedMismatch) as refused:
         ReweightedViT(deit_tiny(weights_file, variant="deit_small"))
+    assert str(refused.value) == (
+        f"the pretrained weights {weights_file} are another architecture: width 192, 12 blocks; "
+        "model.variant deit_small has width 384, 12 blocks (fitting: deit_tiny)"
+    )
+
+
+def test_weights_with_a_norm_after_the_pooling_keep_it_there(tmp_path):
+    """Weights of an average-pooled ViT trained with timm's ``fc_norm`` (the norm after the pooling, as
+    MAE fine-tunes): the model takes that layout from the weights and gives timm's output."""
+    torch.manual_seed(0)
+    options = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)
+    reference = VisionTransformer(**options, global_pool="avg", class_token=False, fc_norm=True).double().eval()
+    assert "fc_norm.weight" in reference.state_dict() and "norm.weight" not in reference.state_dict()
+    torch.save(reference.state_dict(), tmp_path / "mae_like.pth")
+    config = ViTConfig(
+        variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, drop_path_rate=0.0,
+        attention=IDENTITY, backend="reference", pretrained=str(tmp_path / "mae_like.pth"),
+    )  # fmt: skip
+    model = ReweightedViT(config).double().eval()
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
 
 
 def test_weights_of_no_known_variant_say_so_whole():

@@ -186,3 +186,33 @@ def test_config_is_kept_and_the_output_multimax_is_a_named_site():
     sites = model.reweighting_sites()
     assert list(sites) == [f"blocks.{i}" for i in range(4)] + ["output"] and sites["output"] is model.output
     assert list(ReweightedViT(micro_vit()).reweighting_sites()) == [f"blocks.{i}" for i in range(4)]
+
+
+def test_a_class_token_is_added_when_asked_and_token_pooling_refuses_to_go_without():
+    assert ReweightedViT(micro_vit(global_pool="avg", class_token=True)).vit.cls_token is not None
+    assert ReweightedViT(micro_vit(global_pool="avg", class_token=False)).vit.cls_token is None
+    with pytest.raises(ValueError) as refused:
+        ReweightedViT(micro_vit(global_pool="token", class_token=False))
+    assert str(refused.value) == "global_pool: token needs class_token: true (or null)"
+
+
+@pytest.mark.parametrize("pool", ["avg", "token"])
+def test_layer_ids_count_depth_as_beit_does(pool):
+    """Reference, from the parameter names alone: the stem (patch embedding, position embedding, CLS token)
+    is layer 0, ``blocks.<i>.`` is ``i + 1``, and what comes after the last of the 4 blocks (final norm,
+    head, output MultiMax) is 5."""
+    model = ReweightedViT(micro_vit(global_pool=pool, output_multimax=True))
+
+    def expected(name: str) -> int:
+        if name.startswith(("vit.patch_embed.", "vit.pos_embed", "vit.cls_token")):
+            return 0
+        if name.startswith("vit.blocks."):
+            return int(name.split(".")[2]) + 1
+        return 5
+
+    ids = model.layer_ids()
+    names = [name for name, _ in model.named_parameters()]
+    assert sorted(ids) == sorted(names)
+    assert ids == {name: expected(name) for name in names}
+    assert ("vit.cls_token" in ids) == (pool == "token")
+    assert {ids[n] for n in names if n.startswith("output.") or n.startswith("vit.head.")} == {5}
