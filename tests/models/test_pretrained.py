@@ -261,6 +261,7 @@ def test_pretrained_null_on_the_command_line_means_no_weights():
     task = parser.instantiate_classes(parser.parse_args(args)).model
     assert task.model.config.pretrained is None
     assert ViTConfig(pretrained="None").pretrained is None and ViTConfig(pretrained="w.pth").pretrained == "w.pth"
+    assert ViTConfig(pretrained="null").pretrained is None and ViTConfig(pretrained="").pretrained is None
 
 
 def test_an_mmlight_checkpoint_is_read_by_its_vit_weights(timm_state, tmp_path):

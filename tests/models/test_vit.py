@@ -216,3 +216,16 @@ def test_layer_ids_count_depth_as_beit_does(pool):
     assert ids == {name: expected(name) for name in names}
     assert ("vit.cls_token" in ids) == (pool == "token")
     assert {ids[n] for n in names if n.startswith("output.") or n.startswith("vit.head.")} == {5}
+
+
+def test_each_layer_is_built_as_a_non_causal_site_with_the_model_s_heads():
+    """A per-head function learns one value per head of the variant (vit_micro: 4); a causal-only one is
+    refused, naming the ViT's attention."""
+    model = ReweightedViT(micro_vit(attention=ReweightingSpec("ssmax")))
+    assert [tuple(block.attn.reweight.s.shape) for block in model.vit.blocks] == [(4,)] * 4
+    with pytest.raises(ValueError) as refused:
+        ReweightedViT(micro_vit(attention=ReweightingSpec("stickbreaking")))
+    assert str(refused.value) == (
+        "reweighting 'stickbreaking' attends only to earlier keys and needs causal attention; "
+        "the ViT self-attention is not causal (use it in decoder self-attention only)"
+    )
