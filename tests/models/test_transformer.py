@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from mmlight import reweighting
 from mmlight.models.transformer import (
+    DecoderLayer,
     FeedForward,
     KVCache,
     MultiHeadAttention,
@@ -18,6 +19,7 @@ from mmlight.models.transformer import (
     token_embedding,
 )
 from mmlight.reweighting import MultiMax, ReweightingSpec, multimax_sigma
+from mmlight.reweighting.stickbreaking import StickBreaking
 
 PAD = 1
 
@@ -566,3 +568,29 @@ def test_models_hold_no_buffers(name):
             ReweightedViT(micro_vit(attention=spec, output_multimax=True)),
         ]
     assert all(list(m.named_buffers()) == [] for m in models)
+
+
+def test_each_attention_site_learns_one_value_per_head_and_only_decoder_self_attention_is_causal():
+    """ssmax learns one value per head at every site (2 heads here: encoder, decoder and cross-attention);
+    stick-breaking attends only to earlier keys, so the encoder's and the cross-attention's layers refuse it,
+    each naming itself, while decoder self-attention takes it."""
+    model = TransformerSeq2Seq(tiny(n_encoder_layers=1, name="ssmax"))
+    assert {name: tuple(m.s.shape) for name, m in model.reweighting_sites().items()} == {
+        "encoder.layers.0.self_attn": (2,),
+        "decoder.layers.0.self_attn": (2,),
+        "decoder.layers.0.cross_attn": (2,),
+        "decoder.layers.1.self_attn": (2,),
+        "decoder.layers.1.cross_attn": (2,),
+    }
+    with pytest.raises(ValueError) as refused:
+        TransformerSeq2Seq(tiny(n_encoder_layers=1, name="stickbreaking"))
+    assert str(refused.value).endswith(
+        "the encoder self-attention is not causal (use it in decoder self-attention only)"
+    )
+    with pytest.raises(ValueError) as refused:
+        DecoderLayer(tiny(name="stickbreaking"), cross=True)
+    assert str(refused.value) == (
+        "reweighting 'stickbreaking' attends only to earlier keys and needs causal attention; "
+        "the cross-attention is not causal (use it in decoder self-attention only)"
+    )
+    assert isinstance(DecoderLayer(tiny(name="stickbreaking"), cross=False).self_attn.reweight, StickBreaking)
