@@ -459,6 +459,11 @@ def test_each_attention_layer_gets_its_own_reweighting_and_backend():
         (f"{stack}.layers.{i}", stack, i, 0) for stack in ("encoder", "decoder") for i in (0, 1)
     ]
     assert all(b.module is model.encoder.layers[b.layer] for b in model.blocks()[:2])
+    lm = TransformerLM(tiny())  # no encoder: the decoder's blocks alone
+    assert [(b.name, b.stack, b.layer) for b in lm.blocks()] == [
+        ("decoder.layers.0", "decoder", 0),
+        ("decoder.layers.1", "decoder", 1),
+    ]
     layers = [s.module for s in sites.values()]
     assert len(layers) == 2 + 2 * 2 and len({id(m) for m in layers}) == 6
     assert all(isinstance(m, MultiMax) and m.order == 1 for m in layers)
