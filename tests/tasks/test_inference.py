@@ -440,6 +440,31 @@ def test_a_classifier_without_its_data_names_what_it_lacks_and_the_datamodule_to
     assert str(refused.value) == "classify takes a list of images or paths; wrap a single one in a list"
 
 
+def test_a_classifier_takes_class_names_at_setup_only_from_data_that_has_both_names_and_transforms():
+    """A DataModule of the user's own with image transforms but no class names (or names but no transforms)
+    trains as it is; only data with both is taken for ``classify``."""
+    from tests.models.test_vit import micro_vit
+
+    names, augment = ClassMap(list("abcde")), ImageAugment(image_size=8)
+    for data in (SimpleNamespace(augment=augment), SimpleNamespace(class_map=names), SimpleNamespace()):
+        classifier = ImageClassifier(model=micro_vit(num_classes=5))
+        classifier._trainer = SimpleNamespace(datamodule=data)
+        classifier.setup("fit")
+        assert classifier.class_map is None
+    classifier._trainer = SimpleNamespace(datamodule=SimpleNamespace(class_map=names, augment=augment))
+    classifier.setup("fit")
+    assert classifier.class_map is names
+
+
+def test_a_sequence_task_given_data_without_a_typed_vocabulary_names_the_data():
+    with pytest.raises(TypeError) as refused:
+        tiny_translator().use_data(SimpleNamespace(vocab=["<s>", "<pad>"]))
+    assert str(refused.value) == "SimpleNamespace has no typed vocabulary (.vocab)"
+    with pytest.raises(TypeError) as refused:
+        tiny_translator().use_data(SimpleNamespace())
+    assert str(refused.value) == "SimpleNamespace has no typed vocabulary (.vocab)"
+
+
 def test_a_classifier_checkpoint_of_other_classes_is_refused_naming_the_first_of_each():
     from tests.models.test_vit import micro_vit
 
