@@ -423,16 +423,22 @@ def test_a_size_field_written_left_aligned_is_read_whole(tmp_path):
     ]  # header, 1000 bytes padded, header
 
 
+def names_read_before(path, error: type[Exception]) -> tuple[list[str], Exception]:
+    """The member names that ``iter_tar`` yields from ``path`` before it raises ``error``, and the error."""
+    read = []
+    with pytest.raises(error) as raised:
+        for name, _ in iter_tar(path):
+            read.append(name)
+    return read, raised.value
+
+
 def test_a_partial_header_at_the_end_is_a_truncated_header_whatever_its_bytes(tmp_path):
     """A whole member, then 100 bytes of a header cut short (here the letter X) instead of the end blocks."""
     path = tmp_path / "s.tar"
     path.write_bytes(rechecksum(ustar_header("a.cls", 1)) + padded(b"5") + b"X" * 100)
-    read = []
-    with pytest.raises(EOFError) as err:
-        for name, _ in iter_tar(path):
-            read.append(name)
+    read, error = names_read_before(path, EOFError)
     assert read == ["a.cls"]
-    assert str(err.value) == f"{path}: truncated tar header"
+    assert str(error) == f"{path}: truncated tar header"
 
 
 def test_the_header_index_names_the_shard_in_its_errors(tmp_path):
@@ -459,12 +465,9 @@ def test_a_size_field_that_is_not_octal_is_named_with_the_shard_and_byte(tmp_pat
     path.write_bytes(
         rechecksum(ustar_header("a.cls", 1)) + padded(b"5") + rechecksum(second) + padded(b"6") + b"\0" * 1024
     )
-    read = []
-    with pytest.raises(ValueError) as refused:
-        for name, _ in iter_tar(path):
-            read.append(name)
+    read, error = names_read_before(path, ValueError)
     assert read == ["a.cls"]
-    assert str(refused.value) == f"{path}: tar header at byte 1024 has a size field that is not octal: {field!r}"
+    assert str(error) == f"{path}: tar header at byte 1024 has a size field that is not octal: {field!r}"
     if tarfile_stops:  # tarfile ends the archive there, silently
         assert reference_members(path) == [("a.cls", b"5")]
 
