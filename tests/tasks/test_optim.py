@@ -96,3 +96,19 @@ def test_warmup_cosine_edges():
     assert lr_factors(2, 3, 4, min_lr_ratio=0.2) == pytest.approx([0.5, 1.0, 1.0, 0.2])
     with pytest.raises(ValueError, match=r"^need 0 <= warmup_steps \(-1\) <= total_steps \(3\)$"):
         lr_factors(-1, 3, 1)
+
+
+def test_full_rate_groups_come_first_even_empty_and_other_rates_follow_in_order_of_appearance():
+    """The decayed and the not-decayed group at the full rate are always the first two (Lightning's
+    LearningRateMonitor names its curves by group position, so they keep their names across configs), even
+    when one is empty; groups at other rates follow in the order of their first parameter."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))  # 1-D norm; 2-D weight, 1-D bias
+    groups = param_groups(model, 0.1, lambda name: 0.5 if name.startswith("0.") else 1.0)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert [(g["weight_decay"], g["lr_scale"], [names[id(p)] for p in g["params"]]) for g in groups] == [
+        (0.1, 1.0, ["1.weight"]),
+        (0.0, 1.0, ["1.bias"]),
+        (0.0, 0.5, ["0.weight", "0.bias"]),
+    ]
+    only_norm = param_groups(torch.nn.LayerNorm(4), 0.1)
+    assert [(g["weight_decay"], g["lr_scale"], len(g["params"])) for g in only_norm] == [(0.1, 1.0, 0), (0.0, 1.0, 2)]
