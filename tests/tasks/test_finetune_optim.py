@@ -152,3 +152,11 @@ def test_freeze_counts_epochs_of_the_run(digits):
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ImageClassifier(MICRO, **kwargs)
+
+
+def test_the_edges_of_the_options_are_accepted():
+    """``layer_decay`` 1 (every layer at the peak rate), multipliers and frozen epochs of 0."""
+    module = ImageClassifier(
+        MICRO, layer_decay=1.0, head_lr_mult=0.0, reweighting_lr_mult=0.0, freeze_backbone_epochs=0
+    )
+    assert (module.hparams.layer_decay, module.hparams.head_lr_mult) == (1.0, 0.0)

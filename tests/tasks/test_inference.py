@@ -465,6 +465,21 @@ def test_a_sequence_task_given_data_without_a_typed_vocabulary_names_the_data():
     assert str(refused.value) == "SimpleNamespace has no typed vocabulary (.vocab)"
 
 
+def test_a_classifier_given_data_without_names_or_transforms_names_the_data():
+    from tests.models.test_vit import micro_vit
+
+    classifier = ImageClassifier(model=micro_vit(num_classes=5))
+    names, augment = ClassMap(list("abcde")), ImageAugment(image_size=8)
+    for data in (SimpleNamespace(class_map=names), SimpleNamespace(augment=augment), SimpleNamespace()):
+        with pytest.raises(TypeError) as refused:
+            classifier.use_data(data)
+        assert str(refused.value) == "SimpleNamespace has no class map and image transforms (.class_map, .augment)"
+    with pytest.raises(ValueError) as refused:
+        classifier.use_data(SimpleNamespace(class_map=ClassMap(list("abc")), augment=augment))
+    assert str(refused.value) == "the data has 3 classes but model.num_classes is 5"
+    assert classifier.class_map is None
+
+
 def test_a_classifier_checkpoint_of_other_classes_is_refused_naming_the_first_of_each():
     from tests.models.test_vit import micro_vit
 
