@@ -1,6 +1,8 @@
 """Fine-tuning options of ImageClassifier: per-part learning rates, layer-wise decay and a frozen
 backbone, checked on the optimiser that training actually built and on its state."""
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -160,3 +162,16 @@ def test_the_edges_of_the_options_are_accepted():
         MICRO, layer_decay=1.0, head_lr_mult=0.0, reweighting_lr_mult=0.0, freeze_backbone_epochs=0
     )
     assert (module.hparams.layer_decay, module.hparams.head_lr_mult) == (1.0, 0.0)
+
+
+def test_what_the_pretrained_weights_gave_is_logged_when_the_task_is_built(tmp_path, caplog):
+    """The load report (what was dropped, what is new) is printed by rank zero through Lightning's logger, which
+    the CLI shows (mmlight's own logger, where the loader also logs it, has no handler in a training run)."""
+    torch.manual_seed(0)
+    plain = VisionTransformer(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=4)
+    torch.save(plain.state_dict(), tmp_path / "plain.pth")
+    with caplog.at_level(logging.INFO):
+        module = ImageClassifier(micro_vit(global_pool="token", pretrained=str(tmp_path / "plain.pth")))
+    summary = module.model.pretrained_report.summary()
+    lightning = [r.getMessage() for r in caplog.records if r.name.startswith("lightning")]
+    assert "new" in summary and lightning == [summary]
