@@ -438,6 +438,11 @@ def test_a_classifier_without_its_data_names_what_it_lacks_and_the_datamodule_to
     with pytest.raises(TypeError) as refused:
         classifier.classify("digit.png")
     assert str(refused.value) == "classify takes a list of images or paths; wrap a single one in a list"
+    ten = ImageClassifier(model=micro_vit(num_classes=10))
+    grey = ImageAugment(image_size=8, channels=1, mean=(0.5,), std=(0.5,))  # micro_vit has one channel
+    ten.use_data(SimpleNamespace(class_map=ClassMap(list("abcdefghij")), augment=grey))
+    (ranked,) = ten.classify([Image.new("L", (8, 8), 90)])
+    assert len(ranked) == 5 and len({name for name, _ in ranked}) == 5  # top_k=5 by default, of 10 classes
 
 
 def test_a_classifier_takes_class_names_at_setup_only_from_data_that_has_both_names_and_transforms():
