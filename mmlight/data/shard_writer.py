@@ -86,7 +86,8 @@ def _finished(out_dir: Path, job: ShardJob) -> dict | None:
     record = json.loads(record_path.read_text())
     if record.get("num_items") != len(job.items) or shard.stat().st_size != record.get("bytes"):
         return None
-    if record.get("items_sha256", items_digest(job.items)) != items_digest(job.items):
+    digest = items_digest(job.items)
+    if record.get("items_sha256", digest) != digest:
         log.info("shard %s was written from other items; writing it again", shard)
         return None
     if sha256(shard) != record["sha256"]:
