@@ -80,6 +80,16 @@ def load(path: Path) -> Records:
     return value if isinstance(value, list) else [value]
 
 
+def all_records(paths: list[Path]) -> Records:
+    """The records of ``paths``, in order."""
+    return [record for path in paths for record in load(path)]
+
+
+def headed_table(heading: str, header: list[str], rows: list[list]) -> str:
+    """A line naming the device, versions and date, then the table."""
+    return "\n".join([heading, "", *table(header, rows)]) + "\n"
+
+
 def run_date(path: Path) -> str:
     """The run's date from the file name (``20261123`` -> ``2026-11-23``); an error for a name off the pattern."""
     match = PATTERN.fullmatch(path.name)
@@ -191,13 +201,12 @@ def render_loader(paths: list[Path]) -> str:
 
 def render_resume(paths: list[Path]) -> str:
     """``bench_resume.py``: the replay to a saved position against decoding the samples it skips."""
-    records = [r for path in paths for r in load(path)]
+    records = all_records(paths)
     r0 = records[0]
-    lines = [
+    heading = (
         f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}; batch {r0['batch_size']} per rank, shuffle "
-        f"buffer {r0['shuffle_buffer']}, an epoch of {r0['epoch_samples']:,} samples; {dates(paths)}.",
-        "",
-    ]
+        f"buffer {r0['shuffle_buffer']}, an epoch of {r0['epoch_samples']:,} samples; {dates(paths)}."
+    )
     rows = [
         [
             r["ranks"],
@@ -210,16 +219,16 @@ def render_resume(paths: list[Path]) -> str:
         for r in records
     ]
     header = ["ranks", "samples skipped per rank", "replay", "per sample", "decoding them instead", "replay / decoding"]
-    return "\n".join(lines + table(header, rows)) + "\n"
+    return headed_table(heading, header, rows)
 
 
 def render_repro(paths: list[Path]) -> str:
     """``check_reproducible.py``: per config, whether seed 0 twice gave the same losses bit for bit, and
     how many of seed 1's steps differ."""
-    records = [r for path in paths for r in load(path)]
+    records = all_records(paths)
     r0 = records[0]
     versions = f"Python {r0['python']}" + (f", torch {r0['torch']}" if "torch" in r0 else "")
-    lines = [f"{r0['device']}; {versions}; {r0['steps']} steps per run; {dates(paths)}.", ""]
+    heading = f"{r0['device']}; {versions}; {r0['steps']} steps per run; {dates(paths)}."
     rows = [
         [
             f"`{r['config']}`",
@@ -235,18 +244,17 @@ def render_repro(paths: list[Path]) -> str:
         "seed 1: steps differing from seed 0",
         "seed 0 loss, first -> last",
     ]
-    return "\n".join(lines + table(header, rows)) + "\n"
+    return headed_table(heading, header, rows)
 
 
 def render_pillow_pixels(paths: list[Path]) -> str:
     """``pillow_build_pixels.py``: how far two Pillow builds move the DeiT augmentation's uint8 pixels."""
-    records = [r for path in paths for r in load(path)]
+    records = all_records(paths)
     r0 = records[0]
-    lines = [
+    heading = (
         f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}, torchvision {r0['torchvision']}, timm "
-        f"{r0['timm']}; {r0['images']} images, seeds 0-{r0['images'] - 1}; {dates(paths)}.",
-        "",
-    ]
+        f"{r0['timm']}; {r0['images']} images, seeds 0-{r0['images'] - 1}; {dates(paths)}."
+    )
     rows = [
         [
             f"{r['a']} / {r['b']}",
@@ -270,7 +278,7 @@ def render_pillow_pixels(paths: list[Path]) -> str:
         "augmented: > 1 level",
         "augmented mean A / B",
     ]
-    return "\n".join(lines + table(header, rows)) + "\n"
+    return headed_table(heading, header, rows)
 
 
 def load_average(record: dict) -> str:
@@ -314,9 +322,9 @@ def render_attention_stats_cost(paths: list[Path]) -> str:
 
 def render_fit_time(paths: list[Path]) -> str:
     """``attention_stats_fit_time.py``: whole-fit seconds with and without the callback, alternating pairs."""
-    records = [r for path in paths for r in load(path)]
+    records = all_records(paths)
     r0 = records[0]
-    lines = [f"`{r0['config']}`, `OMP_NUM_THREADS={r0['omp_num_threads']}`; {dates(paths)}.", ""]
+    heading = f"`{r0['config']}`, `OMP_NUM_THREADS={r0['omp_num_threads']}`; {dates(paths)}."
     rows = [
         [
             " ".join(r["callback_args"]) or "(defaults)",
@@ -329,22 +337,21 @@ def render_fit_time(paths: list[Path]) -> str:
         for r in records
     ]
     header = ["callback arguments", "fit without, s", "fit with, s", "with − without, s", "mean", "load average"]
-    return "\n".join(lines + table(header, rows)) + "\n"
+    return headed_table(heading, header, rows)
 
 
 def render_step_time(paths: list[Path]) -> str:
     """``reweighting_step_time.py``: each function's step time over softmax's in the same round, the median
     over rounds with the range in brackets, one column per config."""
-    records = [r for path in paths for r in load(path)]
+    records = all_records(paths)
     r0 = records[0]
-    lines = [
+    heading = (
         f"{r0['machine']}, {r0['cpu_count']} CPUs; Python {r0['python']}, torch {r0['torch']}, "
         f"{r0['torch_threads']} intra-op thread; median of steps {r0['warmup'] + 1}-{r0['steps']} per round, "
         f"{len(r0['rounds'])} rounds; load average (1 / 5 / 15 min) "
         + ", ".join(load_average(r) for r in records)
-        + f"; {dates(paths)}.",
-        "",
-    ]
+        + f"; {dates(paths)}."
+    )
     columns, ratios = [], []
     for r in records:
         softmax_ms = [1e3 * round_["softmax"] for round_ in r["rounds"]]
@@ -358,7 +365,7 @@ def render_step_time(paths: list[Path]) -> str:
         + [f"{statistics.median(by[f]):.2f} ({min(by[f]):.2f}-{max(by[f]):.2f})" if f in by else "–" for by in ratios]
         for f in functions
     ]
-    return "\n".join(lines + table(["function", *columns], rows)) + "\n"
+    return headed_table(heading, ["function", *columns], rows)
 
 
 def render_compile_report(paths: list[Path]) -> str:
@@ -380,7 +387,7 @@ def render_compile_report(paths: list[Path]) -> str:
 
 #: Each kind of record file: how to recognise one of its records, and its renderer.
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
-    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render([r for p in paths for r in load(p)])),
+    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths))),
     "loader": (lambda r: r.get("op") == "images", render_loader),
     "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),
     "repro": (lambda r: r.get("check") == "same_seed_same_losses", render_repro),
