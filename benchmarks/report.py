@@ -106,6 +106,7 @@ def run_tag(path: Path) -> str:
 
 
 def dates(paths: list[Path]) -> str:
+    """The distinct run dates of ``paths``, in order."""
     return ", ".join(sorted({run_date(path) for path in paths}))
 
 
@@ -130,22 +131,13 @@ def pillow_name(build: str) -> str:
 LOADER_PIPELINES = ("ImageFolder", "shards, per-copy decode", "shards", "shards, no draft", "shards, uint8")
 
 
-def render_loader(paths: list[Path]) -> str:
-    """``bench_loader.py``: samples/s per worker of every pipeline, one column per run, the uint8 shards'
-    ratios to the per-copy pipeline and to ImageFolder in the same run; then where the time goes, per
-    Pillow build (the median over that build's runs)."""
-    runs = [load(path) for path in paths]
-    first = next(r for r in runs[0] if r["op"] == "image_loader_deit_train")
-    images = next(r for r in runs[0] if r["op"] == "images")
-    lines = [
-        f"{first['device']}; Python {first['python']}, torch {first['torch']}, torchvision {first['torchvision']}, "
-        f"timm {first['timm']}, webdataset {first['webdataset']}; {images['images']} images "
-        f"(mean {images['mean_width']} × {images['mean_height']} px, {images['mean_kib']} KiB, seed {images['seed']}), "
-        f"batch {first['batch_size']}, {first['workers']} worker, median of {first['repeats']} measurements of "
-        f"{first['samples']} samples; {dates(paths)}. Samples/s per worker:",
-        "",
-    ]
-    columns = [f"{pillow_name(run[0]['pillow'])}, {run_tag(path)}" for run, path in zip(runs, paths)]
+def copies_label(copies: int) -> str:
+    return f"{copies} cop{'y' if copies == 1 else 'ies'}"
+
+
+def loader_rates(runs: list[Records], columns: list[str]) -> list[str]:
+    """Samples/s per worker of each pipeline and copy count, one column per run, and the uint8 shards'
+    ratios to the per-copy pipeline and to ImageFolder, each in its own run."""
     rates = [{(r["backend"], r["copies"]): r for r in run if r["op"] == "image_loader_deit_train"} for run in runs]
     rows = []
     for copies in (1, 3):
@@ -153,24 +145,22 @@ def render_loader(paths: list[Path]) -> str:
             if (pipeline, copies) in rates[0]:
                 row = [rate[pipeline, copies] for rate in rates]
                 rss = [r["peak_rss_mib_per_worker"] for r in row]
-                rss_range = f"{min(rss):.0f}-{max(rss):.0f} MiB"
                 rows.append(
-                    [f"{pipeline}, {copies} cop{'y' if copies == 1 else 'ies'}"]
+                    [f"{pipeline}, {copies_label(copies)}"]
                     + [f"{r['samples_per_s_per_worker']:.1f}" for r in row]
-                    + [rss_range]
+                    + [f"{min(rss):.0f}-{max(rss):.0f} MiB"]
                 )
         for base, field in (("per-copy", "ratio_to_per_copy_shards"), ("ImageFolder", "ratio_to_imagefolder")):
             rows.append(
-                [f"**uint8 / {base}**, {copies} cop{'y' if copies == 1 else 'ies'}"]
+                [f"**uint8 / {base}**, {copies_label(copies)}"]
                 + [f"{rate['shards, uint8', copies][field]:.2f}" for rate in rates]
                 + [""]
             )
-    lines += table(["pipeline", *columns, "worker peak RSS"], rows)
-    lines += [
-        "",
-        "Where the time goes, ms per output sample, 3 copies (one process, median over each build's runs):",
-        "",
-    ]
+    return table(["pipeline", *columns, "worker peak RSS"], rows)
+
+
+def loader_stages(runs: list[Records]) -> list[str]:
+    """ms per output sample of each stage with 3 copies, per Pillow build: the median over its runs."""
     builds: dict[str, list[Records]] = {}
     for run in runs:
         builds.setdefault(pillow_name(run[0]["pillow"]), []).append(run)
@@ -178,25 +168,33 @@ def render_loader(paths: list[Path]) -> str:
     rows = []
     for build, build_runs in builds.items():
         for pipeline in ("ImageFolder", "shards, uint8"):
-            found = [
-                r
-                for run in build_runs
-                for r in run
-                if r["op"] == "stage_ms_per_sample" and r["backend"] == pipeline and r["copies"] == 3
-            ]
-            steps = [
-                r["ms"]
-                for run in build_runs
-                for r in run
-                if r["op"] == "device_step_ms_per_sample" and r["backend"] == pipeline and r["copies"] == 3
-            ]
+            of = [r for run in build_runs for r in run if r.get("backend") == pipeline and r.get("copies") == 3]
+            found = [r for r in of if r["op"] == "stage_ms_per_sample"]
+            steps = [r["ms"] for r in of if r["op"] == "device_step_ms_per_sample"]
             rows.append(
                 [f"{pipeline}, {build}"]
                 + [f"{statistics.median(r[s] for r in found):.2f}" for s in stages]
                 + [f"{statistics.median(steps):.2f}" if steps else "–"]
             )
-    lines += table(["pipeline, build", *stages, "on-device step (this CPU)"], rows)
-    return "\n".join(lines) + "\n"
+    return table(["pipeline, build", *stages, "on-device step (this CPU)"], rows)
+
+
+def render_loader(paths: list[Path]) -> str:
+    """``bench_loader.py``: the runs' rates side by side (:func:`loader_rates`), then where the time goes
+    (:func:`loader_stages`)."""
+    runs = [load(path) for path in paths]
+    first = next(r for r in runs[0] if r["op"] == "image_loader_deit_train")
+    images = next(r for r in runs[0] if r["op"] == "images")
+    heading = (
+        f"{first['device']}; Python {first['python']}, torch {first['torch']}, torchvision {first['torchvision']}, "
+        f"timm {first['timm']}, webdataset {first['webdataset']}; {images['images']} images "
+        f"(mean {images['mean_width']} × {images['mean_height']} px, {images['mean_kib']} KiB, seed {images['seed']}), "
+        f"batch {first['batch_size']}, {first['workers']} worker, median of {first['repeats']} measurements of "
+        f"{first['samples']} samples; {dates(paths)}. Samples/s per worker:"
+    )
+    columns = [f"{pillow_name(run[0]['pillow'])}, {run_tag(path)}" for run, path in zip(runs, paths)]
+    stages = "Where the time goes, ms per output sample, 3 copies (one process, median over each build's runs):"
+    return "\n".join([heading, "", *loader_rates(runs, columns), "", stages, "", *loader_stages(runs)]) + "\n"
 
 
 def render_resume(paths: list[Path]) -> str:
