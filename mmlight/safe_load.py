@@ -27,16 +27,18 @@ import numpy as np
 import torch
 
 #: the command (docs/finetuning.md) that converts a trusted file holding other objects to plain weights
-#: (followed by the file and the new file's name): it keeps the weights and the data's vocabulary or classes
+#: (followed by the file and the new file's name): it keeps the weights (under Lightning's or timm's keys),
+#: the data's vocabulary or classes and Lightning's version, and drops the rest (the hyperparameters)
+KEPT_ENTRIES = ("state_dict", "mmlight_data", "pytorch-lightning_version", "model", "model_ema", "state_dict_ema")
 CONVERT_COMMAND = (
-    'python -c "import sys, torch; c = torch.load(sys.argv[1], map_location=\'cpu\', weights_only=False); '
-    "torch.save({k: c[k] for k in ('state_dict', 'mmlight_data', 'model', 'model_ema', 'state_dict_ema') "
-    'if k in c}, sys.argv[2])"'
+    "python -c \"import sys, torch; c = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
+    f'torch.save({{k: c[k] for k in {KEPT_ENTRIES} if k in c}}, sys.argv[2])"'
 )
 
 
-class RefusedFile(pickle.UnpicklingError):
-    """A file whose pickle holds objects (classes, functions) that mmlight does not load."""
+class RefusedFile(pickle.UnpicklingError, ValueError):
+    """A file whose pickle holds objects (classes, functions) that mmlight does not load: an unpickling
+    error, and a ``ValueError`` of the input (so that commands report it as bad input)."""
 
 
 def checkpoint_types() -> list:
@@ -93,10 +95,19 @@ def refusing_code(path: str | Path):
     """
     try:
         yield
-    except pickle.UnpicklingError as err:
-        if isinstance(err, RefusedFile):
+    except Exception as err:
+        if isinstance(err, RefusedFile) or not _refused_by_torch(err):
             raise
         raise _refusal(path, _unsafe_globals(path)) from err
+
+
+def _refused_by_torch(err: BaseException | None) -> bool:
+    """Whether ``err`` is, or was raised from, ``torch.load``'s refusal (timm re-raises it as a RuntimeError)."""
+    while err is not None:
+        if isinstance(err, pickle.UnpicklingError):
+            return True
+        err = err.__cause__
+    return False
 
 
 @contextlib.contextmanager
