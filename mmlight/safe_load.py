@@ -20,6 +20,7 @@ import contextlib
 import io
 import pathlib
 import pickle
+import re
 import shlex
 from pathlib import Path
 
@@ -63,8 +64,7 @@ def checkpoint_types() -> list:
     ]
 
 
-def _refusal(path: str | Path, names: list[str]) -> RefusedFile:
-    held = ", ".join(sorted(names)) if names else "objects other than tensors, numbers, strings and containers"
+def _refusal(path: str | Path, held: str) -> RefusedFile:
     path = Path(path)
     converted = path.with_name(f"{path.stem}-weights{path.suffix}")
     return RefusedFile(
@@ -76,13 +76,17 @@ def _refusal(path: str | Path, names: list[str]) -> RefusedFile:
     )
 
 
-def _unsafe_globals(path: str | Path) -> list[str]:
-    """The pickle globals of a ``torch.save`` file that the active allow-list lacks; [] when the file is
-    no zip checkpoint (torch's message is then the only account)."""
+def _what_it_holds(path: str | Path, err: pickle.UnpicklingError) -> str:
+    """What torch refused in ``path``: the pickle globals that the active allow-list lacks (all of them, listed
+    by torch, in a zip checkpoint; the one torch's refusal ``err`` names in a legacy file), else its reason."""
     try:
-        return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception:  # a legacy (non-zip) file, or one torch cannot list
-        return []
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # a legacy (non-zip) file, or a bare pickle
+        names = re.findall(r"GLOBAL ([\w.]+)", str(err))[:1]
+    if names:
+        return ", ".join(sorted(names))
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+    return "objects other than tensors, numbers, strings and containers" + (f" ({reason[1]})" if reason else "")
 
 
 @contextlib.contextmanager
@@ -96,18 +100,17 @@ def refusing_code(path: str | Path):
     try:
         yield
     except Exception as err:
-        if isinstance(err, RefusedFile) or not _refused_by_torch(err):
+        refusal = raised_from(err, pickle.UnpicklingError)  # timm re-raises torch's refusal as a RuntimeError
+        if isinstance(err, RefusedFile) or refusal is None:
             raise
-        raise _refusal(path, _unsafe_globals(path)) from err
+        raise _refusal(path, _what_it_holds(path, refusal)) from err
 
 
-def _refused_by_torch(err: BaseException | None) -> bool:
-    """Whether ``err`` is, or was raised from, ``torch.load``'s refusal (timm re-raises it as a RuntimeError)."""
-    while err is not None:
-        if isinstance(err, pickle.UnpicklingError):
-            return True
+def raised_from(err: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """``err`` if it is a ``kind``, else the first exception of that kind it was raised from, else None."""
+    while err is not None and not isinstance(err, kind):
         err = err.__cause__
-    return False
+    return err
 
 
 @contextlib.contextmanager

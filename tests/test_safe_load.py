@@ -26,7 +26,7 @@ import torch
 from mmlight.data.prepare import main as prepare_main
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.models.pretrained import read_pretrained
-from mmlight.safe_load import CONVERT_COMMAND, RefusedFile, load_checkpoint
+from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint
 from mmlight.tasks import ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,19 +74,22 @@ def check_refused(refused: pytest.ExceptionInfo, path, marker: Path, named: str 
 # ----------------------------------------------------------------------------- checkpoints and weights
 
 
-def test_a_code_running_checkpoint_named_as_pretrained_by_the_finetuning_config_is_refused(
-    tmp_path, marker, monkeypatch
+def test_mmlight_fit_refuses_a_code_running_checkpoint_named_as_pretrained_by_the_finetuning_config(
+    tmp_path, marker, monkeypatch, capsys
 ):
-    """configs/finetune/digits_6to9.yaml with ``model.pretrained`` a ``.ckpt`` whose pickle would run code."""
-    from mmlight.cli import build_cli
+    """``mmlight fit`` with configs/finetune/digits_6to9.yaml and ``model.pretrained`` a ``.ckpt`` whose
+    pickle would run code: it stops before any work with the refusal as its error."""
+    from mmlight.cli import main
 
     path = micro_checkpoint(tmp_path / "last.ckpt", callbacks={"payload": CreatesMarker(marker)})
     monkeypatch.setattr(sys, "argv", ["mmlight"])
-    args = ["--config", str(ROOT / "configs/finetune/digits_6to9.yaml"), "--model.init_args.model.pretrained"]
+    args = ["fit", "--config", str(ROOT / "configs/finetune/digits_6to9.yaml"), "--model.init_args.model.pretrained"]
     args += [str(path), "--data.init_args.cache_dir", str(tmp_path / "digits")]
-    with pytest.raises(ValueError) as refused:  # jsonargparse reports the RefusedFile in a ValueError of its own
-        build_cli([*args, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], run=False)
-    check_refused(refused, path, marker)
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    said = capsys.readouterr().err
+    assert stop.value.code == 2 and f"error: {path} {REFUSED}: posix.system." in said
+    assert not marker.exists() and not (tmp_path / "runs").exists()
 
 
 def test_a_code_running_pth_is_refused_by_timm_s_reader_naming_the_file(tmp_path, marker):
@@ -191,6 +194,21 @@ def test_mmlight_prepare_cifar10_refuses_a_code_running_pickle_in_the_archive(tm
     assert stop.value.code == 2 and said.startswith("mmlight prepare: error: ")
     assert f"{archive}:cifar-10-batches-py/{member} {REFUSED}: posix.system." in said
     assert not marker.exists()
+
+
+def test_the_plain_unpickler_reads_arrays_under_numpy_1_and_2_names_and_refuses_other_numpy_globals():
+    """The official files were written by NumPy 1 (``numpy.core.multiarray._reconstruct``), a re-pickle by
+    NumPy 2 names ``numpy._core``: both give the array; a NumPy function that is no array rebuild is refused."""
+    array = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    data = pickle.dumps({b"data": array, b"labels": [1, 2], b"batch_label": b"b"}, protocol=2)
+    assert b"numpy._core.multiarray\n_reconstruct" in data
+    for module in (b"numpy._core.multiarray", b"numpy.core.multiarray"):
+        loaded = PlainUnpickler(data.replace(b"numpy._core.multiarray", module), "batch").load()
+        assert loaded.keys() == {b"data", b"labels", b"batch_label"} and loaded[b"labels"] == [1, 2]
+        assert loaded[b"data"].dtype == np.uint8 and np.array_equal(loaded[b"data"], array)
+    with pytest.raises(RefusedFile) as refused:
+        PlainUnpickler(pickle.dumps(np.save, protocol=2), "batch").load()
+    assert str(refused.value).startswith(f"batch {REFUSED}: numpy.save.")
 
 
 # ----------------------------------------------------------------------------- the package's own code
