@@ -45,7 +45,7 @@ class RefusedFile(pickle.UnpicklingError, ValueError):
 def checkpoint_types() -> list:
     """What an mmlight checkpoint may hold besides torch's own types: the tasks' config records (plain
     dataclasses of numbers, strings and tuples), ``ReweightingSpec`` under the module that defined it
-    before it moved to ``mmlight.reweighting.spec``, and pure paths (a hyperparameter given as a path)."""
+    before it moved to ``mmlight.reweighting.spec``, and paths (a hyperparameter given as a path)."""
     # imported here: mmlight.models imports this module (models/pretrained.py)
     from mmlight.models.beam_search import BeamSearchConfig
     from mmlight.models.transformer import TransformerConfig
