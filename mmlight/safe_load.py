@@ -2,7 +2,7 @@
 run code when mmlight loads it.
 
 * mmlight checkpoints (``.ckpt``: pretrained weights, the tasks' ``load_from_checkpoint``) are read by
-  ``torch.load(..., weights_only=True)`` with :func:`checkpoint_types` allowed besides torch's own
+  ``torch.load(..., weights_only=True)`` with :data:`CHECKPOINT_TYPES` allowed besides torch's own
   (tensors, containers, numbers, strings): :func:`load_checkpoint`, or Lightning's reader inside
   :func:`reading_checkpoint`.
 * timm's ``.pth``/``.bin`` files go through timm's reader (``weights_only=True``), inside
@@ -42,26 +42,23 @@ class RefusedFile(pickle.UnpicklingError, ValueError):
     error, and a ``ValueError`` of the input (so that commands report it as bad input)."""
 
 
-def checkpoint_types() -> list:
-    """What an mmlight checkpoint may hold besides torch's own types: the tasks' config records (plain
-    dataclasses of numbers, strings and tuples), ``ReweightingSpec`` under the module that defined it
-    before it moved to ``mmlight.reweighting.spec``, and paths (a hyperparameter given as a path)."""
-    # imported here: mmlight.models imports this module (models/pretrained.py)
-    from mmlight.models.beam_search import BeamSearchConfig
-    from mmlight.models.transformer import TransformerConfig
-    from mmlight.models.vit import ViTConfig
-    from mmlight.reweighting.spec import ReweightingSpec
+#: what an mmlight checkpoint may hold besides torch's own types: paths (a hyperparameter given as a path)
+#: and the config records that :func:`checkpoint_record` adds where they are defined (``mmlight.models``
+#: imports them all)
+CHECKPOINT_TYPES: list = [pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath]
 
-    return [
-        TransformerConfig,
-        ViTConfig,
-        ReweightingSpec,
-        BeamSearchConfig,
-        (ReweightingSpec, "mmlight.models.vit.ReweightingSpec"),
-        pathlib.PurePosixPath,
-        pathlib.PosixPath,
-        pathlib.PureWindowsPath,
-    ]
+
+def checkpoint_record(cls: type, *former_names: str) -> type:
+    """Admit ``cls`` to checkpoints (:data:`CHECKPOINT_TYPES`): a config dataclass of numbers, strings and
+    tuples that a task's hyperparameters hold when it is built in Python. Returns ``cls`` (a decorator).
+
+    Args:
+        cls: the record's class.
+        former_names: ``module.Class`` names under which an earlier mmlight defined it (its old checkpoints
+            name it so).
+    """
+    CHECKPOINT_TYPES.extend([cls, *((cls, name) for name in former_names)])
+    return cls
 
 
 def _refusal(path: str | Path, held: str) -> RefusedFile:
@@ -116,13 +113,13 @@ def raised_from(err: BaseException | None, kind: type[BaseException]) -> BaseExc
 @contextlib.contextmanager
 def reading_checkpoint(path: str | Path):
     """The block reads the mmlight checkpoint ``path`` with ``torch.load(..., weights_only=True)`` (as
-    Lightning's ``load_from_checkpoint`` does when told so): :func:`checkpoint_types` are allowed, and a
+    Lightning's ``load_from_checkpoint`` does when told so): :data:`CHECKPOINT_TYPES` are allowed, and a
     refusal is a :class:`RefusedFile`.
 
     Args:
         path: the checkpoint read inside the block.
     """
-    with torch.serialization.safe_globals(checkpoint_types()), refusing_code(path):
+    with torch.serialization.safe_globals(CHECKPOINT_TYPES), refusing_code(path):
         yield
 
 

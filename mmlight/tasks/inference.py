@@ -9,7 +9,7 @@ import contextlib
 import lightning as L
 import torch
 
-from mmlight.safe_load import checkpoint_types, reading_checkpoint
+from mmlight.safe_load import CHECKPOINT_TYPES, reading_checkpoint
 from mmlight.tasks.checkpoint import check_checkpoint_matches
 
 #: the checkpoint entry that holds what a task keeps of its data (its ``data_state()``)
@@ -17,8 +17,9 @@ CHECKPOINT_KEY = "mmlight_data"
 
 # A task's hyperparameters hold config dataclasses when it is built in Python (the CLI's hold dicts).
 # Lightning's own readers (``--ckpt_path`` of fit/test/predict) call ``torch.load`` with torch's default
-# ``weights_only=True``, so they get the same allow-list as ``load_from_checkpoint`` below.
-torch.serialization.add_safe_globals(checkpoint_types())
+# ``weights_only=True``, so they get the same allow-list as ``load_from_checkpoint`` below (complete here:
+# the tasks import every config record).
+torch.serialization.add_safe_globals(CHECKPOINT_TYPES)
 
 
 class CarriesData:
