@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mmlight.data.prepare import main as prepare_main
-from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
+from mmlight.models import BeamSearchConfig, ReweightedViT, ReweightingSpec, TransformerConfig, ViTConfig
 from mmlight.models.pretrained import read_pretrained
 from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint
 from mmlight.tasks import ImageClassifier
@@ -110,14 +110,17 @@ def test_load_from_checkpoint_refuses_a_code_running_checkpoint(tmp_path, marker
 def test_honest_checkpoints_load_with_config_records_paths_and_the_old_module_of_reweighting_spec(
     tmp_path, monkeypatch
 ):
-    """A task built in Python pickles its ViTConfig and ReweightingSpec; a hyperparameter may be a path; a
-    checkpoint of the first mmlight names ReweightingSpec under ``mmlight.models.vit``, where it was defined."""
+    """A task built in Python pickles its config records (ViTConfig and ReweightingSpec; a translator's
+    TransformerConfig and BeamSearchConfig); a hyperparameter may be a path; a checkpoint of the first mmlight
+    names ReweightingSpec under ``mmlight.models.vit``, where it was defined."""
     monkeypatch.setattr(ReweightingSpec, "__module__", "mmlight.models.vit")  # pickled as the old one was
-    path = micro_checkpoint(tmp_path / "old.ckpt", extra={"root": PurePosixPath("/data")})
+    records = {"translator": TransformerConfig(vocab_size=9), "beam": BeamSearchConfig(beam_size=2)}
+    path = micro_checkpoint(tmp_path / "old.ckpt", extra={"root": PurePosixPath("/data"), **records})
     monkeypatch.undo()
     assert b"mmlight.models.vit\nReweightingSpec" in _pickle_of(path)
     loaded = load_checkpoint(path)
-    assert loaded["hyper_parameters"]["model"] == MICRO and loaded["extra"]["root"] == PurePosixPath("/data")
+    assert loaded["hyper_parameters"]["model"] == MICRO
+    assert loaded["extra"] == {"root": PurePosixPath("/data"), **records}
     task = ImageClassifier.load_from_checkpoint(path, map_location="cpu")
     assert task.model.config == MICRO
     assert all(torch.equal(v, loaded["state_dict"][f"model.{k}"]) for k, v in task.model.state_dict().items())
