@@ -12,7 +12,8 @@ its program, and a program without a rule fails, so a new command cannot go unte
   SLURM cluster answers (``test_sbatch_test_only``, which skips otherwise);
 * ``docker``/``podman``/``apptainer``/``srun``: the Dockerfile exists and the ``mmlight`` command run in
   the image is checked as above (the image itself: ``tests/test_docker.py``);
-* ``pip install``: the extras exist in pyproject.toml; ``pytest``: the paths exist; ``mkdir``: nothing.
+* ``pip install``: the extras exist in pyproject.toml; ``pytest``: the paths exist; ``mkdir``: nothing;
+* ``python -c``: the checkpoint conversion of docs/finetuning.md, which ``tests/test_safe_load.py`` runs.
 
 The README's Python blocks are run.
 """
@@ -29,6 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mmlight.safe_load import CONVERT_COMMAND
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
@@ -220,6 +223,9 @@ def test_command_is_covered(doc, command, capsys):
     program = tokens[0]
     if program == "mmlight":
         check_mmlight(tokens, command, capsys)
+    elif program == "python" and tokens[1] == "-c":
+        # the one-liner that converts a trusted checkpoint: tests/test_safe_load.py runs it as the doc writes it
+        assert command.startswith(f"{CONVERT_COMMAND} "), f"{doc}: no test runs {command!r}"
     elif program == "python":
         check_python(tokens, command)
     elif program == "sbatch":

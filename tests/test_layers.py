@@ -24,7 +24,7 @@ REPO = PACKAGE.parent
 #: below its own; containers of one layer are independent, neither imports the other.
 LAYERS = (
     ("mmlight",),  # the package's root: its version, nothing else
-    ("mmlight.kernels",),  # Triton kernels
+    ("mmlight.kernels", "mmlight.safe_load"),  # Triton kernels; files read as data
     ("mmlight.reweighting",),  # the functions, their registry and backends
     ("mmlight.nn",),  # the attention entry point and its observation point
     ("mmlight.models", "mmlight.data"),  # networks; shards and DataModules

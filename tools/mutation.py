@@ -85,9 +85,16 @@ MODULES: dict[str, Module] = {
     ),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
     "cli": Module(
-        ("mmlight/cli.py", "mmlight/lightning_cli.py", "mmlight/ckpt_path.py", "mmlight/slurm.py"),
+        (
+            "mmlight/cli.py",
+            "mmlight/lightning_cli.py",
+            "mmlight/ckpt_path.py",
+            "mmlight/slurm.py",
+            "mmlight/safe_load.py",
+        ),
         (
             "tests/test_cli_units.py",
+            "tests/test_safe_load.py",
             *_node_ids(
                 "tests/test_cli.py",
                 "test_model_options_of_a_command_line",
