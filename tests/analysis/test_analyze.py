@@ -296,7 +296,7 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
 def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
     """With uint8 batches (``normalize_on_device``), the analysis still reads normalised float32
     images: those of the DataModule's float32 path, through its ``on_after_batch_transfer``."""
-    from mmlight.analysis.analyze import eval_loader
+    from mmlight.commands.analyze import eval_loader
     from mmlight.data import DigitsDataModule
 
     on_device = DigitsDataModule(cache_dir=str(tmp_path), batch_size=50, normalize_on_device=True)
@@ -353,7 +353,7 @@ class Recorder(L.LightningModule):
 def test_eval_loader_sets_up_and_reads_the_split_as_lightnings_validate_and_test_do(split):
     """The reference is Lightning itself: the stage passed to ``setup``, the batches and the
     ``dataloader_idx`` of ``eval_loader(data, split)`` are those of ``trainer.validate``/``trainer.test``."""
-    from mmlight.analysis.analyze import eval_loader
+    from mmlight.commands.analyze import eval_loader
 
     analysed = StagedData()
     batches = list(eval_loader(analysed, split))
@@ -372,7 +372,7 @@ def test_eval_loader_sets_up_and_reads_the_split_as_lightnings_validate_and_test
 
 
 def test_eval_loader_names_a_split_the_data_does_not_have():
-    from mmlight.analysis.analyze import AnalyzeError, eval_loader
+    from mmlight.commands.analyze import AnalyzeError, eval_loader
 
     class ValOnly(L.LightningDataModule):
         def val_dataloader(self):

@@ -19,7 +19,7 @@ import webdataset as wds
 import yaml
 from sacremoses import MosesTokenizer
 
-from mmlight.data.prepare import main as prepare_main
+from mmlight.commands.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info, sha256
 from mmlight.data.streaming import RankRandom

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from mmlight.data.prepare import main as prepare_main
+from mmlight.commands.prepare import main as prepare_main
 from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.shards import sha256
 from mmlight.data.skips import SkipCounter

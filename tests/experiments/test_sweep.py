@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mmlight.experiments import collect, sweep
+from mmlight.commands import collect, sweep
 from mmlight.experiments.table import load_table
 
 ROOT = Path(__file__).resolve().parents[2]
