@@ -682,7 +682,7 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
 
 
 def test_renormalised_rows_sum_to_one_and_rows_without_mass_are_zeros():
-    from mmlight.analysis.metrics import renormalised
+    from mmlight.reweighting.metrics import renormalised
 
     weights = torch.tensor([[[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]]], dtype=torch.float64)  # (1, 3, 3)
     mass = weights.sum(-1)
