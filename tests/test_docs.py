@@ -179,10 +179,10 @@ def check_container(tokens: list[str], command: str, capsys) -> None:
 
 
 def check_image_test_step(command: str, capsys) -> None:
-    """A step of docs/docker.md's buildah recipe: tests/test_docker_image.py takes the same step (the same
-    buildah subcommand, the same Dockerfile, debootstrap's minbase variant), and an ``mmlight`` command
-    run inside the image is checked as above."""
-    test = (ROOT / "tests" / "test_docker_image.py").read_text()
+    """A step of docs/docker.md's buildah recipe: tests/test_docker_image.py (with the builds of
+    tests/helpers/docker.py) takes the same step (the same buildah subcommand, the same Dockerfile,
+    debootstrap's minbase variant), and an ``mmlight`` command run inside the image is checked as above."""
+    test = "".join((ROOT / "tests" / name).read_text() for name in ("test_docker_image.py", "helpers/docker.py"))
     for sub in re.findall(r"buildah (\w+)", command):
         assert f'"{sub}"' in test, f"{command!r}: tests/test_docker_image.py never runs buildah {sub}"
     for dockerfile in re.findall(r"-f (\S+)", command):
@@ -370,7 +370,7 @@ def test_every_code_and_test_reference_resolves(doc, reference):
 def test_every_path_reference_exists(doc, reference):
     """A file or folder path in the docs exists (a ``<name>`` placeholder is any name; a glob matches)."""
     pattern = re.sub(r"<\w+>", "*", reference).rstrip("/")
-    if "/" not in pattern:  # a test module named alone
+    if "/" not in reference:  # a test module named alone
         assert list((ROOT / "tests").rglob(pattern)), f"{doc}: no test module {reference}"
         return
     matches = [m for root in ROOTS for m in ROOT.glob(root + pattern)] if "*" in pattern else None

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 import mmlight
+from tests.helpers.imports import imported_names as imports_of
 
 PACKAGE = Path(mmlight.__file__).parent
 REPO = PACKAGE.parent
@@ -56,20 +57,11 @@ def modules() -> dict[str, Path]:
 
 
 def imported_names(source: str, module: str, is_package: bool) -> set[str]:
-    """Every dotted name ``source`` imports or names as a module string. ``from a import b`` gives both
-    ``a`` and ``a.b`` (``b`` may be a module); relative imports are made absolute from ``module``."""
-    names = set()
+    """Every dotted name ``source`` imports (:func:`tests.helpers.imports.imported_names`) or names as a
+    module string."""
+    names = imports_of(source, module, is_package)
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
-                base = ".".join([*anchor, *([node.module] if node.module else [])])
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif is_module_string(node) and ":" in node.value:
+        if is_module_string(node) and ":" in node.value:
             names.add(node.value.split(":")[0])
         elif isinstance(node, ast.Dict):
             names.update(value.value for value in node.values if is_module_string(value))

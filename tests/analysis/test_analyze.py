@@ -5,7 +5,6 @@ import csv
 import json
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -16,14 +15,12 @@ from torch.utils.data import DataLoader
 from mmlight.analysis import figures as analysis_figures
 from mmlight.cli import main
 from mmlight.lightning_cli import build_cli
+from tests.helpers.cli import analyze
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ROOT / "configs" / "quickstart"
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["mmlight"])
 
 
 def fit(config: Path, runs: Path, *extra: str) -> Path:
@@ -45,19 +42,6 @@ def fit(config: Path, runs: Path, *extra: str) -> Path:
         ]
     )
     return max(runs.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-
-
-def analyze(config: Path, ckpts: list[Path], out: Path, *options: str, overrides: Sequence[str] = ()) -> None:
-    """``mmlight analyze`` of ``ckpts`` trained with ``config``, written to ``out``.
-
-    Args:
-        config: the config the checkpoints were trained with.
-        ckpts: the checkpoints to compare.
-        out: the output folder.
-        options: analysis options (``--num_samples 16``, ``--robustness``, ...).
-        overrides: ``--data.*``/``--trainer.*`` options for the config's parser.
-    """
-    main(["analyze", "--config", str(config), *overrides, "--ckpt_path", *map(str, ckpts), "--out", str(out), *options])
 
 
 def read_csv(path: Path) -> list[dict]:

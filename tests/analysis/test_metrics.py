@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mmlight.reweighting import metrics as M
+from tests.helpers.references import naive_m_and_s
 
 
 def test_uniform_attention_has_entropy_log_k_and_normalised_entropy_1():
@@ -41,22 +42,6 @@ def centred_m_and_s(scores, p, keys, eps_m=0.0, eps_s=0.0):
     """M and S as the observer takes them: on the scores centred over the attended keys."""
     centred = M.centred_scores(scores, keys)
     return M.multimodality(centred, p, eps_m, keys), M.sparsity(centred, p, eps_s, keys=keys)
-
-
-def naive_m_and_s(x, p, keep, eps_m, eps_s):
-    """M and S of one row by a plain loop over the attended keys (no masking tricks)."""
-    xs = [float(v) for v, k in zip(x, keep) if k]
-    ps = [float(v) for v, k in zip(p, keep) if k]
-    mean = sum(xs) / len(xs)
-    c = [v - mean for v in xs]
-    i_max = max(range(len(c)), key=c.__getitem__)
-    relevant = [j for j in range(len(c)) if eps_m < c[j] < c[i_max]]
-    m = 1 - sum(ps[i_max] - ps[j] for j in relevant) / len(relevant) if relevant else math.nan
-    soft = np.exp(np.array(c) - max(c))
-    s_ref = float((soft / soft.sum()).min())
-    small = [j for j in range(len(c)) if c[j] < eps_s]
-    s = sum(math.exp((s_ref - ps[j]) / s_ref - 1) for j in small) / len(small) if small else math.nan
-    return m, s
 
 
 @pytest.mark.parametrize("eps_m, eps_s", [(0.0, 0.0), (0.5, -0.3)])

@@ -15,7 +15,7 @@ import torch
 
 from mmlight.callbacks import DataWaitMonitor
 from mmlight.cli import build_cli
-from tests.conftest import quiet_trainer
+from tests.helpers.trainer import quiet_trainer
 
 
 class SleepyData(torch.utils.data.Dataset):
