@@ -295,7 +295,8 @@ MODULES: dict[str, Module] = {
 
 # Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
 # that keeps Lightning's save_hyperparameters working on mutmut's renamed constructors.
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
+# -n 0: mutmut runs the tests in its own process (the suite's addopts would start xdist workers)
+PYTEST_ARGS = ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
 
 
 def toml_value(value) -> str:
