@@ -24,6 +24,8 @@ def naive_m_and_s(x, p, keep, eps_m, eps_s):
 
 
 def lrs(optimizer, scheduler, steps: int) -> list[float]:
+    """The learning rate of the first parameter group at each of ``steps`` optimiser steps, as the
+    scheduler sets it (stepping the optimiser, then the scheduler, as Lightning does)."""
     seen = []
     for _ in range(steps):
         seen.append(optimizer.param_groups[0]["lr"])

@@ -22,6 +22,12 @@ TEST = b" = Gameplay = \n \n fun is the play , <unk> . \n The game"  # no final 
 
 
 def write_raw(src, files=None):
+    """Write the raw files into ``src`` (made if missing) and return it.
+
+    Args:
+        src: the raw data folder.
+        files: file name -> bytes; by default the three splits ``TRAIN``, ``VALID`` and ``TEST``.
+    """
     src.mkdir(parents=True, exist_ok=True)
     for name, data in (
         files or {"wiki.train.tokens": TRAIN, "wiki.valid.tokens": VALID, "wiki.test.tokens": TEST}
