@@ -157,7 +157,7 @@ MODULES: dict[str, Module] = {
     ),
     # new code is held to the fast-test standard: the attention statistics and the robustness interventions
     "analysis": Module(
-        ("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
+        ("mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
         (
             "tests/analysis/test_metrics.py",
             "tests/analysis/test_stats.py",
@@ -168,7 +168,7 @@ MODULES: dict[str, Module] = {
     # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
     # is left out by the "not slow" marker; its fast twins are in test_collect.py and test_table.py)
     "experiments": Module(
-        ("mmlight/experiments/*",),
+        ("mmlight/experiments/*", "mmlight/commands/sweep.py", "mmlight/commands/collect.py"),
         ("tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py"),
     ),
     # the rest of the runtime package (everything but kernels/). Interpreter tests are left out by
@@ -236,7 +236,7 @@ MODULES: dict[str, Module] = {
     ),
     # test_tokenizers.py also reaches iwslt.py (its tokenising step and its cache's tokeniser key)
     "prepare": Module(
-        ("mmlight/data/prepare/*",),
+        ("mmlight/data/prepare/*", "mmlight/commands/prepare.py"),
         (
             "tests/data/test_imagenet.py",
             "tests/data/test_iwslt.py",
@@ -255,6 +255,8 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_functions.py",
             "tests/reweighting/test_multimax.py",
             "tests/reweighting/test_metrics.py",
+            "tests/analysis/test_metrics.py",  # the masked statistics of reweighting/metrics.py
+            "tests/analysis/test_stats.py",
             "tests/reweighting/test_fallback.py",
             "tests/reweighting/test_base.py",
             "tests/reweighting/test_spec.py",
@@ -283,7 +285,7 @@ MODULES: dict[str, Module] = {
     "beam_search": Module(("mmlight/models/beam_search.py",), ("tests/models/test_beam_search.py",)),
     # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work
     "analysis_rest": Module(
-        ("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
+        ("mmlight/commands/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
         (
             "tests/analysis/test_analyze_outputs.py",
             "tests/analysis/test_analyze.py",
@@ -294,7 +296,7 @@ MODULES: dict[str, Module] = {
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU
     # and GPU branches with stand-ins
     "doctor": Module(
-        ("mmlight/doctor.py",),
+        ("mmlight/commands/doctor.py",),
         ("tests/test_doctor.py",),
         keyword="not test_cpu_report_checks_every_kernel and not test_a_wrong_kernel_fails_the_check",
     ),
@@ -302,7 +304,8 @@ MODULES: dict[str, Module] = {
 
 # Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
 # that keeps Lightning's save_hyperparameters working on mutmut's renamed constructors.
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
+# -n 0: mutmut runs the tests in its own process (the suite's addopts would start xdist workers)
+PYTEST_ARGS = ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
 
 
 @dataclass(frozen=True)

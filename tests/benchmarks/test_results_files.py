@@ -3,7 +3,6 @@ BENCHMARKS.md, and every table BENCHMARKS.md renders from records is what ``benc
 renders from them today (so the document cannot drift from its records)."""
 
 import datetime
-import importlib.util
 import json
 import re
 import statistics
@@ -13,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import record_name
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = (ROOT / "BENCHMARKS.md").read_text()
-spec = importlib.util.spec_from_file_location("record_name", ROOT / "benchmarks" / "record_name.py")
-record_name = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(record_name)
 
 # The blocks as BENCHMARKS.md's method section describes them, parsed here without report.py's regex.
 BLOCKS = [

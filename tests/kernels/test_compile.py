@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # a build check, outside the runtime package
+from benchmarks.compile_check import SHARED_MEMORY_LIMITS, parse_ptxas_log, shipped_cases
 
-from compile_check import SHARED_MEMORY_LIMITS, parse_ptxas_log, shipped_cases  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 ATTENTION_KERNELS = {"_forward_kernel", "_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"}
 
@@ -72,7 +71,7 @@ FORCED_SPILL = (
     f"MAX_REGISTERS = {FORCED_REGISTERS}"
     + """
 import json
-import compile_check as C
+from benchmarks import compile_check as C
 case = C.Case("attention", "bf16", n=197, head_dim=64)
 launch = next(l for l in C.launches_of(case, 90) if l.kernel.__name__ == "_forward_kernel")
 print(json.dumps(C.compile_launch(launch, case, 90, extra_options={"maxnreg": MAX_REGISTERS}).__dict__))

@@ -2,18 +2,14 @@
 of today's code, the loader refuses malformed entries naming them, and the score leaves the equivalent out."""
 
 import ast
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from tools import mutation
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("mutation_tool_verdicts", ROOT / "tools" / "mutation.py")
-mutation = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mutation  # dataclasses look their module up there
-spec.loader.exec_module(mutation)
 
 # mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
 MUTMUT_NAME = re.compile(
