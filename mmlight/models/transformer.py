@@ -226,8 +226,13 @@ def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor | None:
 
 
 def none_if_all(keep: torch.Tensor | None) -> torch.Tensor | None:
-    """None for a mask that keeps everything (so attention takes its unmasked fast path), else ``keep``."""
-    return None if keep is None or bool(keep.all()) else keep
+    """None for a mask that keeps everything (so attention takes its unmasked fast path), else ``keep``.
+
+    Inside a compiled graph the mask is kept as it is: whether it keeps everything is known only
+    when the graph runs, and a mask that keeps everything gives the same result."""
+    if keep is None or torch.compiler.is_compiling():
+        return keep
+    return None if bool(keep.all()) else keep
 
 
 def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torchmetrics import SumMetric
 
 from mmlight.data.text import EvalWindows
 from mmlight.models.transformer import TransformerConfig, TransformerLM
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
@@ -51,6 +52,8 @@ class LanguageModel(SequenceTask):
         accuracy: also report ``{stage}/acc``, the fraction of scored targets predicted exactly
             (argmax). It materialises the logits of the scored positions, so leave it off for a
             267k-word vocabulary; the associative-recall quick start turns it on.
+        compile: compile the network's training and evaluation forward with ``torch.compile``:
+            ``true``, or its keyword arguments; see :mod:`mmlight.tasks.compiling`.
     """
 
     interventions = ("sink_masking", "kv_eviction")
@@ -68,10 +71,12 @@ class LanguageModel(SequenceTask):
         min_lr: float = 1e-5,
         label_smoothing: float = 0.0,
         accuracy: bool = False,
+        compile: CompileOption = False,
     ):
         super().__init__(schedule, label_smoothing)
         self.save_hyperparameters()
         self.model = TransformerLM(model)
+        self.compiled = CompiledCalls(compile, self.model)
         if accuracy:
             self.correct = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
 
@@ -80,16 +85,20 @@ class LanguageModel(SequenceTask):
         return self.model.logits(self.model(tokens))
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(
-            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
+        loss_sum, count = self.compiled(
+            self.model.loss,
+            batch["input"],
+            batch["target"],
+            batch["loss_mask"],
+            label_smoothing=self.hparams.label_smoothing,
         )
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def _eval_step(self, stage: str, batch) -> None:
-        hidden = self.model(batch["input"])  # (B, T, d)
-        nll_sum, count = self.model.summed_loss(hidden, batch["target"], batch["loss_mask"])
+        hidden = self.compiled(self.model.forward, batch["input"])  # (B, T, d)
+        nll_sum, count = self.compiled(self.model.summed_loss, hidden, batch["target"], batch["loss_mask"])
         self.update_nll(stage, nll_sum, count)
         if self.hparams.accuracy:
             scored = batch["loss_mask"] & (batch["target"] != self.config.pad_id)  # (B, T)

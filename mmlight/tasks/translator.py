@@ -16,6 +16,7 @@ from mmlight.data.translation import collate, decoder_start_id, source_sample
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
 from mmlight.tasks.sequence import Schedule, SequenceTask
@@ -58,6 +59,9 @@ class Translator(SequenceTask):
         beam: beam size, length penalty and maximum length relative to the source.
         bleu_in_validation: also decode the validation split with beam search and report BLEU.
         output_dir: folder for the hypotheses files; None = the run's log directory.
+        compile: compile the network's training and teacher-forced evaluation forward with
+            ``torch.compile``: ``true``, or its keyword arguments; beam search runs uncompiled. See
+            :mod:`mmlight.tasks.compiling`.
     """
 
     task_metric = TaskMetric("bleu", higher_is_better=True)
@@ -80,10 +84,12 @@ class Translator(SequenceTask):
         beam: BeamSearchConfig = BeamSearchConfig(),
         bleu_in_validation: bool = False,
         output_dir: str | None = None,
+        compile: CompileOption = False,
     ):
         super().__init__(schedule, label_smoothing)
         self.save_hyperparameters()
         self.model = TransformerSeq2Seq(model)
+        self.compiled = CompiledCalls(compile, self.model)
         # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI
         self.beam = beam if isinstance(beam, BeamSearchConfig) else BeamSearchConfig(**beam)
         self.translations: dict[str, list[dict]] = {}
@@ -95,7 +101,8 @@ class Translator(SequenceTask):
         return self.model.logits(self.model(src, tgt_in, src_mask))
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(
+        loss_sum, count = self.compiled(
+            self.model.loss,
             batch["src"],
             batch["tgt_in"],
             batch["tgt_out"],
@@ -224,8 +231,8 @@ class Translator(SequenceTask):
             self.bleu_in_validation, self.output_dir = saved
 
     def _eval_step(self, stage: str, batch) -> None:
-        hidden = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
-        nll_sum, count = self.model.summed_loss(hidden, batch["tgt_out"], batch["tgt_mask"])
+        hidden = self.compiled(self.model.forward, batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
+        nll_sum, count = self.compiled(self.model.summed_loss, hidden, batch["tgt_out"], batch["tgt_mask"])
         self.update_nll(stage, nll_sum, count)
         if self._generates(stage):
             self._generate(stage, batch)
