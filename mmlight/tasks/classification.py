@@ -204,6 +204,19 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
                 f"the data has {data_classes} classes but model.num_classes is {self.model.config.num_classes}"
             )
 
+    #: batches hold images, no tokens (:class:`~mmlight.callbacks.Throughput`)
+    counts_tokens = False
+
+    def batch_counts(self, batch) -> tuple[int, None]:
+        """``(samples, None)`` of a training batch, for the throughput logs."""
+        return batch[1].shape[0], None
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s plain training loss on ``batch`` (no mixup), uncompiled: what the throughput
+        callback counts FLOPs of, on a meta-device copy of the network."""
+        images, labels = batch
+        return network.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
+
     def training_step(self, batch, batch_idx):
         images, labels = batch
         if self.mixup is not None:

@@ -84,6 +84,17 @@ class LanguageModel(SequenceTask):
         """Next-token scores ``(B, T, V)`` of ``tokens`` ``(B, T)``."""
         return self.model.logits(self.model(tokens))
 
+    def batch_counts(self, batch) -> tuple[int, int]:
+        """``(sequences, scored tokens)`` of a training batch, for the throughput logs."""
+        return batch["input"].shape[0], int(batch["loss_mask"].sum())
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s training loss on ``batch``, uncompiled (the throughput callback counts its FLOPs)."""
+        loss_sum, count = network.loss(
+            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
+        )
+        return loss_sum / count.clamp_min(1)
+
     def training_step(self, batch, batch_idx):
         loss_sum, count = self.compiled(
             self.model.loss,

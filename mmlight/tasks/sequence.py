@@ -50,6 +50,8 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     """
 
     model: nn.Module
+    #: batches hold tokens: the throughput logs report tokens/s
+    counts_tokens = True
     #: the data's vocabulary: from the DataModule in ``setup``, or from the checkpoint
     vocab: Vocab | None = None
 

@@ -100,6 +100,22 @@ class Translator(SequenceTask):
         """Next-token scores ``(B, T, V)`` of the decoder inputs ``tgt_in`` given ``src``."""
         return self.model.logits(self.model(src, tgt_in, src_mask))
 
+    def batch_counts(self, batch) -> tuple[int, int]:
+        """``(sentence pairs, target tokens)`` of a training batch, for the throughput logs."""
+        return batch["src"].shape[0], int(batch["tgt_mask"].sum())
+
+    def training_loss(self, batch, network: torch.nn.Module) -> torch.Tensor:
+        """``network``'s training loss on ``batch``, uncompiled (the throughput callback counts its FLOPs)."""
+        loss_sum, count = network.loss(
+            batch["src"],
+            batch["tgt_in"],
+            batch["tgt_out"],
+            batch["src_mask"],
+            batch["tgt_mask"],
+            label_smoothing=self.hparams.label_smoothing,
+        )
+        return loss_sum / count.clamp_min(1)
+
     def training_step(self, batch, batch_idx):
         loss_sum, count = self.compiled(
             self.model.loss,
