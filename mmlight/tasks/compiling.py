@@ -67,9 +67,9 @@ class CompiledCalls:
         if self.kwargs is None or attention_observed():
             return method(*args, **kwargs)
         key = (id(method.__self__), method.__name__)
-        if key not in self._compiled:
-            self._compiled[key] = torch.compile(method, **self.kwargs)
         try:
+            if key not in self._compiled:
+                self._compiled[key] = torch.compile(method, **self.kwargs)
             return self._compiled[key](*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
