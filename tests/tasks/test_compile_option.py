@@ -22,6 +22,15 @@ MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, d
 COMPILED = {"backend": "aot_eager"}
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's models are new objects: Dynamo's caches from earlier tests would only count
+    against its recompile limit (8 per code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
