@@ -62,3 +62,12 @@ def quiet_trainer(**options):
         "enable_model_summary": False,
     }
     return L.Trainer(**{**quiet, **options})
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: each test's models are new objects, and
+    caches from earlier tests would only count against its recompile limit (8 per code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -3,7 +3,8 @@ swappable attention reweighting and an optional MultiMax output layer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -88,21 +89,12 @@ class LanguageModel(SequenceTask):
         """``(sequences, scored tokens)`` of a training batch, for the throughput logs."""
         return batch["input"].shape[0], int(batch["loss_mask"].sum())
 
-    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
-        """``network``'s training loss on ``batch``, uncompiled (the throughput callback counts its FLOPs)."""
-        loss_sum, count = network.loss(
-            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
-        )
-        return loss_sum / count.clamp_min(1)
+    def summed_training_loss(self, batch, loss: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(summed loss, scored-token count)`` of a training batch by ``loss`` (a network's ``loss``)."""
+        return loss(batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.compiled(
-            self.model.loss,
-            batch["input"],
-            batch["target"],
-            batch["loss_mask"],
-            label_smoothing=self.hparams.label_smoothing,
-        )
+        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         return loss

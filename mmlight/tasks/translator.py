@@ -3,9 +3,10 @@ with a swappable reweighting in every encoder, decoder and cross-attention layer
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -104,28 +105,13 @@ class Translator(SequenceTask):
         """``(sentence pairs, target tokens)`` of a training batch, for the throughput logs."""
         return batch["src"].shape[0], int(batch["tgt_mask"].sum())
 
-    def training_loss(self, batch, network: torch.nn.Module) -> torch.Tensor:
-        """``network``'s training loss on ``batch``, uncompiled (the throughput callback counts its FLOPs)."""
-        loss_sum, count = network.loss(
-            batch["src"],
-            batch["tgt_in"],
-            batch["tgt_out"],
-            batch["src_mask"],
-            batch["tgt_mask"],
-            label_smoothing=self.hparams.label_smoothing,
-        )
-        return loss_sum / count.clamp_min(1)
+    def summed_training_loss(self, batch, loss: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(summed loss, target count)`` of a training batch by ``loss`` (a network's ``loss``)."""
+        args = (batch["src"], batch["tgt_in"], batch["tgt_out"], batch["src_mask"], batch["tgt_mask"])
+        return loss(*args, label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.compiled(
-            self.model.loss,
-            batch["src"],
-            batch["tgt_in"],
-            batch["tgt_out"],
-            batch["src_mask"],
-            batch["tgt_mask"],
-            label_smoothing=self.hparams.label_smoothing,
-        )
+        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", count.float(), reduce_fx="sum")

@@ -33,14 +33,7 @@ from tests.models.test_vit import micro_vit
 
 MODELS = ("vit", "lm", "seq2seq")
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test's models are new objects: Dynamo's caches from earlier tests would only count
-    against its recompile limit (8 per code object)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def buildable(model: str, name: str) -> bool:

@@ -21,14 +21,7 @@ from tests.models.test_vit import micro_vit
 MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
 COMPILED = {"backend": "aot_eager"}
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test's models are new objects: Dynamo's caches from earlier tests would only count
-    against its recompile limit (8 per code object)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(scope="module")
