@@ -2,8 +2,9 @@
 total, the model FLOPs per sample and the model FLOP utilisation (MFU) against the device's peak.
 
 Built on Lightning's :class:`~lightning.pytorch.callbacks.ThroughputMonitor` (TensorBoard tags
-``train|samples_per_sec``, ``train|device|samples_per_sec``, ``train|items_per_sec`` (tokens),
-``train|device|flops_per_sec``, ``train|device|mfu``, over a window of batches). The FLOPs of one
+``train/device/samples_per_sec``, ``train/samples_per_sec`` (all devices, with several),
+``train/device/items_per_sec`` (tokens), ``train/device/flops_per_sec``, ``train/device/mfu``, over
+a window of batches). The FLOPs of one
 training step (forward and backward) are counted once, by torch's FLOP counter
 (:func:`lightning.fabric.utilities.throughput.measure_flops`) on a copy of the network on the meta
 device: matmuls and attention only, as MFU is usually defined. The end of fit prints the mean.
@@ -49,8 +50,8 @@ class Throughput(ThroughputMonitor):
     The task says whether its batches have tokens (``counts_tokens``), how many samples and tokens a
     batch holds (``batch_counts(batch) -> (samples, tokens or None)``) and its training loss on a
     given network (``training_loss(batch, network)``). Rates are logged once ``window_size`` batches
-    have been seen, per device (``train|device|samples_per_sec``) and, with several devices, in
-    total (``train|samples_per_sec``).
+    have been seen, per device (``train/device/samples_per_sec``) and, with several devices, in
+    total (``train/samples_per_sec``).
 
     Args:
         window_size: batches averaged in each logged value.

@@ -77,3 +77,31 @@ def test_peaks_are_dense_bf16_and_the_cpu_has_none(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
     assert peak_flops(torch.device("cuda", 0)) is None
     assert PEAK_BF16_DENSE["H200"] == PEAK_BF16_DENSE["H100"]
+
+
+def test_a_fit_logs_samples_per_second_flops_and_the_mean(tmp_path, caplog):
+    import logging
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mmlight.callbacks import Throughput
+    from mmlight.data import DigitsDataModule, write_digits_shards
+    from tests.conftest import quiet_trainer
+
+    write_digits_shards(tmp_path / "digits")
+    task = ImageClassifier(micro_vit(drop_path_rate=0.0), lr_reference_batch=None)
+    logger = TensorBoardLogger(tmp_path / "runs", name="t")
+    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, logger=logger, log_every_n_steps=1)
+    trainer.callbacks.append(Throughput(window_size=3))
+    with caplog.at_level(logging.INFO):
+        trainer.fit(task, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/device/samples_per_sec", "train/device/flops_per_sec", "train/flops_per_sample"} <= tags
+    assert "train/device/mfu" not in tags  # the CPU has no peak
+    assert [e.value for e in events.Scalars("train/flops_per_sample")] == [19_681_024.0]
+    assert all(e.value > 0 for e in events.Scalars("train/device/samples_per_sec"))
+    assert "samples/s" in trainer.progress_bar_metrics
+    assert "mean throughput:" in caplog.text and "no MFU" in caplog.text
