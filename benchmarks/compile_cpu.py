@@ -5,9 +5,10 @@ For each function the task of ``configs/quickstart/digits_multimax.yaml`` (micro
 batch 32, MultiMax on the logits for MultiMax) takes ``--steps`` training steps on a fixed synthetic
 batch (forward, backward, AdamW step) eagerly, then compiled with Inductor (``compile: true``): the
 first compiled step (compilation included) is the compile time, the median of the steps after
-``--warmup`` more is the step time. Writes one JSON record::
+``--warmup`` more is the step time. Inductor's caches are off, so every compile time is a cold one.
+Writes one JSON record::
 
-    python benchmarks/compile_cpu.py --out benchmarks/results/compile_cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/compile_cpu.py --out benchmarks/results/compile_cpu.json
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compiles, read at import
 
-from mmlight.models import ReweightingSpec, ViTConfig
-from mmlight.tasks import ImageClassifier
+import torch  # noqa: E402
+
+from mmlight.models import ReweightingSpec, ViTConfig  # noqa: E402
+from mmlight.tasks import ImageClassifier  # noqa: E402
 
 
 def quick_start_task(name: str, compile: bool) -> ImageClassifier:
@@ -90,14 +93,15 @@ def main() -> None:
         "benchmark": "compile_cpu",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "threads": torch.get_num_threads(),
+        "inductor_caches": "off" if os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1" else "on",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "steps": args.steps,
         "warmup": args.warmup,
         "seed": args.seed,
         "batch": 32,
-        "note": "a CPU shared with other jobs: absolute times vary with their load; eager and compiled "
-        "of one function run one after the other",
+        "note": "a CPU shared with other jobs (load average 10-13 on 2 cores while measured): absolute "
+        "times vary with their load; eager and compiled of one function run one after the other",
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
