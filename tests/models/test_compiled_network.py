@@ -124,7 +124,16 @@ def test_compiled_lm_matches_eager_for_every_function(name):
     compare_compiled("lm", name, "auto", "aot_eager", rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model, name", pairs(kernel_names()))
+def triton_pairs() -> list:
+    """The pairs with a Triton kernel; under the interpreter the ViT's and the encoder-decoder's take
+    minutes, so they are marked slow (they still run in CI) and the LM's stay in the fast tests."""
+    return [
+        pytest.param(*p.values, id=p.id, marks=() if p.values[0] == "lm" else pytest.mark.slow)
+        for p in pairs(kernel_names())
+    ]
+
+
+@pytest.mark.parametrize("model, name", triton_pairs())
 def test_compiles_whole_with_the_triton_kernels_as_operators(model, name):
     compare_compiled(model, name, "triton", "aot_eager", rtol=1e-5, atol=1e-6)
 
