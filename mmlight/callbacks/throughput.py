@@ -87,6 +87,10 @@ class Throughput(ThroughputMonitor):
         # read by ThroughputMonitor for this batch (a batch's size may vary: token budgets, the last batch)
         pl_module.flops_per_batch = self.flops_per_sample * samples
 
+    def on_validation_batch_start(self, trainer, pl_module, batch, *args) -> None:
+        # validation logs its samples/s, but no FLOPs: the count is of a training step (with backward)
+        pl_module.flops_per_batch = None
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
         stage = RunningStage.TRAINING
