@@ -21,6 +21,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
 
+from mmlight.reweighting import Reweighting
+
 #: Dense bf16 tensor-core peak per GPU, FLOP/s, by a substring of the CUDA device name. Sources:
 #: NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS bf16 dense; the datasheet's 1,979 is with
 #: sparsity), H200 datasheet (989, the same chip), A100 datasheet (312). Other devices (the CPU
@@ -38,8 +40,13 @@ def peak_flops(device: torch.device) -> float | None:
 
 def training_step_flops(pl_module, batch) -> int:
     """FLOPs of one training step (forward and backward) of ``batch``, counted on a meta-device copy
-    of the task's network (``pl_module.training_loss(batch, network)``)."""
+    of the task's network (``pl_module.training_loss(batch, network)``). The copy computes every
+    reweighting function by its reference (no kernel runs on the meta device); a fused kernel does
+    the same products."""
     network = copy.deepcopy(pl_module.model).to("meta")
+    for module in network.modules():
+        if isinstance(module, Reweighting):
+            module.backend = "reference"
     meta_batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to("meta"))
     return measure_flops(network, lambda: pl_module.training_loss(meta_batch, network), loss_fn=lambda loss: loss)
 

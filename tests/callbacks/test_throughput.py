@@ -105,3 +105,10 @@ def test_a_fit_logs_samples_per_second_flops_and_the_mean(tmp_path, caplog):
     assert all(e.value > 0 for e in events.Scalars("train/device/samples_per_sec"))
     assert "samples/s" in trainer.progress_bar_metrics
     assert "mean throughput:" in caplog.text and "no MFU" in caplog.text
+
+
+def test_a_network_on_the_triton_backend_is_counted_by_its_reference():
+    task = ImageClassifier(micro_vit(attention=ReweightingSpec("multimax"), drop_path_rate=0.0, backend="triton"))
+    batch = (torch.randn(3, 1, 8, 8), torch.randint(0, 10, (3,)))
+    assert training_step_flops(task, batch) / 3 == 19_681_024
+    assert {m.backend for m in task.model.modules() if hasattr(m, "backend")} == {"triton"}  # the task's own
