@@ -72,7 +72,7 @@ class CompiledCalls:
                 self._compiled[key] = torch.compile(method, **self.kwargs)
             return self._compiled[key](*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
             raise RuntimeError(
                 f"torch.compile of {type(method.__self__).__name__}.{method.__name__} ({self.describe()}) failed: "
                 f"{first}. The cause below names the function and line; set compile: false to run uncompiled."

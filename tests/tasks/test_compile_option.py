@@ -85,5 +85,9 @@ def test_trained_compiled_continues_uncompiled_and_back_with_the_same_weights(di
 
 def test_a_compile_failure_names_the_method_and_the_functions(digits):
     module = ImageClassifier(MICRO, compile={"backend": "no_such_backend"})
-    with pytest.raises(RuntimeError, match=r"torch.compile of ReweightedViT.loss \(reweighting: MultiMax"):
+    # the sanity check's evaluation forward is the first compiled call
+    message = (
+        r"torch.compile of ReweightedViT.forward \(reweighting: MultiMax \(backend auto\)\) failed: Invalid backend"
+    )
+    with pytest.raises(RuntimeError, match=message):
         fit(module, digits, 1)
