@@ -119,7 +119,11 @@ def reading_checkpoint(path: str | Path):
     Args:
         path: the checkpoint read inside the block.
     """
-    with torch.serialization.safe_globals(CHECKPOINT_TYPES), refusing_code(path):
+    # torch's context removes on exit every type it was given, also those registered for good before it
+    # (tasks/inference.py's add_safe_globals for Lightning's own reads): give it only the others
+    registered = torch.serialization.get_safe_globals()
+    missing = [entry for entry in CHECKPOINT_TYPES if entry not in registered]
+    with torch.serialization.safe_globals(missing), refusing_code(path):
         yield
 
 

@@ -126,6 +126,16 @@ def test_honest_checkpoints_load_with_config_records_paths_and_the_old_module_of
     assert all(torch.equal(v, loaded["state_dict"][f"model.{k}"]) for k, v in task.model.state_dict().items())
 
 
+def test_a_safe_read_keeps_the_types_registered_for_lightning_s_own_reads(tmp_path):
+    """``--ckpt_path`` resumes go through Lightning's plain ``torch.load(weights_only=True)``, which needs the
+    config records registered for good; a read through ``load_checkpoint`` or ``load_from_checkpoint`` before
+    it (a fine-tuning start, the Python API) must not unregister them."""
+    path = micro_checkpoint(tmp_path / "task.ckpt")
+    load_checkpoint(path)
+    ImageClassifier.load_from_checkpoint(path, map_location="cpu")
+    assert torch.load(path, weights_only=True)["hyper_parameters"]["model"] == MICRO
+
+
 def _pickle_of(checkpoint: Path) -> bytes:
     with torch.serialization._open_zipfile_reader(open(checkpoint, "rb")) as zipped:  # noqa: SIM115
         return zipped.get_record("data.pkl")
