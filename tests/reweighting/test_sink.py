@@ -78,7 +78,11 @@ def test_gradcheck_in_scores_and_sink_logit():
     x = torch.where(torch.isfinite(scores), scores, -1.0).requires_grad_()
     b = torch.tensor(B, dtype=torch.float64, requires_grad=True)
     module = sink()
-    assert torch.autograd.gradcheck(lambda x, b: torch.func.functional_call(module, {"sink_logit": b}, (x, mask)), (x, b))
+
+    def weights(x, b):
+        return torch.func.functional_call(module, {"sink_logit": b}, (x, mask))
+
+    assert torch.autograd.gradcheck(weights, (x, b))
 
 
 def test_init_zero_is_softmax1_and_a_large_logit_takes_everything():
