@@ -1,10 +1,12 @@
-"""mmlight: attention reweighting (softmax, MultiMax, sparsemax, entmax-1.5, ev-softmax, top-k) at scale.
+"""mmlight: attention reweighting (softmax, MultiMax, sparsemax, entmax-1.5, ev-softmax, top-k, and
+the functions that may attend to nothing: softmax1, the learned sink, softpick, sigmoid, stick-breaking;
+Scalable-Softmax, α-entmax) and gated attention, at scale.
 
 Package map (bottom layer first):
     kernels/      the Triton kernels of MultiMax (row-wise, fused attention, cross-entropy)
     reweighting/  the reweighting functions (one file each, registered on import), their registry
                   (``build``), the config entry ``ReweightingSpec`` and the paper's metrics
-    nn/           the attention entry point every model calls, and its observation point
+    nn/           the attention entry point every model calls, its observation point, the output gate
     models/       networks built from typed configs (ViT/DeiT via timm)
     tasks/        LightningModules: loss, metrics, optimiser, schedule, logging
     data/         webdataset shard writing, text vocabularies and tokenisers, and the
