@@ -233,3 +233,17 @@ def test_beam_search_through_the_cache_scores_its_hypotheses_as_the_full_model_d
         targets = torch.tensor([*hyp.tolist(), EOS])
         want = lprobs.gather(1, targets[:, None]).sum().item() / len(targets)
         assert scores[b].item() == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["compile", "triton"])
+def test_gated_multimax_on_each_backend_equals_the_reference(backend):
+    """The gate multiplies attention's output whatever computed it: MultiMax's fused Triton attention
+    (under the interpreter without a GPU) and the compiled reference give the reference backend's states."""
+    torch.manual_seed(6)
+    reference = TransformerLM(tiny_config(0, "elementwise", "multimax", backend="reference")).eval()
+    other = TransformerLM(tiny_config(0, "elementwise", "multimax", backend=backend)).eval()
+    other.load_state_dict(reference.state_dict())
+    x = padded_tokens(2, 6, seed=6)
+    x[0, 4:] = 5  # no padding: a key-padding-free batch takes the fused kernel
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), reference(x), rtol=1e-4, atol=1e-4)
