@@ -5,9 +5,9 @@ the model's own gate outputs and recorded weights."""
 import pytest
 import torch
 
-from mmlight.analysis.analyze import write_summary
 from mmlight.analysis.stats import GATE_METRICS, Settings, collect_statistics, metric_rows, record_statistics
 from mmlight.callbacks.attention_stats import finish_recording
+from mmlight.commands.analyze import write_summary
 from mmlight.models import TransformerConfig
 from mmlight.nn.attention import record_attention
 from mmlight.reweighting import ReweightingSpec
