@@ -1,8 +1,8 @@
 """mmlight: attention reweighting at scale (softmax, MultiMax, sparsemax, entmax-1.5, α-entmax, ev-softmax,
-top-k, and the functions that may attend to nothing or learn per head: softmax1, softpick, sigmoid, ssmax,
-stick-breaking); ``mmlight.reweighting.available()`` names every registered function:
-``softmax``, ``multimax``, ``sparsemax``, ``entmax15``, ``alpha_entmax``, ``evsoftmax``, ``topk``,
-``softmax1``, ``softpick``, ``sigmoid``, ``ssmax``, ``stickbreaking``.
+top-k, and the functions that may attend to nothing or learn per head: softmax1, the learned sink, softpick,
+sigmoid, ssmax, stick-breaking) and gated attention; ``mmlight.reweighting.available()`` names every
+registered function: ``softmax``, ``multimax``, ``sparsemax``, ``entmax15``, ``alpha_entmax``,
+``evsoftmax``, ``topk``, ``softmax1``, ``sink``, ``softpick``, ``sigmoid``, ``ssmax``, ``stickbreaking``.
 
 Package map, bottom layer first (a module imports only its own package and the lines before its own;
 ``tests/test_layers.py`` checks it):
@@ -10,7 +10,7 @@ Package map, bottom layer first (a module imports only its own package and the l
     reweighting/  the reweighting functions (one file each, registered on import), their registry
                   (``build``), the config entry ``ReweightingSpec``, the backends, and the measures of
                   attention weights (``metrics.py``: the paper's M and S, entropy, rollout)
-    nn/           the attention entry point every model calls, and its observation point
+    nn/           the attention entry point every model calls, its observation point, the output gate
     models/, data/  networks built from typed configs (ViT/DeiT via timm, fairseq-shaped transformers);
                   webdataset shards, vocabularies, tokenisers, the LightningDataModules that stream
                   them, and the dataset preparers (``data/prepare/``)

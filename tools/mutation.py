@@ -149,12 +149,16 @@ MODULES: dict[str, Module] = {
     ),
     "vit": Module(
         ("mmlight/models/vit.py", "mmlight/models/pretrained.py"),
-        ("tests/models/test_vit.py", "tests/models/test_pretrained.py"),
+        ("tests/models/test_vit.py", "tests/models/test_pretrained.py", "tests/models/test_gated_attention.py"),
         keyword="not triton",
     ),
     "transformer": Module(
         ("mmlight/models/transformer.py",),
-        ("tests/models/test_transformer_reference.py", "tests/models/test_transformer.py"),
+        (
+            "tests/models/test_transformer_reference.py",
+            "tests/models/test_transformer.py",
+            "tests/models/test_gated_attention.py",
+        ),
         keyword="not triton",
     ),
     # new code is held to the fast-test standard: the attention statistics and the robustness interventions
@@ -165,6 +169,7 @@ MODULES: dict[str, Module] = {
             "tests/analysis/test_stats.py",
             "tests/analysis/test_robustness.py",
             "tests/analysis/test_analyze.py",
+            "tests/analysis/test_gate_and_sink_stats.py",
         ),
     ),
     # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
@@ -264,7 +269,7 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_spec.py",
             *(
                 f"tests/reweighting/test_{name}.py"
-                for name in ("softmax1", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking")
+                for name in ("softmax1", "sink", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking")
             ),
         ),
         keyword="not triton",
@@ -277,6 +282,7 @@ MODULES: dict[str, Module] = {
             "tests/nn/test_attention.py",
             "tests/nn/test_observation.py",
             "tests/nn/test_sites.py",
+            "tests/nn/test_gate.py",
             "tests/reweighting/test_ssmax.py",
             "tests/reweighting/test_stickbreaking.py",
             "tests/reweighting/test_fallback.py",
@@ -293,6 +299,7 @@ MODULES: dict[str, Module] = {
             "tests/analysis/test_analyze.py",
             "tests/analysis/test_figures.py",
             "tests/analysis/test_stats.py",
+            "tests/analysis/test_gate_and_sink_stats.py",
         ),
     ),
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU

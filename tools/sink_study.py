@@ -11,7 +11,9 @@ decoder layers, so the default of 2 would evict nothing; and at the keep ratios 
 but 1, which evicts nothing (its metric is the plain run's, tested). A cell whose ``robustness.csv`` already
 covers every seed is skipped. ``report`` reads those folders and writes ``sink_study.md`` (the table),
 ``sink_study.json`` (every seed's numbers) and ``kv_eviction.png`` (the metric against the keep ratio,
-one line per function).
+one line per function). A cell without an analysis folder keeps the per-seed numbers that an earlier
+``sink_study.json`` in the output folder holds for it, so new cells can be added to a report whose
+older runs are gone. Gated cells also get their gate statistics (mean gate and fraction below 0.1 per layer).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ SINK_LEVELS = (1, 5, 10)
 KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3)
 #: a recall run has learnt the task above this validation accuracy (%): runs end near 100% or near 30%
 SOLVED_ACC = 90.0
+#: per-layer statistics read from each analysed run (the gate's only where the model is gated)
+LAYER_STATS = ("sink_ratio", "null_mass", "gate_mean", "gate_below_0.1")
 
 
 def cell_checkpoints(table: Table, cell: Cell, runs_root: Path) -> dict[int, Path]:
@@ -95,7 +99,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def seed_numbers(cell: Cell, out: Path) -> dict[int, dict]:
     """Per seed: the task metric (scaled as the table shows it) plain and under each intervention, and
-    the per-layer sink ratio and null mass of every attention layer."""
+    the per-layer sink ratio and null mass (and gate statistics, for a gated model) of every attention layer."""
     found: dict[int, dict] = {}
     for row in read_rows(out / "robustness.csv"):
         seed = int(row["checkpoint"].removeprefix("seed"))
@@ -105,8 +109,8 @@ def seed_numbers(cell: Cell, out: Path) -> dict[int, dict]:
         )
     for row in read_rows(out / "stats.csv"):
         seed = int(row["checkpoint"].removeprefix("seed"))
-        if row["head"] == "" and row["metric"] in ("sink_ratio", "null_mass") and row["value"] != "":
-            found[seed][row["metric"]][row["layer"]] = float(row["value"])
+        if row["head"] == "" and row["metric"] in LAYER_STATS and row["value"] != "":
+            found[seed].setdefault(row["metric"], {})[row["layer"]] = float(row["value"])
     return found
 
 
@@ -131,9 +135,10 @@ def summarise(cell: Cell, results: dict[int, float], seeds: dict[int, dict]) -> 
         "interventions_over": over,
         "interventions": {key: mean_std([seeds[s]["metric"][key] for s in over]) if over else None for key in keys},
     }
-    for stat in ("sink_ratio", "null_mass"):
-        layers = sorted(next(iter(seeds.values()))[stat])
-        summary[stat] = {layer: mean_std([seeds[s][stat][layer] for s in seeds]) for layer in layers}
+    for stat in LAYER_STATS:
+        layers = sorted(next(iter(seeds.values())).get(stat, {}))
+        if layers:
+            summary[stat] = {layer: mean_std([seeds[s][stat][layer] for s in seeds]) for layer in layers}
     return summary
 
 
@@ -174,6 +179,16 @@ def markdown(title: str, summaries: dict[str, dict]) -> list[str]:
     for s in summaries.values():
         cells = [fmt(s["sink_ratio"].get(n), 2) for n in own] + [fmt(s["null_mass"].get(n), 3) for n in layers]
         lines.append(f"| {s['row']} | " + " | ".join(cells) + " |")
+    gated = [s for s in summaries.values() if "gate_mean" in s]
+    if gated:
+        lines += ["", "| function | " + " | ".join(f"gate mean {short_layer(n)}" for n in layers)]
+        lines[-1] += " | " + " | ".join(f"gates < 0.1 {short_layer(n)}" for n in layers) + " |"
+        lines.append("|---|" + "---|" * (2 * len(layers)))
+        for s in gated:
+            cells = [fmt(s["gate_mean"].get(n), 3) for n in layers] + [
+                fmt(s["gate_below_0.1"].get(n), 3) for n in layers
+            ]
+            lines.append(f"| {s['row']} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -216,16 +231,33 @@ def figure(tasks: dict[str, dict[str, dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def earlier_numbers(path: Path) -> dict[str, dict]:
+    """``{cell: {"results": {seed: metric}, "analysed": {seed: numbers}}}`` of an earlier report's
+    ``sink_study.json`` (seeds as ints), or nothing when there is none."""
+    if not path.is_file():
+        return {}
+    per_seed = json.loads(path.read_text())["per_seed"]
+    return {
+        cell: {part: {int(seed): value for seed, value in entry[part].items()} for part in ("results", "analysed")}
+        for cell, entry in per_seed.items()
+    }
+
+
 def report(table: Table, runs_root: Path, out: Path) -> None:
     tasks: dict[str, dict[str, dict]] = {}
     numbers = {}
+    earlier = earlier_numbers(out / "sink_study.json")
     for cell in table.cells:
         folder = ANALYSIS_ROOT / table.name / cell.name
-        if not (folder / "robustness.csv").is_file():
+        if (folder / "robustness.csv").is_file():
+            seeds = seed_numbers(cell, folder)
+            results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell}
+        elif cell.name in earlier:
+            print(f"{cell.name}: not analysed here, numbers from {out / 'sink_study.json'}", flush=True)
+            seeds, results = earlier[cell.name]["analysed"], earlier[cell.name]["results"]
+        else:
             print(f"{cell.name}: not analysed yet, left out", flush=True)
             continue
-        seeds = seed_numbers(cell, folder)
-        results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell}
         results = {seed: value for seed, value in results.items() if value is not None}
         if not results:
             print(f"{cell.name}: no run has a result, left out", flush=True)

@@ -33,6 +33,9 @@ HEAD_METRICS = (
 )
 #: Per-layer-only metrics.
 LAYER_METRICS = ("token_similarity", "rollout_discrepancy", "sink_ratio", "zero_mass_rows")
+#: Per-head metrics of a gated layer (:mod:`mmlight.nn.gate`), reported only for gated layers: the mean
+#: gate value over query rows, and the fraction of gate values below ``Settings.low_gate``.
+GATE_METRICS = ("gate_mean", "gate_below_0.1")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Settings:
         top_sinks: how many top sink positions are listed per layer.
         zero_mass: a row whose weights sum to at most this attends to nothing: it counts in the null
             mass and in ``frac_zero_mass``, not in entropy, M and S (defined on the renormalised weights).
+        low_gate: the threshold of ``gate_below_0.1`` (gated attention: a head's output is nearly closed).
     """
 
     eps_multimodality: float = 0.0
@@ -56,6 +60,7 @@ class Settings:
     sink_eps: float = 3.0
     top_sinks: int = 5
     zero_mass: float = 1e-9
+    low_gate: float = 0.1
 
 
 @dataclass
@@ -129,6 +134,18 @@ class StatsObserver(AttentionObserver):
 
     def end_batch(self) -> None:
         self._kept.append(None)
+
+    @torch.no_grad()
+    def record_gate(self, site: AttentionSite, gates: torch.Tensor) -> None:
+        """Add one call's gate values ``(B, nh, Tq, 1|hs)`` of a gated site (its gate's output): per
+        head, the mean gate of each real query row and the fraction of values below ``low_gate``."""
+        rows = torch.ones(gates.shape[:3], dtype=torch.bool, device=gates.device)  # (B, nh, Tq)
+        query_keep = self.query_keep.get(site.stack)
+        if query_keep is not None:
+            rows = rows & query_keep[:, None, :]
+        sums = self.sites.setdefault(site.name, _SiteSums(site))
+        sums.add("gate_mean", gates.double().mean(-1), rows)
+        sums.add_fraction("gate_below_0.1", gates < self.settings.low_gate, rows[..., None].expand(gates.shape))
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -258,6 +275,11 @@ def record_statistics(
         network.eval()
     observer = StatsObserver(settings, keep_bytes)
     similarity = BlockSimilarity(network, lambda: observer.query_keep)
+    gates = [  # each gated site's gate values, from its gate's output (the hook returns None: output unchanged)
+        site.gate.register_forward_hook(lambda module, args, out, site=site: observer.record_gate(site, out))
+        for site in network.attention_sites().values()
+        if site.gate is not None
+    ]
     try:
         with observe_attention(task, observer):
             for batch in batches:
@@ -269,6 +291,8 @@ def record_statistics(
                     progress(batch_size(batch))
     finally:
         similarity.remove()
+        for handle in gates:
+            handle.remove()
         if was_training:
             network.train()
     return Recording(observer, similarity.summary())
@@ -291,9 +315,10 @@ def summarize(observer: StatsObserver, blocks: dict) -> dict:
     sites = {}
     for sums in sorted(observer.sites.values(), key=lambda sums: (sums.site.stack, sums.site.kind, sums.site.layer)):
         site = sums.site.name
-        heads = {m: (sums.sums[m] / sums.counts[m]).tolist() for m in HEAD_METRICS}
+        reported = HEAD_METRICS + tuple(m for m in GATE_METRICS if m in sums.sums)
+        heads = {m: (sums.sums[m] / sums.counts[m]).tolist() for m in reported}
         heads = {m: [None if math.isnan(v) else v for v in vals] for m, vals in heads.items()}
-        layer = {m: pooled(sums.sums[m], sums.counts[m]) for m in HEAD_METRICS}
+        layer = {m: pooled(sums.sums[m], sums.counts[m]) for m in reported}
         seen = sums.incoming_seen
         raw = torch.where(seen > 0, sums.incoming_raw / seen.clamp_min(1), math.nan)
         relative = torch.where(seen > 0, sums.incoming_relative / seen.clamp_min(1), math.nan)
@@ -329,11 +354,12 @@ def nan_to_none(values: list[float]) -> list[float | None]:
 
 
 def metric_rows(stats: dict) -> list[tuple[str, int | None, str, float | None]]:
-    """``(layer, head, metric, value)`` rows: per head and per layer (head None) for the head metrics,
-    per layer for ``rollout_discrepancy`` and ``sink_ratio`` (sites) and ``token_similarity`` (blocks)."""
+    """``(layer, head, metric, value)`` rows: per head and per layer (head None) for the head metrics (and
+    the gate metrics of gated sites), per layer for ``rollout_discrepancy`` and ``sink_ratio`` (sites) and
+    ``token_similarity`` (blocks)."""
     rows = []
     for site, entry in stats["sites"].items():
-        for metric in HEAD_METRICS:
+        for metric in HEAD_METRICS + tuple(m for m in GATE_METRICS if m in entry["heads"]):
             rows += [(site, h, metric, v) for h, v in enumerate(entry["heads"][metric])]
             rows.append((site, None, metric, entry["metrics"][metric]))
         rows += [

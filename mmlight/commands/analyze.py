@@ -26,7 +26,14 @@ import lightning as L
 from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
 from mmlight.analysis.robustness import KEEP_RATIOS, robustness_rows, robustness_runs
-from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings, collect_statistics, metric_rows
+from mmlight.analysis.stats import (
+    GATE_METRICS,
+    HEAD_METRICS,
+    LAYER_METRICS,
+    Settings,
+    collect_statistics,
+    metric_rows,
+)
 from mmlight.data.vocab import Vocab
 from mmlight.nn.attention import network_of
 from mmlight.tasks.protocol import check_analysed_task
@@ -275,6 +282,7 @@ def write_stats(out: Path, results: dict, meta: dict) -> None:
             "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
             "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
             "frac_below_1e-3": meta["settings"]["near_zero"],
+            "gate_below_0.1": f"fraction of gate values below {meta['settings']['low_gate']} (gated attention)",
             "sink_ratio": f"fraction of key positions whose mean incoming attention exceeds "
             f"{meta['settings']['sink_eps']} x the uniform share (ratio form)",
         },
@@ -284,10 +292,19 @@ def write_stats(out: Path, results: dict, meta: dict) -> None:
     (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
-def layer_means(stats: dict) -> dict[str, float]:
-    """Each metric averaged over layers (sites, or blocks for the token similarity)."""
+def gate_columns(results: dict) -> tuple[str, ...]:
+    """The gate metrics, when any checkpoint of ``results`` (label -> statistics) has a gated site."""
+    gated = any(
+        m in entry["heads"] for stats in results.values() for entry in stats["sites"].values() for m in GATE_METRICS
+    )
+    return GATE_METRICS if gated else ()
+
+
+def layer_means(stats: dict, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """Each metric (and each of ``extra``) averaged over layers (sites, or blocks for the token
+    similarity); NaN where no layer has it."""
     means = {}
-    for metric in HEAD_METRICS + LAYER_METRICS:
+    for metric in HEAD_METRICS + LAYER_METRICS + extra:
         values = [v for _, head, m, v in metric_rows(stats) if m == metric and head is None and v is not None]
         means[metric] = sum(values) / len(values) if values else math.nan
     return means
@@ -295,20 +312,25 @@ def layer_means(stats: dict) -> dict[str, float]:
 
 def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list) -> None:
     """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the figures."""
-    columns = HEAD_METRICS + LAYER_METRICS
+    columns = HEAD_METRICS + LAYER_METRICS + gate_columns(results)
     lines = [
         f"# Attention analysis: {meta['num_samples']} {meta['split']} samples",
         "",
         f"Thresholds: M above the row mean score + {meta['settings']['eps_multimodality']}, S below the row "
         f"mean + {meta['settings']['eps_sparsity']}; near zero < {meta['settings']['near_zero']}; sinks above "
         f"{meta['settings']['sink_eps']} x the uniform share. Values are means over layers (all attention "
-        "kinds together; stats.csv has each layer).",
+        "kinds together; stats.csv has each layer)."
+        + (
+            f" gate_mean and gate_below_0.1 (gate values below {meta['settings']['low_gate']}): over the gated layers."
+            if gate_columns(results)
+            else ""
+        ),
         "",
         "| checkpoint | " + " | ".join(columns) + " |",
         "|---" * (len(columns) + 1) + "|",
     ]
     for label, stats in results.items():
-        means = layer_means(stats)
+        means = layer_means(stats, gate_columns(results))
         lines.append(f"| {label} | " + " | ".join(f"{means[c]:.4g}" for c in columns) + " |")
     if robustness:
         lines += [

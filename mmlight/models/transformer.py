@@ -18,6 +18,7 @@ from torch import nn
 
 from mmlight import reweighting
 from mmlight.nn.attention import attention
+from mmlight.nn.gate import GateKind, output_gate
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
@@ -54,6 +55,9 @@ class TransformerConfig:
         pad_id: padding token: its embedding row is zero, padded keys are masked, and it is the
             default ``ignore_index`` of :meth:`TransformerLM.loss`.
         attention: reweighting function of every self- and cross-attention layer (one instance each).
+        gate: gated attention (Qiu et al. 2025) in every self- and cross-attention layer: ``none``,
+            ``headwise`` (one sigmoid gate per head) or ``elementwise`` (one per channel), computed from
+            the queries' input and applied to each head's output before ``out_proj`` (:mod:`mmlight.nn.gate`).
         output_multimax: modulate the output logits with a learnable MultiMax sigma.
         output_multimax_order: its order (1 or 2).
         backend: how every reweighting in the model is computed (``auto``, ``reference``,
@@ -78,6 +82,7 @@ class TransformerConfig:
     embed_scale: float | None = None
     pad_id: int = 1
     attention: ReweightingSpec = field(default_factory=ReweightingSpec)
+    gate: GateKind = "none"
     output_multimax: bool = False
     output_multimax_order: int = 2
     backend: Backend = "auto"
@@ -258,10 +263,17 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights (training only).
         cross: keys/values come from the encoder output (cached once) instead of the input
             (appended to the cache each step).
+        gate: ``none``, ``headwise`` or ``elementwise``: the output gate (:mod:`mmlight.nn.gate`).
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, reweight: reweighting.Reweighting, dropout: float = 0.0, cross: bool = False
+        self,
+        d_model: int,
+        n_heads: int,
+        reweight: reweighting.Reweighting,
+        dropout: float = 0.0,
+        cross: bool = False,
+        gate: GateKind = "none",
     ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
@@ -269,15 +281,22 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.gate = output_gate(gate, d_model, n_heads, self.head_dim)
         self.reweight = reweight
         self.dropout = dropout
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """fairseq's init: Xavier-uniform, gain 1/sqrt(2) on q/k/v (as for its fused projection), zero biases."""
+        """fairseq's init: Xavier-uniform, gain 1/sqrt(2) on q/k/v (as for its fused projection), zero biases.
+        The gate's weights are drawn as the query projection's, from the same uniform range (the paper's
+        released code computes the gate as extra rows of ``q_proj``), and its bias is zero."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.xavier_uniform_(proj.weight, gain=1.0 if proj is self.out_proj else 2**-0.5)
             nn.init.zeros_(proj.bias)
+        if self.gate is not None:
+            bound = 2**-0.5 * math.sqrt(6 / sum(self.q_proj.weight.shape))  # xavier_uniform_'s bound for q_proj
+            nn.init.uniform_(self.gate.weight, -bound, bound)
+            nn.init.zeros_(self.gate.bias)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -322,6 +341,8 @@ class MultiHeadAttention(nn.Module):
         y = attention(
             q, k, v, self.reweight, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
+        if self.gate is not None:
+            y = y * self.gate(x)  # gates (B, nh, T, 1|hs) from the queries' input, so none is cached
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, d)
         return self.out_proj(y)
 
@@ -380,7 +401,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         c = config
         reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="encoder self-attention")
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout)
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, gate=c.gate)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
         self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)
@@ -403,12 +424,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         reweight = c.attention.build(c.backend, c.n_heads, causal=True, site="decoder self-attention")
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout)
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, gate=c.gate)
         self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.cross_attn = self.cross_block = None
         if cross:
             reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="cross-attention")
-            self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, cross=True)
+            self.cross_attn = MultiHeadAttention(
+                c.d_model, c.n_heads, reweight, c.attention_dropout, cross=True, gate=c.gate
+            )
             self.cross_block = Residual(c.d_model, c.dropout, c.pre_norm)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
         self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)
@@ -582,11 +605,25 @@ class _OutputHead(nn.Module):
         encoder = getattr(self, "encoder", None)
         for i, layer in enumerate([] if encoder is None else encoder.layers):
             sites.append(
-                AttentionSite(f"encoder.layers.{i}.self_attn", "encoder_self", "encoder", i, layer.self_attn.reweight)
+                AttentionSite(
+                    f"encoder.layers.{i}.self_attn",
+                    "encoder_self",
+                    "encoder",
+                    i,
+                    layer.self_attn.reweight,
+                    gate=layer.self_attn.gate,
+                )
             )
         for i, layer in enumerate(self.decoder.layers):
             sites.append(
-                AttentionSite(f"decoder.layers.{i}.self_attn", "decoder_self", "decoder", i, layer.self_attn.reweight)
+                AttentionSite(
+                    f"decoder.layers.{i}.self_attn",
+                    "decoder_self",
+                    "decoder",
+                    i,
+                    layer.self_attn.reweight,
+                    gate=layer.self_attn.gate,
+                )
             )
             if layer.cross_attn is not None:
                 sites.append(
@@ -597,6 +634,7 @@ class _OutputHead(nn.Module):
                         i,
                         layer.cross_attn.reweight,
                         key_stack="encoder",
+                        gate=layer.cross_attn.gate,
                     )
                 )
         return sites_by_name(sites)

@@ -15,6 +15,7 @@ from torch import nn
 from mmlight import reweighting
 from mmlight.models.pretrained import PretrainedMismatch, architecture_of, load_pretrained, read_pretrained
 from mmlight.nn import ReweightedAttention
+from mmlight.nn.gate import GateKind
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
@@ -45,6 +46,9 @@ class ViTConfig:
             ``pretrained`` weights have one (DeiT and ViT weights do, also for an ``avg`` head).
         drop_path_rate: stochastic depth at the last block (linearly increasing).
         attention: the reweighting function of every attention layer (one instance per layer).
+        gate: gated attention (Qiu et al. 2025) in every attention layer: ``none``, ``headwise`` (one
+            sigmoid gate per head) or ``elementwise`` (one per channel), computed from the layer's input
+            and applied to each head's output before the projection (:mod:`mmlight.nn.gate`).
         output_multimax: apply a learnable MultiMax sigma to the logits before the loss.
         output_multimax_order: its order (1 or 2).
         output_multimax_terms: ``both`` or ``low`` (term (1) only; the paper's Table 5 ablation).
@@ -68,6 +72,7 @@ class ViTConfig:
     class_token: bool | None = None
     drop_path_rate: float = 0.1
     attention: ReweightingSpec = field(default_factory=ReweightingSpec)
+    gate: GateKind = "none"
     output_multimax: bool = False
     output_multimax_order: int = 2
     output_multimax_terms: Literal["both", "low"] = "both"
@@ -139,6 +144,7 @@ class ReweightedViT(nn.Module):
             block.attn.reweight = config.attention.build(
                 config.backend, num_heads, causal=False, site="ViT self-attention"
             )
+            block.attn.set_gate(config.gate)
         self.output = None
         if config.output_multimax:
             self.output = reweighting.MultiMax(
@@ -149,19 +155,21 @@ class ReweightedViT(nn.Module):
             )
         self.pretrained_report = None
         if weights is not None:
-            reweighting_keys = {
-                f"blocks.{i}.attn.reweight.{name}"
+            new_keys = {  # the reweightings' and gates' parameters, which plain attention weights lack
+                f"blocks.{i}.attn.{part}.{name}"
                 for i, block in enumerate(self.vit.blocks)
-                for name, _ in block.attn.reweight.named_parameters()
+                for part in ("reweight", "gate")
+                if getattr(block.attn, part) is not None
+                for name, _ in getattr(block.attn, part).named_parameters()
             }
-            self.pretrained_report = load_pretrained(self.vit, weights, config.pretrained, reweighting_keys)
+            self.pretrained_report = load_pretrained(self.vit, weights, config.pretrained, new_keys)
 
     def attention_sites(self) -> dict[str, AttentionSite]:
         """Each attention layer as a typed record, by its stable name (``blocks.<i>``), in depth order:
         the names that monitoring and attention analysis report."""
         return sites_by_name(
             [
-                AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight)
+                AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight, gate=block.attn.gate)
                 for i, block in enumerate(self.vit.blocks)
             ]
         )

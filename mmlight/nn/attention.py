@@ -18,7 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
+from timm.models.vision_transformer import init_weights_vit_timm
 
+from mmlight.nn.gate import GateKind, OutputGate, output_gate
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Reweighting, Softmax
 from mmlight.reweighting.backend import Backend, check_backend, resolve_backend, run_fused
@@ -302,24 +304,36 @@ def _observed_attention(site, observer, q, k, v, reweight, mask, is_causal, drop
 
 class ReweightedAttention(TimmAttention):
     """timm's multi-head self-attention (same parameters, so timm weights load) routed through
-    :func:`attention` with a swappable ``reweight`` module (softmax until the model sets another).
+    :func:`attention` with a swappable ``reweight`` module (softmax until the model sets another), and
+    an optional output gate (:mod:`mmlight.nn.gate`).
 
-    Takes timm's ``Attention`` arguments; see :class:`timm.layers.Attention`.
+    Takes timm's ``Attention`` arguments; see :class:`timm.layers.Attention`. No gate until
+    :meth:`set_gate` adds one.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reweight: Reweighting = Softmax()
+        self.gate: OutputGate | None = None
+
+    def set_gate(self, kind: GateKind) -> None:
+        """Gate each head's output by the layer's input (:mod:`mmlight.nn.gate`): ``none``, ``headwise``
+        or ``elementwise``. The gate is initialised as timm initialises the ``qkv`` projection (truncated
+        normal, std 0.02, zero bias; a bias when ``qkv`` has one), the query projection's init as in the
+        paper's released code."""
+        self.gate = output_gate(kind, self.qkv.in_features, self.num_heads, self.head_dim, self.qkv.bias is not None)
+        if self.gate is not None:
+            init_weights_vit_timm(self.gate)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             raise TypeError("ReweightedAttention takes a boolean attn_mask (True = attend)")
         B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        gate = self.gate(x) if self.gate is not None else None  # (B, nh, N, 1|hs)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, nh, N, hs) each
         q, k = self.q_norm(q), self.k_norm(k)
-        x = attention(
+        y = attention(
             q,
             k,
             v,
@@ -328,9 +342,9 @@ class ReweightedAttention(TimmAttention):
             is_causal=is_causal,
             dropout_p=self.attn_drop.p if self.training else 0.0,
             scale=self.scale,
-        )
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
+        )  # (B, nh, N, hs)
         if gate is not None:
-            x = x * gate
+            y = y * gate
+        x = y.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
         return self.proj_drop(self.proj(x))

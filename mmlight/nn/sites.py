@@ -27,6 +27,8 @@ class AttentionSite:
         layer: depth within its stack, from 0.
         module: the layer's reweighting module (what :func:`~mmlight.nn.attention.attention` receives).
         key_stack: whose positions the keys are; None = ``stack`` (self-attention).
+        gate: the layer's output gate (:class:`~mmlight.nn.gate.OutputGate`), None without one; its
+            output ``(B, nh, Tq, 1|hs)`` is the gate values of the call.
     """
 
     name: str
@@ -35,6 +37,7 @@ class AttentionSite:
     layer: int
     module: nn.Module
     key_stack: str | None = None
+    gate: nn.Module | None = None
 
     @property
     def keys_from(self) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.registry import register
+from mmlight.reweighting.sink import softmax_with_sink
 
 
 @register("softmax1")
@@ -30,7 +31,5 @@ class Softmax1(Reweighting):
     row_mass = "at_most_one"
 
     def weights(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        # the zero logit takes part in the maximum, so exp(-m) <= 1 as well
-        m = torch.where(keep, x, 0.0).amax(dim=-1, keepdim=True).clamp_min(0.0).detach()
-        e = torch.where(keep, torch.exp(x - m), 0.0)
-        return e / (torch.exp(-m) + e.sum(dim=-1, keepdim=True))
+        # the learned sink's function with its logit fixed at 0 (the zero logit takes part in the maximum)
+        return softmax_with_sink(x, keep, x.new_zeros(()))

@@ -249,6 +249,7 @@ def test_the_files_written_hold_every_row_the_meta_and_the_summary_table(tmp_pat
         "multimodality": "keys with score > row mean + eps_multimodality (and < the row max)",
         "sparsity": "keys with score < row mean + eps_sparsity; s = smallest softmax probability of the row",
         "frac_below_1e-3": 0.001,
+        "gate_below_0.1": "fraction of gate values below 0.1 (gated attention)",
         "sink_ratio": "fraction of key positions whose mean incoming attention exceeds 3.0 x the uniform share "
         "(ratio form)",
     }
