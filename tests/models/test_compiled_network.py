@@ -15,8 +15,7 @@ contributions (a weight used by several ops) in another order, a few ulps: ``rto
 LayerNorm and the matmuls' epilogues: ``rtol 1e-4``, ``atol 1e-5``, still far below the change a
 wrong graph makes (a missing term changes the loss in the second digit).
 
-The micro models come from ``tests/models/test_vit.py`` (``micro_vit``) and
-``tests/models/test_transformer.py`` (``tiny``).
+The micro models come from ``tests/helpers/models.py`` (``micro_vit``, ``tiny``).
 """
 
 from __future__ import annotations
@@ -50,19 +49,20 @@ def kernel_names() -> list[str]:
     return [n for n in reweighting.available() if reweighting.build(n).fused() is not None]
 
 
-def build(model: str, name: str, backend: str):
+def build(model: str, name: str, backend: str, gate: str = "none"):
     """A micro model with function ``name`` in every attention layer (and MultiMax on the output for
-    ``multimax``), no dropout, in training mode, with MultiMax moved off its near-softmax start,
-    and a batch with padding: ``(model, loss_of(model) -> scalar)``."""
+    ``multimax``), gated attention of kind ``gate``, no dropout, in training mode, with MultiMax moved off
+    its near-softmax start, and a batch with padding: ``(model, loss_of(model) -> scalar)``."""
     spec, output = ReweightingSpec(name), name == "multimax"
     g = torch.Generator().manual_seed(0)
     if model == "vit":
-        net = ReweightedViT(micro_vit(attention=spec, output_multimax=output, backend=backend, drop_path_rate=0.0))
+        config = micro_vit(attention=spec, output_multimax=output, backend=backend, drop_path_rate=0.0, gate=gate)
+        net = ReweightedViT(config)
         images, labels = torch.randn(3, 1, 8, 8, generator=g), torch.randint(0, 10, (3,), generator=g)
         batch = (images, labels)
     else:
         layers = 2 if model == "seq2seq" else 0
-        config = tiny(layers, name=name, output_multimax=output, backend=backend, dropout=0.0)
+        config = tiny(layers, name=name, output_multimax=output, backend=backend, dropout=0.0, gate=gate)
         net = TransformerSeq2Seq(config) if model == "seq2seq" else TransformerLM(config)
         tokens = torch.randint(2, 23, (3, 7), generator=g)
         tokens[0, 5:] = PAD  # padding: masks reach attention and the loss
@@ -88,8 +88,8 @@ def build(model: str, name: str, backend: str):
     return net, loss_of
 
 
-def compare_compiled(model, name, backend, compile_backend, rtol, atol):
-    net, loss_of = build(model, name, backend)
+def compare_compiled(model, name, backend, compile_backend, rtol, atol, gate="none"):
+    net, loss_of = build(model, name, backend, gate)
     compiled = torch.compile(net.loss, backend=compile_backend, fullgraph=True)
     got = loss_of(compiled)
     got.backward()
@@ -114,6 +114,15 @@ def test_no_graph_break_in_any_network_with_any_function(model, name):
     loss = loss_of(torch.compile(net.loss, backend="eager", fullgraph=True))
     loss.backward()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("gate", ["headwise", "elementwise"])
+@pytest.mark.parametrize("model", MODELS)
+def test_gated_attention_compiles_whole_and_matches_eager(model, gate):
+    """The output gate (Qiu et al. 2025) in every attention layer, with MultiMax (the function with the
+    most parameters to differentiate): no graph break, and ``aot_eager``'s loss and gradients, the gate's
+    included, equal eager's within the tolerances above."""
+    compare_compiled(model, "multimax", "auto", "aot_eager", rtol=1e-5, atol=1e-6, gate=gate)
 
 
 @pytest.mark.parametrize("name", reweighting.available())
