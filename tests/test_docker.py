@@ -89,7 +89,8 @@ def test_torch_base_pins_what_it_installs_as_ngc_does():
     """docker/torch-base.Dockerfile (the CPU image's base and the tests' stand-in for NGC) writes
     /etc/pip/constraint.txt from what pip installed and points PIP_CONSTRAINT at it."""
     base = instructions((ROOT / "docker" / "torch-base.Dockerfile").read_text())
-    install = next(args for keyword, args in base if keyword == "RUN" and "torch torchvision" in args)
+    assert ("ARG", 'TORCH_REQUIREMENTS="torch torchvision"') in base  # the newest pair unless told
+    install = next(args for keyword, args in base if keyword == "RUN" and "${TORCH_REQUIREMENTS}" in args)
     assert install.index("pip install") < install.index("> /etc/pip/constraint.txt")
     assert "grep -iE '^(torch|torchvision|triton)=='" in install
     assert ("ENV", "PIP_CONSTRAINT=/etc/pip/constraint.txt") in base
