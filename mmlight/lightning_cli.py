@@ -40,6 +40,7 @@ from mmlight.callbacks import (
 )
 from mmlight.ckpt_path import check_checkpoint_file, newest_checkpoint
 from mmlight.reweighting import available as available_reweightings
+from mmlight.safe_load import RefusedFile, raised_from
 from mmlight.slurm import check_slurm_tasks, name_slurm_run
 
 #: The Trainer's commands, each with the line ``mmlight --help`` and ``mmlight COMMAND --help`` show.
@@ -140,6 +141,11 @@ class MmlightCLI(LightningCLI):
             super().instantiate_classes()
         except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
             self.parser.error(str(err))
+        except ValueError as err:  # jsonargparse reports a refused pretrained file inside its own error
+            refused = raised_from(err, RefusedFile)
+            if refused is None:
+                raise
+            self.parser.error(str(refused))
         for data_attribute, model_key in DATA_SIZES.items():
             value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
             # the parsed config holds the dataclass default where nothing was given: not worth a word

@@ -6,7 +6,7 @@ recomputes the weights from them as ``exp(sigma - m) / l``, the very operations 
 (A single log-sum-exp ``m + log l`` would be one value fewer, but its fp32 rounding grows with
 ``|m|``, which MultiMax's sigma makes large: ``exp(s - lse)`` then errs by a whole row's factor, and
 the parameter gradients, sums of many such terms, lose two orders of magnitude of accuracy.)
-Backward so it reads the scores and the
+Backward therefore reads the scores and the
 upstream gradient and writes the input gradient: three tensors, the minimum. The gradients of the
 8 MultiMax parameters are reduced in fp32 inside each program and written as one partial row per
 program; the host sums the partials in a fixed order, so they are deterministic (no atomics).

@@ -21,11 +21,13 @@ from mmlight.nn.attention import attention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
+from mmlight.safe_load import checkpoint_record
 
 # ----------------------------------------------------------------------------------------------
 # Config
 
 
+@checkpoint_record
 @dataclass
 class TransformerConfig:
     """Architecture of a Transformer LM (``n_encoder_layers == 0``) or encoder-decoder.

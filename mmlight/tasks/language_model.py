@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import asdict
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +18,7 @@ from mmlight.data.text import EvalWindows
 from mmlight.models.transformer import TransformerConfig, TransformerLM
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
-from mmlight.tasks.sequence import Schedule, SequenceTask
+from mmlight.tasks.sequence import AdamRecipe, SequenceTask
 
 
 class TextScore(NamedTuple):
@@ -40,36 +41,20 @@ class LanguageModel(SequenceTask):
 
     Args:
         model: the architecture (e.g. the ``transformer_lm_wikitext103`` preset's fields).
-        lr: peak learning rate (fairseq recipe: 5e-4).
-        betas: Adam betas.
-        eps: Adam epsilon.
-        weight_decay: decoupled weight decay (fairseq recipe: 0.01).
-        schedule: ``inverse_sqrt`` or ``cosine`` (see :class:`~mmlight.tasks.sequence.SequenceTask`).
-        warmup_steps: linear warmup in optimiser steps (fairseq recipe: 4000).
-        min_lr: floor of the cosine schedule.
-        label_smoothing: label smoothing of the training loss (fairseq's LM uses none).
         accuracy: also report ``{stage}/acc``, the fraction of scored targets predicted exactly
             (argmax). It materialises the logits of the scored positions, so leave it off for a
             267k-word vocabulary; the associative-recall quick start turns it on.
+        recipe: the fields of :class:`~mmlight.tasks.sequence.AdamRecipe` (fairseq's ``transformer_lm``
+            recipe by default: weight decay 0.01, no label smoothing).
     """
 
     interventions = ("sink_masking", "kv_eviction")
     datamodule_name = "WikiTextDataModule"
 
-    def __init__(
-        self,
-        model: TransformerConfig,
-        lr: float = 5e-4,
-        betas: tuple[float, float] = (0.9, 0.98),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        schedule: Schedule = "inverse_sqrt",
-        warmup_steps: int = 4000,
-        min_lr: float = 1e-5,
-        label_smoothing: float = 0.0,
-        accuracy: bool = False,
-    ):
-        super().__init__(schedule, label_smoothing)
+    def __init__(self, model: TransformerConfig, *, accuracy: bool = False, **recipe):
+        built = AdamRecipe(**recipe)
+        recipe = asdict(built)  # the whole recipe, defaults included, is saved as hyperparameters
+        super().__init__(built)
         self.save_hyperparameters()
         self.model = TransformerLM(model)
         if accuracy:
@@ -81,7 +66,7 @@ class LanguageModel(SequenceTask):
 
     def training_step(self, batch, batch_idx):
         loss_sum, count = self.model.loss(
-            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
+            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.recipe.label_smoothing
         )
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)

@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,9 +19,19 @@ from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
-from mmlight.tasks.sequence import Schedule, SequenceTask
+from mmlight.tasks.sequence import AdamRecipe, SequenceTask
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TranslationRecipe(AdamRecipe):
+    """:class:`~mmlight.tasks.sequence.AdamRecipe` with the defaults of fairseq's IWSLT14 de-en example:
+    weight decay 1e-4, label smoothing 0.1, and a cosine floor of 1e-9."""
+
+    weight_decay: float = 1e-4
+    min_lr: float = 1e-9
+    label_smoothing: float = 0.1
 
 
 class Translator(SequenceTask):
@@ -47,17 +58,10 @@ class Translator(SequenceTask):
 
     Args:
         model: the architecture (e.g. the ``transformer_iwslt_de_en`` preset's fields).
-        lr: peak learning rate (fairseq recipe: 5e-4).
-        betas: Adam betas (0.9, 0.98).
-        eps: Adam epsilon.
-        weight_decay: decoupled weight decay (fairseq IWSLT example: 1e-4).
-        schedule: ``inverse_sqrt`` or ``cosine``.
-        warmup_steps: linear warmup in optimiser steps (4000).
-        min_lr: floor of the cosine schedule.
-        label_smoothing: label smoothing of the training loss (0.1).
         beam: beam size, length penalty and maximum length relative to the source.
         bleu_in_validation: also decode the validation split with beam search and report BLEU.
         output_dir: folder for the hypotheses files; None = the run's log directory.
+        recipe: the fields of :class:`TranslationRecipe` (fairseq's IWSLT14 example by default).
     """
 
     task_metric = TaskMetric("bleu", higher_is_better=True)
@@ -69,19 +73,15 @@ class Translator(SequenceTask):
     def __init__(
         self,
         model: TransformerConfig,
-        lr: float = 5e-4,
-        betas: tuple[float, float] = (0.9, 0.98),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-4,
-        schedule: Schedule = "inverse_sqrt",
-        warmup_steps: int = 4000,
-        min_lr: float = 1e-9,
-        label_smoothing: float = 0.1,
+        *,
         beam: BeamSearchConfig = BeamSearchConfig(),
         bleu_in_validation: bool = False,
         output_dir: str | None = None,
+        **recipe,
     ):
-        super().__init__(schedule, label_smoothing)
+        built = TranslationRecipe(**recipe)
+        recipe = asdict(built)  # the whole recipe, defaults included, is saved as hyperparameters
+        super().__init__(built)
         self.save_hyperparameters()
         self.model = TransformerSeq2Seq(model)
         # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI
@@ -101,7 +101,7 @@ class Translator(SequenceTask):
             batch["tgt_out"],
             batch["src_mask"],
             batch["tgt_mask"],
-            label_smoothing=self.hparams.label_smoothing,
+            label_smoothing=self.recipe.label_smoothing,
         )
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
