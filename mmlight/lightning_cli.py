@@ -37,6 +37,7 @@ from mmlight.callbacks import (
     SkippedSamplesMonitor,
     StepProgressBar,
     StepSeed,
+    Throughput,
 )
 from mmlight.ckpt_path import check_checkpoint_file, newest_checkpoint
 from mmlight.reweighting import available as available_reweightings
@@ -56,7 +57,8 @@ def trainer_defaults() -> dict:
     """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
     ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
     the count of skipped corrupt samples, a one-time warning when the step waits on the data loader,
-    the final metrics printed, the per-step seeding of dropout and mixup
+    the final metrics printed, samples/s, tokens/s and MFU (:class:`~mmlight.callbacks.Throughput`),
+    the per-step seeding of dropout and mixup
     (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
     (:class:`~mmlight.callbacks.DataPosition`)."""
     return {
@@ -70,6 +72,7 @@ def trainer_defaults() -> dict:
             lazy_instance(FinalMetrics),
             lazy_instance(StepSeed),
             lazy_instance(DataPosition),
+            lazy_instance(Throughput),
         ],
     }
 

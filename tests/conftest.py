@@ -84,3 +84,12 @@ def cluster():
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"no SLURM cluster: {result.stderr.strip() or result.stdout.strip()}")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: each test's models are new objects, and
+    caches from earlier tests would only count against its recompile limit (8 per code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

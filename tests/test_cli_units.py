@@ -26,6 +26,7 @@ from mmlight.callbacks import (
     SkippedSamplesMonitor,
     StepProgressBar,
     StepSeed,
+    Throughput,
 )
 from mmlight.slurm import check_slurm_tasks, name_slurm_run, run_dir
 
@@ -252,6 +253,7 @@ def test_trainer_defaults():
         FinalMetrics,
         StepSeed,
         DataPosition,
+        Throughput,
     ]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}

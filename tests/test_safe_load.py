@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmlight.data.prepare import main as prepare_main
+from mmlight.commands.prepare import main as prepare_main
 from mmlight.models import BeamSearchConfig, ReweightedViT, ReweightingSpec, TransformerConfig, ViTConfig
 from mmlight.models.pretrained import read_pretrained
 from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint

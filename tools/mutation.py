@@ -121,6 +121,7 @@ MODULES: dict[str, Module] = {
                 "reweighting_monitor",
                 "skipped_samples",
                 "step_seed",
+                "throughput",
             )
         ),
         keyword="not test_monitor_logs_parameters_curves_and_final_metrics",
@@ -137,6 +138,7 @@ MODULES: dict[str, Module] = {
             "tests/tasks/test_finetune_optim.py",
             "tests/tasks/test_inference.py",
             "tests/tasks/test_protocol.py",
+            "tests/tasks/test_compile_option.py",
             # the analysis protocol's methods (teacher_forced, query_keep, example_inputs, metric_evaluation)
             # are exercised by what analysis does with them
             "tests/analysis/test_stats.py",

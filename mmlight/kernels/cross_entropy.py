@@ -60,7 +60,7 @@ from mmlight.kernels.sigma import (
     sigma_forward,
     sigma_param_partials,
     store_param_partials,
-    unpack_param_grads,
+    sum_param_partials,
 )
 
 __all__ = ["multimax_cross_entropy"]
@@ -184,7 +184,8 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
 
 
 def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
-    """Raise ValueError for anything the kernel cannot take; one host sync for the target range."""
+    """Raise ValueError for anything the kernel cannot take, from shapes and types alone (the target
+    values are checked when the kernel runs, :func:`_check_targets`, outside any compiled graph)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor (T, V), got shape {getattr(logits, 'shape', None)}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -213,18 +214,24 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
     if inplace_grad and logits.is_leaf and logits.requires_grad:
         raise ValueError("inplace_grad=True would overwrite a leaf tensor that requires grad; "
                          "use it only on an intermediate (e.g. the output of the LM head)")
-    if T > 0:
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):  # the one host sync
-            value = int(target[bad][0])
-            raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
 
 
-def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction,
-            store_dz, param_grads, inplace_grad):
-    """Run the kernel: ``(loss, grad_logits or None, partials or None)``."""
+def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Raise ValueError for a target outside ``[0, V)`` that is not ``ignore_index`` (one host sync)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
+
+
+def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad, param_grads):
+    """Run the kernel, writing the logits' gradient into ``grad`` when it is given:
+    ``(loss, d_params)``, with ``d_params`` the fp32 ``(8,)`` sums of the per-row partials, or
+    None without ``param_grads``."""
     T, V = logits.shape
+    _check_targets(target, V, ignore_index)
     device = logits.device
+    store_dz = grad is not None
     if reduction == "mean":
         # On device: no second host sync; an all-ignored batch divides 0 by 1.
         n_valid = (target != ignore_index).sum()
@@ -232,9 +239,6 @@ def _launch(logits, target, params, order, label_smoothing, ignore_index, reduct
     else:
         scale = torch.ones(1, dtype=torch.float32, device=device)
     row_loss = torch.empty(T, dtype=torch.float32, device=device)
-    grad = None
-    if store_dz:
-        grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
     partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
     if T > 0:
         block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
@@ -246,42 +250,87 @@ def _launch(logits, target, params, order, label_smoothing, ignore_index, reduct
             ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
             num_warps=8 if block_v >= 2048 else 4,
         )
-    # Fixed-order sum over rows: deterministic (no atomics).
-    return row_loss.sum(), grad, partials
+    # Fixed-order sums over rows: deterministic (no atomics).
+    return row_loss.sum(), (sum_param_partials(partials) if param_grads else None)
 
 
-class _MultiMaxCrossEntropy(torch.autograd.Function):
+# The kernel as an operator of torch.library: torch.compile calls it as an opaque operator (its fake
+# function gives the output shapes). The logits' gradient is computed in the forward pass; the
+# backward only scales it by the upstream gradient.
+@torch.library.custom_op("mmlight::multimax_cross_entropy", mutates_args=())
+def _cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str, store_dz: bool, param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, grad_logits, d_params)``: the fp32 scalar loss, the logits' gradient ``(T, V)`` in their
+    dtype and the gradient of the 8 packed parameters; empty tensors stand for those not wanted."""
+    grad = torch.empty_like(logits) if store_dz else None
+    loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
+                             param_grads)
+    def none():  # a fresh empty tensor each time: outputs may not alias each other
+        return params.new_empty(0)
+
+    return loss, (grad if store_dz else none()), (d_params if param_grads else none())
+
+
+@_cross_entropy.register_fake
+def _(logits, target, params, order, label_smoothing, ignore_index, reduction, store_dz, param_grads):
+    def none():  # a fresh empty tensor each time: outputs may not alias each other
+        return params.new_empty(0)
+
+    return (params.new_empty(()), torch.empty_like(logits) if store_dz else none(),
+            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else none())
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    store_dz, param_grads = inputs[7], inputs[8]
+    _, grad, d_params = output
+    # kept on ctx, not saved: the backward scales it in place, which saved tensors' version check refuses
+    ctx.grad, ctx.d_params = (grad if store_dz else None), (d_params if param_grads else None)
+    ctx.consumed = False
+
+
+def _scaled_grads(ctx, grad, d_params, grad_output):
+    """The gradients of the logits and of the packed parameters: the ones computed in the forward
+    pass times ``grad_output``. The logits' gradient is scaled in place in eager mode (no second
+    ``T x V`` buffer), so it can be used once; compiled code takes the product, whose buffer the
+    compiler plans."""
+    grad_logits = grad_params = None
+    if grad is not None:
+        if ctx.consumed:
+            raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
+                               "(its stored gradient is scaled in place)")
+        ctx.consumed = True
+        grad_logits = grad * grad_output if torch.compiler.is_compiling() else grad.mul_(grad_output)
+    if d_params is not None:
+        grad_params = d_params * grad_output
+    return grad_logits, grad_params
+
+
+def _cross_entropy_grad(ctx, grad_output, _d_grad, _d_params):
+    grad_logits, grad_params = _scaled_grads(ctx, ctx.grad, ctx.d_params, grad_output)
+    return grad_logits, None, grad_params, None, None, None, None, None, None
+
+
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """``inplace_grad=True`` (eager only; an operator may not write into its input and have a
+    gradient): the kernel writes the logits' gradient into the logits' own storage."""
+
     @staticmethod
-    def forward(ctx, logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
-        params, order = pack_sigma_params(ranges, ts, logits.device)
-        need_logits, _, need_ranges, need_ts = ctx.needs_input_grad[:4]
-        param_grads = order > 0 and (need_ranges or need_ts)
-        loss, grad, partials = _launch(logits, target, params, order, float(label_smoothing), ignore_index,
-                                       reduction, need_logits, param_grads, inplace_grad)
-        ctx.grad_logits = grad
-        if param_grads:
-            # The parameters may live elsewhere (and in another dtype) than the logits.
-            ctx.param_grads = tuple(g.to(ranges) for g in unpack_param_grads(partials, ranges.shape[0]))
-        else:
-            ctx.param_grads = None
+    def forward(ctx, logits, target, params, order, label_smoothing, ignore_index, reduction, param_grads):
+        grad = logits.detach()
+        loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
+                                 param_grads)
+        ctx.grad, ctx.d_params, ctx.consumed = grad, d_params, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_logits = grad_ranges = grad_ts = None
-        if ctx.needs_input_grad[0]:
-            if ctx.grad_logits is None:
-                raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
-                                   "(its stored gradient is scaled in place)")
-            # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
-            grad_logits = ctx.grad_logits.mul_(grad_output)
-            ctx.grad_logits = None
-        if ctx.param_grads is not None:
-            d_ranges, d_ts = ctx.param_grads
-            scale = grad_output.to(d_ranges)
-            grad_ranges = d_ranges * scale if ctx.needs_input_grad[2] else None
-            grad_ts = d_ts * scale if ctx.needs_input_grad[3] else None
-        return grad_logits, None, grad_ranges, grad_ts, None, None, None, None
+        grad_logits, grad_params = _scaled_grads(ctx, ctx.grad, ctx.d_params, grad_output)
+        return grad_logits, None, grad_params, None, None, None, None, None
 
 
 def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: torch.Tensor | None = None,
@@ -312,5 +361,13 @@ def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: t
         where torch's "mean" would give NaN.
     """
     _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad)
-    return _MultiMaxCrossEntropy.apply(logits, target, ranges, ts, label_smoothing, ignore_index, reduction,
-                                       inplace_grad)
+    params, order = pack_sigma_params(ranges, ts, logits.device)
+    store_dz = logits.requires_grad and torch.is_grad_enabled()
+    param_grads = order > 0 and params.requires_grad and torch.is_grad_enabled()
+    args = (float(label_smoothing), int(ignore_index), reduction)
+    if inplace_grad and store_dz:
+        if torch.compiler.is_compiling():
+            raise ValueError("multimax_cross_entropy: inplace_grad is not supported inside torch.compile "
+                             "(the compiler plans the gradient's buffer itself); leave it False there")
+        return _InplaceCrossEntropy.apply(logits, target, params, order, *args, param_grads)
+    return _cross_entropy(logits, target, params, order, *args, store_dz, param_grads)[0]

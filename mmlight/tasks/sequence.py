@@ -78,6 +78,8 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     """
 
     model: nn.Module
+    #: batches hold tokens: the throughput logs report tokens/s
+    counts_tokens = True
     #: the data's vocabulary: from the DataModule in ``setup``, or from the checkpoint
     vocab: Vocab | None = None
 
@@ -87,6 +89,12 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
         # Summed NLL and scored-token counts per stage; compute() all-reduces them once per epoch.
         self.nll_sums = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
         self.token_counts = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s training loss on ``batch`` (the subclass's ``summed_training_loss`` by
+        ``network.loss``), uncompiled: what the throughput callback counts FLOPs of."""
+        loss_sum, count = self.summed_training_loss(batch, network.loss)
+        return loss_sum / count.clamp_min(1)
 
     @property
     def config(self) -> TransformerConfig:
