@@ -18,6 +18,20 @@ from collections.abc import Callable
 
 import torch
 
+#: the first torch whose FlexAttention accepts captured tensors that require grad (module docstring)
+LEARNABLE_CAPTURES_TORCH = "2.14.0a0"
+
+
+def require_learnable_captures() -> None:
+    """Raise, naming the torch needed, where FlexAttention cannot train captured parameters; the rest of
+    mmlight runs on older torch (pyproject.toml's floor)."""
+    if torch.__version__ < LEARNABLE_CAPTURES_TORCH:
+        raise RuntimeError(
+            "FlexAttention with learnable captured parameters (MultiMax's ranges and ts requiring grad) needs "
+            f"torch >= 2.14; this is torch {torch.__version__}. Use the package's attention (mmlight.nn) "
+            "or call this under torch.no_grad()."
+        )
+
 
 def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor) -> Callable:
     """A ``score_mod`` computing MultiMax's sigma of the scaled score.
@@ -91,6 +105,8 @@ def flex_multimax_attention(
         flex: the ``flex_attention`` to call, e.g. ``torch.compile(flex_attention)`` (the default,
             uncompiled, materialises the scores).
     """
+    if torch.is_grad_enabled() and (ranges.requires_grad or ts.requires_grad):
+        require_learnable_captures()
     if flex is None:
         from torch.nn.attention.flex_attention import flex_attention as flex
     return flex(q, k, v, score_mod=multimax_score_mod(ranges, ts), block_mask=block_mask, scale=scale)

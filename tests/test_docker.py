@@ -91,7 +91,8 @@ def test_torch_base_pins_what_it_installs_as_ngc_does():
     """docker/torch-base.Dockerfile (the CPU image's base and the tests' stand-in for NGC) writes
     /etc/pip/constraint.txt from what pip installed and points PIP_CONSTRAINT at it."""
     base = instructions((ROOT / "docker" / "torch-base.Dockerfile").read_text())
-    install = next(args for keyword, args in base if keyword == "RUN" and "torch torchvision" in args)
+    assert ("ARG", 'TORCH_REQUIREMENTS="torch torchvision"') in base  # the newest pair unless told
+    install = next(args for keyword, args in base if keyword == "RUN" and "${TORCH_REQUIREMENTS}" in args)
     assert install.index("pip install") < install.index("> /etc/pip/constraint.txt")
     assert "grep -iE '^(torch|torchvision|triton)=='" in install
     assert ("ENV", "PIP_CONSTRAINT=/etc/pip/constraint.txt") in base
@@ -206,3 +207,30 @@ def test_pip_cache_is_a_build_mount_never_a_layer(parsed):
     pip_runs = [args for keyword, args in parsed if keyword == "RUN" and "pip install" in args]
     assert len(pip_runs) == 2
     assert all(args.startswith("--mount=type=cache,target=/root/.cache/pip ") for args in pip_runs)
+
+
+#: torch in NGC 25.10 (docs/docker.md gives the source), the Dockerfile's default base
+NGC_TORCH = {"25.10": "2.9.0a0+145a3a7bda.nv25.10"}
+
+
+def test_floors_are_the_oldest_tested_pair_and_admit_the_default_ngc_torch(parsed):
+    """pyproject.toml's floors are the pair .ci/run and the Docker test install as the oldest
+    (.ci/oldest-pair.txt), down to its minor release and no lower; and they admit the default NGC tag's
+    torch, an alpha build that a plain ``torch>=2.9`` would refuse."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    text = (ROOT / "pyproject.toml").read_text()
+    floors = {
+        name: SpecifierSet(spec) for name, spec in re.findall(r'^\s*"(torch|torchvision|triton)(>=[^";]+)', text, re.M)
+    }
+    lines = (ROOT / ".ci" / "oldest-pair.txt").read_text().splitlines()
+    oldest = dict(line.split("==") for line in lines if line.strip() and not line.startswith("#"))
+    assert set(floors) == set(oldest) == {"torch", "torchvision", "triton"}
+    for name, version in oldest.items():
+        major, minor, _ = Version(version).release
+        assert floors[name].contains(version), (name, floors[name], version)
+        assert not floors[name].contains(f"{major}.{minor - 1}.99", prereleases=True), (name, floors[name])
+    tag = build_args(parsed)["NGC_TAG"]
+    assert floors["torch"].contains(NGC_TORCH[tag], prereleases=True)
+    assert not SpecifierSet(">=" + oldest["torch"].rsplit(".", 1)[0]).contains(NGC_TORCH[tag], prereleases=True)

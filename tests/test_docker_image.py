@@ -1,10 +1,11 @@
 """docker/Dockerfile built and run with buildah, on a stand-in for NGC's PyTorch image.
 
-The stand-in is Debian 12 from debootstrap, then docker/torch-base.Dockerfile on it (torch and
-torchvision from PyPI, pinned in /etc/pip/constraint.txt as NGC pins its own). docker/Dockerfile is
-built on it unchanged apart from the base argument, and run with ``buildah run`` (chroot isolation)
-as the image's own user. Skips, saying why, where buildah or debootstrap is missing or cannot work
-(not root, no mount); .ci/run installs both from Debian's packages. docs/docker.md has the figures.
+The stand-in is Debian 12 from debootstrap, then docker/torch-base.Dockerfile on it with the oldest
+torch, torchvision and Triton that mmlight supports (.ci/oldest-pair.txt, from PyPI), pinned in
+/etc/pip/constraint.txt as NGC pins its own. docker/Dockerfile is built on it unchanged apart from the
+base argument, and run with ``buildah run`` (chroot isolation) as the image's own user. Skips, saying
+why, where buildah or debootstrap is missing or cannot work (not root, no mount); .ci/run installs both
+from Debian's packages. docs/docker.md has the figures.
 
 The images are kept under ``localhost/mmlight-test/`` so that buildah's layer cache makes a rerun
 quick; the Debian base is reused when present (``buildah rmi`` it to rebuild from Debian).
@@ -17,8 +18,11 @@ that process. Run alone, or where nothing started it, the fixture builds in-proc
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -32,7 +36,9 @@ from tests.helpers.docker import (
     ENV,
     GID,
     IMAGE,
+    OLDEST_PAIR,
     PREFIX,
+    ROOT,
     TORCH_BASE,
     UID,
     background_figures,
@@ -118,6 +124,23 @@ def test_build_installs_mmlight_on_the_stand_in_base(images):
     assert ran_or_cached(log, "Pillow-SIMD", "PIL is Pillow-SIMD")
     sizes = images["sizes"]
     assert sizes[DEBIAN] < sizes[TORCH_BASE] < sizes[IMAGE]
+
+
+def test_image_keeps_the_stand_ins_pinned_oldest_pair(container):
+    """The stand-in holds the oldest supported pair pinned in NGC's constraint file, and the mmlight image
+    built on it still has exactly that pair (its other packages came from the install)."""
+    script = (
+        "import importlib.metadata as m, os, pathlib; "
+        "print(os.environ['PIP_CONSTRAINT']); "
+        "print(pathlib.Path(os.environ['PIP_CONSTRAINT']).read_text().strip()); "
+        "print(*(f'{n}=={m.version(n)}' for n in ('torch', 'torchvision', 'triton')), 'mmlight', m.version('mmlight'))"
+    )
+    result = run(container, ["python", "-c", script])
+    assert result.returncode == 0, result.stderr
+    path, *constraints, installed = result.stdout.strip().splitlines()
+    assert path == "/etc/pip/constraint.txt"
+    assert sorted(constraints) == sorted(OLDEST_PAIR)
+    assert installed.split() == [*OLDEST_PAIR, "mmlight", importlib.metadata.version("mmlight")]
 
 
 def test_default_user_is_the_build_arguments_ids(container):
@@ -255,9 +278,31 @@ FAKE_OLD_TORCH = (  # one line of Python for `python -c "..."` in a RUN step
 )
 
 
+def test_a_requirement_needing_another_torch_fails_the_build_naming_the_conflict(images, tmp_path):
+    """NGC's mechanism: under the stand-in's constraint file, an mmlight whose requirements need another
+    torch than the image's pinned one is not installed over it; pip stops the build and names both sides."""
+    pinned = next(requirement for requirement in OLDEST_PAIR if requirement.startswith("torch=="))
+    needs_other = "torch>" + pinned.removeprefix("torch==")
+    context = tmp_path / "context"  # the source, with the requirement changed
+    shutil.copytree(ROOT / "mmlight", context / "mmlight", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("README.md", ".dockerignore"):
+        shutil.copy(ROOT / name, context / name)
+    pyproject, count = re.subn(r'"torch>=[^"]*"', f'"{needs_other}"', (ROOT / "pyproject.toml").read_text())
+    assert count == 1
+    (context / "pyproject.toml").write_text(pyproject)
+    tag = f"{PREFIX}/conflict-must-fail"
+    _, log = build(
+        DOCKER / "Dockerfile", tag, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}, False, context
+    )
+    assert "ResolutionImpossible" in log, log[-4000:]
+    assert f"depends on {needs_other}" in log and f"The user requested (constraint) {pinned}" in log, log[-4000:]
+    assert "pip install replaced the image's torch 2" not in log  # pip refused before the guard had to act
+    assert not image_exists(tag)
+
+
 def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
-    """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's torch>=2.4:
-    pip would replace it, and the guard fails the build with its message."""
+    """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's floor: pip
+    would replace it, and the guard fails the build with its message."""
     containerfile = tmp_path / "Containerfile"
     containerfile.write_text(
         f'FROM {TORCH_BASE}\nENV PIP_CONSTRAINT=\nRUN rm /etc/pip/constraint.txt && python -c "{FAKE_OLD_TORCH}"\n'

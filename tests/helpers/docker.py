@@ -32,6 +32,14 @@ TORCH_BASE = f"{PREFIX}/torch-base"
 IMAGE = f"{PREFIX}/mmlight"
 
 
+#: the oldest supported pair, ["torch==2.9.1", ...]: what the stand-in for NGC holds
+OLDEST_PAIR = [
+    line.strip()
+    for line in (ROOT / ".ci" / "oldest-pair.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+
+
 # Builds reach the package indexes through this machine's TLS proxy when there is one; its CA bundle
 # is mounted into every build step (harmless where there is no proxy).
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -85,15 +93,17 @@ def layers(name: str) -> list[tuple[str, int]]:
     return list(zip(steps, sizes))
 
 
-def build(containerfile: Path, tag: str, build_args: dict[str, str], check: bool = True) -> tuple[float, str]:
-    """``buildah bud`` in Docker's image format (OCI drops SHELL); returns (seconds, output)."""
+def build(
+    containerfile: Path, tag: str, build_args: dict[str, str], check: bool = True, context: Path = ROOT
+) -> tuple[float, str]:
+    """``buildah bud`` in Docker's image format (OCI drops SHELL) of ``context``; returns (seconds, output)."""
     args = ["bud", "--format", "docker", "--layers", "--force-rm", "-f", str(containerfile), "-t", tag]
     for name, value in build_args.items():
         args += ["--build-arg", f"{name}={value}"]
     if CA_BUNDLE.is_file():
         args += ["-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro"]
     start = time.monotonic()
-    result = buildah(*args, str(ROOT), check=check, timeout=1500, nice=True)
+    result = buildah(*args, str(context), check=check, timeout=1500, nice=True)
     return time.monotonic() - start, result.stdout + result.stderr
 
 
@@ -131,7 +141,11 @@ def build_images() -> dict:
         start = time.monotonic()
         debootstrap_base()
         figures["debootstrap_s"] = time.monotonic() - start
-    figures["torch_base_s"], _ = build(DOCKER / "torch-base.Dockerfile", TORCH_BASE, {"PYTHON_IMAGE": DEBIAN})
+    figures["torch_base_s"], _ = build(
+        DOCKER / "torch-base.Dockerfile",
+        TORCH_BASE,
+        {"PYTHON_IMAGE": DEBIAN, "TORCH_REQUIREMENTS": " ".join(OLDEST_PAIR)},
+    )
     figures["mmlight_s"], figures["build_log"] = build(
         DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}
     )

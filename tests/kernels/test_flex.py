@@ -2,11 +2,17 @@
 attention, on the CPU: uncompiled FlexAttention, forward only (its eager backward needs a GPU)."""
 
 import importlib
+import re
 
 import pytest
 import torch
 
-from benchmarks.flex_multimax import causal_block_mask, flex_multimax_attention, multimax_score_mod
+from benchmarks.flex_multimax import (
+    causal_block_mask,
+    flex_multimax_attention,
+    multimax_score_mod,
+    require_learnable_captures,
+)
 from mmlight.reweighting import MultiMax
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -50,3 +56,32 @@ def test_score_mod_is_sigma_and_keeps_the_parameters_differentiable():
 def test_bad_parameter_shapes_raise():
     with pytest.raises(ValueError, match=r"\(2,\) or \(4,\)"):
         multimax_score_mod(torch.zeros(3), torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "version, refused",
+    [("2.9.1", True), ("2.13.1+cu128", True), ("2.14.0a0+145a3a7bda.nv26.08", False), ("2.15.0", False)],
+)
+def test_learnable_captures_need_torch_2_14(monkeypatch, version, refused):
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    if refused:
+        with pytest.raises(RuntimeError, match=rf"needs torch >= 2\.14; this is torch {re.escape(version)}\."):
+            require_learnable_captures()
+    else:
+        require_learnable_captures()
+
+
+def test_flex_refuses_learnable_parameters_before_torch_2_14_and_runs_without_grad(monkeypatch):
+    """The check sits where the parameters would be trained: with grad, before any work; under no_grad the
+    same call runs (the benchmark's and the tests' forward on older torch)."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.9.1"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 8, 16, generator=gen).unbind(0)
+    ranges = torch.tensor(RANGES[1], requires_grad=True)
+    ts = torch.tensor(TS[1], requires_grad=True)
+    with pytest.raises(RuntimeError, match="learnable captured parameters"):
+        flex_multimax_attention(q, k, v, ranges, ts)
+    with torch.no_grad():
+        got = flex_multimax_attention(q, k, v, ranges, ts)
+        want = attention_module.attention(q, k, v, multimax(1), backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
