@@ -206,7 +206,9 @@ def attention(
         raise ValueError(
             f"{type(reweight).__name__} weighs keys by their position before the query and needs is_causal=True"
         )
-    observed = _OBSERVED.get()
+    # a compiled network is never observed (its compiled calls run eagerly while observation is on), and
+    # torch 2.9's Dynamo cannot trace ContextVar.get
+    observed = None if torch.compiler.is_compiling() else _OBSERVED.get()
     if observed is not None and id(reweight) in observed[0]:
         site, observer = observed[0][id(reweight)], observed[1]
         return _observed_attention(site, observer, q, k, v, reweight, mask, is_causal, dropout_p, scale, backend)

@@ -33,6 +33,10 @@ IMAGE = f"{PREFIX}/mmlight"
 
 
 #: the oldest supported pair, ["torch==2.9.1", ...]: what the stand-in for NGC holds
+#: Triton 3.5's CPU interpreter (``mmlight doctor`` in a GPU-less container) fails on NumPy 2.4 ("only
+#: 0-dimensional arrays can be converted to Python scalars"); the stand-in pins the NumPy before it, as
+#: .ci/run does for that pair ("==", not "<": the Dockerfile passes the words through the shell)
+OLDEST_PAIR_NUMPY = "numpy==2.3.5"
 OLDEST_PAIR = [
     line.strip()
     for line in (ROOT / ".ci" / "oldest-pair.txt").read_text().splitlines()
@@ -144,7 +148,7 @@ def build_images() -> dict:
     figures["torch_base_s"], _ = build(
         DOCKER / "torch-base.Dockerfile",
         TORCH_BASE,
-        {"PYTHON_IMAGE": DEBIAN, "TORCH_REQUIREMENTS": " ".join(OLDEST_PAIR)},
+        {"PYTHON_IMAGE": DEBIAN, "TORCH_REQUIREMENTS": " ".join([*OLDEST_PAIR, OLDEST_PAIR_NUMPY])},
     )
     figures["mmlight_s"], figures["build_log"] = build(
         DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}
