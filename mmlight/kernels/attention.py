@@ -36,8 +36,6 @@ Causal programs skip key blocks that lie entirely in the future of their query b
 from __future__ import annotations
 
 import math
-from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,6 +53,7 @@ from mmlight.kernels.sigma import (
     store_param_partials,
     unpack_param_grads,
 )
+from mmlight.kernels.tiles import BlockConfig, device_capability, measured
 
 __all__ = ["multimax_attention"]
 
@@ -81,39 +80,11 @@ _SUM_SCORES_IN_ORDER = tl.constexpr(_INTERPRETED)
 FP32_DOT_PRECISION = "tf32"
 
 
-@dataclass(frozen=True)
-class BlockConfig:
-    """Tile sizes and launch options of one kernel.
-
-    Args:
-        block_m: queries per tile.
-        block_n: keys per tile.
-        num_warps: warps per program.
-        num_stages: software-pipelining depth of the loads in the inner loop.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def device_capability(device: torch.device) -> int:
-    """Compute capability as ``10 * major + minor`` (80: A100, 90: H100) of a CUDA device; for CPU
-    tensors (the interpreter, offline compile checks) the value of :data:`OFFLINE_CAPABILITY`."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return 10 * major + minor
-    return OFFLINE_CAPABILITY.get()
-
-
-#: The capability whose tile sizes CPU tensors get: :mod:`benchmarks/compile_check.py` sets it to
-#: the target it compiles for.
-OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
-
-
-def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> BlockConfig:
-    """Tiles of the forward kernel (the interpreter ignores warps and stages).
+def forward_config(
+    head_dim: int, dtype: torch.dtype, capability: int = 90, causal: bool = False, n: int = 0
+) -> BlockConfig:
+    """Tiles of the forward kernel (the interpreter ignores warps and stages): the measured row of
+    :data:`mmlight.kernels.tiles.MEASURED` where there is one, else the offline choice below.
 
     128 queries per program amortise each K/V tile over many rows; 64 keys per tile keep the
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
@@ -125,7 +96,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
         head_dim: D.
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
+        causal: causal attention (a key of the measured table).
+        n: key length (its bucket is a key of the measured table).
     """
+    found = measured("forward", capability, head_dim, dtype, causal, n)
+    if found is not None:
+        return found
     hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
@@ -136,8 +112,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
     return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) -> tuple[BlockConfig, BlockConfig]:
-    """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares).
+def backward_configs(
+    head_dim: int, dtype: torch.dtype, capability: int = 90, causal: bool = False, n: int = 0
+) -> tuple[BlockConfig, BlockConfig]:
+    """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares): each
+    the measured row of :data:`mmlight.kernels.tiles.MEASURED` where there is one, else the offline
+    choice below.
 
     Each program keeps a wide block resident (keys for dK/dV, queries for dQ) and steps through
     narrow blocks of the other side. The dK/dV program is the tight one: it holds K, V and two
@@ -148,7 +128,16 @@ def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) ->
         head_dim: D.
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
+        causal: causal attention (a key of the measured table).
+        n: key length (its bucket is a key of the measured table).
     """
+    dkdv, dq = _offline_backward_configs(head_dim, dtype, capability)
+    return (measured("dkdv", capability, head_dim, dtype, causal, n) or dkdv,
+            measured("dq", capability, head_dim, dtype, causal, n) or dq)
+
+
+def _offline_backward_configs(head_dim: int, dtype: torch.dtype, capability: int) -> tuple[BlockConfig, BlockConfig]:
+    """The backward tiles chosen offline (see :func:`backward_configs`)."""
     hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
@@ -506,7 +495,7 @@ def _forward(q, k, v, params, order, scale, causal, key_padding):
     row_max = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     row_inv_sum = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
-    cfg = forward_config(D, q.dtype, device_capability(q.device))
+    cfg = forward_config(D, q.dtype, device_capability(q.device), causal, Tk)
     _forward_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
         q, k, v, out, row_max, row_inv_sum, pad, params,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -539,7 +528,7 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     q, k, v, out, row_max, row_inv_sum, params, key_padding = ctx.saved_tensors
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device))
+    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device), ctx.causal, Tk)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
         HEAD_D=D, ORDER=ctx.order, CAUSAL=ctx.causal, HAS_PAD=key_padding is not None,

@@ -184,7 +184,8 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
 
 
 def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
-    """Raise ValueError for anything the kernel cannot take; one host sync for the target range."""
+    """Raise ValueError for anything the kernel cannot take. The target range is checked on the host
+    for CPU tensors (the interpreter) and by a device-side assert on CUDA, without a host sync."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor (T, V), got shape {getattr(logits, 'shape', None)}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -215,7 +216,11 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
                          "use it only on an intermediate (e.g. the output of the LM head)")
     if T > 0:
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):  # the one host sync
+        if target.device.type == "cuda":
+            # No host sync in a training step: a device-side assert, as F.cross_entropy does on CUDA.
+            # It stops the process at the next synchronisation, before the kernel reads any logit.
+            torch._assert_async(~bad.any(), f"a target is outside [0, {V}) and is not ignore_index ({ignore_index})")
+        elif bool(bad.any()):
             value = int(target[bad][0])
             raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
 
@@ -226,7 +231,7 @@ def _launch(logits, target, params, order, label_smoothing, ignore_index, reduct
     T, V = logits.shape
     device = logits.device
     if reduction == "mean":
-        # On device: no second host sync; an all-ignored batch divides 0 by 1.
+        # On device, without a host sync; an all-ignored batch divides 0 by 1.
         n_valid = (target != ignore_index).sum()
         scale = (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
     else:

@@ -40,6 +40,7 @@ from mmlight.kernels.sigma import (
     store_param_partials,
     unpack_param_grads,
 )
+from mmlight.kernels.tiles import device_capability, measured
 
 #: Longest row kept in registers by one program; longer rows take the online multi-block loop.
 #: 4096 fp32 values over 8 warps are 16 per thread, which the order-2 backward (scores, sigma,
@@ -184,11 +185,22 @@ def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, param
     tl.store(partials_ptr + row * 8 + tl.arange(0, 8), acc)
 
 
-def _launch_config(n: int) -> dict:
-    """Block sizes and warps for rows of ``n`` columns (short: several rows per program)."""
+def _launch_config(n: int, dtype: torch.dtype = torch.float32, capability: int = 90) -> dict:
+    """Block sizes and warps for rows of ``n`` columns (short: several rows per program): rows per
+    program and warps from the measured table (:data:`mmlight.kernels.tiles.MEASURED`, kernel
+    ``rowwise``) where it has a row for short rows, else the offline choice below.
+
+    Args:
+        n: row length.
+        dtype: dtype of the scores.
+        capability: compute capability, ``10 * major + minor``.
+    """
     if n > MAX_SINGLE_BLOCK:
         return {"long": True, "BLOCK_N": LONG_ROW_BLOCK, "ROWS": 1, "num_warps": 8}
     block = triton.next_power_of_2(n)
+    found = measured("rowwise", capability, 0, dtype, False, n)
+    if found is not None:
+        return {"long": False, "BLOCK_N": block, "ROWS": found.block_m, "num_warps": found.num_warps}
     rows = max(1, min(32, SHORT_TILE_ELEMENTS // block))
     num_warps = 8 if rows * block >= SHORT_TILE_ELEMENTS else 4  # at most 16 values per thread
     return {"long": False, "BLOCK_N": block, "ROWS": rows, "num_warps": num_warps}
@@ -202,7 +214,7 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         y = torch.empty_like(x2d)
         row_max = torch.empty(m, dtype=torch.float32, device=x2d.device)
         row_sum = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        cfg = _launch_config(n)
+        cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
         mask_arg = mask2d if mask2d is not None else x2d  # never read when HAS_MASK is False
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
         common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
@@ -223,7 +235,7 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         m, n = x2d.shape
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dx = torch.empty_like(x2d)
-        cfg = _launch_config(n)
+        cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
         programs = m if cfg["long"] else triton.cdiv(m, cfg["ROWS"])
         partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
         mask_arg = mask2d if mask2d is not None else x2d

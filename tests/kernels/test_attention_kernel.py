@@ -21,8 +21,8 @@ TS = {1: [0.3, 0.2], 2: [0.3, 0.2, 0.1, 0.05]}
 def use_blocks(monkeypatch, block_m, block_n):
     """Force ``block_m`` x ``block_n`` tiles in every kernel."""
     cfg = kernel.BlockConfig(block_m, block_n, num_warps=4, num_stages=1)
-    monkeypatch.setattr(kernel, "forward_config", lambda head_dim, dtype, capability: cfg)
-    monkeypatch.setattr(kernel, "backward_configs", lambda head_dim, dtype, capability: (cfg, cfg))
+    monkeypatch.setattr(kernel, "forward_config", lambda *args: cfg)
+    monkeypatch.setattr(kernel, "backward_configs", lambda *args: (cfg, cfg))
 
 
 @pytest.fixture
