@@ -4,9 +4,12 @@ and record registers, spills and shared memory (see `benchmarks/compile_check.py
     python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
     python benchmarks/compile_report.py --matrix shipped
     python benchmarks/compile_report.py --family attention --dtype bf16   # recompile a part
+    python benchmarks/compile_report.py --matrix shipped --switch PARAM_SUMS_PER_PROGRAM
 
 Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
-and target, then one row per compiled kernel); the summary goes into BENCHMARKS.md. Rerun it
+and target, then one row per compiled kernel; ``--switch`` turns kernel switches of
+``mmlight/kernels/attention.py`` on and adds their names to the file name); the summary goes into
+BENCHMARKS.md. Rerun it
 whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
 """
 
@@ -71,14 +74,27 @@ def main(argv: list[str] | None = None) -> int:
         default=list(compile_check.DTYPES),
         help="recompile only these dtypes; the report keeps the other rows",
     )
+    parser.add_argument(
+        "--switch",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="kernel switches of mmlight/kernels/attention.py to turn on (e.g. PARAM_SUMS_PER_PROGRAM)",
+    )
     args = parser.parse_args(argv)
+    from mmlight.kernels import attention
+
+    for name in args.switch:
+        if not (name.isupper() and isinstance(getattr(attention, name, None), bool)):
+            parser.error(f"{name} is not a kernel switch of mmlight/kernels/attention.py")
+        setattr(attention, name, True)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
     cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]
     results = compile_check.check_cases(
         cases, compile_check.CAPABILITIES, args.jobs, log=lambda line: print(line, file=sys.stderr, flush=True)
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"compile_report-{args.matrix}"
+    stem = args.out / "-".join(["compile_report", args.matrix, *(name.lower() for name in args.switch)])
     if stem.with_suffix(".json").exists():  # keep the rows of the families and dtypes not recompiled
         kept = [
             compile_check.Compiled(**row)

@@ -79,6 +79,15 @@ _SUM_SCORES_IN_ORDER = tl.constexpr(_INTERPRETED)
 # they are not the default; fp16/bf16 inputs are unaffected. The interpreter computes in fp32.
 FP32_DOT_PRECISION = "tf32"
 
+# Kernel switches, each a candidate of benchmarks/gpu_run.py's sweep until a GPU measurement decides.
+#: dK/dV kernel: accumulate the sigma-parameter partials per key and reduce them across the warps
+#: once per program, after the query loop, instead of to scalars at every query step.
+PARAM_SUMS_PER_PROGRAM = False
+#: Forward: write the output ``(B, Tq, H, D)``-contiguous and return it as a ``(B, H, Tq, D)`` view, as
+#: SDPA does, so that a caller that merges the heads (``out.transpose(1, 2).reshape(B, Tq, H * D)``)
+#: copies nothing.
+OUTPUT_IN_CALLER_LAYOUT = False
+
 
 def forward_config(
     head_dim: int, dtype: torch.dtype, capability: int = 90, causal: bool = False, n: int = 0
@@ -368,7 +377,7 @@ def _backward_dkdv_kernel(
     H, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PARAM_GRADS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PARAM_SUMS_PER_PROGRAM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head)."""
     start_n, bh = _block_and_head(Tk, BLOCK_N)
@@ -385,15 +394,26 @@ def _backward_dkdv_kernel(
     v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
-    # per-program parameter partials, kept in registers (no atomics)
-    dr0 = 0.0
-    dr1 = 0.0
-    dr2 = 0.0
-    dr3 = 0.0
-    dt0 = 0.0
-    dt1 = 0.0
-    dt2 = 0.0
-    dt3 = 0.0
+    # per-program parameter partials, kept in registers (no atomics): per key, reduced over the keys
+    # once after the loop (PARAM_SUMS_PER_PROGRAM), or reduced to scalars at every step
+    if PARAM_SUMS_PER_PROGRAM:
+        dr0 = tl.zeros((BLOCK_N,), tl.float32)
+        dr1 = tl.zeros((BLOCK_N,), tl.float32)
+        dr2 = tl.zeros((BLOCK_N,), tl.float32)
+        dr3 = tl.zeros((BLOCK_N,), tl.float32)
+        dt0 = tl.zeros((BLOCK_N,), tl.float32)
+        dt1 = tl.zeros((BLOCK_N,), tl.float32)
+        dt2 = tl.zeros((BLOCK_N,), tl.float32)
+        dt3 = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        dr0 = 0.0
+        dr1 = 0.0
+        dr2 = 0.0
+        dr3 = 0.0
+        dt0 = 0.0
+        dt1 = 0.0
+        dt2 = 0.0
+        dt3 = 0.0
 
     for start_m in range(_causal_query_begin(start_n, Tq, Tk, BLOCK_M, CAUSAL), Tq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -414,7 +434,7 @@ def _backward_dkdv_kernel(
         if PARAM_GRADS:
             # each (query, key) pair is visited by exactly one dK/dV program: nothing counted twice
             e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(
-                xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+                xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, PARAM_SUMS_PER_PROGRAM)
             dr0 += e0
             dr1 += e1
             dr2 += e2
@@ -427,7 +447,12 @@ def _backward_dkdv_kernel(
     _store_rows(DK + b * stride_dkb + h * stride_dkh, dk, offs_n, offs_d, stride_dkt, stride_dkd, Tk)
     _store_rows(DV + b * stride_dvb + h * stride_dvh, dv, offs_n, offs_d, stride_dvt, stride_dvd, Tk)
     if PARAM_GRADS:
-        store_param_partials(PARTIALS + tl.program_id(0) * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
+        if PARAM_SUMS_PER_PROGRAM:
+            store_param_partials(PARTIALS + tl.program_id(0) * 8, tl.sum(dr0, axis=0), tl.sum(dr1, axis=0),
+                                 tl.sum(dr2, axis=0), tl.sum(dr3, axis=0), tl.sum(dt0, axis=0),
+                                 tl.sum(dt1, axis=0), tl.sum(dt2, axis=0), tl.sum(dt3, axis=0))
+        else:
+            store_param_partials(PARTIALS + tl.program_id(0) * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 @triton.jit
@@ -488,10 +513,14 @@ def _padding_arg(key_padding: torch.Tensor | None, device: torch.device) -> tupl
 
 def _forward(q, k, v, params, order, scale, causal, key_padding):
     """Launch the forward kernel; returns ``(out, row_max, row_inv_sum)``: ``(B, H, Tq, D)`` in q's
-    dtype, and per query the max ``m`` of sigma and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
+    dtype (see ``OUTPUT_IN_CALLER_LAYOUT`` for its strides), and per query the max ``m`` of sigma
+    and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    if OUTPUT_IN_CALLER_LAYOUT:
+        out = torch.empty((B, Tq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
     row_max = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     row_inv_sum = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
@@ -548,7 +577,8 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
         _backward_dkdv_kernel[(programs,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params, **common,
+            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params,
+            PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, **common,
             **_tile_args(cfg_kv),
         )
     if want_dq:
@@ -668,7 +698,8 @@ def multimax_attention(
         key_padding: optional bool ``(B, Tk)``, True = keep the key.
 
     Returns:
-        ``(B, H, Tq, D)`` in q's dtype (accumulated in fp32; on the GPU, fp32 inputs go through
+        ``(B, H, Tq, D)`` in q's dtype, contiguous or (``OUTPUT_IN_CALLER_LAYOUT``) a view of a
+        ``(B, Tq, H, D)``-contiguous tensor (accumulated in fp32; on the GPU, fp32 inputs go through
         TF32 tensor-core matmuls, see ``FP32_DOT_PRECISION``). A query that sees no key gets 0,
         and zero gradients.
 

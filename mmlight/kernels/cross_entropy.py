@@ -134,7 +134,7 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
         if PARAM_GRADS:
             # The shared helper reduces 2-D tiles; x is finite and g is 0 on inactive lanes, as it requires.
             b0, b1, b2, b3, c0, c1, c2, c3 = sigma_param_partials(
-                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
             dr0 += b0
             dr1 += b1
             dr2 += b2

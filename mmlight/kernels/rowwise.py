@@ -130,7 +130,7 @@ def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t
     p = _probabilities(s, row_max, row_sum)
     g = p * (dy - dot[:, None])  # gradient wrt sigma(u); 0 where masked since p = 0 there
     dx = g * sigma_derivative(u, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
-    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
     return dx, partials
 
 
