@@ -125,6 +125,7 @@ SWITCHES = [
     (attention_kernel, "PARAM_SUMS_PER_PROGRAM", (False, True)),
     (attention_kernel, "MASK_FREE_INTERIOR", (False, True)),
     (attention_kernel, "OUTPUT_IN_CALLER_LAYOUT", (False, True)),
+    (attention_kernel, "SINGLE_PASS_BACKWARD", (False, True)),
 ]
 
 

@@ -87,6 +87,14 @@ PARAM_SUMS_PER_PROGRAM = False
 #: SDPA does, so that a caller that merges the heads (``out.transpose(1, 2).reshape(B, Tq, H * D)``)
 #: copies nothing.
 OUTPUT_IN_CALLER_LAYOUT = False
+#: Backward for at most ``SINGLE_PASS_MAX_KEYS`` keys: one kernel that also writes each key block's
+#: share of dQ (fp32, summed in a fixed order after it) instead of a second kernel that recomputes
+#: the scores, sigma and the weights for dQ.
+SINGLE_PASS_BACKWARD = False
+#: Forward: the key blocks that all queries of a program see whole (all but the causal diagonal and
+#: the last partial block; none with key padding) run without a mask and with unmasked loads.
+MASK_FREE_INTERIOR = False
+SINGLE_PASS_MAX_KEYS = 256
 
 
 def forward_config(
@@ -287,6 +295,50 @@ def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale,
 
 
 @triton.jit
+def _unmasked_key_end(start_m, Tq, Tk, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the whole key blocks (a multiple of BLOCK_N) that every query from ``start_m`` on sees."""
+    seen = Tk
+    if CAUSAL:
+        # the block's first query sees keys up to Tk - Tq + start_m (bottom-right aligned)
+        seen = tl.minimum(tl.maximum(Tk - Tq + start_m + 1, 0), Tk)
+    return (seen // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt, stride_vd,
+                  Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3, m_i, l_i, acc,
+                  BLOCK_N: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: the updated ``(m_i, l_i, acc)``.
+
+    Unless ``MASKED``, every query of the block sees every key of this block (an interior tile): the
+    loads and the scores need no mask, and the row max is finite."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k = _load_rows(k_head, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
+        v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
+    else:
+        k = tl.load(k_head + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd)
+        v = tl.load(v_head + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd)
+    x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    if MASKED:
+        keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
+        s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+    if MASKED:
+        # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
+    alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, O, ROW_MAX, ROW_INV_SUM, PAD, PARAMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -296,7 +348,7 @@ def _forward_kernel(
     stride_pb, stride_pn,
     H, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, MASK_FREE_INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head) against all keys they can see."""
     start_m, bh = _block_and_head(Tq, BLOCK_M)
@@ -314,23 +366,17 @@ def _forward_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(s - m_i)
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
 
-    for start_n in range(0, _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL), BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_head, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
-        v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
-        x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
-        s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-        # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
-        alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
+    key_end = _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL)
+    # key blocks that every query of this block sees whole: no mask to compute, no masked load
+    full_end = _unmasked_key_end(start_m, Tq, Tk, BLOCK_N, CAUSAL) if MASK_FREE_INTERIOR and not HAS_PAD else 0
+    for start_n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3,
+                                      m_i, l_i, acc, BLOCK_N, ORDER, CAUSAL, HAS_PAD, False, DOT_PRECISION)
+    for start_n in range(full_end, key_end, BLOCK_N):
+        m_i, l_i, acc = _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3,
+                                      m_i, l_i, acc, BLOCK_N, ORDER, CAUSAL, HAS_PAD, True, DOT_PRECISION)
 
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without keys: acc = 0, so out = 0
@@ -366,7 +412,7 @@ def _delta_kernel(
 
 @triton.jit
 def _backward_dkdv_kernel(
-    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS, DQ_PARTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -377,9 +423,14 @@ def _backward_dkdv_kernel(
     H, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PARAM_GRADS: tl.constexpr,
-    PARAM_SUMS_PER_PROGRAM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PARAM_SUMS_PER_PROGRAM: tl.constexpr, DQ_PARTIALS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head)."""
+    """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head).
+
+    With ``DQ_PARTIALS`` it also writes this key block's share of dQ for every query step, fp32, to
+    ``DQ_PARTS[key block, bh, query, :]`` (a ``(key blocks, B * H, Tq, D)`` buffer): summed over the
+    key blocks in a fixed order on the host, that is dQ without the dQ kernel's second pass.
+    """
     start_n, bh = _block_and_head(Tk, BLOCK_N)
     b = bh // H
     h = bh % H
@@ -431,6 +482,12 @@ def _backward_dkdv_kernel(
                                  r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dv += _dot(pt.to(do.dtype), do, DOT_PRECISION)  # (BLOCK_N, D)
         dk += _dot(dst.to(q.dtype), q, DOT_PRECISION)  # (BLOCK_N, D)
+        if DQ_PARTIALS:
+            # each (key block, query) row is written by exactly one program: deterministic
+            dq_part = _dot(tl.trans(dst).to(k.dtype), k, DOT_PRECISION)  # (BLOCK_M, D)
+            n_heads = tl.num_programs(0) // tl.cdiv(Tk, BLOCK_N)  # B * H
+            dq_rows = DQ_PARTS + ((start_n // BLOCK_N) * n_heads + bh) * Tq * HEAD_D
+            tl.store(dq_rows + offs_m[:, None] * HEAD_D + offs_d[None, :], dq_part, mask=(offs_m < Tq)[:, None])
         if PARAM_GRADS:
             # each (query, key) pair is visited by exactly one dK/dV program: nothing counted twice
             e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(
@@ -531,7 +588,7 @@ def _forward(q, k, v, params, order, scale, causal, key_padding):
         stride_pb, stride_pn,
         H, Tq, Tk, scale,
         HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
-        DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
+        MASK_FREE_INTERIOR=MASK_FREE_INTERIOR, DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
     )
     return out, row_max, row_inv_sum
 
@@ -567,21 +624,30 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
     delta = _delta(out, dout, cfg_q)
 
     dq = dk = dv = partials = None
+    # one pass for short keys: the dK/dV kernel also writes dQ per key block (see DQ_PARTIALS)
+    single_pass = SINGLE_PASS_BACKWARD and want_dq and (want_dkdv or want_params) and Tk <= SINGLE_PASS_MAX_KEYS
     if want_dkdv or want_params:
         dk = torch.empty((B, H, Tk, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=q.device)
-        programs = triton.cdiv(Tk, cfg_kv.block_n) * B * H
+        key_blocks = triton.cdiv(Tk, cfg_kv.block_n)
+        programs = key_blocks * B * H
         # one row per program; a dummy when the parameters need no gradient
         partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS),
                                dtype=torch.float32, device=q.device)
+        # causal programs skip the queries before their keys: their rows of the buffer stay 0
+        new_parts = torch.zeros if ctx.causal else torch.empty
+        dq_parts = new_parts((key_blocks, B * H, Tq, D) if single_pass else (1,), dtype=torch.float32,
+                             device=q.device)
         _backward_dkdv_kernel[(programs,)](
-            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials, dq_parts,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params,
-            PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, **common,
+            PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, DQ_PARTIALS=single_pass, **common,
             **_tile_args(cfg_kv),
         )
-    if want_dq:
+        if single_pass:
+            dq = dq_parts.sum(dim=0).view(B, H, Tq, D).to(q.dtype)  # a fixed order: deterministic
+    if want_dq and not single_pass:
         dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,

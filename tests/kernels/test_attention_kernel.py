@@ -194,7 +194,7 @@ def test_half_precision(small_blocks, dtype, tol_out, tol_grad):
 
 
 #: Kernel switches (module attributes of kernels/attention.py), each tested on against the reference.
-SWITCHES = ["PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT"]
+SWITCHES = ["PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT", "SINGLE_PASS_BACKWARD", "MASK_FREE_INTERIOR"]
 
 
 @pytest.mark.parametrize("switch", SWITCHES)
@@ -203,6 +203,7 @@ SWITCHES = ["PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT"]
     [
         (37, 37, False, False, (16, 16)),
         (20, 37, True, True, (16, 16)),  # causal + padding, Tq < Tk, partial blocks
+        (20, 37, True, False, (16, 16)),  # causal, Tq < Tk: whole key blocks before the diagonal
         (37, 19, True, False, (32, 16)),  # queries that see no key
     ],
 )

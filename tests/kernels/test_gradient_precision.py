@@ -119,7 +119,7 @@ def test_rowwise_gradients(rows, n, std, masked):
 CAUSAL_PARAM_RATIO = {"ranges": 4.0, "ts": 4.0}
 
 
-@pytest.mark.parametrize("switch", [None, "PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT"])
+@pytest.mark.parametrize("switch", [None, "PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT", "SINGLE_PASS_BACKWARD"])
 @pytest.mark.parametrize("causal, padded", [(False, True), (True, False)])
 def test_attention_gradients(causal, padded, switch, monkeypatch):
     """As accurate as eager fp32, as shipped and with each kernel switch of kernels/attention.py on."""
