@@ -61,6 +61,7 @@ from bench_multimax import PEAK_GBPS, bent_multimax, device_name, time_ms  # noq
 
 from mmlight.doctor import relative_error  # noqa: E402
 from mmlight.kernels import attention as attention_kernel  # noqa: E402
+from mmlight.kernels import cross_entropy as cross_entropy_kernel  # noqa: E402
 from mmlight.kernels import rowwise as rowwise_kernel  # noqa: E402
 from mmlight.kernels.tiles import DTYPE_NAMES, BlockConfig, override_tiles, seq_bucket  # noqa: E402
 
@@ -129,14 +130,18 @@ SWITCHES = [
 ]
 
 
-def present_switches() -> list[tuple[object, str, tuple]]:
-    return [s for s in SWITCHES if hasattr(s[0], s[1])]
+#: The cross-entropy's switches, compared in its own section.
+CE_SWITCHES = [(cross_entropy_kernel, "GRADIENT_IN_BACKWARD", (False, True))]
+
+
+def present_switches(switches=SWITCHES) -> list[tuple[object, str, tuple]]:
+    return [s for s in switches if hasattr(s[0], s[1])]
 
 
 @contextlib.contextmanager
 def switched(settings: dict[str, object]) -> Iterator[None]:
     """Set kernel switches (by attribute name) for the block."""
-    modules = {name: module for module, name, _ in present_switches()}
+    modules = {name: module for module, name, _ in present_switches(SWITCHES + CE_SWITCHES)}
     old = {name: getattr(modules[name], name) for name in settings}
     for name, value in settings.items():
         setattr(modules[name], name, value)
@@ -881,17 +886,37 @@ def section_cross_entropy(run: Run) -> None:
     }
     run.emit(**base, backend="torch.cross_entropy", **plain)
     fused_ce = lambda: module.cross_entropy(logits, target, label_smoothing=0.1)  # noqa: E731
-    timing = {
-        "fwd_ms": timer(run, lambda: module.cross_entropy(logits.detach(), target, label_smoothing=0.1)),
-        "fwd_bwd_ms": timer(run, lambda: both(fused_ce(), logits, module.ranges, module.ts)),
-    }
-    timing["fwd_bwd_ratio"] = round(timing["fwd_bwd_ms"] / plain["fwd_bwd_ms"], 3)
-    if run.cuda:
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        both(fused_ce(), logits, module.ranges, module.ts)
-        timing["peak_mem_mb"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
-    run.emit(**base, backend="multimax/triton", **timing)
+    # the check: 64 rows against the reference backend on fp32 copies of the same values
+    rows = (logits[:64].detach().float().requires_grad_(), target[:64])
+    reference = bent_multimax("reference", run.device, ORDER)
+    want = outputs_and_grads(
+        lambda t: reference.cross_entropy(t[0], rows[1], label_smoothing=0.1), [rows[0], reference.ranges, reference.ts]
+    )
+    totals = {}
+    for settings in [{}, *({name: value} for _, name, values in present_switches(CE_SWITCHES) for value in values[1:])]:
+        with switched(settings):
+            few = logits[:64].detach().requires_grad_()
+            got = outputs_and_grads(
+                lambda t: module.cross_entropy(t[0], rows[1], label_smoothing=0.1), [few, module.ranges, module.ts]
+            )
+            error = max(relative_error(g, w) for g, w in zip(got, want))
+            timing = {
+                "fwd_ms": timer(run, lambda: module.cross_entropy(logits.detach(), target, label_smoothing=0.1)),
+                "fwd_bwd_ms": timer(run, lambda: both(fused_ce(), logits, module.ranges, module.ts)),
+            }
+            timing["fwd_bwd_ratio"] = round(timing["fwd_bwd_ms"] / plain["fwd_bwd_ms"], 3)
+            if run.cuda:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                both(fused_ce(), logits, module.ranges, module.ts)
+                timing["peak_mem_mb"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+        ok = error <= TOLERANCE[base["dtype"]]
+        label = "multimax/triton" + "".join(f", {name}={value}" for name, value in settings.items())
+        run.emit(**base, backend=label, error_vs_fp32=error, ok=ok, switches=settings, **timing)
+        if ok:
+            totals[tuple(settings.items())] = timing["fwd_bwd_ms"]
+    if totals:  # the fastest setting that passed goes into the tuned steps
+        run.tuned_switches.update(dict(min(totals, key=totals.get)))
 
 
 def both(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
@@ -901,7 +926,7 @@ def both(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-SECTIONS = ["env", "sweep", "attention", "step", "profile", "rowwise", "cross_entropy", "compiled"]
+SECTIONS = ["env", "sweep", "attention", "rowwise", "cross_entropy", "step", "profile", "compiled"]
 #: Seconds each section needs at least on an H100 (estimates; the guard skips a section below them).
 ESTIMATES = {
     "env": 5,

@@ -37,6 +37,11 @@ V = 267,744 in bf16 that is one extra 4.4 GB buffer (none with ``inplace_grad=Tr
 eager composition keeps several fp32 ``T x V`` tensors (upcast, sigma, log-softmax, gradients) of
 8.8 GB each.
 
+With ``GRADIENT_IN_BACKWARD`` the forward runs pass 1 only and saves each row's max and ``1 / sum``
+(two fp32 values per row); the backward runs pass 2 with the upstream gradient read on the device,
+so the gradient is written once, already scaled: ``b`` bytes per element in the forward and ``2b``
+in the backward.
+
 Ignored rows (target == ignore_index) skip pass 1 entirely (their loads are masked off) and, when
 the logits need a gradient, only write zeros in pass 2.
 
@@ -71,6 +76,10 @@ __all__ = ["multimax_cross_entropy"]
 MAX_BLOCK_V = 4096
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
 REDUCTIONS = ("mean", "sum")
+#: Compute the gradient in the backward (a second kernel reading the upstream gradient on the device)
+#: instead of in the forward followed by a pass that scales it: one read and one write of ``T x V``
+#: fewer. A switch for benchmarks/gpu_run.py until a GPU measurement decides.
+GRADIENT_IN_BACKWARD = False
 
 
 @triton.jit
@@ -148,10 +157,10 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
 
 @triton.jit
 def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr,
-                          loss_ptr, grad_ptr, stride_grad, partials_ptr,
+                          loss_ptr, grad_ptr, stride_grad, partials_ptr, max_ptr, inv_sum_ptr,
                           V, ignore_index, confidence, smooth,
                           ORDER: tl.constexpr, BLOCK_V: tl.constexpr,
-                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
+                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr, SAVE_STATS: tl.constexpr):
     # int64 row offsets: T * V exceeds 2**31 at LM sizes (8,192 x 267,744 = 2.2e9).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits
@@ -172,15 +181,39 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
     loss = lse - confidence * s_y - smooth * sum_s
     tl.store(loss_ptr + row, tl.where(valid, loss * w, 0.0))
 
+    # an ignored row (max -inf, sum 0) gets 0 and 0: every p is 0, never NaN
+    row_max = tl.where(valid, max_s, 0.0)
+    row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
+    if SAVE_STATS:  # for the backward kernel
+        tl.store(max_ptr + row, row_max)
+        tl.store(inv_sum_ptr + row, row_inv_sum)
     if STORE_DZ or PARAM_GRADS:
-        # an ignored row (max -inf, sum 0) gets 0 and 0: every p is 0, never NaN
-        row_max = tl.where(valid, max_s, 0.0)
-        row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
             row_ptr, grad_ptr + row * stride_grad, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
         if PARAM_GRADS:
             store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
+
+
+@triton.jit
+def _cross_entropy_backward_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr, upstream_ptr,
+                                   max_ptr, inv_sum_ptr, grad_ptr, stride_grad, partials_ptr,
+                                   V, ignore_index, confidence, smooth,
+                                   ORDER: tl.constexpr, BLOCK_V: tl.constexpr, STORE_DZ: tl.constexpr,
+                                   PARAM_GRADS: tl.constexpr):
+    """Pass 2 run by the backward (``GRADIENT_IN_BACKWARD``): ``dz`` of one row, already scaled by
+    the upstream gradient (read on the device), from the row's max and ``1 / sum`` saved by the forward."""
+    row = tl.program_id(0).to(tl.int64)
+    r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
+    y = tl.load(target_ptr + row)
+    n_active = tl.where(y != ignore_index, V, 0)
+    w = tl.load(scale_ptr) * tl.load(upstream_ptr)
+    dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
+        logits_ptr + row * stride_logits, grad_ptr + row * stride_grad, y, V, n_active,
+        tl.load(max_ptr + row), tl.load(inv_sum_ptr + row), w, confidence, smooth,
+        r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
+    if PARAM_GRADS:
+        store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
@@ -226,8 +259,9 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
 
 
 def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction,
-            store_dz, param_grads, inplace_grad):
-    """Run the kernel: ``(loss, grad_logits or None, partials or None)``."""
+            store_dz, param_grads, inplace_grad, save_stats=False):
+    """Run the forward kernel: ``(loss, grad_logits or None, partials or None, stats)``; ``stats`` is
+    ``(row_max, row_inv_sum, scale)`` for the backward kernel when ``save_stats``, else None."""
     T, V = logits.shape
     device = logits.device
     if reduction == "mean":
@@ -241,18 +275,52 @@ def _launch(logits, target, params, order, label_smoothing, ignore_index, reduct
     if store_dz:
         grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
     partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
+    stats = None
+    if save_stats:
+        stats = (torch.empty(T, dtype=torch.float32, device=device), torch.empty(T, dtype=torch.float32, device=device),
+                 scale)
     if T > 0:
-        block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+        block_v = _block_v(V)
         _cross_entropy_kernel[(T,)](
             logits, logits.stride(0), target, params, scale,
             row_loss, grad if store_dz else logits, grad.stride(0) if store_dz else 0,
             partials if param_grads else row_loss,  # unused pointers are never touched
+            *(stats[:2] if save_stats else (row_loss, row_loss)),
+            V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
+            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads, SAVE_STATS=save_stats,
+            num_warps=8 if block_v >= 2048 else 4,
+        )
+    # Fixed-order sum over rows: deterministic (no atomics).
+    return row_loss.sum(), grad, partials, stats
+
+
+def _block_v(V: int) -> int:
+    """Column block of the row loop."""
+    return min(MAX_BLOCK_V, triton.next_power_of_2(V))
+
+
+def _launch_backward(logits, target, params, order, stats, upstream, label_smoothing, ignore_index,
+                     store_dz, param_grads, inplace_grad):
+    """Run the backward kernel: ``(grad_logits or None, partials or None)``, scaled by ``upstream``."""
+    T, V = logits.shape
+    device = logits.device
+    row_max, row_inv_sum, scale = stats
+    grad = None
+    if store_dz:
+        grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
+    partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
+    if T > 0:
+        block_v = _block_v(V)
+        _cross_entropy_backward_kernel[(T,)](
+            logits, logits.stride(0), target, params, scale, upstream.to(torch.float32).reshape(1),
+            row_max, row_inv_sum,
+            grad if store_dz else logits, grad.stride(0) if store_dz else 0,  # not written without STORE_DZ
+            partials if param_grads else row_max,
             V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
             ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
             num_warps=8 if block_v >= 2048 else 4,
         )
-    # Fixed-order sum over rows: deterministic (no atomics).
-    return row_loss.sum(), grad, partials
+    return grad, partials
 
 
 class _MultiMaxCrossEntropy(torch.autograd.Function):
@@ -261,32 +329,52 @@ class _MultiMaxCrossEntropy(torch.autograd.Function):
         params, order = pack_sigma_params(ranges, ts, logits.device)
         need_logits, _, need_ranges, need_ts = ctx.needs_input_grad[:4]
         param_grads = order > 0 and (need_ranges or need_ts)
-        loss, grad, partials = _launch(logits, target, params, order, float(label_smoothing), ignore_index,
-                                       reduction, need_logits, param_grads, inplace_grad)
+        # the second pass in the backward, where the upstream gradient is known (GRADIENT_IN_BACKWARD)
+        ctx.deferred = GRADIENT_IN_BACKWARD and (need_logits or param_grads)
+        loss, grad, partials, stats = _launch(
+            logits, target, params, order, float(label_smoothing), ignore_index, reduction,
+            need_logits and not ctx.deferred, param_grads and not ctx.deferred, inplace_grad, ctx.deferred)
         ctx.grad_logits = grad
-        if param_grads:
-            # The parameters may live elsewhere (and in another dtype) than the logits.
-            ctx.param_grads = tuple(g.to(ranges) for g in unpack_param_grads(partials, ranges.shape[0]))
-        else:
-            ctx.param_grads = None
+        ctx.param_grads = None
+        ctx.param_like = None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device)
+        if ctx.deferred:
+            ctx.save_for_backward(logits, target, params, *stats)
+            ctx.launch_args = (order, float(label_smoothing), ignore_index, need_logits, param_grads, inplace_grad)
+        elif param_grads:
+            ctx.param_grads = _param_grads(partials, ctx.param_like)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_logits = grad_ranges = grad_ts = None
-        if ctx.needs_input_grad[0]:
-            if ctx.grad_logits is None:
-                raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
-                                   "(its stored gradient is scaled in place)")
-            # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
-            grad_logits = ctx.grad_logits.mul_(grad_output)
-            ctx.grad_logits = None
-        if ctx.param_grads is not None:
-            d_ranges, d_ts = ctx.param_grads
-            scale = grad_output.to(d_ranges)
-            grad_ranges = d_ranges * scale if ctx.needs_input_grad[2] else None
-            grad_ts = d_ts * scale if ctx.needs_input_grad[3] else None
+        if ctx.deferred:
+            logits, target, params, *stats = ctx.saved_tensors
+            order, smoothing, ignore_index, need_logits, param_grads, inplace_grad = ctx.launch_args
+            grad_logits, partials = _launch_backward(logits, target, params, order, stats, grad_output, smoothing,
+                                                     ignore_index, need_logits, param_grads, inplace_grad)
+            if param_grads:
+                grad_ranges, grad_ts = _param_grads(partials, ctx.param_like)  # already times grad_output
+        else:
+            if ctx.needs_input_grad[0]:
+                if ctx.grad_logits is None:
+                    raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not "
+                                       "supported (its stored gradient is scaled in place)")
+                # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
+                grad_logits = ctx.grad_logits.mul_(grad_output)
+                ctx.grad_logits = None
+            if ctx.param_grads is not None:
+                scale = grad_output.to(ctx.param_grads[0])
+                grad_ranges, grad_ts = (g * scale for g in ctx.param_grads)
+        grad_ranges = grad_ranges if ctx.needs_input_grad[2] else None
+        grad_ts = grad_ts if ctx.needs_input_grad[3] else None
         return grad_logits, None, grad_ranges, grad_ts, None, None, None, None
+
+
+def _param_grads(partials: torch.Tensor, param_like: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ranges`` and ``ts`` gradients from the per-row partials, on the parameters' device and
+    in their dtype (they may live elsewhere than the logits)."""
+    n, dtype, device = param_like
+    return tuple(g.to(device, dtype) for g in unpack_param_grads(partials, n))
 
 
 def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: torch.Tensor | None = None,
