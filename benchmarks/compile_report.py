@@ -8,8 +8,8 @@ and record registers, spills and shared memory (see `benchmarks/compile_check.py
 
 Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
 and target, then one row per compiled kernel; ``--switch`` turns kernel switches of
-``mmlight/kernels/attention.py`` or ``cross_entropy.py`` on and adds their names to the file name); the summary goes into
-BENCHMARKS.md. Rerun it
+``mmlight/kernels/attention.py`` or ``cross_entropy.py`` on and adds their names to the file name);
+the summary goes into BENCHMARKS.md. Rerun it
 whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
 """
 
