@@ -8,7 +8,8 @@ and record registers, spills and shared memory (see `benchmarks/compile_check.py
 
 Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
 and target, then one row per compiled kernel; ``--switch`` turns kernel switches of
-``mmlight/kernels/attention.py`` or ``cross_entropy.py`` on and adds their names to the file name);
+``mmlight/kernels/attention.py``, ``cross_entropy.py`` or ``rowwise.py`` on and adds their names to
+the file name);
 the summary goes into BENCHMARKS.md. Rerun it
 whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
 """
@@ -79,16 +80,20 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         metavar="NAME",
-        help="kernel switches of mmlight/kernels/attention.py or cross_entropy.py to turn on "
+        help="kernel switches of mmlight/kernels/attention.py, cross_entropy.py or rowwise.py to turn on "
         "(e.g. PARAM_SUMS_PER_PROGRAM)",
     )
     args = parser.parse_args(argv)
-    from mmlight.kernels import attention, cross_entropy
+    from mmlight.kernels import attention, cross_entropy, rowwise
 
     for name in args.switch:
-        module = next((m for m in (attention, cross_entropy) if isinstance(getattr(m, name, None), bool)), None)
+        module = next(
+            (m for m in (attention, cross_entropy, rowwise) if isinstance(getattr(m, name, None), bool)), None
+        )
         if module is None or not name.isupper():
-            parser.error(f"{name} is not a kernel switch of mmlight/kernels/attention.py or cross_entropy.py")
+            parser.error(
+                f"{name} is not a kernel switch of mmlight/kernels/attention.py, cross_entropy.py or rowwise.py"
+            )
         setattr(module, name, True)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
     cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]

@@ -130,8 +130,9 @@ SWITCHES = [
 ]
 
 
-#: The cross-entropy's switches, compared in its own section.
+#: The cross-entropy's and the row-wise kernel's switches, compared in their own sections.
 CE_SWITCHES = [(cross_entropy_kernel, "GRADIENT_IN_BACKWARD", (False, True))]
+ROWWISE_SWITCHES = [(rowwise_kernel, "PERSISTENT_ROWS", (False, True))]
 
 
 def present_switches(switches=SWITCHES) -> list[tuple[object, str, tuple]]:
@@ -141,7 +142,7 @@ def present_switches(switches=SWITCHES) -> list[tuple[object, str, tuple]]:
 @contextlib.contextmanager
 def switched(settings: dict[str, object]) -> Iterator[None]:
     """Set kernel switches (by attribute name) for the block."""
-    modules = {name: module for module, name, _ in present_switches(SWITCHES + CE_SWITCHES)}
+    modules = {name: module for module, name, _ in present_switches(SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES)}
     old = {name: getattr(modules[name], name) for name in settings}
     for name, value in settings.items():
         setattr(modules[name], name, value)
@@ -821,8 +822,9 @@ def section_rowwise(run: Run) -> None:
     softmax = time_pair(run, lambda: torch.softmax(x, dim=-1), [x])
     run.emit(**base, backend="torch.softmax", **softmax)
     best = None
-    for cfg in [None, *rowwise_candidates(run.smoke)]:
-        with override_tiles(**({"rowwise": cfg} if cfg else {})):
+    settings_list = [{}, *({name: v} for _, name, values in present_switches(ROWWISE_SWITCHES) for v in values[1:])]
+    for settings, cfg in itertools.product(settings_list, [None, *rowwise_candidates(run.smoke)]):
+        with override_tiles(**({"rowwise": cfg} if cfg else {})), switched(settings):
             got = outputs_and_grads(lambda t: module.compute(t[0], None, "triton"), [x, module.ranges, module.ts])
             error = max(relative_error(g, w) for g, w in zip(got, want))
             ok = error <= TOLERANCE[base["dtype"]]
@@ -831,18 +833,25 @@ def section_rowwise(run: Run) -> None:
             )
         label = (
             "multimax/triton shipped" if cfg is None else f"multimax/triton rows={cfg.block_m} warps={cfg.num_warps}"
-        )
+        ) + "".join(f", {name}={value}" for name, value in settings.items())
         ratios = {
             f"{p}_ratio": round(timing[f"{p}_ms"] / softmax[f"{p}_ms"], 3)
             for p in ("fwd", "bwd")
             if timing.get(f"{p}_ms") and softmax.get(f"{p}_ms")
         }
-        run.emit(**base, backend=label, error_vs_fp32=error, ok=ok, **timing, **ratios)
+        run.emit(**base, backend=label, error_vs_fp32=error, ok=ok, switches=settings, **timing, **ratios)
         if ok and (best is None or timing["fwd_ms"] + timing["bwd_ms"] < best[0]):
             # the shipped choice competes too, as the config the kernel launches without an override
-            best = (timing["fwd_ms"] + timing["bwd_ms"], cfg or shipped_rowwise(run, shape[-1]))
+            best = (timing["fwd_ms"] + timing["bwd_ms"], cfg or shipped_rowwise(run, shape[-1]), settings)
     if best:
         run.tuned["rowwise"] = {"rowwise": best[1]}
+        run.emit(
+            kind="tuned",
+            shape_name="rowwise",
+            shape=list(shape),
+            configs={"rowwise": asdict(best[1])},
+            switches=best[2],
+        )
         write_tile_rows(run)
 
 
