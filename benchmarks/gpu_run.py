@@ -376,7 +376,7 @@ def sweep_tasks(run: Run) -> list[tuple]:
 def check_all(run: Run, tasks: list[tuple], jobs: int) -> list[dict]:
     """Check every task, in a pool of ``jobs`` processes on a GPU (they compile in parallel into
     the shared Triton cache, so the timings below load compiled kernels)."""
-    if jobs <= 1 or not run.cuda:
+    if jobs <= 1:
         return [check_config(*task) for task in tasks]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_check_task, tasks))
@@ -964,8 +964,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument(
         "--jobs",
         type=int,
-        default=min(14, os.cpu_count() or 1),
-        help="processes that check (and so compile) sweep candidates in parallel on a GPU",
+        default=None,
+        help="processes that check (and so compile) sweep candidates in parallel (14 on a GPU, 1 with --smoke)",
     )
     parser.add_argument("--only", nargs="*", choices=SECTIONS, help="sections to run (all)")
     args = parser.parse_args(argv)
@@ -974,7 +974,7 @@ def main(argv: list[str] | None = None) -> Path:
     run = Run(args.out, args.budget, args.smoke)
     bodies = {
         "env": lambda: section_env(run),
-        "sweep": lambda: section_sweep(run, args.jobs),
+        "sweep": lambda: section_sweep(run, args.jobs or (1 if args.smoke else min(14, os.cpu_count() or 1))),
         "attention": lambda: section_attention(run),
         "step": lambda: section_step(run),
         "profile": lambda: section_profile(run),
