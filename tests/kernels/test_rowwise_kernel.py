@@ -279,7 +279,7 @@ def test_compile_backend_matches_reference():
 
 @pytest.mark.parametrize("order", [0, 2])
 def test_persistent_rows_match_reference(monkeypatch, order):
-    """PERSISTENT_ROWS: two programs loop over the tiles (and reduce their partials once)."""
+    """PERSISTENT_ROWS: two programs loop over the tiles (and store their parameter partials once)."""
     monkeypatch.setattr(rowwise, "PERSISTENT_ROWS", True)
     x, mask = scores_and_mask(rows=(4, 20), n=40)  # 80 rows of 40, 3 tiles of 32: program 0 takes two
     assert rowwise._short_row_programs(rowwise.triton.cdiv(80, rowwise._launch_config(40)["ROWS"]), x.device) == 2
