@@ -37,6 +37,7 @@ from mmlight.kernels.sigma import (
     sigma_derivative,
     sigma_forward,
     sigma_param_partials,
+    store_param_partials,
     unpack_param_grads,
 )
 from mmlight.kernels.tiles import device_capability, measured
@@ -51,9 +52,10 @@ LONG_ROW_BLOCK = 4096
 #: Elements per program a short-row tile aims for (several rows per program when rows are short).
 SHORT_TILE_ELEMENTS = 4096
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
-#: Short rows: a grid of at most ``PERSISTENT_PROGRAMS_PER_SM`` programs per SM, each looping over
-#: tiles of rows (and reducing its parameter partials once), instead of one program per tile. A switch
-#: for benchmarks/gpu_run.py until a GPU measurement decides.
+#: Short rows, forward: a grid of at most ``PERSISTENT_PROGRAMS_PER_SM`` programs per SM, each looping
+#: over tiles of rows, instead of one program per tile. (A loop in the order-2 backward spills on
+#: sm_80 and sm_90, ``benchmarks/compile_check.py``: it keeps one tile per program.) A switch for
+#: benchmarks/gpu_run.py until a GPU measurement decides.
 PERSISTENT_ROWS = False
 PERSISTENT_PROGRAMS_PER_SM = 4
 #: The grid of the persistent loop on the CPU (the interpreter), small so that tests loop.
@@ -133,14 +135,12 @@ def _forward_long_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, 
 
 
 @triton.jit
-def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr,
-                   PER_ROW: tl.constexpr):
-    """Input gradient of a tile and its 8 parameter partials (scalars, or per row with ``PER_ROW``),
-    given the row sums ``dot = sum(dy * p)``."""
+def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
+    """Input gradient of a tile and its 8 parameter partials, given the row sums ``dot = sum(dy * p)``."""
     p = _probabilities(s, row_max, row_sum)
     g = p * (dy - dot[:, None])  # gradient wrt sigma(u); 0 where masked since p = 0 there
     dx = g * sigma_derivative(u, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
-    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, PER_ROW)
+    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
     return dx, partials
 
 
@@ -148,38 +148,22 @@ def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t
 def _backward_short_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, params_ptr, partials_ptr, M, N,
                          stride_x, stride_mask, stride_dy, stride_dx, scale,
                          ORDER: tl.constexpr, HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # tiles of ROWS rows, one per program or (PERSISTENT_ROWS) strided over a smaller grid; the
-    # parameter partials are summed per row over the program's tiles and reduced once at the end
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
     pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
-    acc = tl.zeros((ROWS, 8), tl.float32)
-    for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
-        inside = (rows < M) & (cols < N)
-        u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
-                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
-        row_ids = tile * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-        row_max = tl.load(max_ptr + row_ids, mask=row_ids < M, other=0.0)
-        row_sum = tl.load(sum_ptr + row_ids, mask=row_ids < M, other=1.0)
-        dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=inside, other=0.0).to(tl.float32)
-        dot = tl.sum(dy * _probabilities(s, row_max, row_sum), axis=1)
-        dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3,
-                                      ORDER, True)
-        tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
-        dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = partials
-        acc += _pack_rows(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
-    tl.store(partials_ptr + pid * 8 + tl.arange(0, 8), tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _pack_rows(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3):
-    """Eight per-row vectors ``(ROWS,)`` as one ``(ROWS, 8)`` tile, in the order of the packed parameters."""
-    slot = tl.arange(0, 8)[None, :]
-    return (tl.where(slot == 0, dr0[:, None], 0.0) + tl.where(slot == 1, dr1[:, None], 0.0)
-            + tl.where(slot == 2, dr2[:, None], 0.0) + tl.where(slot == 3, dr3[:, None], 0.0)
-            + tl.where(slot == 4, dt0[:, None], 0.0) + tl.where(slot == 5, dt1[:, None], 0.0)
-            + tl.where(slot == 6, dt2[:, None], 0.0) + tl.where(slot == 7, dt3[:, None], 0.0))
+    inside = (rows < M) & (cols < N)
+    u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                         r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
+    row_ids = pid * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    row_max = tl.load(max_ptr + row_ids, mask=row_ids < M, other=0.0)
+    row_sum = tl.load(sum_ptr + row_ids, mask=row_ids < M, other=1.0)
+    dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=inside, other=0.0).to(tl.float32)
+    dot = tl.sum(dy * _probabilities(s, row_max, row_sum), axis=1)
+    dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = partials
+    store_param_partials(partials_ptr + pid * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 @triton.jit
@@ -204,8 +188,7 @@ def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, param
         u, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
                              r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=cols < N, other=0.0).to(tl.float32)
-        dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER,
-                                      False)
+        dx, partials = _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         tl.store(dx_ptr + rows * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = partials
         acc += pack_param_partials(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
@@ -213,7 +196,7 @@ def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, param
 
 
 def _short_row_programs(tiles: int, device: torch.device) -> int:
-    """Programs of the short-row kernels: one per tile, or a persistent grid (``PERSISTENT_ROWS``)."""
+    """Programs of the short-row forward: one per tile, or a persistent grid (``PERSISTENT_ROWS``)."""
     if not PERSISTENT_ROWS:
         return tiles
     if device.type == "cuda":
@@ -274,7 +257,7 @@ class _MultiMaxSoftmax(torch.autograd.Function):
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dx = torch.empty_like(x2d)
         cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
-        programs = m if cfg["long"] else _short_row_programs(triton.cdiv(m, cfg["ROWS"]), x2d.device)
+        programs = m if cfg["long"] else triton.cdiv(m, cfg["ROWS"])
         partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
         mask_arg = mask2d if mask2d is not None else x2d
         mask_stride = mask2d.stride(0) if mask2d is not None else 0
