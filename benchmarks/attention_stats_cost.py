@@ -10,7 +10,7 @@ runs trained with the callback and writes one JSON record per run: the time the 
 callback as a fraction of the run's total validation time, and the background work beside it::
 
     python benchmarks/attention_stats_cost.py runs/bench/digits_softmax/version_0 \\
-        --out benchmarks/results/attention_stats_cost.json
+        --out benchmarks/results/attention_stats_cost-cpu-torch2.14_lightning2.6-<YYYYMMDD>.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ start (the callback's own timings in ``attention_stats_cost.py`` count only what
 waited; this shows what its background work costs the run as a whole)::
 
     OMP_NUM_THREADS=1 python benchmarks/attention_stats_fit_time.py configs/quickstart/lm_softmax.yaml \\
-        --pairs 3 --out benchmarks/results/attention_stats_fit_time.json
+        --pairs 3 --out benchmarks/results/attention_stats_fit_time-cpu-torch2.14-<YYYYMMDD>-figures_on.json
     # --callback_args --trainer.callbacks.figures off     (the same without figures)
 """
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
 import itertools
 import json
@@ -57,6 +56,7 @@ import torch
 import torchvision
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageFilter
+from record_name import record_path  # beside this script, which Python puts on sys.path
 from torch.utils.data import default_collate
 
 from mmlight.data import ImageAugment, ImageShardDataModule
@@ -75,7 +75,6 @@ from mmlight.data.shards import MemberReader, iter_tar, read_info, split_urls
 from mmlight.data.skips import SkipCounter
 from mmlight.data.streaming import RankRandom, ResumableLoader, StreamDataset, batched, resampled_samples, shuffled
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEIT = ImageAugment(
     image_size=224,
     channels=3,
@@ -373,8 +372,8 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(1)  # decode and augment are per-worker work; one thread per worker
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or RESULTS / f"loader-{platform.node() or 'host'}-{stamp}.jsonl"
+    pillow = tuple(pillow_build().rsplit(" ", 1))  # ("Pillow-SIMD", "12.1.1.post0")
+    out = args.out or record_path("loader", "cpu", [("torch", torch.__version__), pillow], "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     common = {**versions(), "batch_size": args.batch_size, "seed": args.seed}
     with tempfile.TemporaryDirectory() as tmp, out.open("a") as sink:

@@ -1,10 +1,10 @@
 """MultiMax backends side by side: row-wise op, cross-entropy, attention, a DeiT-small training step.
 
 Runs on a GPU and appends one JSON record per (op, backend, shape) to
-``benchmarks/results/<device>-<date>.jsonl``; ``benchmarks/report.py`` turns records into the table
-in BENCHMARKS.md. Every record holds ``device, torch, triton, op, backend, shape, dtype, fwd_ms,
-bwd_ms, gbps, peak_mem_mb`` plus ``frac_peak_bw`` (bandwidth as a fraction of the device's HBM peak)
-and, where a baseline ran in the same invocation, ``fwd_ratio``/``bwd_ratio``/``step_ratio`` (time
+``benchmarks/results/multimax-<device>-<versions>-<date>-<time>.jsonl``; ``benchmarks/report.py``
+turns records into the table in BENCHMARKS.md. Every record holds ``device, torch, triton, op, backend,
+shape, dtype, fwd_ms, bwd_ms, gbps, peak_mem_mb`` plus ``frac_peak_bw`` (bandwidth as a fraction of the
+device's HBM peak) and, where a baseline ran in the same invocation, ``fwd_ratio``/``bwd_ratio``/``step_ratio`` (time
 over the baseline's).
 
 Bandwidth counts the minimum traffic of the op, not what a backend actually moves: forward reads
@@ -22,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -34,12 +33,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from record_name import device_part, record_path  # beside this script, which Python puts on sys.path
 
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.nn import attention
 from mmlight.reweighting import MultiMax, ReweightingSpec, Softmax
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: HBM peak in GB/s by device-name fragment (vendor datasheets); override with --peak-gbps.
 PEAK_GBPS = {
     "H200": 4800.0,
@@ -345,8 +344,12 @@ def main(argv: list[str] | None = None) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     versions = {"device": device_name(), "torch": torch.__version__, "triton": triton.__version__}
     peak = peak_gbps(args.peak_gbps)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or RESULTS / f"{'smoke-' if args.smoke else ''}{versions['device'].replace(' ', '_')}-{stamp}.jsonl"
+    out = args.out or record_path(
+        "multimax_smoke" if args.smoke else "multimax",
+        device_part(versions["device"]),
+        [("torch", versions["torch"]), ("triton", versions["triton"])],
+        "jsonl",
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     reps = 2 if args.smoke else args.reps
     todo = plan(args.smoke)

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_loader import DEIT, RESULTS  # beside this script, which Python puts on sys.path
+from bench_loader import DEIT  # beside this script, which Python puts on sys.path
 from PIL import Image
+from record_name import record_path
 
 from mmlight.data.image_decode import AugmentGroup, SplitTransform
 from mmlight.data.images import ImageStream
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--jpeg-bytes", type=int, default=110_000, help="mean ImageNet JPEG size")
     parser.add_argument("--decode-samples", type=int, default=128, help="samples decoded for the comparison")
     parser.add_argument(
-        "--out", type=Path, default=None, help="JSON lines file (default: results/resume-<host>-<time>)"
+        "--out", type=Path, default=None, help="JSON lines file (default: results/resume-cpu-<versions>-<date>-<time>)"
     )
     args = parser.parse_args(argv)
 
@@ -142,7 +143,7 @@ def main(argv=None) -> None:
                 }
             )
             print(json.dumps(records[-1]))
-    out = args.out or RESULTS / f"resume-{platform.node()}-{datetime.datetime.now():%Y%m%d-%H%M%S}.jsonl"
+    out = args.out or record_path("resume", "cpu", [("torch", torch.__version__)], "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)

@@ -4,8 +4,8 @@
     python benchmarks/check_reproducible.py                  # the three MultiMax quick starts, 100 steps
     python benchmarks/check_reproducible.py --configs configs/quickstart/lm_softmax.yaml --steps 300
 
-Writes one JSON line per config under ``benchmarks/results/`` (``repro-<host>-<time>.jsonl``) and
-exits with status 1 if a same-seed pair differs in any bit or the other seed gives the same losses.
+Writes one JSON line per config under ``benchmarks/results/`` (``repro-cpu-<versions>-<date>-<time>.jsonl``)
+and exits with status 1 if a same-seed pair differs in any bit or the other seed gives the same losses.
 Validation is off (``limit_val_batches 0``): it draws nothing random and only costs time here.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -21,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from record_name import record_path  # beside this script, which Python puts on sys.path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 QUICKSTARTS = [ROOT / "configs" / "quickstart" / f"{task}_multimax.yaml" for task in ("digits", "lm", "nmt")]
 
 
@@ -67,9 +68,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=Path, nargs="+", default=QUICKSTARTS, help="configs to check")
     parser.add_argument("--steps", type=int, default=100, help="training steps per run")
-    parser.add_argument("--out", type=Path, default=None, help="JSON lines file (default: results/repro-<host>-<time>)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON lines file (default: results/repro-cpu-...)")
     args = parser.parse_args(argv)
-    out = args.out or RESULTS / f"repro-{platform.node()}-{datetime.datetime.now():%Y%m%d-%H%M%S}.jsonl"
+    out = args.out or record_path("repro", "cpu", [("torch", importlib.metadata.version("torch"))], "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": f"{platform.machine()} CPU",
                 "python": platform.python_version(),
+                "torch": importlib.metadata.version("torch"),
                 "logged_steps": [len(r) for r in runs],
                 "seed0_twice_bitwise_equal": same,
                 "seed1_steps_differing_from_seed0": len(differing),

@@ -6,11 +6,10 @@ and record registers, spills and shared memory (see `benchmarks/compile_check.py
     python benchmarks/compile_report.py --family attention --dtype bf16   # recompile a part
     python benchmarks/compile_report.py --matrix shipped --switch PARAM_SUMS_PER_PROGRAM
 
-Writes ``benchmarks/results/compile_report-<matrix>.json`` and ``.md`` (a summary table per kernel
-and target, then one row per compiled kernel; ``--switch`` turns kernel switches of
-``mmlight/kernels/attention.py``, ``cross_entropy.py`` or ``rowwise.py`` on and adds their names to
-the file name);
-the summary goes into BENCHMARKS.md. Rerun it
+Writes ``benchmarks/results/compile_report-cpu-<versions>-<date>-<matrix>[_<switches>].json`` and ``.md``
+(a summary table per kernel and target, then one row per compiled kernel; ``--switch`` turns kernel
+switches of ``mmlight/kernels/attention.py``, ``cross_entropy.py`` or ``rowwise.py`` on and adds their
+names to the tag); ``benchmarks/report.py`` renders the summary in BENCHMARKS.md. Rerun it
 whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
 """
 
@@ -30,8 +29,9 @@ import json  # noqa: E402
 import compile_check  # noqa: E402  (beside this script, which Python puts on sys.path)
 import torch  # noqa: E402
 import triton  # noqa: E402
+from record_name import PATTERN, record_path  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 FAMILIES = ("rowwise", "attention", "cross_entropy")
 
 
@@ -101,17 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         cases, compile_check.CAPABILITIES, args.jobs, log=lambda line: print(line, file=sys.stderr, flush=True)
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "-".join(["compile_report", args.matrix, *(name.lower() for name in args.switch)])
-    if stem.with_suffix(".json").exists():  # keep the rows of the families and dtypes not recompiled
+    versions = [("triton", triton.__version__), ("torch", torch.__version__)]
+    tag = "_".join([args.matrix, *(name.lower() for name in args.switch)])
+    json_path = record_path("compile_report", "cpu", versions, "json", tag=tag, folder=args.out)
+    md_path = json_path.with_name(json_path.name.removesuffix(".json") + ".md")
+    earlier = [p for p in args.out.glob(f"compile_report-*-{tag}.json") if PATTERN.fullmatch(p.name)]
+    if earlier:  # keep the rows of the families and dtypes not recompiled, from the latest report
+        latest = max(earlier, key=lambda p: PATTERN.fullmatch(p.name)["date"])
         kept = [
             compile_check.Compiled(**row)
-            for row in json.loads(stem.with_suffix(".json").read_text())
+            for row in json.loads(latest.read_text())
             if not (row["family"] in args.family and row["dtype"] in args.dtype)
         ]
         results = kept + results
-    stem.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
-    stem.with_suffix(".md").write_text(render(results, args.matrix))
-    print(f"wrote {stem}.json and {stem}.md")
+    json_path.write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    md_path.write_text(render(results, args.matrix))
+    print(f"wrote {json_path} and {md_path}")
     return 1 if any(r.problems for r in results) else 0
 
 

@@ -59,7 +59,7 @@ if "--smoke" in sys.argv[1:] and not torch.cuda.is_available():
 
 from bench_multimax import PEAK_GBPS, bent_multimax, device_name, time_ms  # noqa: E402 (beside this script)
 
-from mmlight.doctor import relative_error  # noqa: E402
+from mmlight.commands.doctor import relative_error  # noqa: E402
 from mmlight.kernels import attention as attention_kernel  # noqa: E402
 from mmlight.kernels import cross_entropy as cross_entropy_kernel  # noqa: E402
 from mmlight.kernels import rowwise as rowwise_kernel  # noqa: E402

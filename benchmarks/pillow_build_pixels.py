@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,8 @@ from lightning import seed_everything
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loader import DEIT, RESULTS, versions, write_fake_imagenet  # noqa: E402
+from bench_loader import DEIT, versions, write_fake_imagenet  # noqa: E402
+from record_name import record_path  # noqa: E402
 
 from mmlight.data.image_decode import SplitTransform, pillow_build  # noqa: E402
 
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         record = compare(args.first, args.second)
     except ValueError as error:
         raise SystemExit(f"pillow_build_pixels.py: {error}") from None
-    out = args.out or RESULTS / f"pillow-build-pixels-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    builds = [tuple(record[side].rsplit(" ", 1)) for side in ("a", "b")]  # ("Pillow-SIMD", "12.1.1.post0")
+    out = args.out or record_path("pillow_build_pixels", "cpu", builds, "json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))

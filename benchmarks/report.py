@@ -1,9 +1,18 @@
-"""Render benchmark records (JSON lines from ``bench_multimax.py`` or ``gpu_run.py``) as the
-Markdown tables of BENCHMARKS.md, one table per op and shape, with the device and versions in the
-heading. A ``gpu_run.py`` file (its records carry a ``kind``) also gets the issue's targets against
-what was measured, the tile sweep, the kernel switches, the training steps and what was skipped.
+"""Render benchmark records (the files in ``benchmarks/results/``) as the Markdown tables of BENCHMARKS.md.
 
-    python benchmarks/report.py benchmarks/results/<file>.jsonl >> BENCHMARKS.md
+    python benchmarks/report.py benchmarks/results/<file> [<file> ...]
+    python benchmarks/report.py --update BENCHMARKS.md     # every table of BENCHMARKS.md, again
+
+Each file's kind is recognised from its records: ``gpu_run.py`` (its records carry a ``kind``: the
+issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, what
+was skipped, then the kernels' tables), ``bench_multimax.py`` (one table per op and shape, the device and
+versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
+``pillow_build_pixels.py``, ``attention_stats_cost.py``, ``attention_stats_fit_time.py``,
+``reweighting_step_time.py`` and ``compile_report.py``. Files of one kind render as one table, side by
+side (the loader's runs, the step-time configs); each table starts with a line naming the device, the
+versions and the date (from the file name, ``record_name.py``'s pattern, where the records hold none).
+BENCHMARKS.md holds this output between ``<!-- report: FILES -->`` and ``<!-- end report -->``, and
+``tests/benchmarks/test_results_files.py`` checks that it still equals it.
 """
 
 from __future__ import annotations
@@ -11,8 +20,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import re
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from record_name import PATTERN  # beside this script, which Python puts on sys.path
 
 
 def fmt(value, digits=3) -> str:
@@ -52,6 +67,321 @@ def render(records: list[dict]) -> str:
                 f"{fmt(pct)} | {fmt(r.get('tflops_fwd'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
                 + (f" {r['error']}" if r.get("error") else "")
             )
+    return "\n".join(lines) + "\n"
+
+
+Records = list[dict]
+
+
+def load(path: Path) -> Records:
+    """A record file's records: one per line of a ``.jsonl``, the list or the one object of a ``.json``."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    value = json.loads(text)
+    return value if isinstance(value, list) else [value]
+
+
+def all_records(paths: list[Path]) -> Records:
+    """The records of ``paths``, in order."""
+    return [record for path in paths for record in load(path)]
+
+
+def headed_table(heading: str, header: list[str], rows: list[list]) -> str:
+    """A line naming the device, versions and date, then the table."""
+    return "\n".join([heading, "", *table(header, rows)]) + "\n"
+
+
+def run_date(path: Path) -> str:
+    """The run's date from the file name (``20261123`` -> ``2026-11-23``); an error for a name off the pattern."""
+    match = PATTERN.fullmatch(path.name)
+    if match is None:
+        raise SystemExit(f"{path}: not named <benchmark>-<device>-<versions>-<YYYYMMDD>[-<tag>].<ext>")
+    day = match["date"]
+    return f"{day[:4]}-{day[4:6]}-{day[6:]}"
+
+
+def run_tag(path: Path) -> str:
+    """The file name's tag (the run's time ``HHMM`` as ``HH:MM``, or a configuration such as ``lm``)."""
+    tag = PATTERN.fullmatch(path.name)["tag"] or ""
+    return f"{tag[:2]}:{tag[2:]}" if tag.isdigit() and len(tag) == 4 else tag
+
+
+def dates(paths: list[Path]) -> str:
+    """The distinct run dates of ``paths``, in order."""
+    return ", ".join(sorted({run_date(path) for path in paths}))
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table, every cell through :func:`fmt` unless already a string."""
+    cells = [[cell if isinstance(cell, str) else fmt(cell) for cell in row] for row in rows]
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(c) + " |" for c in cells)]
+
+
+def percent(share: float) -> str:
+    """A share as a percentage with two significant digits, never in exponent form (``3.7e-05`` -> ``0.0037%``)."""
+    value = 100 * share
+    decimals = max(0, 1 - math.floor(math.log10(value))) if value > 0 else 0
+    return f"{value:.{decimals}f}%"
+
+
+def pillow_name(build: str) -> str:
+    """``13.0.0`` (how the first loader records wrote stock Pillow) -> ``Pillow 13.0.0``; a named build as is."""
+    return build if " " in build else f"Pillow {build}"
+
+
+LOADER_PIPELINES = ("ImageFolder", "shards, per-copy decode", "shards", "shards, no draft", "shards, uint8")
+
+
+def copies_label(copies: int) -> str:
+    return f"{copies} cop{'y' if copies == 1 else 'ies'}"
+
+
+def loader_rates(runs: list[Records], columns: list[str]) -> list[str]:
+    """Samples/s per worker of each pipeline and copy count, one column per run, and the uint8 shards'
+    ratios to the per-copy pipeline and to ImageFolder, each in its own run."""
+    rates = [{(r["backend"], r["copies"]): r for r in run if r["op"] == "image_loader_deit_train"} for run in runs]
+    rows = []
+    for copies in (1, 3):
+        for pipeline in LOADER_PIPELINES:
+            if (pipeline, copies) in rates[0]:
+                row = [rate[pipeline, copies] for rate in rates]
+                rss = [r["peak_rss_mib_per_worker"] for r in row]
+                rows.append(
+                    [f"{pipeline}, {copies_label(copies)}"]
+                    + [f"{r['samples_per_s_per_worker']:.1f}" for r in row]
+                    + [f"{min(rss):.0f}-{max(rss):.0f} MiB"]
+                )
+        for base, field in (("per-copy", "ratio_to_per_copy_shards"), ("ImageFolder", "ratio_to_imagefolder")):
+            rows.append(
+                [f"**uint8 / {base}**, {copies_label(copies)}"]
+                + [f"{rate['shards, uint8', copies][field]:.2f}" for rate in rates]
+                + [""]
+            )
+    return table(["pipeline", *columns, "worker peak RSS"], rows)
+
+
+def loader_stages(runs: list[Records]) -> list[str]:
+    """ms per output sample of each stage with 3 copies, per Pillow build: the median over its runs."""
+    builds: dict[str, list[Records]] = {}
+    for run in runs:
+        builds.setdefault(pillow_name(run[0]["pillow"]), []).append(run)
+    stages = ("read", "decode", "augment", "collate", "transfer", "total")
+    rows = []
+    for build, build_runs in builds.items():
+        for pipeline in ("ImageFolder", "shards, uint8"):
+            of = [r for run in build_runs for r in run if r.get("backend") == pipeline and r.get("copies") == 3]
+            found = [r for r in of if r["op"] == "stage_ms_per_sample"]
+            steps = [r["ms"] for r in of if r["op"] == "device_step_ms_per_sample"]
+            rows.append(
+                [f"{pipeline}, {build}"]
+                + [f"{statistics.median(r[s] for r in found):.2f}" for s in stages]
+                + [f"{statistics.median(steps):.2f}" if steps else "–"]
+            )
+    return table(["pipeline, build", *stages, "on-device step (this CPU)"], rows)
+
+
+def render_loader(paths: list[Path]) -> str:
+    """``bench_loader.py``: the runs' rates side by side (:func:`loader_rates`), then where the time goes
+    (:func:`loader_stages`)."""
+    runs = [load(path) for path in paths]
+    first = next(r for r in runs[0] if r["op"] == "image_loader_deit_train")
+    images = next(r for r in runs[0] if r["op"] == "images")
+    heading = (
+        f"{first['device']}; Python {first['python']}, torch {first['torch']}, torchvision {first['torchvision']}, "
+        f"timm {first['timm']}, webdataset {first['webdataset']}; {images['images']} images "
+        f"(mean {images['mean_width']} × {images['mean_height']} px, {images['mean_kib']} KiB, seed {images['seed']}), "
+        f"batch {first['batch_size']}, {first['workers']} worker, median of {first['repeats']} measurements of "
+        f"{first['samples']} samples; {dates(paths)}. Samples/s per worker:"
+    )
+    columns = [f"{pillow_name(run[0]['pillow'])}, {run_tag(path)}" for run, path in zip(runs, paths)]
+    stages = "Where the time goes, ms per output sample, 3 copies (one process, median over each build's runs):"
+    return "\n".join([heading, "", *loader_rates(runs, columns), "", stages, "", *loader_stages(runs)]) + "\n"
+
+
+def render_resume(paths: list[Path]) -> str:
+    """``bench_resume.py``: the replay to a saved position against decoding the samples it skips."""
+    records = all_records(paths)
+    r0 = records[0]
+    heading = (
+        f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}; batch {r0['batch_size']} per rank, shuffle "
+        f"buffer {r0['shuffle_buffer']}, an epoch of {r0['epoch_samples']:,} samples; {dates(paths)}."
+    )
+    rows = [
+        [
+            r["ranks"],
+            f"{r['skipped_samples']:,}",
+            f"{r['replay_s']} s",
+            f"{r['replay_us_per_sample']} µs",
+            f"{r['decode_s_for_skipped']:,} s ({r['decode_ms_per_sample']} ms per sample)",
+            r["replay_over_decode"],
+        ]
+        for r in records
+    ]
+    header = ["ranks", "samples skipped per rank", "replay", "per sample", "decoding them instead", "replay / decoding"]
+    return headed_table(heading, header, rows)
+
+
+def render_repro(paths: list[Path]) -> str:
+    """``check_reproducible.py``: per config, whether seed 0 twice gave the same losses bit for bit, and
+    how many of seed 1's steps differ."""
+    records = all_records(paths)
+    r0 = records[0]
+    versions = f"Python {r0['python']}" + (f", torch {r0['torch']}" if "torch" in r0 else "")
+    heading = f"{r0['device']}; {versions}; {r0['steps']} steps per run; {dates(paths)}."
+    rows = [
+        [
+            f"`{r['config']}`",
+            "yes" if r["seed0_twice_bitwise_equal"] else "**no**",
+            f"{r['seed1_steps_differing_from_seed0']} of {r['steps']}",
+            " -> ".join(f"{loss:.4f}" for loss in r["seed0_loss_first_last"]),
+        ]
+        for r in records
+    ]
+    header = [
+        "config",
+        "seed 0 twice: bitwise equal",
+        "seed 1: steps differing from seed 0",
+        "seed 0 loss, first -> last",
+    ]
+    return headed_table(heading, header, rows)
+
+
+def render_pillow_pixels(paths: list[Path]) -> str:
+    """``pillow_build_pixels.py``: how far two Pillow builds move the DeiT augmentation's uint8 pixels."""
+    records = all_records(paths)
+    r0 = records[0]
+    heading = (
+        f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}, torchvision {r0['torchvision']}, timm "
+        f"{r0['timm']}; {r0['images']} images, seeds 0-{r0['images'] - 1}; {dates(paths)}."
+    )
+    rows = [
+        [
+            f"{r['a']} / {r['b']}",
+            "yes" if r["decoded_identical"] == 1.0 else f"{100 * r['decoded_identical']:.2f}%",
+            percent(r["crop"]["share_differing"]),
+            r["crop"]["max_levels"],
+            percent(r["crop"]["share_differing_by_more_than_1"]),
+            percent(r["augmented"]["share_differing"]),
+            percent(r["augmented"]["share_differing_by_more_than_1"]),
+            f"{r['augmented']['mean_a']:.3f} / {r['augmented']['mean_b']:.3f}",
+        ]
+        for r in records
+    ]
+    header = [
+        "A / B",
+        "decoded identical",
+        "crop: values differing",
+        "crop: max levels",
+        "crop: > 1 level",
+        "augmented: values differing",
+        "augmented: > 1 level",
+        "augmented mean A / B",
+    ]
+    return headed_table(heading, header, rows)
+
+
+def load_average(record: dict) -> str:
+    return " / ".join(f"{v:.1f}" for v in record["load_average_1_5_15_min"])
+
+
+def render_attention_stats_cost(paths: list[Path]) -> str:
+    """``attention_stats_cost.py``: what the training loop waited for ``AttentionStats``, over validation."""
+    lines = []
+    for path in paths:
+        (record,) = load(path)
+        meta = record["meta"]
+        lines += [
+            f"{meta['machine']}, {meta['cpus']} CPUs; torch {meta['torch']}, lightning {meta['lightning']}, "
+            f"`OMP_NUM_THREADS={meta['omp_num_threads']}`, load average (1 / 5 / 15 min) {load_average(meta)}; "
+            f"{run_date(path)}.",
+            "",
+        ]
+        rows = [
+            [
+                f"`{Path(r['run']).parent.name}`",
+                f"{r['validation_epochs']} ({r['validation_seconds']:.2f} s)",
+                r["recordings"],
+                f"{r['callback_seconds']:.3f} s",
+                f"**{100 * r['ratio']:.1f}%**",
+                f"{r['reduce_seconds']:.3f} s, {r['figure_seconds']:.2f} s",
+            ]
+            for r in record["runs"]
+        ]
+        header = [
+            "run",
+            "validation epochs (total time)",
+            "recordings",
+            "loop waited",
+            "loop / validation",
+            "background: reduce, draw",
+        ]
+        lines += table(header, rows)
+    return "\n".join(lines) + "\n"
+
+
+def render_fit_time(paths: list[Path]) -> str:
+    """``attention_stats_fit_time.py``: whole-fit seconds with and without the callback, alternating pairs."""
+    records = all_records(paths)
+    r0 = records[0]
+    heading = f"`{r0['config']}`, `OMP_NUM_THREADS={r0['omp_num_threads']}`; {dates(paths)}."
+    rows = [
+        [
+            " ".join(r["callback_args"]) or "(defaults)",
+            " / ".join(f"{s:.1f}" for s in r["without_s"]),
+            " / ".join(f"{s:.1f}" for s in r["with_s"]),
+            " / ".join(f"{d:+.1f}" for d in r["paired_difference_s"]),
+            f"{r['mean_difference_s']:+.2f} s",
+            load_average(r),
+        ]
+        for r in records
+    ]
+    header = ["callback arguments", "fit without, s", "fit with, s", "with − without, s", "mean", "load average"]
+    return headed_table(heading, header, rows)
+
+
+def render_step_time(paths: list[Path]) -> str:
+    """``reweighting_step_time.py``: each function's step time over softmax's in the same round, the median
+    over rounds with the range in brackets, one column per config."""
+    records = all_records(paths)
+    r0 = records[0]
+    heading = (
+        f"{r0['machine']}, {r0['cpu_count']} CPUs; Python {r0['python']}, torch {r0['torch']}, "
+        f"{r0['torch_threads']} intra-op thread; median of steps {r0['warmup'] + 1}-{r0['steps']} per round, "
+        f"{len(r0['rounds'])} rounds; load average (1 / 5 / 15 min) "
+        + ", ".join(load_average(r) for r in records)
+        + f"; {dates(paths)}."
+    )
+    columns, ratios = [], []
+    for r in records:
+        softmax_ms = [1e3 * round_["softmax"] for round_ in r["rounds"]]
+        columns.append(f"`{Path(r['config']).name}` (softmax {min(softmax_ms):.0f}-{max(softmax_ms):.0f} ms/step)")
+        ratios.append(
+            {f: [round_[f] / round_["softmax"] for round_ in r["rounds"]] for f in r["median_ratio_to_softmax"]}
+        )
+    functions = list(dict.fromkeys(f for r in records for f in r["median_ratio_to_softmax"]))
+    rows = [
+        [f]
+        + [f"{statistics.median(by[f]):.2f} ({min(by[f]):.2f}-{max(by[f]):.2f})" if f in by else "–" for by in ratios]
+        for f in functions
+    ]
+    return headed_table(heading, ["function", *columns], rows)
+
+
+def render_compile_report(paths: list[Path]) -> str:
+    """``compile_report.py``: per kernel and target, the specialisations compiled and their largest
+    register and shared-memory use."""
+    import compile_check  # imports torch and the kernels: only for this kind
+
+    lines = []
+    for path in paths:
+        rows = [compile_check.Compiled(**row) for row in load(path)]
+        failing = sum(bool(r.problems) for r in rows)
+        lines += [
+            f"{len(rows)} specialisations, {failing} failing; {run_date(path)}.",
+            "",
+            compile_check.summary_table(rows),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -200,13 +530,64 @@ def render_run(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Each kind of record file: how to recognise one of its records, and its renderer.
+KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
+    "gpu_run": (lambda r: "kind" in r, lambda paths: "".join(render_run(load(path)) for path in paths)),
+    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths))),
+    "loader": (lambda r: r.get("op") == "images", render_loader),
+    "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),
+    "repro": (lambda r: r.get("check") == "same_seed_same_losses", render_repro),
+    "pillow_build_pixels": (lambda r: r.get("op") == "pillow_build_pixels", render_pillow_pixels),
+    "attention_stats_cost": (lambda r: "runs" in r and "meta" in r, render_attention_stats_cost),
+    "attention_stats_fit_time": (lambda r: "paired_difference_s" in r, render_fit_time),
+    "reweighting_step_time": (lambda r: "median_ratio_to_softmax" in r, render_step_time),
+    "compile_report": (lambda r: "kernel" in r and "capability" in r, render_compile_report),
+}
+
+
+def kind_of(path: Path) -> str:
+    """The kind of a record file, from its first record (an error naming the file if none matches)."""
+    records = load(path)
+    for kind, (matches, _) in KINDS.items():
+        if records and matches(records[0]):
+            return kind
+    raise SystemExit(f"{path}: not a record file of a known benchmark ({', '.join(KINDS)})")
+
+
+def render_files(paths: list[Path]) -> str:
+    """The tables of ``paths``: files of one kind together, the kinds in the order they first appear."""
+    by_kind: dict[str, list[Path]] = {}
+    for path in paths:
+        by_kind.setdefault(kind_of(path), []).append(path)
+    return "\n".join(KINDS[kind][1](kind_paths) for kind, kind_paths in by_kind.items())
+
+
+#: A rendered block of BENCHMARKS.md: the record files (relative to the repository root), then their tables.
+BLOCK = re.compile(r"<!-- report: (?P<paths>[^>]+?) -->\n(?P<body>.*?)<!-- end report -->", re.DOTALL)
+
+
+def update(doc: Path) -> str:
+    """``doc`` with every block between ``<!-- report: FILES -->`` and ``<!-- end report -->`` rendered
+    again from its files (named relative to the folder ``doc`` is in)."""
+
+    def rendered(block: re.Match) -> str:
+        paths = [doc.parent / name for name in block["paths"].split()]
+        return f"<!-- report: {block['paths']} -->\n{render_files(paths)}<!-- end report -->"
+
+    return BLOCK.sub(rendered, doc.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", help="JSON-lines files written by bench_multimax.py or gpu_run.py")
-    paths = parser.parse_args(argv).paths
-    for path in paths:
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        sys.stdout.write(render_run(records) if any("kind" in r for r in records) else render(records))
+    parser.add_argument("paths", nargs="*", type=Path, help="record files under benchmarks/results/")
+    parser.add_argument("--update", type=Path, metavar="DOC", help="render DOC's report blocks again, in place")
+    args = parser.parse_args(argv)
+    if args.update:
+        args.update.write_text(update(args.update))
+    elif args.paths:
+        sys.stdout.write(render_files(args.paths))
+    else:
+        parser.error("name record files, or --update BENCHMARKS.md")
 
 
 if __name__ == "__main__":

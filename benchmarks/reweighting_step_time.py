@@ -7,7 +7,7 @@ Lightning's ``on_train_batch_start`` and ``on_train_batch_end``. The record give
 medians and, per function, the median over rounds of its ratio to softmax in the same round::
 
     OMP_NUM_THREADS=1 python benchmarks/reweighting_step_time.py configs/quickstart/lm_softmax.yaml \\
-        --out benchmarks/results/reweighting_step_time_lm.json
+        --out benchmarks/results/reweighting_step_time-cpu-torch2.14-<YYYYMMDD>-lm.json
 """
 
 from __future__ import annotations

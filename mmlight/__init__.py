@@ -1,21 +1,26 @@
-"""mmlight: attention reweighting (softmax, MultiMax, sparsemax, entmax-1.5, ev-softmax, top-k) at scale.
+"""mmlight: attention reweighting at scale (softmax, MultiMax, sparsemax, entmax-1.5, α-entmax, ev-softmax,
+top-k, and the functions that may attend to nothing or learn per head: softmax1, softpick, sigmoid, ssmax,
+stick-breaking); ``mmlight.reweighting.available()`` names every registered function:
+``softmax``, ``multimax``, ``sparsemax``, ``entmax15``, ``alpha_entmax``, ``evsoftmax``, ``topk``,
+``softmax1``, ``softpick``, ``sigmoid``, ``ssmax``, ``stickbreaking``.
 
-Package map (bottom layer first):
+Package map, bottom layer first (a module imports only its own package and the lines before its own;
+``tests/test_layers.py`` checks it):
     kernels/      the Triton kernels of MultiMax (row-wise, fused attention, cross-entropy)
     reweighting/  the reweighting functions (one file each, registered on import), their registry
-                  (``build``), the config entry ``ReweightingSpec`` and the paper's metrics
+                  (``build``), the config entry ``ReweightingSpec``, the backends, and the measures of
+                  attention weights (``metrics.py``: the paper's M and S, entropy, rollout)
     nn/           the attention entry point every model calls, and its observation point
-    models/       networks built from typed configs (ViT/DeiT via timm)
+    models/, data/  networks built from typed configs (ViT/DeiT via timm, fairseq-shaped transformers);
+                  webdataset shards, vocabularies, tokenisers, the LightningDataModules that stream
+                  them, and the dataset preparers (``data/prepare/``)
     tasks/        LightningModules: loss, metrics, optimiser, schedule, logging
-    data/         webdataset shard writing, text vocabularies and tokenisers, and the
-                  LightningDataModules that stream them (``data/prepare/``: ``mmlight prepare``)
+    analysis/     attention statistics, figures and robustness interventions
     callbacks/    monitoring: learned reweighting parameters by site, MultiMax curves, final metrics
-    analysis/     attention statistics, figures and robustness (``mmlight analyze``)
-    experiments/  tables of runs (``mmlight sweep``, ``mmlight collect``)
-    ckpt_path.py  ``--ckpt_path`` checked before any work, ``last`` resolved to the newest resume point
-    slurm.py      the SLURM run directory and the task-count check
+    ckpt_path.py, slurm.py, experiments/  ``--ckpt_path`` checked and ``last`` resolved; the SLURM run
+                  directory and task-count check; table files of runs
     lightning_cli.py  the LightningCLI of fit, validate, test and predict
-    doctor.py     ``mmlight doctor``: the environment and the kernels on this machine
+    commands/     ``mmlight prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor``
     cli.py        the ``mmlight`` command: its nine commands and their help
 
 The layers and what each may import: docs/architecture.md, "Layers".

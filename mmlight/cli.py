@@ -1,7 +1,7 @@
 """The ``mmlight`` command: nine commands, each with ``--help``.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are the LightningCLI of :mod:`mmlight.lightning_cli`;
-``prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor`` are tools with parsers of their own
+``prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor`` are the modules of :mod:`mmlight.commands`
 (:data:`TOOLS`), imported only when named. ``mmlight --help`` lists all nine; a misspelt command stops
 with the nearest name, exit status 2, before anything runs.
 """
@@ -14,6 +14,7 @@ from typing import NamedTuple, NoReturn
 
 from lightning.pytorch.cli import ArgsType
 
+from mmlight.data.prepare import DATASETS
 from mmlight.lightning_cli import TRAINER_COMMANDS, build_cli
 
 
@@ -26,16 +27,18 @@ class Tool(NamedTuple):
 
 TOOLS: dict[str, Tool] = {
     "prepare": Tool(
-        "mmlight.data.prepare:main",
-        "write a dataset's raw files as webdataset shards (imagenet, wikitext103, iwslt14, digits)",
+        "mmlight.commands.prepare:main",
+        f"write a dataset's raw files as webdataset shards ({', '.join(DATASETS)})",
     ),
     "analyze": Tool(
-        "mmlight.analysis.analyze:main",
+        "mmlight.commands.analyze:main",
         "attention statistics, figures and robustness of checkpoints on a config's data",
     ),
-    "sweep": Tool("mmlight.experiments.sweep:main", "run the cells and seeds of an experiment table"),
-    "collect": Tool("mmlight.experiments.collect:main", "gather a table's final metrics into one results file"),
-    "doctor": Tool("mmlight.doctor:main", "check the GPU, the Triton kernels and the image decoder on this machine"),
+    "sweep": Tool("mmlight.commands.sweep:main", "run the cells and seeds of an experiment table"),
+    "collect": Tool("mmlight.commands.collect:main", "gather a table's final metrics into one results file"),
+    "doctor": Tool(
+        "mmlight.commands.doctor:main", "check the GPU, the Triton kernels and the image decoder on this machine"
+    ),
 }
 
 

@@ -37,9 +37,11 @@ from mmlight.callbacks import (
     SkippedSamplesMonitor,
     StepProgressBar,
     StepSeed,
+    Throughput,
 )
 from mmlight.ckpt_path import check_checkpoint_file, newest_checkpoint
 from mmlight.reweighting import available as available_reweightings
+from mmlight.safe_load import RefusedFile, raised_from
 from mmlight.slurm import check_slurm_tasks, name_slurm_run
 
 #: The Trainer's commands, each with the line ``mmlight --help`` and ``mmlight COMMAND --help`` show.
@@ -55,7 +57,8 @@ def trainer_defaults() -> dict:
     """Defaults a config can override: TensorBoard under ``runs/``, a rich progress bar (steps out of
     ``max_steps`` in step-limited runs), the learning rate per step, MultiMax parameters and curves,
     the count of skipped corrupt samples, a one-time warning when the step waits on the data loader,
-    the final metrics printed, the per-step seeding of dropout and mixup
+    the final metrics printed, samples/s, tokens/s and MFU (:class:`~mmlight.callbacks.Throughput`),
+    the per-step seeding of dropout and mixup
     (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
     (:class:`~mmlight.callbacks.DataPosition`)."""
     return {
@@ -69,6 +72,7 @@ def trainer_defaults() -> dict:
             lazy_instance(FinalMetrics),
             lazy_instance(StepSeed),
             lazy_instance(DataPosition),
+            lazy_instance(Throughput),
         ],
     }
 
@@ -140,6 +144,11 @@ class MmlightCLI(LightningCLI):
             super().instantiate_classes()
         except FileNotFoundError as err:  # e.g. data not prepared yet: the size links read it
             self.parser.error(str(err))
+        except ValueError as err:  # jsonargparse reports a refused pretrained file inside its own error
+            refused = raised_from(err, RefusedFile)
+            if refused is None:
+                raise
+            self.parser.error(str(refused))
         for data_attribute, model_key in DATA_SIZES.items():
             value, linked = given.get(model_key), getattr(self.datamodule, data_attribute, None)
             # the parsed config holds the dataclass default where nothing was given: not worth a word

@@ -1,7 +1,9 @@
 """Shared fixtures: every test starts from the same global state."""
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +15,43 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (pyproject.toml's addopts), a worker takes a whole test file at a time, so a
+    module builds its module-scoped fixtures (trained checkpoints, prepared shards, the Docker images) once;
+    the files and tests of ``tests/helpers/xdist.py``'s ``SHARED_SCOPES`` go together to one worker."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.helpers.xdist import SharedScopes
+
+    return SharedScopes(config, log)
+
+
 def pytest_collection_finish(session):
     """Start the Docker test's image builds (minutes of downloads and disk writes) in the background once
-    the tests are chosen, when that test is among them: see tests/test_docker_image.py."""
-    if not session.config.option.collectonly and any(
-        item.path.name == "test_docker_image.py" for item in session.items
-    ):
-        from tests.test_docker_image import start_background_build
+    the tests are chosen, when that test is among them: see tests/test_docker_image.py. Under xdist the
+    controller starts it instead (below), once for the whole run."""
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return
+    if any(item.path.name == "test_docker_image.py" for item in session.items):
+        from tests.helpers.docker import start_background_build
 
         start_background_build()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller's counterpart of :func:`pytest_collection_finish`: the worker that runs the
+    Docker tests finds the build by the run's ``testrunuid``."""
+    if any(nodeid.startswith("tests/test_docker_image.py") for nodeid in ids):
+        from tests.helpers.docker import start_background_build
+
+        start_background_build(node.workerinput["testrunuid"])
+
+
 def pytest_sessionfinish(session):
-    if "tests.test_docker_image" in sys.modules:
-        sys.modules["tests.test_docker_image"].stop_background_build()
+    if "tests.helpers.docker" in sys.modules:
+        sys.modules["tests.helpers.docker"].stop_background_build()
 
 
 @pytest.fixture(autouse=True)
@@ -44,21 +69,27 @@ def reset_global_state():
         torch.distributed.destroy_process_group()
 
 
-def quiet_trainer(**options):
-    """A one-device CPU ``lightning.Trainer`` that writes and prints nothing of its own: no logger, no
-    checkpoints, no progress bar, no model summary.
+@pytest.fixture
+def plain_argv(monkeypatch):
+    """``sys.argv`` as the ``mmlight`` console script sees it: LightningCLI warns when it gets args while
+    ``sys.argv`` holds pytest's own arguments (modules that call the CLI in-process use it)."""
+    monkeypatch.setattr(sys, "argv", ["mmlight"])
 
-    Args:
-        options: any other ``Trainer`` argument (``max_steps``, ``callbacks``, ...), or one of these to override.
-    """
-    import lightning as L  # here, not at the top: most tests never build a Trainer
 
-    quiet = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    return L.Trainer(**{**quiet, **options})
+@pytest.fixture(scope="module")
+def cluster():
+    """The one-node SLURM cluster that ``.ci/slurm-cluster.sh`` installs and starts (as root, with apt);
+    the test skips, saying why, where it cannot."""
+    script = Path(__file__).resolve().parents[1] / ".ci" / "slurm-cluster.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"no SLURM cluster: {result.stderr.strip() or result.stdout.strip()}")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: each test's models are new objects, and
+    caches from earlier tests would only count against its recompile limit (8 per code object)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,7 +1,6 @@
 """benchmarks/attention_stats_cost.py: the loop's wait over the validation time, from TensorBoard
 events written here with known values."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -9,10 +8,9 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from benchmarks import attention_stats_cost
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("attention_stats_cost", ROOT / "benchmarks" / "attention_stats_cost.py")
-attention_stats_cost = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(attention_stats_cost)
 
 
 def run_script(monkeypatch, *args: str) -> None:

@@ -127,8 +127,7 @@ def test_loader_benchmark_smoke_run_writes_side_by_side_records(tmp_path):
 
 def test_pillow_build_pixels_difference_against_a_hand_count():
     """The grey-level comparison of two dumps, on arrays whose differences are known."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from pillow_build_pixels import difference
+    from benchmarks.pillow_build_pixels import difference
 
     a = np.array([[0, 10, 200, 255], [5, 5, 5, 5]], np.uint8)
     b = np.array([[0, 11, 198, 16], [5, 5, 5, 5]], np.uint8)  # differences 0, 1, 2, 239 (no uint8 wrap-around)
@@ -144,8 +143,7 @@ def test_pillow_build_pixels_difference_against_a_hand_count():
 def test_pillow_build_pixels_same_build_twice_is_identical(tmp_path):
     """Two dumps of the same images in one environment agree exactly (the seeds fix every draw), and
     dumps of different image sets are refused with a message, not a traceback."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import pillow_build_pixels as pixels
+    from benchmarks import pillow_build_pixels as pixels
 
     for name, images in (("a", 3), ("b", 3), ("c", 2)):
         pixels.dump(tmp_path / "src", tmp_path / f"{name}.npz", images)

@@ -2,7 +2,6 @@
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,12 @@ from mmlight.cli import main
 from mmlight.lightning_cli import build_cli
 from tests.text_fixtures import FIXTURE_BATCHES, vocab_size, write_text_shard_sets
 
+pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "tables" not in p.parts)  # tables: tests/experiments
 QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("digits_*.yaml"))
 ALL_QUICKSTARTS = sorted((ROOT / "configs" / "quickstart").glob("*.yaml"))
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """LightningCLI warns when it gets args while sys.argv holds pytest's own arguments."""
-    monkeypatch.setattr(sys, "argv", ["mmlight"])
 
 
 def test_configs_exist():
@@ -230,7 +225,7 @@ def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path, monkeypat
     import sacrebleu
 
     from mmlight.tasks import Translator
-    from tests.data.test_iwslt import _tok, _write_raw
+    from tests.helpers.iwslt import moses_tok, write_raw
 
     generated = []
     finish = Translator._finish_generation
@@ -269,8 +264,8 @@ def test_paper_text_config_fast_dev_run(config, text_shards, tmp_path, monkeypat
     assert torch.isfinite(metrics["train/loss"]) and torch.isfinite(metrics["val/ppl"])
     if config.name.startswith("nmt_"):
         [rows] = generated
-        kept, _ = _write_raw(tmp_path / "raw")
-        assert [r["ref_tok"] for r in rows] == [_tok(kept[i][1], "en") for i in (22, 45)]
+        kept, _ = write_raw(tmp_path / "raw")
+        assert [r["ref_tok"] for r in rows] == [moses_tok(kept[i][1], "en") for i in (22, 45)]
         hyps, refs = [r["hyp"] for r in rows], [r["ref"] for r in rows]
         assert metrics["val/bleu"].item() == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-4)
         tokenised = sacrebleu.metrics.BLEU(tokenize="none", lowercase=True, force=True)

@@ -26,6 +26,7 @@ from mmlight.callbacks import (
     SkippedSamplesMonitor,
     StepProgressBar,
     StepSeed,
+    Throughput,
 )
 from mmlight.slurm import check_slurm_tasks, name_slurm_run, run_dir
 
@@ -232,7 +233,7 @@ def test_tools_table_dispatches_the_rest_of_the_command_line(monkeypatch):
     CALLS.clear()
     cli.main(["probe", "--src", "raw", "x"])
     assert CALLS == [["--src", "raw", "x"]]
-    from mmlight.data.prepare import main as prepare_main
+    from mmlight.commands.prepare import main as prepare_main
 
     module, function = cli.TOOLS["prepare"].target.split(":")
     assert getattr(__import__(module, fromlist=[function]), function) is prepare_main
@@ -252,6 +253,7 @@ def test_trainer_defaults():
         FinalMetrics,
         StepSeed,
         DataPosition,
+        Throughput,
     ]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}
@@ -608,6 +610,11 @@ def test_help_lists_every_command_with_one_line(capsys):
     assert all(len(line.split(maxsplit=1)[1]) > 10 for line in listed)  # a line saying what it does
     # the summaries start in one column, two spaces after the longest name ("validate")
     assert all(line.startswith(f"  {line.split()[0]:<8}  ") and line[12] != " " for line in listed)
+    # prepare's line names the datasets of the preparers' registry, every one of them
+    from mmlight.data.prepare import DATASETS
+
+    prepare_line = next(line for line in listed if line.split()[0] == "prepare")
+    assert prepare_line.endswith(f"({', '.join(DATASETS)})") and len(DATASETS) >= 9
     head, tail = text.split("commands:\n", 1)
     assert head == (
         "usage: mmlight [-c CONFIG] COMMAND [options]\n\n"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_mmlight
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 README = ROOT / "README.md"
@@ -178,14 +180,7 @@ def test_entrypoint_resolves_to_the_console_script():
     assert scripts["mmlight"] == "mmlight.cli:main"
     module, _, name = scripts["mmlight"].partition(":")
     assert callable(getattr(importlib.import_module(module), name))
-    result = subprocess.run(
-        [sys.executable, "-m", "mmlight.cli", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        check=False,
-    )
+    result = run_mmlight("--help", cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "fit" in result.stdout
 

@@ -10,7 +10,7 @@ The images are kept under ``localhost/mmlight-test/`` so that buildah's layer ca
 quick; the Debian base is reused when present (``buildah rmi`` it to rebuild from Debian).
 
 The builds are mostly downloads and disk writes. When this file's tests are among those chosen,
-tests/conftest.py starts them in a background process (``python -m tests.test_docker_image``) as soon
+tests/conftest.py starts them in a background process (``python -m tests.helpers.docker``) as soon
 as collection ends, so that they run alongside the CPU-bound tests; the ``images`` fixture waits for
 that process. Run alone, or where nothing started it, the fixture builds in-process.
 """
@@ -19,184 +19,48 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
-PREFIX = "localhost/mmlight-test"
-DEBIAN = f"{PREFIX}/debian-python:bookworm"
-TORCH_BASE = f"{PREFIX}/torch-base"
-IMAGE = f"{PREFIX}/mmlight"
+from tests.helpers.checks import wait_for
+from tests.helpers.docker import (
+    DEBIAN,
+    DOCKER,
+    ENV,
+    GID,
+    IMAGE,
+    PREFIX,
+    TORCH_BASE,
+    UID,
+    background_figures,
+    build,
+    build_images,
+    buildah,
+    buildah_unavailable,
+    image_exists,
+)
+
 GUARD_BASE = f"{PREFIX}/torch-too-old"
 # Not 1000 (the default), so that the build arguments visibly reach the user and the files it writes.
-UID, GID = 2345, 2346
-# Builds reach the package indexes through this machine's TLS proxy when there is one; its CA bundle
-# is mounted into every build step (harmless where there is no proxy).
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 QUICKSTART = "configs/quickstart/digits_multimax.yaml"
 RUNS = "/opt/mmlight/runs"
-ENV = {**os.environ, "BUILDAH_ISOLATION": "chroot"}  # the OCI runtimes cannot set rlimits here
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def buildah(*args: str, check: bool = True, timeout: float = 120, nice: bool = False) -> subprocess.CompletedProcess:
-    argv = (["nice", "-n", "10"] if nice else []) + ["buildah", *args]
-    result = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(argv)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-        )
-    return result
-
-
-def buildah_unavailable() -> str | None:
-    """Why buildah cannot build and run images here, or None when it can."""
-    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not installed (Debian: apt-get install buildah debootstrap, as .ci/run does)"
-    if os.geteuid() != 0:
-        return "debootstrap and buildah's chroot isolation need root (CI runs as root)"
-    probe = buildah("from", "scratch", check=False)
-    if probe.returncode != 0:
-        return f"buildah cannot create a container here: {probe.stderr.strip()}"
-    container = probe.stdout.strip()
-    try:
-        mounted = buildah("mount", container, check=False)
-        if mounted.returncode != 0:
-            return f"buildah cannot mount a container's file system here: {mounted.stderr.strip()}"
-    finally:
-        buildah("rm", container, check=False)
-    return None
-
-
-def image_exists(name: str) -> bool:
-    return buildah("images", "--quiet", name, check=False).returncode == 0
-
-
-def layers(name: str) -> list[tuple[str, int]]:
-    """(the step that made it, bytes uncompressed) of each layer of a local image, bottom first."""
-    info = json.loads(buildah("inspect", "--type", "image", name).stdout)
-    sizes = [layer["size"] for layer in json.loads(info["Manifest"])["layers"]]
-    steps = [entry.get("created_by", "") for entry in info["Docker"].get("history", []) if not entry.get("empty_layer")]
-    steps = [""] * (len(sizes) - len(steps)) + steps[-len(sizes) :]  # a committed rootfs may have none
-    return list(zip(steps, sizes))
-
-
-def build(containerfile: Path, tag: str, build_args: dict[str, str], check: bool = True) -> tuple[float, str]:
-    """``buildah bud`` in Docker's image format (OCI drops SHELL); returns (seconds, output)."""
-    args = ["bud", "--format", "docker", "--layers", "--force-rm", "-f", str(containerfile), "-t", tag]
-    for name, value in build_args.items():
-        args += ["--build-arg", f"{name}={value}"]
-    if CA_BUNDLE.is_file():
-        args += ["-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro"]
-    start = time.monotonic()
-    result = buildah(*args, str(ROOT), check=check, timeout=1500, nice=True)
-    return time.monotonic() - start, result.stdout + result.stderr
-
-
-def debootstrap_base() -> None:
-    """Debian 12 with Python 3.11 and venv, committed as a local image (no registry needed)."""
-    container = buildah("from", "scratch").stdout.strip()
-    try:
-        root = buildah("mount", container).stdout.strip()
-        argv = [
-            "nice",
-            "-n",
-            "10",
-            "debootstrap",
-            "--variant=minbase",
-            "--include=python3,python3-venv,ca-certificates",
-            "bookworm",
-            root,
-            "http://deb.debian.org/debian",
-        ]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
-        assert result.returncode == 0, f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            shutil.rmtree(Path(root) / cache, ignore_errors=True)
-        buildah("config", "--cmd", "/bin/bash", container)
-        buildah("commit", container, DEBIAN, timeout=600)
-    finally:
-        buildah("rm", container, check=False)
-
-
-def build_images() -> dict:
-    """The stand-in for NGC (the Debian base, then docker/torch-base.Dockerfile) and mmlight built on it;
-    build times (s), image sizes and the mmlight layers (bytes), and the mmlight build's log."""
-    figures: dict = {}
-    if not image_exists(DEBIAN):
-        start = time.monotonic()
-        debootstrap_base()
-        figures["debootstrap_s"] = time.monotonic() - start
-    figures["torch_base_s"], _ = build(DOCKER / "torch-base.Dockerfile", TORCH_BASE, {"PYTHON_IMAGE": DEBIAN})
-    figures["mmlight_s"], figures["build_log"] = build(
-        DOCKER / "Dockerfile", IMAGE, {"BASE_IMAGE": TORCH_BASE, "UID": str(UID), "GID": str(GID)}
-    )
-    figures["sizes"] = {name: sum(size for _, size in layers(name)) for name in (DEBIAN, TORCH_BASE, IMAGE)}
-    base_layers = len(layers(TORCH_BASE))
-    figures["mmlight_layers"] = [(step[-100:], size) for step, size in layers(IMAGE)[base_layers:]]
-    return figures
-
-
-#: the background build that tests/conftest.py started: (process, its result file, its log file)
-BACKGROUND: dict[str, tuple[subprocess.Popen, Path, Path]] = {}
-
-
-def start_background_build() -> None:
-    """Start :func:`build_images` in a process of its own (where buildah can run), for the fixture below."""
-    if BACKGROUND or buildah_unavailable() is not None:
-        return
-    folder = Path(tempfile.mkdtemp(prefix="mmlight-docker-build-"))
-    result, log = folder / "images.json", folder / "build.log"
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_docker_image", str(result)],
-            cwd=ROOT,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-            start_new_session=True,  # its own process group, which stop_background_build ends whole
-        )
-    BACKGROUND["build"] = (process, result, log)
-
-
-def stop_background_build() -> None:
-    """End a background build still running (the session ended before the fixture waited for it)."""
-    process, result, _ = BACKGROUND.pop("build", (None, None, None))
-    if process is not None and process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
-    if result is not None:
-        shutil.rmtree(result.parent, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
-def images() -> dict:
-    """:func:`build_images`' figures: from the background build where one was started, else built here."""
+def images(request) -> dict:
+    """:func:`build_images`' figures: from the background build where one was started (tests/conftest.py),
+    else built here."""
     reason = buildah_unavailable()
     if reason:
         pytest.skip(f"buildah cannot run: {reason}")
-    started = BACKGROUND.get("build")
-    if started is None:
+    figures = background_figures(getattr(request.config, "workerinput", {}).get("testrunuid"))
+    if figures is None:
         figures = build_images()
-    else:
-        process, result, log = started
-        try:
-            process.wait(timeout=1800)
-            BACKGROUND.pop("build")
-            assert process.returncode == 0, f"the background image build failed:\n{log.read_text()[-6000:]}"
-            figures = json.loads(result.read_text())
-        finally:
-            shutil.rmtree(result.parent, ignore_errors=True)
     print(json.dumps({k: v for k, v in figures.items() if k != "build_log"}, indent=1))
     return figures
 
@@ -327,16 +191,6 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def test_sigterm_through_tini_stops_training_cleanly(container, entrypoint, runs):
     """SIGTERM to tini (what ``docker stop`` sends to PID 1) reaches Lightning, which stops the run
     at the next step and tears down; the files already written stay readable."""
@@ -347,7 +201,7 @@ def test_sigterm_through_tini_stops_training_cleanly(container, entrypoint, runs
         run_argv(container, argv, runs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
     )
     try:
-        wait_for(lambda: list(runs.rglob("*.ckpt")) or process.poll() is not None, 300, "the first checkpoint")
+        wait_for(lambda: list(runs.rglob("*.ckpt")) or process.poll() is not None, 300, "the first checkpoint", 0.5)
         assert process.poll() is None, process.stdout.read()[-3000:]
         tini = [pid for pid, name in descendants(process.pid) if name == "tini"]
         assert len(tini) == 1, descendants(process.pid)
@@ -424,7 +278,3 @@ def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
     finally:
         buildah("rm", probe, check=False)
         buildah("rmi", "--force", GUARD_BASE, check=False)
-
-
-if __name__ == "__main__":  # the background build: python -m tests.test_docker_image RESULT.json
-    Path(sys.argv[1]).write_text(json.dumps(build_images()))

@@ -12,7 +12,8 @@ its program, and a program without a rule fails, so a new command cannot go unte
   SLURM cluster answers (``test_sbatch_test_only``, which skips otherwise);
 * ``docker``/``podman``/``apptainer``/``srun``: the Dockerfile exists and the ``mmlight`` command run in
   the image is checked as above (the image itself: ``tests/test_docker.py``);
-* ``pip install``: the extras exist in pyproject.toml; ``pytest``: the paths exist; ``mkdir``: nothing.
+* ``pip install``: the extras exist in pyproject.toml; ``pytest``: the paths exist; ``mkdir``: nothing;
+* ``python -c``: the checkpoint conversion of docs/finetuning.md, which ``tests/test_safe_load.py`` runs.
 
 The README's Python blocks are run.
 """
@@ -29,6 +30,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mmlight.safe_load import CONVERT_COMMAND
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
@@ -87,12 +92,6 @@ def options(tokens: list[str]) -> list[str]:
     tokens = tokens[: tokens.index("--")] if "--" in tokens else tokens
     names = (re.split(r"[=+\[\]]", t.strip("[]"))[0] for t in tokens if t.strip("[").startswith("--"))
     return [n for n in names if n and "*" not in n]
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """LightningCLI warns when it gets args while sys.argv holds pytest's own arguments."""
-    monkeypatch.setattr(sys, "argv", ["mmlight"])
 
 
 def mmlight_exit(args: list[str], capsys) -> tuple[int, str]:
@@ -183,10 +182,10 @@ def check_container(tokens: list[str], command: str, capsys) -> None:
 
 
 def check_image_test_step(command: str, capsys) -> None:
-    """A step of docs/docker.md's buildah recipe: tests/test_docker_image.py takes the same step (the same
-    buildah subcommand, the same Dockerfile, debootstrap's minbase variant), and an ``mmlight`` command
-    run inside the image is checked as above."""
-    test = (ROOT / "tests" / "test_docker_image.py").read_text()
+    """A step of docs/docker.md's buildah recipe: tests/test_docker_image.py (with the builds of
+    tests/helpers/docker.py) takes the same step (the same buildah subcommand, the same Dockerfile,
+    debootstrap's minbase variant), and an ``mmlight`` command run inside the image is checked as above."""
+    test = "".join((ROOT / "tests" / name).read_text() for name in ("test_docker_image.py", "helpers/docker.py"))
     for sub in re.findall(r"buildah (\w+)", command):
         assert f'"{sub}"' in test, f"{command!r}: tests/test_docker_image.py never runs buildah {sub}"
     for dockerfile in re.findall(r"-f (\S+)", command):
@@ -220,6 +219,9 @@ def test_command_is_covered(doc, command, capsys):
     program = tokens[0]
     if program == "mmlight":
         check_mmlight(tokens, command, capsys)
+    elif program == "python" and tokens[1] == "-c":
+        # the one-liner that converts a trusted checkpoint: tests/test_safe_load.py runs it as the doc writes it
+        assert command.startswith(f"{CONVERT_COMMAND} "), f"{doc}: no test runs {command!r}"
     elif program == "python":
         check_python(tokens, command)
     elif program == "sbatch":
@@ -289,3 +291,150 @@ def test_readme_python_runs():
         namespace: dict = {}
         exec(compile(text, "README.md", "exec"), namespace)
     assert tuple(namespace["y"].shape) == (2, 16, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References to code and tests: `path.py::name`, `test_module::test_name`, `tests/...` and `dir/file.py`
+
+#: a code or test reference in backticks: a path (``.py`` optional for test modules), ``::`` and a dotted name
+CODE_REFERENCE = re.compile(r"`([\w./-]+?)::([\w*]+(?:\.[\w*]+)*)(?:\(.*?\))?(\.\.\.)?`")
+#: a file path in backticks: ``tests/...``, ``dir/file.py`` or a test module ``test_x.py``
+PATH_REFERENCE = re.compile(r"`((?:tests/[\w./*<>-]*)|(?:[\w.-]+/)+[\w.*<>-]+\.py|test_[\w*<>]+\.py)`")
+#: where a reference may be rooted: the repository, the package, the tests
+ROOTS = ("", "mmlight/", "tests/")
+
+
+def python_files() -> list[str]:
+    """Every Python file of the repository, as a path relative to it."""
+    skip = {".git", "build", "runs", ".venv", "node_modules"}
+    return sorted(
+        p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts)
+    )
+
+
+def files_named(path: str) -> list[str]:
+    """The files a reference's path may mean: rooted at the repository, the package or the tests, or (a
+    bare or partial path such as ``backend.py``) any file whose path ends with it."""
+    path = path if path.endswith(".py") else f"{path}.py"
+    rooted = [f"{root}{path}" for root in ROOTS if (ROOT / root / path).is_file()]
+    return rooted or [f for f in python_files() if f.endswith("/" + path)]
+
+
+def defines(path: str, dotted: str, prefix: bool = False) -> bool:
+    """Whether the module at ``path`` defines ``dotted`` (``name`` or ``Class.member``) at top level or in a
+    class body; ``prefix``: a name that starts with the last part (a name shortened with ``...``)."""
+    import ast
+
+    scope = ast.parse((ROOT / path).read_text(encoding="utf-8")).body
+    *outer, last = dotted.split(".")
+    for part in outer:
+        scope = next((n.body for n in scope if isinstance(n, ast.ClassDef) and n.name == part), None)
+        if scope is None:
+            return False
+    names = set()
+    for node in scope:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return any(n.startswith(last) for n in names) if prefix else last in names
+
+
+def doc_references(pattern: re.Pattern) -> list[tuple[str, re.Match]]:
+    return [(path.relative_to(ROOT).as_posix(), m) for path in DOCS for m in pattern.finditer(path.read_text())]
+
+
+def test_reference_patterns_read_every_form():
+    found = [m.groups() for m in CODE_REFERENCE.finditer("`a/b.py::C.d` `test_x::test_y_...` `n.py::f(x, y)` `t::*`")]
+    assert found == [("a/b.py", "C.d", None), ("test_x", "test_y_", "..."), ("n.py", "f", None), ("t", "*", None)]
+    paths = PATH_REFERENCE.findall("`tests/a/` `nn/sites.py` `test_doctor.py` `x.py` `tests/test_<name>.py` `a b.py`")
+    assert paths == ["tests/a/", "nn/sites.py", "test_doctor.py", "tests/test_<name>.py"]
+    assert files_named("backend.py") == ["mmlight/reweighting/backend.py"]
+    assert files_named("tasks/test_metrics") == ["tests/tasks/test_metrics.py"]
+    assert files_named("prepare/writer.py") == []
+    assert defines("mmlight/tasks/stages.py", "EvalStages") and not defines("mmlight/tasks/stages.py", "Missing")
+    assert defines("mmlight/reweighting/base.py", "Reweighting.reference")
+    assert not defines("mmlight/reweighting/base.py", "Reweighting.nothing")
+    assert defines("tests/test_docs.py", "test_reference_pat", prefix=True)
+
+
+@pytest.mark.parametrize(
+    "doc, reference",
+    [(doc, m.group(0)) for doc, m in doc_references(CODE_REFERENCE)] or [("none", "none")],
+)
+def test_every_code_and_test_reference_resolves(doc, reference):
+    """`path.py::name` and `test_module::test_name` name a file of the repository that defines the name."""
+    path, name, shortened = CODE_REFERENCE.fullmatch(reference).groups()
+    candidates = files_named(path)
+    assert candidates, f"{doc}: {reference}: no file {path}"
+    if name != "*":
+        assert any(defines(c, name, prefix=bool(shortened)) for c in candidates), f"{doc}: {reference}: no {name}"
+
+
+@pytest.mark.parametrize("doc, reference", [(doc, m.group(1)) for doc, m in doc_references(PATH_REFERENCE)])
+def test_every_path_reference_exists(doc, reference):
+    """A file or folder path in the docs exists (a ``<name>`` placeholder is any name; a glob matches)."""
+    pattern = re.sub(r"<\w+>", "*", reference).rstrip("/")
+    if "/" not in reference:  # a test module named alone
+        assert list((ROOT / "tests").rglob(pattern)), f"{doc}: no test module {reference}"
+        return
+    matches = [m for root in ROOTS for m in ROOT.glob(root + pattern)] if "*" in pattern else None
+    if matches is None:
+        matches = [ROOT / root / pattern for root in ROOTS if (ROOT / root / pattern).exists()]
+        matches += [f for f in python_files() if f.endswith("/" + pattern)]
+    assert matches, f"{doc}: {reference} does not exist"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reweighting functions: every table and list of them is the registry's
+
+#: the files that list the functions, and how: a Markdown table headed ``| name |`` (exactly the registry's
+#: names), or every name in backticks somewhere in the text
+FUNCTION_TABLES = ("README.md", "docs/reweightings.md")
+FUNCTION_LISTS = ("docs/architecture.md", "mmlight/__init__.py")
+NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
+
+
+def name_tables(text: str) -> list[list[str]]:
+    """The first column of every Markdown table whose header's first cell is ``name``, backticks removed."""
+    tables, rows = [], None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            rows = None
+        elif rows is None and cells[0] == "name":
+            rows = []
+            tables.append(rows)
+        elif rows is not None and not set(cells[0]) <= set("-: "):
+            rows.append(cells[0].strip("`"))
+    return tables
+
+
+def test_name_tables_reads_the_first_column_of_name_tables():
+    text = "| name | x |\n|---|---|\n| `a` | 1 |\n| `b` | 2 |\n\n| other | y |\n|---|---|\n| `c` | 3 |\n"
+    assert name_tables(text) == [["a", "b"]]
+
+
+@pytest.mark.parametrize("doc", FUNCTION_TABLES)
+def test_every_function_table_is_the_registry(doc):
+    """The table of functions names each registered function once and nothing else, and a heading that
+    counts them ("The twelve functions") counts them all."""
+    from mmlight.reweighting import available
+
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    tables = name_tables(text)
+    assert len(tables) == 1, f"{doc}: {len(tables)} tables headed | name |"
+    assert sorted(tables[0]) == sorted(available()) and len(set(tables[0])) == len(tables[0])
+    for word in re.findall(r"^#+ The (\w+) functions", text, re.M):
+        assert NUMBER_WORDS.index(word) == len(available()), f"{doc}: 'The {word} functions'"
+
+
+@pytest.mark.parametrize("doc", FUNCTION_LISTS)
+def test_every_function_list_names_the_whole_registry(doc):
+    """The package map of the architecture and the package's docstring name every registered function in
+    backticks (``name`` or `name`)."""
+    from mmlight.reweighting import available
+
+    named = set(re.findall(r"`+(\w+)`+", (ROOT / doc).read_text(encoding="utf-8")))
+    assert sorted(set(available()) - named) == []

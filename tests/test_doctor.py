@@ -6,7 +6,7 @@ a run recorded on an H100 and from stand-in kernels, so that it is tested where 
 import pytest
 import torch
 
-from mmlight import doctor
+from mmlight.commands import doctor
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU branch of the doctor")
 
@@ -162,12 +162,12 @@ def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_int
         doctor.main([])
     assert exit_info.value.code == 3
     [(cmd, env)] = runs
-    assert cmd == [sys.executable, "-m", "mmlight.doctor"] and env["TRITON_INTERPRET"] == "1"
+    assert cmd == [sys.executable, "-m", "mmlight.commands.doctor"] and env["TRITON_INTERPRET"] == "1"
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # set, but off: still a fresh process with it on
     monkeypatch.setattr(sys, "argv", ["mmlight doctor"])  # the console script: main() reads sys.argv
     with pytest.raises(SystemExit):
         doctor.main()
-    assert len(runs) == 2 and runs[1] == ([sys.executable, "-m", "mmlight.doctor"], runs[1][1])
+    assert len(runs) == 2 and runs[1] == ([sys.executable, "-m", "mmlight.commands.doctor"], runs[1][1])
     assert runs[1][1]["TRITON_INTERPRET"] == "1"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(doctor, "CHECKS", [])

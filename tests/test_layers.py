@@ -1,7 +1,7 @@
 """The package's layers, checked on its source: what each module under ``mmlight/`` imports.
 
 An import is every ``import`` and ``from ... import`` (lazy ones inside functions included) and every
-string that names a module the way the command tables do: an entry point (``"mmlight.doctor:main"``,
+string that names a module the way the command tables do: an entry point (``"mmlight.commands.doctor:main"``,
 anywhere) or a module as a value of a dict display (``{"iwslt14": "mmlight.data.prepare.iwslt"}``). The
 ``mmlight`` command and ``mmlight prepare`` import those on use. ``python -m mmlight.cli`` in a subprocess
 is a process started, not an import.
@@ -15,25 +15,26 @@ from functools import cache
 from pathlib import Path
 
 import mmlight
+from tests.helpers.imports import imported_names as imports_of
 
 PACKAGE = Path(mmlight.__file__).parent
 REPO = PACKAGE.parent
 
-#: Bottom first. A module belongs to the longest container naming it (``mmlight.analysis.analyze`` is a
-#: command, the rest of ``mmlight.analysis`` a library). It may import its own container and every layer
-#: below its own; containers of one layer are independent, neither imports the other.
+#: Bottom first. A module belongs to the longest container naming it (``mmlight.data.prepare`` is in
+#: ``mmlight.data``). It may import its own container and every layer below its own; containers of one layer
+#: are independent, neither imports the other.
 LAYERS = (
     ("mmlight",),  # the package's root: its version, nothing else
-    ("mmlight.kernels",),  # Triton kernels
+    ("mmlight.kernels", "mmlight.safe_load"),  # Triton kernels; files read as data
     ("mmlight.reweighting",),  # the functions, their registry and backends
     ("mmlight.nn",),  # the attention entry point and its observation point
     ("mmlight.models", "mmlight.data"),  # networks; shards and DataModules
     ("mmlight.tasks",),  # LightningModules
     ("mmlight.analysis",),  # statistics and interventions on observed attention
     ("mmlight.callbacks",),
-    ("mmlight.ckpt_path", "mmlight.slurm"),
+    ("mmlight.ckpt_path", "mmlight.slurm", "mmlight.experiments"),  # run helpers; tables of runs
     ("mmlight.lightning_cli",),  # fit, validate, test and predict
-    ("mmlight.analysis.analyze", "mmlight.data.prepare", "mmlight.experiments", "mmlight.doctor"),  # tools
+    ("mmlight.commands",),  # prepare, analyze, sweep, collect and doctor
     ("mmlight.cli",),  # the `mmlight` command
 )
 
@@ -56,20 +57,11 @@ def modules() -> dict[str, Path]:
 
 
 def imported_names(source: str, module: str, is_package: bool) -> set[str]:
-    """Every dotted name ``source`` imports or names as a module string. ``from a import b`` gives both
-    ``a`` and ``a.b`` (``b`` may be a module); relative imports are made absolute from ``module``."""
-    names = set()
+    """Every dotted name ``source`` imports (:func:`tests.helpers.imports.imported_names`) or names as a
+    module string."""
+    names = imports_of(source, module, is_package)
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
-                base = ".".join([*anchor, *([node.module] if node.module else [])])
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif is_module_string(node) and ":" in node.value:
+        if is_module_string(node) and ":" in node.value:
             names.add(node.value.split(":")[0])
         elif isinstance(node, ast.Dict):
             names.update(value.value for value in node.values if is_module_string(value))
@@ -137,7 +129,7 @@ import mmlight.data.prepare.iwslt
 from mmlight.reweighting import backend, build
 from . import sibling
 from .. import tasks
-TOOLS = {"doctor": Tool("mmlight.doctor:main"), "label": "mmlight is fine", "a": "mmlight.data.prepare.wikitext"}
+TOOLS = {"doctor": Tool("mmlight.commands.doctor:main"), "label": "mmlight is ok", "a": "mmlight.data.prepare.wikitext"}
 RUN = ["python", "-m", "mmlight.cli", "fit"]
 
 def later():
@@ -150,16 +142,17 @@ def later():
         "mmlight.reweighting.build",
         "mmlight.data.sibling",
         "mmlight.tasks",
-        "mmlight.doctor",
+        "mmlight.commands.doctor",
         "mmlight.callbacks.step_seed",
         "mmlight.data.prepare.wikitext",
     } <= names
-    assert "mmlight.cli" not in names and "mmlight is fine" not in names
+    assert "mmlight.cli" not in names and "mmlight is ok" not in names
     assert imported_names("from . import x", "mmlight.data", is_package=True) >= {"mmlight.data.x"}
     assert resolve("mmlight.reweighting.build") == "mmlight.reweighting"
     assert resolve("mmlight.data.prepare.iwslt") == "mmlight.data.prepare.iwslt"
     assert resolve("numpy.random") is None
-    assert container_of("mmlight.analysis.analyze") == (10, "mmlight.analysis.analyze")
+    assert container_of("mmlight.commands.analyze") == (10, "mmlight.commands")
+    assert container_of("mmlight.data.prepare.iwslt") == (4, "mmlight.data")
     assert container_of("mmlight.analysis.stats") == (6, "mmlight.analysis")
 
 
@@ -168,11 +161,13 @@ def test_the_checker_finds_an_upward_and_a_sideways_import():
         "mmlight.nn.attention": {"mmlight.tasks.stages"},
         "mmlight.models.vit": {"mmlight.data.shards"},
         "mmlight.tasks.optim": {"mmlight.tasks.stages", "mmlight.reweighting"},
-        "mmlight.analysis.analyze": {"mmlight.lightning_cli", "mmlight.analysis.stats"},
+        "mmlight.commands.analyze": {"mmlight.lightning_cli", "mmlight.analysis.stats"},
+        "mmlight.analysis.stats": {"mmlight.commands.analyze"},
     }
     assert violations(graph) == [
         "mmlight.nn.attention (layer 3) imports mmlight.tasks.stages (layer 5, mmlight.tasks)",
         "mmlight.models.vit (layer 4) imports mmlight.data.shards (layer 4, mmlight.data)",
+        "mmlight.analysis.stats (layer 6) imports mmlight.commands.analyze (layer 10, mmlight.commands)",
     ]
 
 
@@ -190,17 +185,22 @@ def test_kernels_import_nothing_from_the_rest_of_mmlight():
     assert violations({m: imports()[m] for m in modules() if container_of(m)[1] == "mmlight.kernels"}) == []
 
 
-def test_analysis_does_not_import_the_command():
-    analysis = [m for m in modules() if m.startswith("mmlight.analysis")]
-    assert "mmlight.analysis.analyze" in analysis
-    assert [m for m in analysis if "mmlight.cli" in imports()[m]] == []
+def test_the_layers_have_no_exceptions():
+    """Every container is a whole package or a top-level module: no module is carved out of its package into
+    another layer (as ``mmlight prepare``'s and ``mmlight analyze``'s modules once were)."""
+    containers = [c for layer in LAYERS for c in layer]
+    assert len(containers) == len(set(containers))
+    assert [(a, b) for a in containers for b in containers if a != "mmlight" and b.startswith(a + ".")] == []
+    assert all(c == "mmlight" or c.count(".") == 1 for c in containers)
 
 
 def test_the_runtime_never_imports_the_preparers_benchmarks_or_tools():
-    """Only the command table names ``mmlight prepare``'s module; nothing in the package imports the
-    scripts of benchmarks/ or tools/ (by package or by file name)."""
+    """Only the commands and the command table (``--help`` names the datasets) import ``mmlight prepare``'s
+    modules; nothing in the package imports the scripts of benchmarks/ or tools/ (by package or by file
+    name)."""
     preparers = [m for m in modules() if m.startswith("mmlight.data.prepare")]
-    runtime = [m for m in modules() if m not in preparers and m != COMMAND_TABLE]
+    commands = [m for m in modules() if m == COMMAND_TABLE or m.startswith("mmlight.commands")]
+    runtime = [m for m in modules() if m not in preparers and m not in commands]
     assert {m: sorted(imports()[m] & set(preparers)) for m in runtime if imports()[m] & set(preparers)} == {}
     folders = ("benchmarks", "tools")
     scripts = {*folders, *(path.stem for folder in folders for path in (REPO / folder).glob("*.py"))}

@@ -6,13 +6,15 @@ Both kills land mid-epoch and the runs cross an epoch boundary after the resume.
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers.checks import assert_same_tensors
+from tests.helpers.cli import mmlight_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,10 +74,7 @@ RUNS = {
 def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
     """``mmlight fit`` of ``run`` in ``workdir``, in a process of its own (one thread)."""
     config, _, kill_at, overrides = RUNS[run]
-    command = [
-        sys.executable,
-        "-m",
-        "mmlight.cli",
+    command = mmlight_argv(
         "fit",
         "--config",
         str(config),
@@ -91,7 +90,7 @@ def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
         "--trainer.logger.init_args.save_dir",
         str(workdir / "runs"),
         *extra,
-    ]
+    )
     if run == "digits":
         command += ["--data.init_args.cache_dir", str(workdir / "digits")]  # one per run: two run at once
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -122,22 +121,6 @@ def losses(run_dir: Path) -> dict[int, float]:
         if "train/loss" in acc.Tags()["scalars"]:
             out.update({e.step: e.value for e in acc.Scalars("train/loss")})
     return out
-
-
-def assert_same_tensors(a, b, where: str) -> None:
-    """Equal nested structures; tensors bitwise equal."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same_tensors(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tensors(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 @pytest.mark.slow

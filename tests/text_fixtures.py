@@ -9,8 +9,8 @@ def write_text_shard_sets(root: Path) -> dict[str, Path]:
     """``{"wikitext103": shards, "iwslt14": shards}`` under ``root``."""
     from mmlight.data.prepare.iwslt import prepare_iwslt
     from mmlight.data.prepare.wikitext import prepare
-    from tests.data.test_iwslt import _write_raw as write_iwslt
-    from tests.data.test_wikitext import write_raw as write_wikitext
+    from tests.helpers.iwslt import write_raw as write_iwslt
+    from tests.helpers.wikitext import write_raw as write_wikitext
 
     prepare(write_wikitext(root / "wikitext_raw"), root / "wikitext103", workers=1)
     write_iwslt(root / "iwslt_raw")

@@ -18,7 +18,8 @@ module (what to mutate, which tests to select from) next to links to ``mmlight/`
 function, and then runs only those tests against each mutant, forked from a warm process (``-x``: a
 mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
 only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
-to ``build/mutation/<name>/report.md``.
+to ``build/mutation/<name>/report.md``; a survivor already judged in ``tools/mutation_equivalents.toml``
+(equivalent, or left with a reason) is marked with that verdict, and the score leaves the equivalent out.
 
 ``--changed [BASE]`` reads ``git diff BASE`` (default: the merge base with ``main``; the working tree,
 uncommitted changes included), finds the top-level functions and methods whose lines it touches, and
@@ -43,6 +44,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "mutation"
+VERDICTS = Path(__file__).resolve().parent / "mutation_equivalents.toml"
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,16 @@ MODULES: dict[str, Module] = {
     ),
     # test_cli.py's fast_dev_run and subprocess tests take minutes each: only its quick ones are used.
     "cli": Module(
-        ("mmlight/cli.py", "mmlight/lightning_cli.py", "mmlight/ckpt_path.py", "mmlight/slurm.py"),
+        (
+            "mmlight/cli.py",
+            "mmlight/lightning_cli.py",
+            "mmlight/ckpt_path.py",
+            "mmlight/slurm.py",
+            "mmlight/safe_load.py",
+        ),
         (
             "tests/test_cli_units.py",
+            "tests/test_safe_load.py",
             *_node_ids(
                 "tests/test_cli.py",
                 "test_model_options_of_a_command_line",
@@ -112,6 +121,7 @@ MODULES: dict[str, Module] = {
                 "reweighting_monitor",
                 "skipped_samples",
                 "step_seed",
+                "throughput",
             )
         ),
         keyword="not test_monitor_logs_parameters_curves_and_final_metrics",
@@ -128,6 +138,7 @@ MODULES: dict[str, Module] = {
             "tests/tasks/test_finetune_optim.py",
             "tests/tasks/test_inference.py",
             "tests/tasks/test_protocol.py",
+            "tests/tasks/test_compile_option.py",
             # the analysis protocol's methods (teacher_forced, query_keep, example_inputs, metric_evaluation)
             # are exercised by what analysis does with them
             "tests/analysis/test_stats.py",
@@ -148,7 +159,7 @@ MODULES: dict[str, Module] = {
     ),
     # new code is held to the fast-test standard: the attention statistics and the robustness interventions
     "analysis": Module(
-        ("mmlight/analysis/metrics.py", "mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
+        ("mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
         (
             "tests/analysis/test_metrics.py",
             "tests/analysis/test_stats.py",
@@ -159,7 +170,7 @@ MODULES: dict[str, Module] = {
     # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
     # is left out by the "not slow" marker; its fast twins are in test_collect.py and test_table.py)
     "experiments": Module(
-        ("mmlight/experiments/*",),
+        ("mmlight/experiments/*", "mmlight/commands/sweep.py", "mmlight/commands/collect.py"),
         ("tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py"),
     ),
     # the rest of the runtime package (everything but kernels/). Interpreter tests are left out by
@@ -227,7 +238,7 @@ MODULES: dict[str, Module] = {
     ),
     # test_tokenizers.py also reaches iwslt.py (its tokenising step and its cache's tokeniser key)
     "prepare": Module(
-        ("mmlight/data/prepare/*",),
+        ("mmlight/data/prepare/*", "mmlight/commands/prepare.py"),
         (
             "tests/data/test_imagenet.py",
             "tests/data/test_iwslt.py",
@@ -246,6 +257,8 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_functions.py",
             "tests/reweighting/test_multimax.py",
             "tests/reweighting/test_metrics.py",
+            "tests/analysis/test_metrics.py",  # the masked statistics of reweighting/metrics.py
+            "tests/analysis/test_stats.py",
             "tests/reweighting/test_fallback.py",
             "tests/reweighting/test_base.py",
             "tests/reweighting/test_spec.py",
@@ -274,7 +287,7 @@ MODULES: dict[str, Module] = {
     "beam_search": Module(("mmlight/models/beam_search.py",), ("tests/models/test_beam_search.py",)),
     # analyze.py's end-to-end tests are slow (left out by "not slow"): its fast tests are the errors before work
     "analysis_rest": Module(
-        ("mmlight/analysis/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
+        ("mmlight/commands/analyze.py", "mmlight/analysis/figures.py", "mmlight/analysis/batches.py"),
         (
             "tests/analysis/test_analyze_outputs.py",
             "tests/analysis/test_analyze.py",
@@ -285,7 +298,7 @@ MODULES: dict[str, Module] = {
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU
     # and GPU branches with stand-ins
     "doctor": Module(
-        ("mmlight/doctor.py",),
+        ("mmlight/commands/doctor.py",),
         ("tests/test_doctor.py",),
         keyword="not test_cpu_report_checks_every_kernel and not test_a_wrong_kernel_fails_the_check",
     ),
@@ -293,7 +306,62 @@ MODULES: dict[str, Module] = {
 
 # Arguments added to every pytest run: stop at the first failure, no slow tests, quiet, and the shim
 # that keeps Lightning's save_hyperparameters working on mutmut's renamed constructors.
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
+# -n 0: mutmut runs the tests in its own process (the suite's addopts would start xdist workers)
+PYTEST_ARGS = ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not slow", "-p", "tools.mutation_shim"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A judged survivor.
+
+    Args:
+        kind: ``equivalent`` (no input tells it from the code) or ``left`` (not equivalent; no test in
+            its set can show the difference).
+        reason: why.
+        measured: the date of the run whose numbering names the mutant.
+    """
+
+    kind: str
+    reason: str
+    measured: str
+
+
+def verdicts(path: Path = VERDICTS) -> dict[str, Verdict]:
+    """mutmut name -> :class:`Verdict`, from ``path``'s ``[[equivalent]]`` and ``[[left]]`` entries (a later
+    entry on the same mutant wins). Entries with ``where`` instead of ``mutants`` (bugs made by hand, code
+    changed since) name no mutmut mutant and are only checked. A malformed entry is an error naming it."""
+    data = tomllib.loads(path.read_text())
+    unknown = set(data) - {"equivalent", "left"}
+    if unknown:
+        raise ValueError(f"{path}: unknown tables {sorted(unknown)}; expected [[equivalent]] and [[left]]")
+    found: dict[str, Verdict] = {}
+    for kind in ("equivalent", "left"):
+        for number, entry in enumerate(data.get(kind, []), start=1):
+            missing = {"change", "reason", "measured"} - entry.keys()
+            if missing or ("mutants" in entry) == ("where" in entry):
+                raise ValueError(
+                    f"{path}: [[{kind}]] entry {number} needs change, reason, measured and one of mutants or where"
+                    f" (missing {sorted(missing)}; has {sorted(entry)})"
+                )
+            for name in entry.get("mutants", []):
+                found[name] = Verdict(kind, entry["reason"], entry["measured"])
+    return found
+
+
+def summary(counts: dict[str, int], equivalent: int) -> str:
+    """The score line: caught (killed or timed out) over the mutants tested, and over those not judged
+    equivalent. ``counts``: status -> mutants; ``equivalent``: how many of the uncaught are judged so."""
+    caught = counts.get("killed", 0) + counts.get("timeout", 0)
+    # "no tests" counts as not caught (no selected test reaches it); "not checked" (an interrupted run) is
+    # left out and reported as such.
+    total = sum(counts.values()) - counts.get("skipped", 0) - counts.get("not checked", 0)
+    score = 100 * caught / total if total else float("nan")
+    rest = total - equivalent
+    over = 100 * caught / rest if rest else float("nan")
+    return (
+        f"caught (killed or timed out) / mutants tested: {caught}/{total} = {score:.1f}%; "
+        f"over the {rest} not judged equivalent: {over:.1f}%"
+    )
 
 
 def toml_value(value) -> str:
@@ -387,21 +455,20 @@ def report(name: str, workdir: Path, only: list[str] = (), file: str = "report.m
     counts: dict[str, int] = {}
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
-    caught = counts.get("killed", 0) + counts.get("timeout", 0)
-    # "no tests" counts as not caught (no selected test reaches it); "not checked" (an interrupted run) is
-    # left out and reported as such.
-    total = len(found) - counts.get("skipped", 0) - counts.get("not checked", 0)
-    score = 100 * caught / total if total else float("nan")
+    uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout", "not checked"))
+    judged = verdicts()
+    equivalent = sum(key in judged and judged[key].kind == "equivalent" for key in uncaught)
     lines = [
         f"# mutation report: {name}",
         "",
         f"counts: {json.dumps(counts, sort_keys=True)}",
-        f"caught (killed or timed out) / mutants tested: {caught}/{total} = {score:.1f}%",
+        summary(counts, equivalent),
         "",
     ]
-    uncaught = sorted(key for key, status in found.items() if status not in ("killed", "timeout", "not checked"))
     for key, diff in zip(uncaught, diffs(workdir, uncaught)):
-        lines += [f"## {key}: {found[key]}", "```diff", diff.strip(), "```", ""]
+        verdict = judged.get(key)
+        known = f" (judged {verdict.kind} on {verdict.measured}: {verdict.reason})" if verdict else ""
+        lines += [f"## {key}: {found[key]}{known}", "```diff", diff.strip(), "```", ""]
     (workdir / file).write_text("\n".join(lines))
     print(f"== {name}: {lines[2]}; {lines[3]} -> {(workdir / file).relative_to(ROOT)}", flush=True)
     return counts

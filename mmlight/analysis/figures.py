@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from mmlight.analysis.batches import map_batch
-from mmlight.analysis.metrics import cdf_from_histogram
 from mmlight.nn.attention import network_of, record_attention
+from mmlight.reweighting.metrics import cdf_from_histogram
 
 PER_LAYER = (
     "entropy",
@@ -107,7 +107,7 @@ def similarity_figure(results: dict[str, dict]):
 
 
 def plot_weight_histogram(ax, edges: list[float], counts: list[int], label: str, cdf: bool) -> None:
-    """One line of :func:`~mmlight.analysis.metrics.weight_histogram` counts on ``ax``: the fraction of
+    """One line of :func:`~mmlight.reweighting.metrics.weight_histogram` counts on ``ax``: the fraction of
     the weights below each edge (``cdf``), or the count per bin at the bin's geometric centre on a log
     scale (bin 0, the weights below 1e-8, is not drawn)."""
     edges, counts = torch.tensor(edges), torch.tensor(counts)

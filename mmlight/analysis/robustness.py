@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from mmlight.analysis import metrics as M
 from mmlight.nn.attention import AttentionObserver, explicit_weights, observe_attention
+from mmlight.reweighting import metrics as M
 from mmlight.tasks.protocol import check_analysed_task
 
 SINK_LEVELS = (1, 5, 10)

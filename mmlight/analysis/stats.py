@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mmlight.analysis import metrics as M
 from mmlight.analysis.batches import batch_size, map_batch
 from mmlight.nn.attention import AttentionObserver, network_of, observe_attention
 from mmlight.nn.sites import AttentionSite
+from mmlight.reweighting import metrics as M
 from mmlight.tasks.protocol import check_analysed_task
 
 #: The per-head metrics (one value per head, plus their mean as the per-layer value).
@@ -155,8 +155,8 @@ class StatsObserver(AttentionObserver):
         nats, centred = M.entropy(p), M.centred_scores(scores, keys)
         sums.add("entropy", nats, shaped)
         sums.add("normalized_entropy", M.normalized_entropy(p, keys, nats), shaped)
-        sums.add("multimodality", M.multimodality(scores, p, keys, s.eps_multimodality, centred), shaped)
-        sums.add("sparsity", M.sparsity(scores, p, keys, s.eps_sparsity, centred), shaped)
+        sums.add("multimodality", M.multimodality(centred, p, s.eps_multimodality, keys), shaped)
+        sums.add("sparsity", M.sparsity(centred, p, s.eps_sparsity, keys=keys), shaped)
         sums.add("max_weight", M.row_max(weights).double(), rows)
         counted = keys & rows[..., None]
         sums.add_fraction("frac_below_1e-3", weights < s.near_zero, counted)

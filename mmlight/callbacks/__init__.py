@@ -11,6 +11,7 @@ from mmlight.callbacks.progress import StepProgressBar
 from mmlight.callbacks.reweighting_monitor import ReweightingMonitor, monitored_scalars, reweighting_sites
 from mmlight.callbacks.skipped_samples import SkippedSamplesMonitor
 from mmlight.callbacks.step_seed import StepSeed
+from mmlight.callbacks.throughput import Throughput
 
 __all__ = [
     "AttentionStats",
@@ -22,6 +23,7 @@ __all__ = [
     "SkippedSamplesMonitor",
     "StepProgressBar",
     "StepSeed",
+    "Throughput",
     "monitored_scalars",
     "reweighting_sites",
 ]

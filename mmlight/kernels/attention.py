@@ -40,7 +40,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from mmlight.kernels.runtime import TRITON_DTYPES, triton_interpreting
 from mmlight.kernels.sigma import (
@@ -51,7 +50,7 @@ from mmlight.kernels.sigma import (
     sigma_forward,
     sigma_param_partials,
     store_param_partials,
-    unpack_param_grads,
+    sum_param_partials,
 )
 from mmlight.kernels.tiles import BlockConfig, device_capability, measured
 
@@ -609,15 +608,15 @@ def _delta(out: torch.Tensor, dout: torch.Tensor, cfg: BlockConfig) -> torch.Ten
     return delta
 
 
-def _backward(ctx, dout, want_dq, want_dkdv, want_params):
+def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, order, scale, causal,
+              want_dq, want_dkdv, want_params):
     """Launch the backward kernels; returns ``(dq, dk, dv, partials)`` (None where not wanted)."""
-    q, k, v, out, row_max, row_inv_sum, params, key_padding = ctx.saved_tensors
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device), ctx.causal, Tk)
+    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device), causal, Tk)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
-        HEAD_D=D, ORDER=ctx.order, CAUSAL=ctx.causal, HAS_PAD=key_padding is not None,
+        HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
         DOT_PRECISION=FP32_DOT_PRECISION,
     )
 
@@ -635,13 +634,13 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
         partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS),
                                dtype=torch.float32, device=q.device)
         # causal programs skip the queries before their keys: their rows of the buffer stay 0
-        new_parts = torch.zeros if ctx.causal else torch.empty
+        new_parts = torch.zeros if causal else torch.empty
         dq_parts = new_parts((key_blocks, B * H, Tq, D) if single_pass else (1,), dtype=torch.float32,
                              device=q.device)
         _backward_dkdv_kernel[(programs,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials, dq_parts,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, PARAM_GRADS=want_params,
+            stride_pb, stride_pn, H, Tq, Tk, scale, PARAM_GRADS=want_params,
             PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, DQ_PARTIALS=single_pass, **common,
             **_tile_args(cfg_kv),
         )
@@ -652,39 +651,85 @@ def _backward(ctx, dout, want_dq, want_dkdv, want_params):
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, ctx.scale, **common,
+            stride_pb, stride_pn, H, Tq, Tk, scale, **common,
             **_tile_args(cfg_q),
         )
     return dq, dk, dv, (partials if want_params else None)
 
 
-class _MultiMaxAttention(torch.autograd.Function):
-    """Autograd wrapper: inputs are validated by :func:`multimax_attention` before this runs."""
+# The kernels as operators of torch.library: torch.compile calls them as opaque operators (their
+# fake functions give the output shapes), and autograd pairs the forward with the backward operator.
+@torch.library.custom_op("mmlight::multimax_attention_forward", mutates_args=())
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: torch.Tensor, order: int, scale: float,
+    causal: bool, key_padding: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, row_max, row_inv_sum)`` of :func:`_forward`; ``params`` the packed fp32 ``(8,)``."""
+    return _forward(q, k, v, params, order, scale, causal, key_padding)
 
-    @staticmethod
-    def forward(ctx, q, k, v, ranges, ts, scale, causal, key_padding):
-        params, order = pack_sigma_params(ranges, ts, q.device)
-        out, row_max, row_inv_sum = _forward(q, k, v, params, order, scale, causal, key_padding)
-        ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum, params, key_padding)
-        ctx.order, ctx.scale, ctx.causal = order, scale, causal
-        ctx.param_shape = None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device,
-                                                       ts.dtype, ts.device)
-        return out
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        need = ctx.needs_input_grad
-        want_params = ctx.order > 0 and (need[3] or need[4])
-        dq, dk, dv, partials = _backward(ctx, dout, need[0], need[1] or need[2], want_params)
-        d_ranges = d_ts = None
-        if want_params:
-            n, r_dtype, r_device, t_dtype, t_device = ctx.param_shape
-            d_ranges, d_ts = unpack_param_grads(partials, n)
-            d_ranges = d_ranges.to(r_device, r_dtype) if need[3] else None
-            d_ts = d_ts.to(t_device, t_dtype) if need[4] else None
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                d_ranges, d_ts, None, None, None)
+@_attention_forward.register_fake
+def _(q, k, v, params, order, scale, causal, key_padding):
+    B, H, Tq, D = q.shape
+    stat = q.new_empty((B, H, Tq), dtype=torch.float32)
+    # the strides of the real output (OUTPUT_IN_CALLER_LAYOUT), so that a compiled graph sees them
+    out = q.new_empty((B, Tq, H, D)).transpose(1, 2) if OUTPUT_IN_CALLER_LAYOUT else q.new_empty(q.shape)
+    return out, stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("mmlight::multimax_attention_backward", mutates_args=())
+def _attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+    row_max: torch.Tensor, row_inv_sum: torch.Tensor, params: torch.Tensor, key_padding: torch.Tensor | None,
+    order: int, scale: float, causal: bool, want_dq: bool, want_dkdv: bool, want_params: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d_params)``; an empty tensor stands for each gradient not wanted."""
+    dq, dk, dv, partials = _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, order,
+                                     scale, causal, want_dq, want_dkdv, want_params)
+    def none():  # a fresh empty tensor each time: outputs may not alias each other
+        return q.new_empty(0)
+
+    return (dq if want_dq else none(), dk if want_dkdv else none(), dv if want_dkdv else none(),
+            sum_param_partials(partials) if want_params else none())
+
+
+@_attention_backward.register_fake
+def _(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, order, scale, causal,
+      want_dq, want_dkdv, want_params):
+    def none():  # a fresh empty tensor each time: outputs may not alias each other
+        return q.new_empty(0)
+
+    return (q.new_empty(q.shape) if want_dq else none(), k.new_empty(k.shape) if want_dkdv else none(),
+            v.new_empty(v.shape) if want_dkdv else none(),
+            params.new_empty(NUM_SIGMA_PARAMS) if want_params else none())
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, params, order, scale, causal, key_padding = inputs
+    out, row_max, row_inv_sum = output
+    ctx.save_for_backward(q, k, v, out, row_max, row_inv_sum, params, key_padding)
+    ctx.order, ctx.scale, ctx.causal = order, scale, causal
+
+
+def _attention_grad(ctx, dout, _d_row_max, _d_row_inv_sum):
+    need = ctx.needs_input_grad
+    want_dq, want_dkdv, want_params = need[0], need[1] or need[2], ctx.order > 0 and need[3]
+    q, k, v, out, row_max, row_inv_sum, params, key_padding = ctx.saved_tensors
+    dq, dk, dv, d_params = _attention_backward(
+        q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ctx.order, ctx.scale, ctx.causal,
+        want_dq, want_dkdv, want_params,
+    )
+    return (dq if want_dq else None, dk if need[1] else None, dv if need[2] else None,
+            d_params if want_params else None, None, None, None, None)
+
+
+_attention_forward.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _attention(q, k, v, ranges, ts, scale, causal, key_padding):
+    """The fused attention ``(B, H, Tq, D)`` on checked inputs (what :func:`multimax_attention` runs)."""
+    params, order = pack_sigma_params(ranges, ts, q.device)
+    return _attention_forward(q, k, v, params, order, scale, causal, key_padding)[0]
 
 
 def _check_inputs(q, k, v, ranges, ts, key_padding) -> None:
@@ -776,4 +821,4 @@ def multimax_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return _MultiMaxAttention.apply(q, k, v, ranges, ts, scale, bool(causal), key_padding)
+    return _attention(q, k, v, ranges, ts, scale, bool(causal), key_padding)

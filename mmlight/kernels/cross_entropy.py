@@ -65,7 +65,7 @@ from mmlight.kernels.sigma import (
     sigma_forward,
     sigma_param_partials,
     store_param_partials,
-    unpack_param_grads,
+    sum_param_partials,
 )
 
 __all__ = ["multimax_cross_entropy"]
@@ -217,8 +217,8 @@ def _cross_entropy_backward_kernel(logits_ptr, stride_logits, target_ptr, params
 
 
 def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
-    """Raise ValueError for anything the kernel cannot take. The target range is checked on the host
-    for CPU tensors (the interpreter) and by a device-side assert on CUDA, without a host sync."""
+    """Raise ValueError for anything the kernel cannot take, from shapes and types alone (the target
+    values are checked when the kernel runs, :func:`_check_targets`, outside any compiled graph)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor (T, V), got shape {getattr(logits, 'shape', None)}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -247,51 +247,54 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
     if inplace_grad and logits.is_leaf and logits.requires_grad:
         raise ValueError("inplace_grad=True would overwrite a leaf tensor that requires grad; "
                          "use it only on an intermediate (e.g. the output of the LM head)")
-    if T > 0:
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if target.device.type == "cuda":
-            # No host sync in a training step: a device-side assert, as F.cross_entropy does on CUDA.
-            # It stops the process at the next synchronisation, before the kernel reads any logit.
-            torch._assert_async(~bad.any(), f"a target is outside [0, {V}) and is not ignore_index ({ignore_index})")
-        elif bool(bad.any()):
-            value = int(target[bad][0])
-            raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
+
+def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Refuse a target outside ``[0, V)`` that is not ``ignore_index``: a ValueError for CPU tensors
+    (the interpreter), a device-side assert on CUDA, as ``F.cross_entropy`` does there, so that a
+    training step has no host sync (it stops the process at the next synchronisation)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if target.device.type == "cuda":
+        torch._assert_async(~bad.any(), f"a target is outside [0, {V}) and is not ignore_index ({ignore_index})")
+    elif bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
 
 
-def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction,
-            store_dz, param_grads, inplace_grad, save_stats=False):
-    """Run the forward kernel: ``(loss, grad_logits or None, partials or None, stats)``; ``stats`` is
-    ``(row_max, row_inv_sum, scale)`` for the backward kernel when ``save_stats``, else None."""
-    T, V = logits.shape
-    device = logits.device
+def _loss_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Each row's loss weight, fp32 ``(1,)``: ``1 / n_valid`` for ``"mean"``, 1 for ``"sum"``."""
     if reduction == "mean":
         # On device, without a host sync; an all-ignored batch divides 0 by 1.
         n_valid = (target != ignore_index).sum()
-        scale = (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=device)
+        return (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=target.device)
+
+
+def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad, param_grads,
+            stats=None):
+    """Run the forward kernel, writing the logits' gradient into ``grad`` when it is given and each
+    row's max and ``1 / sum`` into ``stats = (row_max, row_inv_sum)`` (fp32 ``(T,)``) when those are
+    given: ``(loss, d_params)``, with ``d_params`` the fp32 ``(8,)`` sums of the per-row partials, or
+    None without ``param_grads``."""
+    T, V = logits.shape
+    _check_targets(target, V, ignore_index)
+    device = logits.device
+    store_dz = grad is not None
+    scale = _loss_scale(target, ignore_index, reduction)
     row_loss = torch.empty(T, dtype=torch.float32, device=device)
-    grad = None
-    if store_dz:
-        grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
     partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
-    stats = None
-    if save_stats:
-        stats = (torch.empty(T, dtype=torch.float32, device=device), torch.empty(T, dtype=torch.float32, device=device),
-                 scale)
     if T > 0:
         block_v = _block_v(V)
         _cross_entropy_kernel[(T,)](
             logits, logits.stride(0), target, params, scale,
             row_loss, grad if store_dz else logits, grad.stride(0) if store_dz else 0,
             partials if param_grads else row_loss,  # unused pointers are never touched
-            *(stats[:2] if save_stats else (row_loss, row_loss)),
+            *(stats if stats is not None else (row_loss, row_loss)),
             V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
-            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads, SAVE_STATS=save_stats,
-            num_warps=8 if block_v >= 2048 else 4,
+            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
+            SAVE_STATS=stats is not None, num_warps=8 if block_v >= 2048 else 4,
         )
-    # Fixed-order sum over rows: deterministic (no atomics).
-    return row_loss.sum(), grad, partials, stats
+    # Fixed-order sums over rows: deterministic (no atomics).
+    return row_loss.sum(), (sum_param_partials(partials) if param_grads else None)
 
 
 def _block_v(V: int) -> int:
@@ -299,15 +302,15 @@ def _block_v(V: int) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(V))
 
 
-def _launch_backward(logits, target, params, order, stats, upstream, label_smoothing, ignore_index,
-                     store_dz, param_grads, inplace_grad):
-    """Run the backward kernel: ``(grad_logits or None, partials or None)``, scaled by ``upstream``."""
+def _launch_backward(logits, target, params, order, row_max, row_inv_sum, upstream, label_smoothing,
+                     ignore_index, reduction, grad, param_grads):
+    """Run the backward kernel (``GRADIENT_IN_BACKWARD``), writing the logits' gradient, already times
+    ``upstream``, into ``grad`` when it is given: ``d_params`` (fp32 ``(8,)``, also times ``upstream``)
+    or None without ``param_grads``."""
     T, V = logits.shape
     device = logits.device
-    row_max, row_inv_sum, scale = stats
-    grad = None
-    if store_dz:
-        grad = logits.detach() if inplace_grad else torch.empty((T, V), dtype=logits.dtype, device=device)
+    store_dz = grad is not None
+    scale = _loss_scale(target, ignore_index, reduction)
     partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
     if T > 0:
         block_v = _block_v(V)
@@ -320,61 +323,164 @@ def _launch_backward(logits, target, params, order, stats, upstream, label_smoot
             ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
             num_warps=8 if block_v >= 2048 else 4,
         )
-    return grad, partials
+    return sum_param_partials(partials) if param_grads else None
 
 
-class _MultiMaxCrossEntropy(torch.autograd.Function):
+def _none_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor standing for an output not wanted (a fresh one each time: outputs may not alias)."""
+    return t.new_empty(0)
+
+
+# The kernel as an operator of torch.library: torch.compile calls it as an opaque operator (its fake
+# function gives the output shapes). The logits' gradient is computed in the forward pass; the
+# backward only scales it by the upstream gradient.
+@torch.library.custom_op("mmlight::multimax_cross_entropy", mutates_args=())
+def _cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str, store_dz: bool, param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, grad_logits, d_params)``: the fp32 scalar loss, the logits' gradient ``(T, V)`` in their
+    dtype and the gradient of the 8 packed parameters; empty tensors stand for those not wanted."""
+    grad = torch.empty_like(logits) if store_dz else None
+    loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
+                             param_grads)
+    return loss, (grad if store_dz else _none_like(params)), (d_params if param_grads else _none_like(params))
+
+
+@_cross_entropy.register_fake
+def _(logits, target, params, order, label_smoothing, ignore_index, reduction, store_dz, param_grads):
+    return (params.new_empty(()), torch.empty_like(logits) if store_dz else _none_like(params),
+            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else _none_like(params))
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    store_dz, param_grads = inputs[7], inputs[8]
+    _, grad, d_params = output
+    # kept on ctx, not saved: the backward scales it in place, which saved tensors' version check refuses
+    ctx.grad, ctx.d_params = (grad if store_dz else None), (d_params if param_grads else None)
+    ctx.consumed = False
+
+
+def _scaled_grads(ctx, grad, d_params, grad_output):
+    """The gradients of the logits and of the packed parameters: the ones computed in the forward
+    pass times ``grad_output``. The logits' gradient is scaled in place in eager mode (no second
+    ``T x V`` buffer), so it can be used once; compiled code takes the product, whose buffer the
+    compiler plans."""
+    grad_logits = grad_params = None
+    if grad is not None:
+        if ctx.consumed:
+            raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
+                               "(its stored gradient is scaled in place)")
+        ctx.consumed = True
+        grad_logits = grad * grad_output if torch.compiler.is_compiling() else grad.mul_(grad_output)
+    if d_params is not None:
+        grad_params = d_params * grad_output
+    return grad_logits, grad_params
+
+
+def _cross_entropy_grad(ctx, grad_output, _d_grad, _d_params):
+    grad_logits, grad_params = _scaled_grads(ctx, ctx.grad, ctx.d_params, grad_output)
+    return grad_logits, None, grad_params, None, None, None, None, None, None
+
+
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# GRADIENT_IN_BACKWARD: the forward operator runs pass 1 only and returns each row's max and 1 / sum;
+# the backward operator runs pass 2 with the upstream gradient and returns the gradients, scaled.
+@torch.library.custom_op("mmlight::multimax_cross_entropy_stats", mutates_args=())
+def _cross_entropy_stats(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, row_max, row_inv_sum)``: the fp32 scalar loss and per row the max of sigma and
+    ``1 / sum exp(sigma - max)``, fp32 ``(T,)``."""
+    T = logits.shape[0]
+    stats = (logits.new_empty(T, dtype=torch.float32), logits.new_empty(T, dtype=torch.float32))
+    loss, _ = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, None, False, stats)
+    return (loss, *stats)
+
+
+@_cross_entropy_stats.register_fake
+def _(logits, target, params, order, label_smoothing, ignore_index, reduction):
+    stat = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return params.new_empty(()), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("mmlight::multimax_cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, row_max: torch.Tensor,
+    row_inv_sum: torch.Tensor, grad_output: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str, store_dz: bool, param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_logits, d_params)``, both already times ``grad_output``; empty tensors stand for those
+    not wanted."""
+    grad = torch.empty_like(logits) if store_dz else None
+    d_params = _launch_backward(logits, target, params, order, row_max, row_inv_sum, grad_output,
+                                label_smoothing, ignore_index, reduction, grad, param_grads)
+    return (grad if store_dz else _none_like(params)), (d_params if param_grads else _none_like(params))
+
+
+@_cross_entropy_backward.register_fake
+def _(logits, target, params, row_max, row_inv_sum, grad_output, order, label_smoothing, ignore_index,
+      reduction, store_dz, param_grads):
+    return (torch.empty_like(logits) if store_dz else _none_like(params),
+            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else _none_like(params))
+
+
+def _cross_entropy_stats_setup(ctx, inputs, output):
+    logits, target, params, order, label_smoothing, ignore_index, reduction = inputs
+    _, row_max, row_inv_sum = output
+    ctx.save_for_backward(logits, target, params, row_max, row_inv_sum)
+    ctx.args = (order, label_smoothing, ignore_index, reduction)
+
+
+def _cross_entropy_stats_grad(ctx, grad_output, _d_row_max, _d_row_inv_sum):
+    logits, target, params, row_max, row_inv_sum = ctx.saved_tensors
+    order, label_smoothing, ignore_index, reduction = ctx.args
+    need_logits, param_grads = ctx.needs_input_grad[0], order > 0 and ctx.needs_input_grad[2]
+    grad_logits, d_params = _cross_entropy_backward(logits, target, params, row_max, row_inv_sum, grad_output,
+                                                    order, label_smoothing, ignore_index, reduction,
+                                                    need_logits, param_grads)
+    return (grad_logits if need_logits else None), None, (d_params if param_grads else None), None, None, None, None
+
+
+_cross_entropy_stats.register_autograd(_cross_entropy_stats_grad, setup_context=_cross_entropy_stats_setup)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """``inplace_grad=True`` (eager only; an operator may not write into its input and have a
+    gradient): the kernel writes the logits' gradient into the logits' own storage, in the forward,
+    or with ``GRADIENT_IN_BACKWARD`` in the backward (already scaled)."""
+
     @staticmethod
-    def forward(ctx, logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
-        params, order = pack_sigma_params(ranges, ts, logits.device)
-        need_logits, _, need_ranges, need_ts = ctx.needs_input_grad[:4]
-        param_grads = order > 0 and (need_ranges or need_ts)
-        # the second pass in the backward, where the upstream gradient is known (GRADIENT_IN_BACKWARD)
-        ctx.deferred = GRADIENT_IN_BACKWARD and (need_logits or param_grads)
-        loss, grad, partials, stats = _launch(
-            logits, target, params, order, float(label_smoothing), ignore_index, reduction,
-            need_logits and not ctx.deferred, param_grads and not ctx.deferred, inplace_grad, ctx.deferred)
-        ctx.grad_logits = grad
-        ctx.param_grads = None
-        ctx.param_like = None if ranges is None else (ranges.shape[0], ranges.dtype, ranges.device)
+    def forward(ctx, logits, target, params, order, label_smoothing, ignore_index, reduction, param_grads):
+        ctx.deferred = GRADIENT_IN_BACKWARD
         if ctx.deferred:
+            T = logits.shape[0]
+            stats = (logits.new_empty(T, dtype=torch.float32), logits.new_empty(T, dtype=torch.float32))
+            loss, _ = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, None,
+                              False, stats)
             ctx.save_for_backward(logits, target, params, *stats)
-            ctx.launch_args = (order, float(label_smoothing), ignore_index, need_logits, param_grads, inplace_grad)
-        elif param_grads:
-            ctx.param_grads = _param_grads(partials, ctx.param_like)
+            ctx.args = (order, label_smoothing, ignore_index, reduction, param_grads)
+            return loss
+        grad = logits.detach()
+        loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
+                                 param_grads)
+        ctx.grad, ctx.d_params, ctx.consumed = grad, d_params, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_logits = grad_ranges = grad_ts = None
         if ctx.deferred:
-            logits, target, params, *stats = ctx.saved_tensors
-            order, smoothing, ignore_index, need_logits, param_grads, inplace_grad = ctx.launch_args
-            grad_logits, partials = _launch_backward(logits, target, params, order, stats, grad_output, smoothing,
-                                                     ignore_index, need_logits, param_grads, inplace_grad)
-            if param_grads:
-                grad_ranges, grad_ts = _param_grads(partials, ctx.param_like)  # already times grad_output
-        else:
-            if ctx.needs_input_grad[0]:
-                if ctx.grad_logits is None:
-                    raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not "
-                                       "supported (its stored gradient is scaled in place)")
-                # In place: no second T x V buffer. The gradient is consumed here, hence the guard above.
-                grad_logits = ctx.grad_logits.mul_(grad_output)
-                ctx.grad_logits = None
-            if ctx.param_grads is not None:
-                scale = grad_output.to(ctx.param_grads[0])
-                grad_ranges, grad_ts = (g * scale for g in ctx.param_grads)
-        grad_ranges = grad_ranges if ctx.needs_input_grad[2] else None
-        grad_ts = grad_ts if ctx.needs_input_grad[3] else None
-        return grad_logits, None, grad_ranges, grad_ts, None, None, None, None
-
-
-def _param_grads(partials: torch.Tensor, param_like: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``ranges`` and ``ts`` gradients from the per-row partials, on the parameters' device and
-    in their dtype (they may live elsewhere than the logits)."""
-    n, dtype, device = param_like
-    return tuple(g.to(device, dtype) for g in unpack_param_grads(partials, n))
+            logits, target, params, row_max, row_inv_sum = ctx.saved_tensors
+            order, label_smoothing, ignore_index, reduction, param_grads = ctx.args
+            grad = logits.detach()  # each block of a row is read before its gradient overwrites it
+            d_params = _launch_backward(logits, target, params, order, row_max, row_inv_sum, grad_output,
+                                        label_smoothing, ignore_index, reduction, grad, param_grads)
+            return grad, None, d_params, None, None, None, None, None
+        grad_logits, grad_params = _scaled_grads(ctx, ctx.grad, ctx.d_params, grad_output)
+        return grad_logits, None, grad_params, None, None, None, None, None
 
 
 def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: torch.Tensor | None = None,
@@ -405,5 +511,15 @@ def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: t
         where torch's "mean" would give NaN.
     """
     _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad)
-    return _MultiMaxCrossEntropy.apply(logits, target, ranges, ts, label_smoothing, ignore_index, reduction,
-                                       inplace_grad)
+    params, order = pack_sigma_params(ranges, ts, logits.device)
+    store_dz = logits.requires_grad and torch.is_grad_enabled()
+    param_grads = order > 0 and params.requires_grad and torch.is_grad_enabled()
+    args = (float(label_smoothing), int(ignore_index), reduction)
+    if inplace_grad and store_dz:
+        if torch.compiler.is_compiling():
+            raise ValueError("multimax_cross_entropy: inplace_grad is not supported inside torch.compile "
+                             "(the compiler plans the gradient's buffer itself); leave it False there")
+        return _InplaceCrossEntropy.apply(logits, target, params, order, *args, param_grads)
+    if GRADIENT_IN_BACKWARD and (store_dz or param_grads):
+        return _cross_entropy_stats(logits, target, params, order, *args)[0]
+    return _cross_entropy(logits, target, params, order, *args, store_dz, param_grads)[0]

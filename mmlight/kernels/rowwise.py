@@ -6,7 +6,7 @@ recomputes the weights from them as ``exp(sigma - m) / l``, the very operations 
 (A single log-sum-exp ``m + log l`` would be one value fewer, but its fp32 rounding grows with
 ``|m|``, which MultiMax's sigma makes large: ``exp(s - lse)`` then errs by a whole row's factor, and
 the parameter gradients, sums of many such terms, lose two orders of magnitude of accuracy.)
-Backward so it reads the scores and the
+Backward therefore reads the scores and the
 upstream gradient and writes the input gradient: three tensors, the minimum. The gradients of the
 8 MultiMax parameters are reduced in fp32 inside each program and written as one partial row per
 program; the host sums the partials in a fixed order, so they are deterministic (no atomics).
@@ -38,7 +38,7 @@ from mmlight.kernels.sigma import (
     sigma_forward,
     sigma_param_partials,
     store_param_partials,
-    unpack_param_grads,
+    sum_param_partials,
 )
 from mmlight.kernels.tiles import device_capability, measured
 
@@ -227,51 +227,82 @@ def _launch_config(n: int, dtype: torch.dtype = torch.float32, capability: int =
     return {"long": False, "BLOCK_N": block, "ROWS": rows, "num_warps": num_warps}
 
 
-class _MultiMaxSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2d, mask2d, ranges, ts, scale):
-        params, order = pack_sigma_params(ranges, ts, x2d.device)
-        m, n = x2d.shape
-        y = torch.empty_like(x2d)
-        row_max = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        row_sum = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
-        mask_arg = mask2d if mask2d is not None else x2d  # never read when HAS_MASK is False
-        mask_stride = mask2d.stride(0) if mask2d is not None else 0
-        common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
-        if cfg["long"]:
-            _forward_long_rows[(m,)](x2d, mask_arg, y, row_max, row_sum, params, m, n,
-                                     x2d.stride(0), mask_stride, y.stride(0), scale, **common)
-        else:
-            _forward_short_rows[(_short_row_programs(triton.cdiv(m, cfg["ROWS"]), x2d.device),)](
-                x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
-                ROWS=cfg["ROWS"], **common)
-        ctx.save_for_backward(x2d, mask2d, row_max, row_sum, params)
-        ctx.order, ctx.scale, ctx.n_params = order, scale, 0 if ranges is None else ranges.shape[0]
-        return y
+# The kernels as operators of torch.library: torch.compile calls them as opaque operators (their
+# fake functions give the output shapes), and autograd pairs the forward with the backward operator.
+@torch.library.custom_op("mmlight::multimax_softmax_forward", mutates_args=())
+def _softmax_forward(
+    x2d: torch.Tensor, mask2d: torch.Tensor | None, params: torch.Tensor, order: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, row_max, row_sum)``: the weights ``(M, N)`` and per row the max of sigma and the sum of
+    ``exp(sigma - max)``, fp32 ``(M,)``. ``mask2d`` is uint8 ``(M, N)`` or None, ``params`` the
+    packed fp32 ``(8,)`` of :func:`pack_sigma_params`."""
+    m, n = x2d.shape
+    y = torch.empty_like(x2d)
+    row_max = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    row_sum = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
+    mask_arg = mask2d if mask2d is not None else x2d  # never read when HAS_MASK is False
+    mask_stride = mask2d.stride(0) if mask2d is not None else 0
+    common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    if cfg["long"]:
+        _forward_long_rows[(m,)](x2d, mask_arg, y, row_max, row_sum, params, m, n,
+                                 x2d.stride(0), mask_stride, y.stride(0), scale, **common)
+    else:
+        _forward_short_rows[(_short_row_programs(triton.cdiv(m, cfg["ROWS"]), x2d.device),)](
+            x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
+            ROWS=cfg["ROWS"], **common)
+    return y, row_max, row_sum
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, mask2d, row_max, row_sum, params = ctx.saved_tensors
-        m, n = x2d.shape
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dx = torch.empty_like(x2d)
-        cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
-        programs = m if cfg["long"] else triton.cdiv(m, cfg["ROWS"])
-        partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
-        mask_arg = mask2d if mask2d is not None else x2d
-        mask_stride = mask2d.stride(0) if mask2d is not None else 0
-        args = (x2d, mask_arg, dy, dx, row_max, row_sum, params, partials, m, n,
-                x2d.stride(0), mask_stride, dy.stride(0), dx.stride(0), ctx.scale)
-        common = dict(ORDER=ctx.order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
-        if cfg["long"]:
-            _backward_long_rows[(programs,)](*args, **common)
-        else:
-            _backward_short_rows[(programs,)](*args, ROWS=cfg["ROWS"], **common)
-        d_ranges = d_ts = None
-        if ctx.n_params:
-            d_ranges, d_ts = unpack_param_grads(partials, ctx.n_params)
-        return dx, None, d_ranges, d_ts, None
+
+@_softmax_forward.register_fake
+def _(x2d, mask2d, params, order, scale):
+    stat = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
+    return torch.empty_like(x2d), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("mmlight::multimax_softmax_backward", mutates_args=())
+def _softmax_backward(
+    x2d: torch.Tensor, mask2d: torch.Tensor | None, dy: torch.Tensor, row_max: torch.Tensor,
+    row_sum: torch.Tensor, params: torch.Tensor, order: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, d_params)``: the gradient of the scores ``(M, N)`` and of the 8 packed parameters."""
+    m, n = x2d.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty_like(x2d)
+    cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
+    programs = m if cfg["long"] else triton.cdiv(m, cfg["ROWS"])
+    partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
+    mask_arg = mask2d if mask2d is not None else x2d
+    mask_stride = mask2d.stride(0) if mask2d is not None else 0
+    args = (x2d, mask_arg, dy, dx, row_max, row_sum, params, partials, m, n,
+            x2d.stride(0), mask_stride, dy.stride(0), dx.stride(0), scale)
+    common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    if cfg["long"]:
+        _backward_long_rows[(programs,)](*args, **common)
+    else:
+        _backward_short_rows[(programs,)](*args, ROWS=cfg["ROWS"], **common)
+    return dx, sum_param_partials(partials)
+
+
+@_softmax_backward.register_fake
+def _(x2d, mask2d, dy, row_max, row_sum, params, order, scale):
+    return torch.empty_like(x2d), params.new_empty(NUM_SIGMA_PARAMS)
+
+
+def _softmax_setup(ctx, inputs, output):
+    x2d, mask2d, params, order, scale = inputs
+    _, row_max, row_sum = output
+    ctx.save_for_backward(x2d, mask2d, row_max, row_sum, params)
+    ctx.order, ctx.scale = order, scale
+
+
+def _softmax_grad(ctx, dy, _d_row_max, _d_row_sum):
+    x2d, mask2d, row_max, row_sum, params = ctx.saved_tensors
+    dx, d_params = _softmax_backward(x2d, mask2d, dy, row_max, row_sum, params, ctx.order, ctx.scale)
+    return dx, None, (d_params if ctx.order else None), None, None
+
+
+_softmax_forward.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 
 
 def check_rowwise_inputs(x: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -320,5 +351,6 @@ def multimax_softmax(
     if mask is not None:
         # bool -> uint8 is a free reinterpretation; the expand materialises one byte per score.
         mask2d = mask.expand(shape).reshape(-1, shape[-1]).contiguous().view(torch.uint8)
-    y = _MultiMaxSoftmax.apply(x2d, mask2d, ranges, ts, float(scale))
+    params, order = pack_sigma_params(ranges, ts, x2d.device)
+    y, _, _ = _softmax_forward(x2d, mask2d, params, order, float(scale))
     return y.reshape(shape)

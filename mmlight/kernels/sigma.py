@@ -21,25 +21,29 @@ def pack_sigma_params(
 ) -> tuple[torch.Tensor, int]:
     """``(params, order)`` for the kernels: fp32 ``(8,)`` on ``device`` and 0, 1 or 2.
 
+    The packing is differentiable: the kernels' operators return the gradient of the 8 packed
+    values (:func:`sum_param_partials`) and autograd carries it back to ``ranges`` and ``ts`` in
+    their own dtype and device.
+
     Args:
         ranges: MultiMax ``ranges``, shape ``(2,)`` or ``(4,)``; None for plain softmax.
         ts: MultiMax ``ts``, same shape as ``ranges``; None for plain softmax.
         device: where the kernels run.
     """
-    params = torch.zeros(NUM_SIGMA_PARAMS, dtype=torch.float32, device=device)
     if ranges is None:
-        return params, 0
+        return torch.zeros(NUM_SIGMA_PARAMS, dtype=torch.float32, device=device), 0
     n = ranges.shape[0]
-    params[:n] = ranges.detach().float()
-    params[4:4 + n] = ts.detach().float()
-    return params, n // 2
+
+    def half(p: torch.Tensor) -> torch.Tensor:  # (n,) -> fp32 (4,), zero-padded
+        return torch.nn.functional.pad(p.to(device, torch.float32), (0, 4 - n))
+
+    return torch.cat((half(ranges), half(ts))), n // 2
 
 
-def unpack_param_grads(partials: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum per-program partials ``(programs, 8)`` (fp32, in a fixed order, so the result is
-    deterministic) and split them into gradients for ``ranges`` and ``ts`` of length ``n``."""
-    total = partials.sum(dim=0)
-    return total[:n], total[4:4 + n]
+def sum_param_partials(partials: torch.Tensor) -> torch.Tensor:
+    """The gradient of the 8 packed parameters: per-program partials ``(programs, 8)`` summed in
+    fp32 in a fixed order (deterministic, no atomics)."""
+    return partials.sum(dim=0)
 
 
 @triton.jit

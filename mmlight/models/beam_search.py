@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from mmlight.models.transformer import TransformerSeq2Seq
+from mmlight.safe_load import checkpoint_record
 
 
+@checkpoint_record
 @dataclass
 class BeamSearchConfig:
     """Search settings, named after fairseq's ``generate`` options.

@@ -6,7 +6,8 @@ Sources (``ViTConfig.pretrained``):
 * a file: timm's ``.safetensors``/``.pth``/``.bin`` (a bare state dict, or one under ``state_dict``,
   ``state_dict_ema``, ``model_ema`` or ``model`` as the official DeiT files have it; read by
   :func:`timm.models.load_state_dict`, which prefers EMA weights as ``timm`` does), or an mmlight
-  Lightning checkpoint ``.ckpt`` (the ``model.vit.`` weights of an ``ImageClassifier``);
+  Lightning checkpoint ``.ckpt`` (the ``model.vit.`` weights of an ``ImageClassifier``). Both are read as
+  data only (:mod:`mmlight.safe_load`): a file whose pickle holds other objects is refused, naming them;
 * ``timm:<model name>``: the weights timm gets for that name from its cache, or from the Hugging
   Face hub on a machine that reaches it.
 
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from mmlight.safe_load import load_checkpoint, refusing_code
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +79,12 @@ def read_pretrained(source: str) -> dict[str, torch.Tensor]:
         return _mmlight_checkpoint(path)
     from timm.models import load_state_dict
 
-    return load_state_dict(str(path), use_ema=True)
+    with refusing_code(path):  # timm reads .pth/.bin with weights_only=True, .safetensors as tensors
+        return load_state_dict(str(path), use_ema=True)
 
 
 def _mmlight_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    # A Lightning checkpoint pickles the hyperparameters (dataclasses), so it is read in full:
-    # load only checkpoints you trust, as with Lightning's own `--ckpt_path`.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = load_checkpoint(path)
     state = checkpoint.get("state_dict", {})
     weights = {k[len(MMLIGHT_PREFIX) :]: v for k, v in state.items() if k.startswith(MMLIGHT_PREFIX)}
     if not weights:

@@ -21,11 +21,13 @@ from mmlight.nn.attention import attention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
+from mmlight.safe_load import checkpoint_record
 
 # ----------------------------------------------------------------------------------------------
 # Config
 
 
+@checkpoint_record
 @dataclass
 class TransformerConfig:
     """Architecture of a Transformer LM (``n_encoder_layers == 0``) or encoder-decoder.
@@ -226,8 +228,14 @@ def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor | None:
 
 
 def none_if_all(keep: torch.Tensor | None) -> torch.Tensor | None:
-    """None for a mask that keeps everything (so attention takes its unmasked fast path), else ``keep``."""
-    return None if keep is None or bool(keep.all()) else keep
+    """None for a mask that keeps everything (so attention takes its unmasked fast path), else ``keep``.
+
+    Inside a compiled graph, or on the meta device (FLOP counting), the mask is kept as it is:
+    whether it keeps everything is not known there, and a mask that keeps everything gives the same
+    result."""
+    if keep is None or keep.is_meta or torch.compiler.is_compiling():
+        return keep
+    return None if bool(keep.all()) else keep
 
 
 def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:

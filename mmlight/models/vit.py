@@ -18,6 +18,7 @@ from mmlight.nn import ReweightedAttention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
+from mmlight.safe_load import checkpoint_record
 
 #: Named architectures: (embed_dim, depth, num_heads). DeiT sizes from Touvron et al. (2021).
 VARIANTS: dict[str, tuple[int, int, int]] = {
@@ -28,6 +29,7 @@ VARIANTS: dict[str, tuple[int, int, int]] = {
 }
 
 
+@checkpoint_record
 @dataclass
 class ViTConfig:
     """Architecture of the image classifier.

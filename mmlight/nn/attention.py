@@ -116,6 +116,11 @@ _OBSERVED: contextvars.ContextVar[tuple[dict[int, AttentionSite], AttentionObser
 )
 
 
+def attention_observed() -> bool:
+    """Whether an :func:`observe_attention` context is active (compiled networks then run eagerly)."""
+    return _OBSERVED.get() is not None
+
+
 def network_of(module: torch.nn.Module) -> torch.nn.Module:
     """The network that names its reweighting sites (``attention_sites()``/``reweighting_sites()``):
     ``module`` itself, or the ``.model`` of a task."""

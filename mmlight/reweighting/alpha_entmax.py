@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 
-import entmax
 import torch
 from torch import nn
 
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting, per_head
+from mmlight.reweighting.entmax_ops import entmax_bisect
 from mmlight.reweighting.registry import register
 
 #: The smallest α - 1 used: the bisection and its α-gradient divide by α - 1 (the package warns
@@ -58,7 +58,7 @@ class AlphaEntmax(Reweighting):
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         alpha = per_head(self.alpha, x).to(x.dtype)
-        return entmax.entmax_bisect(x, alpha, dim=-1, n_iter=self.n_iter)
+        return entmax_bisect(x, alpha, self.n_iter)
 
     def monitored(self) -> dict[str, torch.Tensor]:
         return {"alpha": self.alpha} if self.alpha_logit.requires_grad else {}

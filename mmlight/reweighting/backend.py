@@ -97,6 +97,14 @@ def run_fused(requested: str, kernel: str, fused: Callable[..., T], fallback: Ca
     """
     if requested != "auto":
         return fused(*inputs)
+    if torch.compiler.is_compiling():
+        # Inside a network compiled whole (a task's `compile` option) the kernels are opaque operators
+        # of the graph: no probe (its backward pass would break the graph) and no fallback while the
+        # graph runs. A kernel that failed earlier in the process keeps its fallback; one that fails
+        # while the compiled graph runs raises its own error.
+        if FAILED_KERNELS and kernel_key(kernel, inputs) in FAILED_KERNELS:
+            return fallback(*inputs)
+        return fused(*inputs)
     key = kernel_key(kernel, inputs)
     if key in FAILED_KERNELS:
         return fallback(*inputs)

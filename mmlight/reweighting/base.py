@@ -151,7 +151,8 @@ class Reweighting(nn.Module):
                 mask,
             )
         backend = resolved
-        if backend == "compile":
+        # Inside a compiled network the reference is traced into the network's own graph.
+        if backend == "compile" and not torch.compiler.is_compiling():
             if getattr(self, "_compiled_reference", None) is None:
                 # Instances of one class share the compiled graph (their parameters are graph inputs).
                 self._compiled_reference = torch.compile(self.reference)

@@ -163,7 +163,7 @@ class MultiMax(Reweighting):
                 lambda *a: _compiled_cross_entropy()(*a),
                 *args,
             )
-        if backend == "compile":
+        if backend == "compile" and not torch.compiler.is_compiling():  # else traced into the caller's graph
             return _compiled_cross_entropy()(*args)
         return multimax_cross_entropy_reference(*args)
 

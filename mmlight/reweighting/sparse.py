@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import entmax
 import torch
 
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting
+from mmlight.reweighting.entmax_ops import entmax15, sparsemax
 from mmlight.reweighting.registry import register
 
 
@@ -18,7 +18,7 @@ class Sparsemax(Reweighting):
     """Sparsemax (Martins & Astudillo, 2016): Euclidean projection onto the simplex."""
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return entmax.sparsemax(x, dim=-1)
+        return sparsemax(x)
 
 
 @register("entmax15")
@@ -26,7 +26,7 @@ class Entmax15(Reweighting):
     """1.5-entmax (Peters et al., 2019), between softmax (alpha=1) and sparsemax (alpha=2)."""
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return entmax.entmax15(x, dim=-1)
+        return entmax15(x)
 
 
 @register("evsoftmax")

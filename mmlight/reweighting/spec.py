@@ -8,6 +8,7 @@ from typing import Any
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.registry import available, build, options_of, registered
+from mmlight.safe_load import checkpoint_record
 
 
 @dataclass
@@ -55,3 +56,7 @@ class ReweightingSpec:
         if num_heads is not None and "num_heads" in options_of(cls):
             options.setdefault("num_heads", num_heads)
         return build(self.name, backend=backend, **options)
+
+
+# defined in mmlight/models/vit.py before it moved here: checkpoints of the first mmlight name it so
+checkpoint_record(ReweightingSpec, "mmlight.models.vit.ReweightingSpec")

@@ -21,6 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmlight.data.images import ImageAugment, eval_images
 from mmlight.data.vocab import ClassMap
 from mmlight.models import ReweightedViT, ViTConfig
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
 from mmlight.tasks.inference import CarriesData, device_of, evaluating
 from mmlight.tasks.optim import param_groups, reweighting_parameter_ids, warmup_cosine
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
@@ -56,6 +57,9 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         freeze_backbone_epochs: for this many first epochs only the head and the reweighting
             parameters train: the other gradients are discarded before each step, so AdamW neither
             moves them (no decay either) nor builds state for them.
+        compile: compile the network's training and evaluation forward (and the EMA's) with
+            ``torch.compile``: ``true``, or its keyword arguments (``{mode: max-autotune}``);
+            see :mod:`mmlight.tasks.compiling`.
     """
 
     task_metric = TaskMetric("top1", higher_is_better=True)
@@ -82,6 +86,7 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
         reweighting_lr_mult: float = 1.0,
         layer_decay: float | None = None,
         freeze_backbone_epochs: int = 0,
+        compile: CompileOption = False,
     ):
         super().__init__()
         if layer_decay is not None and not 0 < layer_decay <= 1:
@@ -95,6 +100,7 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
         self.save_hyperparameters()
         self.model = ReweightedViT(model)
+        self.compiled = CompiledCalls(compile, self.model)
         if self.model.pretrained_report is not None:
             rank_zero_info(self.model.pretrained_report.summary())
         num_classes = model.num_classes
@@ -198,13 +204,26 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
                 f"the data has {data_classes} classes but model.num_classes is {self.model.config.num_classes}"
             )
 
+    #: batches hold images, no tokens (:class:`~mmlight.callbacks.Throughput`)
+    counts_tokens = False
+
+    def batch_counts(self, batch) -> tuple[int, None]:
+        """``(samples, None)`` of a training batch, for the throughput logs."""
+        return batch[1].shape[0], None
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s plain training loss on ``batch`` (no mixup), uncompiled: what the throughput
+        callback counts FLOPs of, on a meta-device copy of the network."""
+        images, labels = batch
+        return network.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
+
     def training_step(self, batch, batch_idx):
         images, labels = batch
         if self.mixup is not None:
             images, targets = self.mixup(images, labels)
-            loss = self.soft_ce(self(images), targets)
+            loss = self.soft_ce(self.compiled(self.model.forward, images), targets)
         else:
-            loss = self.model.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
+            loss = self.compiled(self.model.loss, images, labels, label_smoothing=self.hparams.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -251,13 +270,13 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
 
     def _eval_step(self, stage: str, batch) -> None:
         images, labels = batch
-        logits = self(images)
+        logits = self.compiled(self.model.forward, images)
         metrics = self.eval_metrics[stage]
         metrics["loss"].update(F.cross_entropy(logits, labels), weight=labels.numel())
         metrics["top1"].update(logits, labels)
         metrics["top5"].update(logits, labels)
         if self.ema is not None:
-            metrics["ema_top1"].update(self.ema(images), labels)
+            metrics["ema_top1"].update(self.compiled(self.ema.module.forward, images), labels)
 
     def _eval_epoch_end(self, stage: str) -> None:
         # compute() syncs across ranks; every rank calls it, also one that saw no batch.

@@ -9,21 +9,17 @@ import contextlib
 import lightning as L
 import torch
 
-from mmlight.models.beam_search import BeamSearchConfig
-from mmlight.models.transformer import TransformerConfig
-from mmlight.models.vit import ViTConfig
-from mmlight.reweighting.spec import ReweightingSpec
+from mmlight.safe_load import CHECKPOINT_TYPES, reading_checkpoint
 from mmlight.tasks.checkpoint import check_checkpoint_matches
 
 #: the checkpoint entry that holds what a task keeps of its data (its ``data_state()``)
 CHECKPOINT_KEY = "mmlight_data"
 
-#: the config dataclasses that a task's hyperparameters hold when it is built in Python (the CLI's hold
-#: dicts). ``torch.load`` reads checkpoints with ``weights_only=True`` by default (Lightning's
-#: ``load_from_checkpoint`` too), which rebuilds only allow-listed classes: these are plain records of
-#: numbers, strings and tuples.
-CONFIG_TYPES = [TransformerConfig, ViTConfig, ReweightingSpec, BeamSearchConfig]
-torch.serialization.add_safe_globals(CONFIG_TYPES)
+# A task's hyperparameters hold config dataclasses when it is built in Python (the CLI's hold dicts).
+# Lightning's own readers (``--ckpt_path`` of fit/test/predict) call ``torch.load`` with torch's default
+# ``weights_only=True``, so they get the same allow-list as ``load_from_checkpoint`` below (complete here:
+# the tasks import every config record).
+torch.serialization.add_safe_globals(CHECKPOINT_TYPES)
 
 
 class CarriesData:
@@ -33,6 +29,24 @@ class CarriesData:
 
     Subclasses implement :meth:`use_data`, :meth:`data_state` and :meth:`load_data_state`.
     """
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
+        """Lightning's ``load_from_checkpoint``, reading the file as data only
+        (:func:`mmlight.safe_load.reading_checkpoint`): a checkpoint that holds objects other than tensors,
+        containers, numbers, strings and mmlight's config records is refused, naming them.
+
+        Args:
+            checkpoint_path: the ``.ckpt`` file.
+            map_location: where the tensors go (Lightning's argument).
+            hparams_file: a YAML file whose hyperparameters replace the checkpoint's (Lightning's argument).
+            strict: whether the weights must match the model's keys exactly (Lightning's argument).
+            **kwargs: hyperparameters that replace the checkpoint's.
+        """
+        with reading_checkpoint(checkpoint_path):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+            )
 
     def use_data(self, datamodule: L.LightningDataModule) -> None:
         """Take what the task keeps from ``datamodule`` (e.g. for a checkpoint written without it)."""

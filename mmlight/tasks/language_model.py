@@ -3,8 +3,10 @@ swappable attention reweighting and an optional MultiMax output layer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import asdict
 from typing import NamedTuple
 
 import numpy as np
@@ -15,9 +17,10 @@ from torchmetrics import SumMetric
 
 from mmlight.data.text import EvalWindows
 from mmlight.models.transformer import TransformerConfig, TransformerLM
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
-from mmlight.tasks.sequence import Schedule, SequenceTask
+from mmlight.tasks.sequence import AdamRecipe, SequenceTask
 
 
 class TextScore(NamedTuple):
@@ -40,38 +43,25 @@ class LanguageModel(SequenceTask):
 
     Args:
         model: the architecture (e.g. the ``transformer_lm_wikitext103`` preset's fields).
-        lr: peak learning rate (fairseq recipe: 5e-4).
-        betas: Adam betas.
-        eps: Adam epsilon.
-        weight_decay: decoupled weight decay (fairseq recipe: 0.01).
-        schedule: ``inverse_sqrt`` or ``cosine`` (see :class:`~mmlight.tasks.sequence.SequenceTask`).
-        warmup_steps: linear warmup in optimiser steps (fairseq recipe: 4000).
-        min_lr: floor of the cosine schedule.
-        label_smoothing: label smoothing of the training loss (fairseq's LM uses none).
         accuracy: also report ``{stage}/acc``, the fraction of scored targets predicted exactly
             (argmax). It materialises the logits of the scored positions, so leave it off for a
             267k-word vocabulary; the associative-recall quick start turns it on.
+        compile: compile the network's training and evaluation forward with ``torch.compile``:
+            ``true``, or its keyword arguments; see :mod:`mmlight.tasks.compiling`.
+        recipe: the fields of :class:`~mmlight.tasks.sequence.AdamRecipe` (fairseq's ``transformer_lm``
+            recipe by default: weight decay 0.01, no label smoothing).
     """
 
     interventions = ("sink_masking", "kv_eviction")
     datamodule_name = "WikiTextDataModule"
 
-    def __init__(
-        self,
-        model: TransformerConfig,
-        lr: float = 5e-4,
-        betas: tuple[float, float] = (0.9, 0.98),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        schedule: Schedule = "inverse_sqrt",
-        warmup_steps: int = 4000,
-        min_lr: float = 1e-5,
-        label_smoothing: float = 0.0,
-        accuracy: bool = False,
-    ):
-        super().__init__(schedule, label_smoothing)
+    def __init__(self, model: TransformerConfig, *, accuracy: bool = False, compile: CompileOption = False, **recipe):
+        built = AdamRecipe(**recipe)
+        recipe = asdict(built)  # the whole recipe, defaults included, is saved as hyperparameters
+        super().__init__(built)
         self.save_hyperparameters()
         self.model = TransformerLM(model)
+        self.compiled = CompiledCalls(compile, self.model)
         if accuracy:
             self.correct = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
 
@@ -79,17 +69,23 @@ class LanguageModel(SequenceTask):
         """Next-token scores ``(B, T, V)`` of ``tokens`` ``(B, T)``."""
         return self.model.logits(self.model(tokens))
 
+    def batch_counts(self, batch) -> tuple[int, int]:
+        """``(sequences, scored tokens)`` of a training batch, for the throughput logs."""
+        return batch["input"].shape[0], int(batch["loss_mask"].sum())
+
+    def summed_training_loss(self, batch, loss: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(summed loss, scored-token count)`` of a training batch by ``loss`` (a network's ``loss``)."""
+        return loss(batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.recipe.label_smoothing)
+
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(
-            batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.hparams.label_smoothing
-        )
+        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def _eval_step(self, stage: str, batch) -> None:
-        hidden = self.model(batch["input"])  # (B, T, d)
-        nll_sum, count = self.model.summed_loss(hidden, batch["target"], batch["loss_mask"])
+        hidden = self.compiled(self.model.forward, batch["input"])  # (B, T, d)
+        nll_sum, count = self.compiled(self.model.summed_loss, hidden, batch["target"], batch["loss_mask"])
         self.update_nll(stage, nll_sum, count)
         if self.hparams.accuracy:
             scored = batch["loss_mask"] & (batch["target"] != self.config.pad_id)  # (B, T)

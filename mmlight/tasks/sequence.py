@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import lightning as L
@@ -25,43 +26,75 @@ log = logging.getLogger(__name__)
 Schedule = Literal["inverse_sqrt", "cosine"]
 
 
+@dataclass(frozen=True)
+class AdamRecipe:
+    """The optimiser recipe of the sequence tasks, fairseq's: Adam with decoupled weight decay and an
+    inverse-sqrt or cosine schedule. The defaults are fairseq's ``transformer_lm`` on WikiText-103.
+    Configs set its fields as flat task options (``model.init_args.lr``), as before it was a dataclass.
+
+    Args:
+        lr: peak learning rate (fairseq recipe: 5e-4).
+        betas: Adam betas (fairseq recipes: 0.9, 0.98).
+        eps: Adam epsilon.
+        weight_decay: decoupled, as fairseq's ``adam``; not applied to 1-D parameters or to the
+            reweighting parameters.
+        schedule: ``inverse_sqrt`` (fairseq's: linear warmup, then ``peak * sqrt(warmup / step)``) or
+            ``cosine`` (linear warmup, then cosine decay to ``min_lr`` at the last step).
+        warmup_steps: optimiser steps of linear warmup (fairseq recipe: 4000).
+        min_lr: the cosine schedule's floor.
+        label_smoothing: of the training loss (evaluation reports the plain NLL).
+    """
+
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    schedule: Schedule = "inverse_sqrt"
+    warmup_steps: int = 4000
+    min_lr: float = 1e-5
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        if self.schedule not in ("inverse_sqrt", "cosine"):
+            raise ValueError(f"schedule must be 'inverse_sqrt' or 'cosine', got {self.schedule!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+
+
 class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     """Base of :class:`~mmlight.tasks.LanguageModel` and :class:`~mmlight.tasks.Translator`.
 
     Subclasses build ``self.model`` (a transformer whose ``config`` is a
-    :class:`~mmlight.models.TransformerConfig`), feed :meth:`update_nll` in their evaluation steps and
-    keep the optimiser recipe with ``save_hyperparameters()``; :meth:`configure_optimizers` reads it
-    from ``hparams``:
-
-    * ``lr``: peak learning rate; ``betas``, ``eps``: Adam's (fairseq recipes: 0.9, 0.98 and 1e-8);
-    * ``weight_decay``: decoupled, as fairseq's ``adam``; not applied to 1-D parameters or to the
-      reweighting parameters;
-    * ``schedule``: ``inverse_sqrt`` (fairseq's: linear warmup, then ``peak * sqrt(warmup / step)``) or
-      ``cosine`` (linear warmup, then cosine decay to ``min_lr`` at the last step);
-    * ``warmup_steps``: optimiser steps of linear warmup; ``min_lr``: the cosine schedule's floor;
-    * ``label_smoothing``: of the training loss (evaluation reports the plain NLL).
+    :class:`~mmlight.models.TransformerConfig`) and feed :meth:`update_nll` in their evaluation steps;
+    :meth:`configure_optimizers` follows their :class:`AdamRecipe`. Each takes the recipe's fields as
+    keyword arguments (``**recipe``), so a config sets them flat, and saves all of them, defaults
+    included, as hyperparameters.
 
     The data's :class:`~mmlight.data.vocab.Vocab` is taken in ``setup`` and kept in checkpoints, so
     that a loaded checkpoint encodes and decodes text by itself (:attr:`vocab`).
 
     Args:
-        schedule: the subclass's ``schedule``, checked here before any work.
-        label_smoothing: the subclass's ``label_smoothing``, checked here.
+        recipe: the subclass's optimiser recipe, checked when it was built.
     """
 
     model: nn.Module
+    #: batches hold tokens: the throughput logs report tokens/s
+    counts_tokens = True
     #: the data's vocabulary: from the DataModule in ``setup``, or from the checkpoint
     vocab: Vocab | None = None
 
-    def __init__(self, schedule: Schedule, label_smoothing: float):
+    def __init__(self, recipe: AdamRecipe):
         super().__init__()
-        if schedule not in ("inverse_sqrt", "cosine"):
-            raise ValueError(f"schedule must be 'inverse_sqrt' or 'cosine', got {schedule!r}")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.recipe = recipe
         # Summed NLL and scored-token counts per stage; compute() all-reduces them once per epoch.
         self.nll_sums = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
         self.token_counts = nn.ModuleDict({stage: SumMetric() for stage in ("val", "test")})
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s training loss on ``batch`` (the subclass's ``summed_training_loss`` by
+        ``network.loss``), uncompiled: what the throughput callback counts FLOPs of."""
+        loss_sum, count = self.summed_training_loss(batch, network.loss)
+        return loss_sum / count.clamp_min(1)
 
     @property
     def config(self) -> TransformerConfig:
@@ -142,7 +175,7 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
-        hp = self.hparams
+        hp = self.recipe
         optimizer = torch.optim.AdamW(
             param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps
         )

@@ -3,10 +3,12 @@ with a swappable reweighting in every encoder, decoder and cross-attention layer
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -16,11 +18,22 @@ from mmlight.data.translation import collate, decoder_start_id, source_sample
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerConfig, TransformerSeq2Seq
 from mmlight.tasks.bleu import corpus_bleu
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
 from mmlight.tasks.inference import device_of, evaluating
 from mmlight.tasks.protocol import ExampleInputs, TaskMetric
-from mmlight.tasks.sequence import Schedule, SequenceTask
+from mmlight.tasks.sequence import AdamRecipe, SequenceTask
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TranslationRecipe(AdamRecipe):
+    """:class:`~mmlight.tasks.sequence.AdamRecipe` with the defaults of fairseq's IWSLT14 de-en example:
+    weight decay 1e-4, label smoothing 0.1, and a cosine floor of 1e-9."""
+
+    weight_decay: float = 1e-4
+    min_lr: float = 1e-9
+    label_smoothing: float = 0.1
 
 
 class Translator(SequenceTask):
@@ -47,17 +60,13 @@ class Translator(SequenceTask):
 
     Args:
         model: the architecture (e.g. the ``transformer_iwslt_de_en`` preset's fields).
-        lr: peak learning rate (fairseq recipe: 5e-4).
-        betas: Adam betas (0.9, 0.98).
-        eps: Adam epsilon.
-        weight_decay: decoupled weight decay (fairseq IWSLT example: 1e-4).
-        schedule: ``inverse_sqrt`` or ``cosine``.
-        warmup_steps: linear warmup in optimiser steps (4000).
-        min_lr: floor of the cosine schedule.
-        label_smoothing: label smoothing of the training loss (0.1).
         beam: beam size, length penalty and maximum length relative to the source.
         bleu_in_validation: also decode the validation split with beam search and report BLEU.
         output_dir: folder for the hypotheses files; None = the run's log directory.
+        compile: compile the network's training and teacher-forced evaluation forward with
+            ``torch.compile``: ``true``, or its keyword arguments; beam search runs uncompiled. See
+            :mod:`mmlight.tasks.compiling`.
+        recipe: the fields of :class:`TranslationRecipe` (fairseq's IWSLT14 example by default).
     """
 
     task_metric = TaskMetric("bleu", higher_is_better=True)
@@ -69,21 +78,19 @@ class Translator(SequenceTask):
     def __init__(
         self,
         model: TransformerConfig,
-        lr: float = 5e-4,
-        betas: tuple[float, float] = (0.9, 0.98),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-4,
-        schedule: Schedule = "inverse_sqrt",
-        warmup_steps: int = 4000,
-        min_lr: float = 1e-9,
-        label_smoothing: float = 0.1,
+        *,
         beam: BeamSearchConfig = BeamSearchConfig(),
         bleu_in_validation: bool = False,
         output_dir: str | None = None,
+        compile: CompileOption = False,
+        **recipe,
     ):
-        super().__init__(schedule, label_smoothing)
+        built = TranslationRecipe(**recipe)
+        recipe = asdict(built)  # the whole recipe, defaults included, is saved as hyperparameters
+        super().__init__(built)
         self.save_hyperparameters()
         self.model = TransformerSeq2Seq(model)
+        self.compiled = CompiledCalls(compile, self.model)
         # a plain dict when restored from a checkpoint's hyperparameters or given by the CLI
         self.beam = beam if isinstance(beam, BeamSearchConfig) else BeamSearchConfig(**beam)
         self.translations: dict[str, list[dict]] = {}
@@ -94,15 +101,17 @@ class Translator(SequenceTask):
         """Next-token scores ``(B, T, V)`` of the decoder inputs ``tgt_in`` given ``src``."""
         return self.model.logits(self.model(src, tgt_in, src_mask))
 
+    def batch_counts(self, batch) -> tuple[int, int]:
+        """``(sentence pairs, target tokens)`` of a training batch, for the throughput logs."""
+        return batch["src"].shape[0], int(batch["tgt_mask"].sum())
+
+    def summed_training_loss(self, batch, loss: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(summed loss, target count)`` of a training batch by ``loss`` (a network's ``loss``)."""
+        args = (batch["src"], batch["tgt_in"], batch["tgt_out"], batch["src_mask"], batch["tgt_mask"])
+        return loss(*args, label_smoothing=self.recipe.label_smoothing)
+
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.model.loss(
-            batch["src"],
-            batch["tgt_in"],
-            batch["tgt_out"],
-            batch["src_mask"],
-            batch["tgt_mask"],
-            label_smoothing=self.hparams.label_smoothing,
-        )
+        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         loss = loss_sum / count.clamp_min(1)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", count.float(), reduce_fx="sum")
@@ -224,8 +233,8 @@ class Translator(SequenceTask):
             self.bleu_in_validation, self.output_dir = saved
 
     def _eval_step(self, stage: str, batch) -> None:
-        hidden = self.model(batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
-        nll_sum, count = self.model.summed_loss(hidden, batch["tgt_out"], batch["tgt_mask"])
+        hidden = self.compiled(self.model.forward, batch["src"], batch["tgt_in"], batch["src_mask"])  # (B, T, d)
+        nll_sum, count = self.compiled(self.model.summed_loss, hidden, batch["tgt_out"], batch["tgt_mask"])
         self.update_nll(stage, nll_sum, count)
         if self._generates(stage):
             self._generate(stage, batch)

@@ -5,7 +5,6 @@ import csv
 import json
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -16,14 +15,12 @@ from torch.utils.data import DataLoader
 from mmlight.analysis import figures as analysis_figures
 from mmlight.cli import main
 from mmlight.lightning_cli import build_cli
+from tests.helpers.cli import analyze
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ROOT / "configs" / "quickstart"
-
-
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["mmlight"])
 
 
 def fit(config: Path, runs: Path, *extra: str) -> Path:
@@ -45,19 +42,6 @@ def fit(config: Path, runs: Path, *extra: str) -> Path:
         ]
     )
     return max(runs.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-
-
-def analyze(config: Path, ckpts: list[Path], out: Path, *options: str, overrides: Sequence[str] = ()) -> None:
-    """``mmlight analyze`` of ``ckpts`` trained with ``config``, written to ``out``.
-
-    Args:
-        config: the config the checkpoints were trained with.
-        ckpts: the checkpoints to compare.
-        out: the output folder.
-        options: analysis options (``--num_samples 16``, ``--robustness``, ...).
-        overrides: ``--data.*``/``--trainer.*`` options for the config's parser.
-    """
-    main(["analyze", "--config", str(config), *overrides, "--ckpt_path", *map(str, ckpts), "--out", str(out), *options])
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -296,7 +280,7 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
 def test_eval_loader_batches_are_what_the_model_sees_in_validate(tmp_path):
     """With uint8 batches (``normalize_on_device``), the analysis still reads normalised float32
     images: those of the DataModule's float32 path, through its ``on_after_batch_transfer``."""
-    from mmlight.analysis.analyze import eval_loader
+    from mmlight.commands.analyze import eval_loader
     from mmlight.data import DigitsDataModule
 
     on_device = DigitsDataModule(cache_dir=str(tmp_path), batch_size=50, normalize_on_device=True)
@@ -353,7 +337,7 @@ class Recorder(L.LightningModule):
 def test_eval_loader_sets_up_and_reads_the_split_as_lightnings_validate_and_test_do(split):
     """The reference is Lightning itself: the stage passed to ``setup``, the batches and the
     ``dataloader_idx`` of ``eval_loader(data, split)`` are those of ``trainer.validate``/``trainer.test``."""
-    from mmlight.analysis.analyze import eval_loader
+    from mmlight.commands.analyze import eval_loader
 
     analysed = StagedData()
     batches = list(eval_loader(analysed, split))
@@ -372,7 +356,7 @@ def test_eval_loader_sets_up_and_reads_the_split_as_lightnings_validate_and_test
 
 
 def test_eval_loader_names_a_split_the_data_does_not_have():
-    from mmlight.analysis.analyze import AnalyzeError, eval_loader
+    from mmlight.commands.analyze import AnalyzeError, eval_loader
 
     class ValOnly(L.LightningDataModule):
         def val_dataloader(self):

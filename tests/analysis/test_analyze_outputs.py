@@ -1,4 +1,4 @@
-"""`mmlight analyze`'s pieces that need no trained checkpoint (analysis/analyze.py, analysis/batches.py):
+"""`mmlight analyze`'s pieces that need no trained checkpoint (commands/analyze.py, analysis/batches.py):
 argument checks, run labels, the size checks, the evaluation trainer and the files it writes, each
 against values written out by hand."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmlight.analysis import analyze
 from mmlight.analysis.batches import batch_size, first_samples, map_batch
 from mmlight.analysis.stats import HEAD_METRICS, LAYER_METRICS, Settings
+from mmlight.commands import analyze
 from mmlight.data.vocab import Vocab
 
 

@@ -6,7 +6,7 @@ import torch
 
 from mmlight.analysis.figures import grad_cam_map, vit_reshape
 from mmlight.models import ReweightedViT
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
 
 
 @pytest.mark.parametrize("prefix", [0, 1])
@@ -501,7 +501,7 @@ def test_text_heatmaps_show_the_head_mean_over_real_tokens_with_their_words(tmp_
     the vocabulary has none)."""
     from mmlight.analysis import figures
     from mmlight.nn.attention import record_attention
-    from tests.tasks.test_translator import tiny_translator
+    from tests.helpers.models import tiny_translator
 
     task = tiny_translator(12)
     batch = tiny_translation_batch()
@@ -555,7 +555,7 @@ def test_text_heatmaps_show_the_head_mean_over_real_tokens_with_their_words(tmp_
 def test_text_heatmaps_leave_long_sequences_and_unnamed_stacks_without_words(tmp_path, monkeypatch):
     from mmlight.analysis import figures
     from mmlight.tasks.protocol import ExampleInputs
-    from tests.tasks.test_translator import tiny_translator
+    from tests.helpers.models import tiny_translator
 
     task = tiny_translator(12)
     drawn = {}
@@ -622,7 +622,7 @@ def test_text_heatmaps_of_four_layers_and_a_stack_without_a_mask(tmp_path, monke
     is None keeps every position (here the whole source, its padding included)."""
     from mmlight.analysis import figures
     from mmlight.tasks import Translator
-    from tests.models.test_transformer import tiny_transformer
+    from tests.helpers.models import tiny_transformer
 
     torch.manual_seed(0)
     task = Translator(tiny_transformer(vocab_size=12, n_layers=4, n_encoder_layers=1, dropout=0.0))
@@ -648,7 +648,7 @@ def test_examples_pass_the_query_patch_and_the_vocabulary_on(tmp_path, monkeypat
 
     from mmlight.analysis import figures
     from mmlight.tasks import ImageClassifier
-    from tests.tasks.test_translator import tiny_translator
+    from tests.helpers.models import tiny_translator
 
     drawn = {}
     monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.setdefault(name, fig) and name)

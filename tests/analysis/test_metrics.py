@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from mmlight.analysis import metrics as M
+from mmlight.reweighting import metrics as M
+from tests.helpers.references import naive_m_and_s
 
 
 def test_uniform_attention_has_entropy_log_k_and_normalised_entropy_1():
     K = 7
     w = torch.full((2, 3, 5, K), 1.0 / K)
     keys = M.attended(w, None)
-    assert torch.allclose(M.entropy(w), torch.full((2, 3, 5), math.log(K), dtype=torch.float64))
+    assert torch.allclose(M.entropy(w.double()), torch.full((2, 3, 5), math.log(K), dtype=torch.float64))
     assert torch.allclose(M.normalized_entropy(w, keys), torch.ones(2, 3, 5, dtype=torch.float64))
 
 
@@ -37,20 +38,10 @@ def test_entropy_of_random_rows_equals_scipy():
     assert np.allclose(M.entropy(w).numpy(), scipy_entropy(w.numpy(), axis=-1))
 
 
-def naive_m_and_s(x, p, keep, eps_m, eps_s):
-    """M and S of one row by a plain loop over the attended keys (no masking tricks)."""
-    xs = [float(v) for v, k in zip(x, keep) if k]
-    ps = [float(v) for v, k in zip(p, keep) if k]
-    mean = sum(xs) / len(xs)
-    c = [v - mean for v in xs]
-    i_max = max(range(len(c)), key=c.__getitem__)
-    relevant = [j for j in range(len(c)) if eps_m < c[j] < c[i_max]]
-    m = 1 - sum(ps[i_max] - ps[j] for j in relevant) / len(relevant) if relevant else math.nan
-    soft = np.exp(np.array(c) - max(c))
-    s_ref = float((soft / soft.sum()).min())
-    small = [j for j in range(len(c)) if c[j] < eps_s]
-    s = sum(math.exp((s_ref - ps[j]) / s_ref - 1) for j in small) / len(small) if small else math.nan
-    return m, s
+def centred_m_and_s(scores, p, keys, eps_m=0.0, eps_s=0.0):
+    """M and S as the observer takes them: on the scores centred over the attended keys."""
+    centred = M.centred_scores(scores, keys)
+    return M.multimodality(centred, p, eps_m, keys), M.sparsity(centred, p, eps_s, keys=keys)
 
 
 @pytest.mark.parametrize("eps_m, eps_s", [(0.0, 0.0), (0.5, -0.3)])
@@ -61,8 +52,7 @@ def test_multimodality_and_sparsity_against_a_loop_with_masked_keys(eps_m, eps_s
     keep[..., 0] = True
     p = torch.where(keep, torch.softmax(torch.where(keep, x, -math.inf), -1), 0.0)
     keys = M.attended(p, keep)
-    m = M.multimodality(x, p, keys, eps_m)
-    s = M.sparsity(x, p, keys, eps_s)
+    m, s = centred_m_and_s(x, p, keys, eps_m, eps_s)
     for b, h, q in itertools.product(range(2), range(2), range(3)):
         em, es = naive_m_and_s(x[b, h, q], p[b, h, q], keep[b, 0, 0], eps_m, eps_s)
         for got, want in ((m[b, h, q], em), (s[b, h, q], es)):
@@ -73,8 +63,8 @@ def test_sparsity_is_1_for_exact_zeros_and_multimodality_1_for_equal_peaks():
     x = torch.tensor([[3.0, 3.0 - 1e-6, -5.0, -6.0]], dtype=torch.float64)
     p = torch.tensor([[0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)  # a sparse, bimodal output
     keys = torch.ones_like(p, dtype=torch.bool)
-    assert M.sparsity(x, p, keys).item() == pytest.approx(1.0)
-    assert M.multimodality(x, p, keys).item() == pytest.approx(1.0)
+    m, s = centred_m_and_s(x, p, keys)
+    assert s.item() == pytest.approx(1.0) and m.item() == pytest.approx(1.0)
 
 
 def test_histogram_and_cdf_against_numpy():
@@ -202,7 +192,7 @@ def test_centred_scores_by_hand_including_a_one_key_row():
     assert centred.dtype == torch.float64
     assert centred.tolist() == [[-2.0, -1.0, 3.0, 97.0], [0.0, 11.0, 11.0, 11.0]]
     p = torch.tensor([[0.2, 0.3, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    m, s = M.multimodality(scores, p, keys), M.sparsity(scores, p, keys)
+    m, s = centred_m_and_s(scores, p, keys)
     # row 0: relevant keys: none strictly between 0 and the max (3) -> M undefined; small: keys 0 and 1,
     # s = softmax(-2, -1, 3)_min
     soft_min = math.exp(-2) / (math.exp(-2) + math.exp(-1) + math.exp(3))
@@ -217,11 +207,12 @@ def test_multimodality_and_sparsity_default_thresholds_are_zero():
     scores = torch.tensor([[2.0, 0.5, -0.5, -2.0]], dtype=torch.float64)  # mean 0
     p = torch.tensor([[0.6, 0.3, 0.1, 0.0]], dtype=torch.float64)
     keys = torch.ones(1, 4, dtype=torch.bool)
-    assert M.multimodality(scores, p, keys).item() == pytest.approx(1 - 0.3, rel=1e-12)
+    m, s = centred_m_and_s(scores, p, keys)
+    assert m.item() == pytest.approx(1 - 0.3, rel=1e-12)
     soft = np.exp([2.0, 0.5, -0.5, -2.0])
     s_ref = soft.min() / soft.sum()
     want = (math.exp((s_ref - 0.1) / s_ref - 1) + math.exp(1 - 1)) / 2
-    assert M.sparsity(scores, p, keys).item() == pytest.approx(want, rel=1e-12)
+    assert s.item() == pytest.approx(want, rel=1e-12)
 
 
 def test_sparsity_reference_is_the_smallest_softmax_probability_even_when_tiny():
@@ -231,9 +222,9 @@ def test_sparsity_reference_is_the_smallest_softmax_probability_even_when_tiny()
     keys = torch.tensor([[True, True, False]])
     s_ref = math.exp(-60) / (1 + math.exp(-60))
     p = torch.tensor([[1.0 - s_ref, s_ref, 0.0]], dtype=torch.float64)
-    assert M.sparsity(scores, p, keys).item() == pytest.approx(math.exp(-1), rel=1e-9)
+    assert centred_m_and_s(scores, p, keys)[1].item() == pytest.approx(math.exp(-1), rel=1e-9)
     p0 = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
-    assert M.sparsity(scores, p0, keys).item() == pytest.approx(1.0, rel=1e-12)
+    assert centred_m_and_s(scores, p0, keys)[1].item() == pytest.approx(1.0, rel=1e-12)
 
 
 def test_row_max_is_over_the_keys():
@@ -312,32 +303,20 @@ def test_thresholds_are_strict_for_a_key_exactly_at_the_row_mean():
     scores = torch.tensor([[3.0, 0.0, -3.0]], dtype=torch.float64)
     p = torch.tensor([[0.7, 0.2, 0.1]], dtype=torch.float64)
     keys = torch.ones(1, 3, dtype=torch.bool)
-    assert math.isnan(M.multimodality(scores, p, keys))
+    m, s = centred_m_and_s(scores, p, keys)
+    assert math.isnan(m)
     soft = np.exp([3.0, 0.0, -3.0])
     s_ref = soft.min() / soft.sum()
-    assert M.sparsity(scores, p, keys).item() == pytest.approx(math.exp((s_ref - 0.1) / s_ref - 1), rel=1e-12, abs=0)
-
-
-def test_m_and_s_use_the_centred_scores_the_caller_passes():
-    """The observer computes the centred scores once and passes them: they, not the raw scores, decide
-    (here centred scores of other raw scores give those scores' M and S)."""
-    keys = torch.ones(1, 4, dtype=torch.bool)
-    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]], dtype=torch.float64)
-    scores = torch.tensor([[4.0, 1.0, -1.0, -4.0]], dtype=torch.float64)
-    other = torch.tensor([[4.0, 1.0, -1.5, 1.5]], dtype=torch.float64)
-    centred = M.centred_scores(other, keys)
-    assert M.multimodality(scores, p, keys, centred=centred).item() == M.multimodality(other, p, keys).item()
-    assert M.sparsity(scores, p, keys, centred=centred).item() == M.sparsity(other, p, keys).item()
-    assert M.multimodality(scores, p, keys).item() != M.multimodality(other, p, keys).item()
-    assert M.sparsity(scores, p, keys).item() != M.sparsity(other, p, keys).item()
+    assert s.item() == pytest.approx(math.exp((s_ref - 0.1) / s_ref - 1), rel=1e-12, abs=0)
 
 
 def test_sparsity_of_a_score_gap_beyond_float64_range_is_1():
     """Scores 400 apart: softmax's smallest probability e^-800 underflows to 0 even in float64; the
-    reference s is kept at 1e-300, so a zero weight still gives the term 1 (not 0/0 = NaN)."""
+    reference s is kept at float64's smallest normal number, so a zero weight still gives the term 1 (not
+    0/0 = NaN)."""
     scores = torch.tensor([[400.0, -400.0]], dtype=torch.float64)
     p = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-    assert M.sparsity(scores, p, torch.ones(1, 2, dtype=torch.bool)).item() == 1.0
+    assert centred_m_and_s(scores, p, torch.ones(1, 2, dtype=torch.bool))[1].item() == 1.0
 
 
 def test_rollout_and_token_similarity_stay_on_the_input_device():

@@ -9,8 +9,7 @@ from mmlight.analysis.robustness import KVEviction, SinkMasking, budget
 from mmlight.nn.attention import causal_mask, observe_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Softmax
-from tests.models.test_transformer import tiny_transformer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit, tiny_transformer
 
 SITE = AttentionSite("decoder.layers.3.self_attn", "decoder_self", "decoder", 3, Softmax())
 

@@ -13,8 +13,7 @@ from mmlight.nn.attention import record_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import ReweightingSpec, Softmax
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
-from tests.models.test_transformer import tiny_transformer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit, tiny_transformer
 
 PAD = 1
 
@@ -231,7 +230,7 @@ def observe(settings, batches):
 
 def reference_statistics(settings, batches):
     """Every per-site statistic by plain loops over (sample, head, query) rows in NumPy float64."""
-    from tests.analysis.test_metrics import naive_m_and_s
+    from tests.helpers.references import naive_m_and_s
 
     edges = np.logspace(-8, 0, 33)
     per_site, rollout_tv = {}, {}
@@ -628,7 +627,7 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
     layer, zero-mass rows counted apart and left out of entropy, M and S, which describe the renormalised
     weights; sinks from the mass actually given (renormalising would make key 0 a sink at sink_eps 1.2)."""
     from mmlight.analysis.stats import Settings, StatsObserver, summarize
-    from tests.analysis.test_metrics import naive_m_and_s
+    from tests.helpers.references import naive_m_and_s
 
     w = torch.tensor(
         [
@@ -682,7 +681,7 @@ def test_weights_that_do_not_sum_to_one_against_a_hand_computation():
 
 
 def test_renormalised_rows_sum_to_one_and_rows_without_mass_are_zeros():
-    from mmlight.analysis.metrics import renormalised
+    from mmlight.reweighting.metrics import renormalised
 
     weights = torch.tensor([[[0.5, 0.25, 0.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]]], dtype=torch.float64)  # (1, 3, 3)
     mass = weights.sum(-1)

@@ -4,8 +4,6 @@ is observed; under 2-process DDP it runs on rank 0 only and nothing hangs."""
 import csv
 import importlib
 import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -21,8 +19,9 @@ from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
 from mmlight.data import RecallDataModule
 from mmlight.tasks import LanguageModel
-from tests.conftest import quiet_trainer
-from tests.models.test_transformer import tiny_transformer
+from tests.helpers.cli import run_mmlight
+from tests.helpers.models import tiny_transformer
+from tests.helpers.trainer import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 LM = ROOT / "configs" / "quickstart" / "lm_softmax.yaml"
@@ -177,9 +176,7 @@ def test_two_process_ddp_does_not_hang_and_only_rank_0_records(tmp_path):
         "--trainer.callbacks.num_samples",
         "8",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "mmlight.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420
-    )
+    result = run_mmlight(*args, cwd=tmp_path, env=env, timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

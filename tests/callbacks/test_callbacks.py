@@ -11,7 +11,7 @@ from mmlight.data import DigitsDataModule, write_digits_shards
 from mmlight.models import ReweightingSpec
 from mmlight.reweighting import MultiMax
 from mmlight.tasks import ImageClassifier
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
 
 
 def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):

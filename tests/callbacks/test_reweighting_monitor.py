@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from mmlight.callbacks import ReweightingMonitor, reweighting_sites
 from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
 
 
 def classifier(attention="multimax", output_multimax=True) -> ImageClassifier:

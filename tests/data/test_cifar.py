@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from mmlight.commands.prepare import main
 from mmlight.data import ImageAugment, ImageShardDataModule
-from mmlight.data.prepare import main, prepare
+from mmlight.data.prepare import prepare
 from tests.data.shard_contents import pixels, split_samples
 
 PER_BATCH = 4

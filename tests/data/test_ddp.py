@@ -5,8 +5,6 @@ validation sample counted exactly once, and synced metrics equal to a single-pro
 import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from PIL import Image
 
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import write_info
+from tests.helpers.cli import run_mmlight
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -39,7 +38,7 @@ def write_uneven_shards(out: Path) -> None:
     write_info(out, info)
 
 
-def run_mmlight(args, probe_dir, tmp_path, timeout):
+def run_probed(args, probe_dir, tmp_path, timeout):
     env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     common = [
@@ -71,14 +70,7 @@ def run_mmlight(args, probe_dir, tmp_path, timeout):
         str(tmp_path / "runs"),
         "--trainer.callbacks+=tests.data.ddp_probe.Probe",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "mmlight.cli", *args[:1], *common, *args[1:]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    result = run_mmlight(*args[:1], *common, *args[1:], cwd=tmp_path, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -88,7 +80,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     ddp_dir.mkdir()
     single_dir.mkdir()
-    run_mmlight(
+    run_probed(
         [
             "fit",
             "--trainer.accelerator",
@@ -115,7 +107,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     assert [r["val_samples"] for r in ranks] == [2 * 13, 2 * 10]
 
     checkpoint = next((tmp_path / "runs").rglob("last.ckpt"))  # the final weights (best-*.ckpt may be older)
-    run_mmlight(
+    run_probed(
         ["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path, timeout=200
     )
     single = json.loads((single_dir / "rank0-validate.json").read_text())

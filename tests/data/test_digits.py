@@ -118,7 +118,8 @@ def split_keys(root, split):
 def test_prepare_refuses_an_unknown_dataset_and_a_missing_or_non_folder_src(tmp_path, capsys):
     """``prepare``'s checks before any work, and the command's exit 2 with the message (digits alone needs no
     ``--src``)."""
-    from mmlight.data.prepare import DATASETS, main, prepare
+    from mmlight.commands.prepare import main
+    from mmlight.data.prepare import DATASETS, prepare
 
     with pytest.raises(ValueError) as err:
         prepare("mnist", tmp_path, tmp_path / "out")
@@ -145,7 +146,7 @@ def test_prepare_command_line_options(tmp_path, capsys, monkeypatch):
     ``--out`` is required."""
     import os
 
-    from mmlight.data import prepare as prepare_module
+    from mmlight.commands import prepare as prepare_module
 
     with pytest.raises(SystemExit) as exit_info:
         prepare_module.main(["--help"])
@@ -180,7 +181,7 @@ def test_prepare_command_logs_info_lines_with_level_and_logger(tmp_path, capsys,
     ``LEVEL logger: message``."""
     import logging
 
-    from mmlight.data import prepare as prepare_module
+    from mmlight.commands import prepare as prepare_module
 
     monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh process (pytest installs its own)
     monkeypatch.setattr(logging.root, "level", logging.WARNING)

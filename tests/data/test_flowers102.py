@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from scipy.io import savemat
 
-from mmlight.data.prepare import main, prepare
+from mmlight.commands.prepare import main
+from mmlight.data.prepare import prepare
 from tests.data.shard_contents import encoded, image_bytes, split_samples
 
 LABELS = [3, 1, 2, 3, 1, 2, 2, 3, 1, 1]  # 1-based classes of images 1..10

@@ -20,23 +20,7 @@ from mmlight.data.image_decode import (
     draft_scale,
 )
 from tests.data.image_fixtures import AWKWARD, check_formats, rgb_to_grey
-
-DEIT_16 = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.3, re_prob=0.5)
-
-
-def smooth_jpeg(width: int, height: int, seed: int = 0) -> bytes:
-    """A smooth colour image (DCT scaling is near exact on it), JPEG quality 95."""
-    small = np.random.default_rng(seed).integers(0, 255, (6, 8, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(small).resize((width, height), Image.BICUBIC).save(buf, format="JPEG", quality=95)
-    return buf.getvalue()
-
-
-def seeded(seed: int) -> None:
-    """Seed every source timm's transform draws from (RandAugment picks its ops with numpy)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+from tests.helpers.images import DEIT_16, seeded, smooth_jpeg
 
 
 def test_draft_scale_is_the_largest_reduction_keeping_every_crop_at_output_size():
@@ -220,7 +204,7 @@ def test_a_non_square_input_is_timms_on_both_batch_paths(channels):
     row, normalised on the device, equals it outside the erasing box, and timm's noise fills exactly that
     box on both paths (C x H x W = channels x 10 x 14)."""
     from mmlight.data.on_device import normalized, normalized_batch
-    from tests.data.test_on_device import box_mask
+    from tests.helpers.images import box_mask
 
     data = smooth_jpeg(61, 47)
     transform = wide_transform(channels)

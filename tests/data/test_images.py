@@ -137,7 +137,7 @@ def stream(root, shuffle_buffer: int, repeats: int, decode=None, counter=None, *
 
 @pytest.fixture(scope="module")
 def image_set(tmp_path_factory):
-    from tests.data.test_streaming import write_image_shards
+    from tests.helpers.images import write_image_shards
 
     return write_image_shards(tmp_path_factory.mktemp("images"), n=21, per_shard=7, corrupt=(2, 9, 16))
 

@@ -4,7 +4,6 @@ import hashlib
 import io
 import json
 import logging
-import random
 import shutil
 import tarfile
 import warnings
@@ -17,9 +16,8 @@ import pytest
 import torch
 import webdataset as wds
 import yaml
-from sacremoses import MosesTokenizer
 
-from mmlight.data.prepare import main as prepare_main
+from mmlight.commands.prepare import main as prepare_main
 from mmlight.data.prepare.iwslt import RAW_TEST_SETS, _read_raw, clean_pair, prepare_iwslt
 from mmlight.data.shards import read_info, sha256
 from mmlight.data.streaming import RankRandom
@@ -27,115 +25,15 @@ from mmlight.data.tokenizers import TOKENIZER
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.translation_shards import write_translation_shards
 from mmlight.data.vocab import SPECIAL_IDS, load_dictionary
+from tests.helpers.iwslt import moses_tok, write_raw
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBJECTS = [
-    ("der Hund", "the dog"),
-    ("die Katze", "the cat"),
-    ("mein Vater", "my father"),
-    ("unsere Lehrerin", "our teacher"),
-    ("das Kind", "the child"),
-    ("ein Wissenschaftler", "a scientist"),
-]
-VERBS = [
-    ("sieht", "sees"),
-    ("liebt", "loves"),
-    ("findet", "finds"),
-    ("beobachtet", "watches"),
-    ("versteht", "understands"),
-]
-OBJECTS = [
-    ("den Garten", "the garden"),
-    ("die Sonne", "the sun"),
-    ("das Wasser", "the water"),
-    ("den Computer", "the computer"),
-    ("die Zukunft", "the future"),
-    ("die Musik", "the music"),
-]
-ENDS = [(".", "."), ("!", "!"), (" heute.", " today."), (" nicht.", " not."), (", oder?", ", doesn't it?")]
-
-
-def _sentences(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        (sd, se), (vd, ve), (od, oe), (ed, ee) = (rng.choice(x) for x in (SUBJECTS, VERBS, OBJECTS, ENDS))
-        out.append((f"{sd[0].upper()}{sd[1:]} {vd} {od}{ed}", f"{se[0].upper()}{se[1:]} {ve} {oe}{ee}"))
-    return out
-
-
-def _tok(text: str, lang: str) -> str:
-    return MosesTokenizer(lang=lang).tokenize(text, escape=True, return_str=True).lower()
-
-
-def _write_raw(root):
-    """A tiny raw IWSLT14 release; returns the pairs expected after extraction+cleaning, in order."""
-    root.mkdir(parents=True, exist_ok=True)
-    pairs = _sentences(60)
-    de, en, kept = [], [], []
-    for talk in range(2):
-        de += [
-            f"<url>http://www.ted.com/talks/{talk}.html</url>",
-            "<keywords>talks, science</keywords>",
-            f"<talkid>{talk}</talkid>",
-            f"<title>Anna Weber: Über Hunde {talk}</title>",
-            "<description>Sie spricht über Hunde.</description>",
-        ]
-        en += [
-            f"<url>http://www.ted.com/talks/{talk}.html</url>",
-            "<keywords>talks, science</keywords>",
-            f"<talkid>{talk}</talkid>",
-            f"<title>Anna Weber: About dogs {talk}</title>",
-            "<description>She talks about dogs.</description>",
-        ]
-        kept += [
-            (f"Anna Weber: Über Hunde {talk}", f"Anna Weber: About dogs {talk}"),
-            ("Sie spricht über Hunde.", "She talks about dogs."),
-        ]
-        for d, e in pairs[talk * 30 : (talk + 1) * 30]:
-            de.append(d)
-            en.append(e)
-            kept.append((d, e))
-    de_b = [line.encode() for line in de]
-    en_b = [line.encode() for line in en]
-    # bad pairs: an empty English side (line 10), invalid UTF-8 in German (line 20),
-    # a pair with a length ratio over 1.5 and one over 175 tokens (both cleaned out)
-    de_b.insert(9, b"Das ist leer.")
-    en_b.insert(9, b"")
-    de_b.insert(19, b"Kaputt \xff\xfe Text.")
-    en_b.insert(19, b"Broken text.")
-    de_b.insert(30, b"Ja .")
-    en_b.insert(30, b"Yes , yes , yes , yes , yes .")
-    de_b.insert(40, " ".join(["Wort"] * 180).encode())
-    en_b.insert(40, " ".join(["word"] * 180).encode())
-    (root / "train.tags.de-en.de").write_bytes(b"\n".join(de_b) + b"\n")
-    (root / "train.tags.de-en.en").write_bytes(b"\n".join(en_b) + b"\n")
-
-    test = []
-    tests = _sentences(10, seed=1)
-    tests[0] = ("Der Hund sieht die Sonne, oder?", "The dog sees the sun, doesn't it?")  # ’ in the XML
-    for k, name in enumerate(RAW_TEST_SETS):
-        for lang, side in (("de", 0), ("en", 1)):
-            segs = tests[2 * k : 2 * k + 2]
-            lines = [
-                '<?xml version="1.0" encoding="UTF-8"?>',
-                "<mteval>",
-                f'<srcset setid="{name}" srclang="{lang}">',
-                '<doc docid="1" genre="lectures">',
-                f"<talkid>{k}</talkid>",
-                "<title>Ein Titel</title>",
-            ]
-            lines += [f'<seg id="{i + 1}"> {s[side].replace(chr(39), chr(8217))} </seg>' for i, s in enumerate(segs)]
-            lines += ["</doc>", "</srcset>", "</mteval>"]
-            (root / f"{name}.de-en.{lang}.xml").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        test += tests[2 * k : 2 * k + 2]
-    return kept, test
 
 
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     root = tmp_path_factory.mktemp("iwslt_raw")
-    kept, test = _write_raw(root)
+    kept, test = write_raw(root)
     return root, kept, test
 
 
@@ -186,16 +84,16 @@ def test_raw_counts_cleaning_and_skips(raw, shards):
     valid = _read_split(shards, "valid")
     expect_valid = [kept[22], kept[45]]
     assert [(_unbpe(s["src.txt"]), _unbpe(s["tgt.txt"])) for s in valid] == [
-        (_tok(d, "de"), _tok(e, "en")) for d, e in expect_valid
+        (moses_tok(d, "de"), moses_tok(e, "en")) for d, e in expect_valid
     ]
     train = _read_split(shards, "train")
     expect_train = [p for i, p in enumerate(kept, 1) if i % 23]
-    assert [_unbpe(s["src.txt"]) for s in train] == [_tok(d, "de") for d, _ in expect_train]
+    assert [_unbpe(s["src.txt"]) for s in train] == [moses_tok(d, "de") for d, _ in expect_train]
     assert train[0]["src.txt"] == train[0]["src.txt"].lower() and "<title>" not in train[0]["src.txt"]
     assert not any("url" in s["src.txt"] or "talkid" in s["src.txt"] for s in train)
     # test = the five sets in order, with ’ turned into '
     tst = _read_split(shards, "test")
-    assert [_unbpe(s["tgt.txt"]) for s in tst] == [_tok(e, "en") for _, e in test]
+    assert [_unbpe(s["tgt.txt"]) for s in tst] == [moses_tok(e, "en") for _, e in test]
     assert any("doesn &apos;t" in _unbpe(s["tgt.txt"]) for s in tst)
     # ids match the dictionary, no BOS/EOS stored
     vocab = load_dictionary(shards / "dict.txt")
@@ -333,8 +231,8 @@ def test_train_epoch_length_and_budget(shards):
 def test_encode_decode_and_predict_in_order(raw, shards, tmp_path):
     dm = TranslationDataModule(str(shards), max_tokens=24, num_workers=0)
     for de, en in raw[1][:8]:
-        assert dm.decode(dm.encode(de, "de"), detokenize=False) == _tok(de, "de")
-        assert dm.decode(dm.encode(en, "en"), detokenize=False) == _tok(en, "en")
+        assert dm.decode(dm.encode(de, "de"), detokenize=False) == moses_tok(de, "de")
+        assert dm.decode(dm.encode(en, "en"), detokenize=False) == moses_tok(en, "en")
     ids = dm.encode("The dog sees the sun, doesn't it?", "en")
     assert dm.unk_id not in ids and any(dm.vocab.tokens[i].endswith("@@") for i in ids)
     assert dm.decode(ids + [dm.eos_id, dm.pad_id]) == "the dog sees the sun, doesn't it?"
@@ -459,13 +357,13 @@ def test_test_sets_skip_bad_segments_with_their_seg_number_and_keep_the_rest(raw
     assert skipped["valid"] == [] and len(skipped["train"]) == 2  # the fixture's own two training skips
     test = raw[2]
     before, after = [p for p in test[:4]], [p for p in test[6:]]  # sets 0, 1 and 3, 4 are the fixture's
-    want = [(_tok(d, "de"), _tok(e, "en")) for d, e in before]
+    want = [(moses_tok(d, "de"), moses_tok(e, "en")) for d, e in before]
     want += [
-        (_tok("Hallo Welt .", "de"), _tok("Hello world .", "en")),
-        (_tok("Das ist gut .", "de"), _tok("That is good .", "en")),
-        (_tok("Er sagt ' ja ' .", "de"), _tok("He says ' yes ' .", "en")),
+        (moses_tok("Hallo Welt .", "de"), moses_tok("Hello world .", "en")),
+        (moses_tok("Das ist gut .", "de"), moses_tok("That is good .", "en")),
+        (moses_tok("Er sagt ' ja ' .", "de"), moses_tok("He says ' yes ' .", "en")),
     ]
-    want += [(_tok(d, "de"), _tok(e, "en")) for d, e in after]
+    want += [(moses_tok(d, "de"), moses_tok(e, "en")) for d, e in after]
     assert list(zip(*texts["test"])) == want
 
 

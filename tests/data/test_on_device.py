@@ -15,17 +15,8 @@ from torchvision import transforms as tv
 from mmlight.data import ImageShardDataModule
 from mmlight.data.image_decode import AugmentGroup, NormalizedBatches, SplitTransform, Uint8Batches
 from mmlight.data.on_device import ErasingBoxes, draw_boxes, draw_erasing, erased, normalized, normalized_batch
-from tests.conftest import quiet_trainer
-from tests.data.test_image_decode import DEIT_16, seeded, smooth_jpeg
-from tests.data.test_streaming import DEIT_LIKE, write_image_shards
-
-
-def box_mask(boxes: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """``(H, W)`` bool: the union of ``(top, left, height, width)`` rows, painted with a loop."""
-    mask = torch.zeros(height, width, dtype=torch.bool)
-    for top, left, h, w in boxes.tolist():
-        mask[top : top + h, left : left + w] = True
-    return mask
+from tests.helpers.images import DEIT_16, DEIT_LIKE, box_mask, seeded, smooth_jpeg, write_image_shards
+from tests.helpers.trainer import quiet_trainer
 
 
 @pytest.mark.parametrize("max_count", [1, 3])

@@ -1,6 +1,7 @@
 """The shard writer (mmlight.data.shard_writer): how plan_shards cuts a split, what write_shards logs
 and shows on its progress bar, where make_sample runs (this process or the worker pool), and how a
-rerun tells a finished shard from one that must be written again. Shards are read back with tarfile."""
+rerun tells a finished shard from one that must be written again (also through ``mmlight prepare`` of each
+preparer family). Shards are read back with tarfile."""
 
 import hashlib
 import json
@@ -13,7 +14,9 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from mmlight.data import shard_writer
+from mmlight.data.prepare import prepare
 from mmlight.data.shard_writer import ShardJob, Skipped, plan_shards, write_shards
+from mmlight.data.toy_translation import write_toy_corpus
 
 LOGGER = "mmlight.data.shard_writer"
 
@@ -180,3 +183,46 @@ def test_two_workers_write_two_shards_in_a_pool_of_two(tmp_path, monkeypatch):
     assert entry["num_samples"] == 2
     pids = {int(data) for shard in entry["shards"] for _, data in members(tmp_path / shard["name"])}
     assert pids and os.getpid() not in pids
+
+
+def write_wikitext(src):
+    """A small raw WikiText-103: the three token files, a few lines each."""
+    src.mkdir(parents=True)
+    for split, n in (("train", 30), ("valid", 6), ("test", 6)):
+        lines = "".join(f" = Heading {i} = \n the game is fun , and {split} line {i} . \n" for i in range(n))
+        (src / f"wiki.{split}.tokens").write_text(lines, encoding="utf-8")
+    return src
+
+
+@pytest.mark.parametrize(
+    "dataset, write_raw",
+    [
+        ("digits", None),
+        ("wikitext103", write_wikitext),
+        ("iwslt14", lambda src: write_toy_corpus(src, train_size=40, valid_size=4, test_size=4)),
+    ],
+    ids=["images", "text", "translation"],
+)
+def test_a_finished_shard_changed_in_place_is_found_by_its_checksum_and_written_again(
+    tmp_path, caplog, dataset, write_raw
+):
+    """One byte of a finished shard flipped (its size and record unchanged: a bad disk block): the rerun of
+    ``mmlight prepare`` finds it by its SHA-256, says so naming it, writes it again byte for byte, and keeps
+    every other shard as it is."""
+    src = None if write_raw is None else str(write_raw(tmp_path / "raw"))
+    out = tmp_path / "out"
+    info = prepare(dataset, src, out)
+    shard = out / info["splits"]["train"]["shards"][0]["name"]
+    original = shard.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    record = json.loads((out / (shard.name + shard_writer.DONE_SUFFIX)).read_text())
+    assert record["bytes"] == shard.stat().st_size and record["num_items"] > 0  # the record says it is finished
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar") if p != shard}
+    assert kept
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        again = prepare(dataset, src, out)
+    assert ("WARNING", f"shard {shard} does not match its checksum; writing it again") in messages(caplog)
+    assert shard.read_bytes() == original and again == info
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept

@@ -2,7 +2,6 @@
 at any batch from the state Lightning saves; header-only skipping; the shared epoch length."""
 
 import io
-import json
 import random
 import re
 import tarfile
@@ -14,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from PIL import Image
 from torch.utils.data import get_worker_info
 
-from mmlight.data import ImageAugment, ImageShardDataModule, RecallDataModule, WikiTextDataModule
+from mmlight.data import ImageShardDataModule, RecallDataModule, WikiTextDataModule
 from mmlight.data.image_decode import AugmentGroup
 from mmlight.data.on_device import ErasingBoxes
 from mmlight.data.shards import MemberReader, npy_header, tar_index
@@ -33,6 +31,7 @@ from mmlight.data.streaming import (
     run_seed,
     shuffled,
 )
+from tests.helpers.images import DEIT_LIKE, write_image_shards
 
 
 def test_epoch_steps_divides_by_the_ranks_and_refuses_less_than_one_batch():
@@ -284,28 +283,6 @@ def test_loader_state_names_its_layout_and_a_new_worker_count_is_logged(image_sh
 
 
 # ---------------------------------------------------------------- whole streams
-
-
-def write_image_shards(root, n=40, per_shard=7, corrupt=(5,)):
-    """``n`` random JPEGs (3 classes) in shards of ``per_shard``; samples in ``corrupt`` are not images."""
-    root.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for s in range(0, n, per_shard):
-        name = f"train-{s // per_shard:06d}.tar"
-        with wds.TarWriter(str(root / name)) as writer:
-            for i in range(s, min(n, s + per_shard)):
-                pixels = np.random.default_rng(i).integers(0, 255, (20, 24, 3), dtype=np.uint8)
-                buf = io.BytesIO()
-                Image.fromarray(pixels).save(buf, format="JPEG")
-                image = b"not a jpeg" if i in corrupt else buf.getvalue()
-                writer.write({"__key__": f"img{i:04d}", "jpg": image, "cls": str(i % 3).encode()})
-        shards.append({"name": name, "num_samples": min(n, s + per_shard) - s})
-    info = {"classes": ["a", "b", "c"], "splits": {"train": {"num_samples": n, "shards": shards}}}
-    (root / "_info.json").write_text(json.dumps(info))
-    return root
-
-
-DEIT_LIKE = ImageAugment(image_size=16, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.5, scale=(0.3, 1.0))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from mmlight.data.tokenizers import (
     remove_bpe,
     split_final_period,
 )
-from tests.data.test_iwslt import _write_raw
+from tests.helpers.iwslt import write_raw
 
 # (language, raw line, tokenizer.perl's output lowercased): the final period after an abbreviation,
 # a single letter, a number or a listed prefix is split off.
@@ -82,7 +82,7 @@ def test_preparation_tokenises_with_the_perl_rule():
 def test_a_tokenised_cache_of_another_tokeniser_is_redone(tmp_path):
     """A rerun after a tokeniser change must not reuse text tokenised the old way."""
     raw, out = tmp_path / "raw", tmp_path / "out"
-    _write_raw(raw)
+    write_raw(raw)
     out.mkdir()
     texts, _, _ = iwslt._read_raw_cached(raw, out, workers=1)
     cache = out / iwslt.TOKENISED_CACHE

@@ -66,7 +66,7 @@ def test_write_info_adds_the_version_and_keeps_an_identical_file(tmp_path):
 @pytest.fixture(scope="module")
 def wikitext(tmp_path_factory):
     from mmlight.data.prepare.wikitext import prepare
-    from tests.data.test_wikitext import write_raw
+    from tests.helpers.wikitext import write_raw
 
     tmp = tmp_path_factory.mktemp("wikitext")
     prepare(write_raw(tmp / "raw"), tmp / "shards", workers=1)

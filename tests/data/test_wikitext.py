@@ -14,27 +14,15 @@ import pytest
 import torch
 import yaml
 
-from mmlight.data.prepare import main as prepare_main
+from mmlight.commands.prepare import main as prepare_main
 from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.shards import sha256
 from mmlight.data.skips import SkipCounter
 from mmlight.data.streaming import RankRandom
 from mmlight.data.text import BlockStream, EvalWindows, WikiTextDataModule, block_starts, eval_windows
 from mmlight.data.vocab import load_vocab
+from tests.helpers.wikitext import TEST, TRAIN, VALID, tokens, write_raw
 
-# The real raw format: every line starts with a space, "empty" lines hold one space, headings are
-# " = Title = ", and the text is pre-tokenised (`@-@`, `<unk>`, punctuation as words).
-TRAIN = (
-    b" \n"
-    b" = Valkyria = \n"
-    b" \n"
-    b" The game @-@ play is <unk> . The <unk> game is fun . \n"
-    b"\xff\xfe bad \xc3 line \n"  # line 5: not UTF-8
-    b" = = Gameplay = = \n"
-    b" The play , the game . \n"
-)
-VALID = b" \n = Valkyria = \n The zebra game . \n"  # "zebra" is not in the training vocabulary
-TEST = b" = Gameplay = \n \n fun is the play , <unk> . \n The game"  # no final newline
 VOCAB = [
     "<s>",
     "<pad>",
@@ -54,26 +42,6 @@ VOCAB = [
     "the",
 ]  # 1
 CHUNK, PER_SHARD = 8, 2  # small chunks so that the splits span several samples and shards
-
-
-def write_raw(src, files=None):
-    src.mkdir(parents=True, exist_ok=True)
-    for name, data in (
-        files or {"wiki.train.tokens": TRAIN, "wiki.valid.tokens": VALID, "wiki.test.tokens": TEST}
-    ).items():
-        (src / name).write_bytes(data)
-    return src
-
-
-def tokens(data: bytes) -> list[str]:
-    """The reference tokenisation, written independently: every good line + "</s>"."""
-    out = []
-    for raw in data.split(b"\n")[: None if not data.endswith(b"\n") else -1]:
-        try:
-            out += raw.decode("utf-8").split() + ["</s>"]
-        except UnicodeDecodeError:
-            pass
-    return out
 
 
 def ids(data: bytes) -> np.ndarray:

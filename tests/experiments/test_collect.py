@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmlight.experiments import collect
+from mmlight.commands import collect
 from mmlight.experiments.table import load_table, write_status
 
 

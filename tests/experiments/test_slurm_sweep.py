@@ -3,13 +3,13 @@
 
 import csv
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from mmlight.experiments.table import load_table
-from tests.slurm.test_slurm import cluster, job_env, sbatch_and_wait  # noqa: F401  (cluster is a fixture)
+from tests.helpers.cli import run_mmlight
+from tests.helpers.slurm import job_env, sbatch_and_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tables" / "tiny.yaml"
@@ -17,7 +17,7 @@ CPU_TASK = ["--ntasks-per-node", "1", "--gpus-per-node", "0", "--cpus-per-task",
 
 
 @pytest.mark.slow
-def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_path):  # noqa: F811
+def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_path):
     command = [
         "sbatch",
         "--parsable",
@@ -55,13 +55,7 @@ def test_array_job_runs_one_run_per_task_and_collect_reads_them(cluster, tmp_pat
             or f"seed_everything: {run.seed}" in (run.directory / "fit" / "config.yaml").read_text()
         )
 
-    subprocess.run(
-        ["mmlight", "collect", str(TINY), "--out", str(out)],
-        check=True,
-        env=job_env(),
-        cwd=tmp_path,
-        capture_output=True,
-    )
+    run_mmlight("collect", str(TINY), "--out", str(out), check=True, env=job_env(), cwd=tmp_path)
     rows = list(csv.DictReader(open(out / "tiny.csv")))
     assert [row["n"] for row in rows] == ["2", "2"]
 

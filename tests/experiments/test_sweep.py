@@ -13,18 +13,13 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mmlight.experiments import collect, sweep
+from mmlight.commands import collect, sweep
 from mmlight.experiments.table import load_table
+from tests.helpers.cli import run_mmlight
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tables" / "tiny.yaml"
 FAST = ["--", "--data.init_args.train_size", "64", "--trainer.enable_model_summary", "false"]  # 2 steps per epoch
-
-
-def mmlight(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mmlight.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=900
-    )
 
 
 def logged_last(run_dir: Path, tag: str) -> float:
@@ -37,7 +32,7 @@ def logged_last(run_dir: Path, tag: str) -> float:
 def swept(tmp_path_factory):
     """The tiny table swept once, two runs at a time."""
     out = tmp_path_factory.mktemp("sweep") / "runs"
-    result = mmlight("sweep", str(TINY), "--parallel", "2", "--out", str(out), *FAST, cwd=out.parent)
+    result = run_mmlight("sweep", str(TINY), "--parallel", "2", "--out", str(out), *FAST, cwd=out.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result.stdout
 
@@ -112,7 +107,7 @@ def test_rerun_skips_finished_runs_and_resumes_an_unfinished_one(swept, tmp_path
     (run.directory / "fit" / "final_metrics.json").unlink()
     (run.directory / "sweep_status.json").unlink()
     assert run.status() == "unfinished"
-    result = mmlight("sweep", str(TINY), "--out", str(copy), *FAST, cwd=tmp_path)
+    result = run_mmlight("sweep", str(TINY), "--out", str(copy), *FAST, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:]
     assert result.stdout.count("done, skipped") == 3
     log = (run.directory / "sweep.log").read_text()

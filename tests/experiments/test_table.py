@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from mmlight.experiments import sweep
+from mmlight.commands import sweep
 from mmlight.experiments.table import TableError, load_table, override_args, read_metrics, read_status, write_status
 from mmlight.lightning_cli import MmlightCLI, build_cli
 from mmlight.models import ReweightingSpec

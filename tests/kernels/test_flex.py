@@ -2,16 +2,12 @@
 attention, on the CPU: uncompiled FlexAttention, forward only (its eager backward needs a GPU)."""
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.flex_multimax import causal_block_mask, flex_multimax_attention, multimax_score_mod
 from mmlight.reweighting import MultiMax
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the peer lives beside its benchmark
-from flex_multimax import causal_block_mask, flex_multimax_attention, multimax_score_mod  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 attention_module = importlib.import_module("mmlight.nn.attention")  # the package re-exports the function

@@ -45,7 +45,7 @@ def test_smoke_run_covers_every_section(smoke_run):
     assert ("step", "softmax (SDPA cuDNN)") in skipped
     # every candidate was checked against fp32 and passed at these shapes
     checks = [r for r in records if r["kind"] == "check"]
-    assert len(checks) == 2 * (1 + 3 + sum(2 for _ in _switches()))
+    assert len(checks) == 2 * (1 + 3 + 2 * _switches())
     assert all(r["ok"] and r["error"] < 1e-4 for r in checks)
     backends = {r["backend"] for r in records if r["kind"] == "timing" and r["op"] == "attention"}
     assert {
@@ -66,11 +66,24 @@ def test_smoke_run_covers_every_section(smoke_run):
     assert "## softmax (SDPA flash)" in profiles and "## multimax tuned" in profiles and "Self CPU" in profiles
 
 
-def _switches():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_run import present_switches
+def _in_benchmarks(code: str, stdin: str = "") -> str:
+    """The output of ``code`` run by Python from ``benchmarks/``, so that it imports the scripts as they
+    import each other (beside one another), in a process of its own."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        input=stdin,
+        cwd=ROOT / "benchmarks",
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
-    return present_switches()
+
+def _switches() -> int:
+    """How many attention kernel switches this code base has (each is checked on and off)."""
+    return int(_in_benchmarks("from gpu_run import present_switches; print(len(present_switches()))"))
 
 
 @pytest.mark.slow
@@ -103,9 +116,6 @@ def test_report_renders_the_run(smoke_run):
 
 def test_report_targets_from_synthetic_records():
     """The targets table reads each ratio from the right record, and judges it against its bound."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from report import targets_table
-
     versions = {"device": "X", "torch": "t", "triton": "r"}
     records = [
         {**versions, "kind": "ceiling", "copy_gbps": 1000.0},
@@ -166,7 +176,9 @@ def test_report_targets_from_synthetic_records():
         },
         {**versions, "kind": "timing", "op": "rowwise", "backend": "c", "ok": False, "fwd_ms": 0.01, "bytes_fwd": 1e9},
     ]
-    table = {line.split(" | ")[0][2:]: line.split(" | ")[2:] for line in targets_table(records)[2:]}
+    code = "import json, sys; from report import targets_table; print(json.dumps(targets_table(json.load(sys.stdin))))"
+    lines = json.loads(_in_benchmarks(code, json.dumps(records)))
+    table = {line.split(" | ")[0][2:]: line.split(" | ")[2:] for line in lines[2:]}
     assert table["attention (256, 6, 197, 64) forward / SDPA flash"] == ["1.1", "yes |"]
     assert table["attention (256, 6, 197, 64) backward / SDPA flash"] == ["1.9", "no |"]
     assert table["causal attention N = 1,024 forward / SDPA flash"] == ["–", "– |"]
@@ -179,16 +191,21 @@ def test_report_targets_from_synthetic_records():
 
 def test_budget_guard_skips_and_records(tmp_path):
     """A section whose estimate exceeds the time left is not run, and a record says so."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_run import Run
+    code = f"""
+import json
+from pathlib import Path
+from gpu_run import Run
 
-    run = Run(tmp_path, budget_s=10.0, smoke=True)
-    ran = []
-    run.section("cheap", 1, lambda: ran.append("cheap"))
-    run.section("dear", 60, lambda: ran.append("dear"))
-    run.section("broken", 1, lambda: 1 / 0)
-    run.sink.close()
-    records = [json.loads(line) for line in run.path.read_text().splitlines()]
+run = Run(Path({str(tmp_path)!r}), budget_s=10.0, smoke=True)
+ran = []
+run.section("cheap", 1, lambda: ran.append("cheap"))
+run.section("dear", 60, lambda: ran.append("dear"))
+run.section("broken", 1, lambda: 1 / 0)
+run.sink.close()
+print(json.dumps([ran, str(run.path)]))
+"""
+    ran, path = json.loads(_in_benchmarks(code).splitlines()[-1])
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert ran == ["cheap"]
     assert [(r["kind"], r["section"]) for r in records] == [
         ("section", "cheap"),

@@ -12,7 +12,7 @@ import torch
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.models.transformer import TransformerSeq2Seq
 from mmlight.reweighting import MultiMax, ReweightingSpec
-from tests.models.test_transformer import tiny_transformer
+from tests.helpers.models import tiny_transformer
 
 BOS, PAD, EOS = 0, 1, 2
 IDS = {"start_id": EOS, "eos_id": EOS, "pad_id": PAD, "banned_ids": (BOS,)}

@@ -269,8 +269,8 @@ def test_an_mmlight_checkpoint_is_read_by_its_vit_weights(timm_state, tmp_path):
     read as the timm weights under that prefix; one without them is named."""
     path = tmp_path / "last.ckpt"
     state = {f"model.vit.{k}": v for k, v in timm_state.items()} | {"model.other.weight": torch.zeros(1)}
-    # a run's hyperparameters may hold any picklable object (here a path), which torch's weights-only loader
-    # refuses: the checkpoint is read in full
+    # a run's hyperparameters may hold a path, which the checkpoint reader admits besides tensors and containers
+    # (objects of other types are refused: tests/test_safe_load.py)
     torch.save({"state_dict": state, "epoch": 3, "hyper_parameters": {"root": PurePosixPath("/data")}}, path)
     model = ReweightedViT(deit_tiny(path)).double().eval()
     x = images()

@@ -20,35 +20,7 @@ from mmlight.models.transformer import (
 )
 from mmlight.reweighting import MultiMax, ReweightingSpec, multimax_sigma
 from mmlight.reweighting.stickbreaking import StickBreaking
-
-PAD = 1
-
-
-def tiny_transformer(**fields) -> TransformerConfig:
-    """The tests' small transformer: a 2-layer decoder-only model, d 16, 2 heads, FFN 32, 20 tokens,
-    32 positions, ``PAD`` padding (dropout as the config's default).
-
-    Args:
-        fields: any other ``TransformerConfig`` field, or one of these to override (``n_encoder_layers``
-            above 0 makes an encoder-decoder).
-    """
-    base = {
-        "vocab_size": 20,
-        "d_model": 16,
-        "n_heads": 2,
-        "ffn_dim": 32,
-        "n_layers": 2,
-        "n_encoder_layers": 0,
-        "max_positions": 32,
-        "pad_id": PAD,
-    }
-    return TransformerConfig(**{**base, **fields})
-
-
-def tiny(n_encoder_layers=0, name="softmax", options=None, **kwargs):
-    """``tiny_transformer`` at d 32, FFN 48 over 23 tokens, with the reweighting ``name`` (``options``)."""
-    base = {"vocab_size": 23, "d_model": 32, "ffn_dim": 48, "attention": ReweightingSpec(name, options or {})}
-    return tiny_transformer(**{**base, "n_encoder_layers": n_encoder_layers, **kwargs})
+from tests.helpers.models import PAD, tiny, tiny_transformer
 
 
 def randomize_multimax(model, scale=0.5):
@@ -563,7 +535,7 @@ def test_models_hold_no_buffers(name):
     different numbers of evaluation batches that collective deadlocks. Constants (sinusoids, a fixed
     temperature) are therefore plain attributes."""
     from mmlight.models import ReweightedViT
-    from tests.models.test_vit import micro_vit
+    from tests.helpers.models import micro_vit
 
     spec = ReweightingSpec(name)
     models = [TransformerLM(tiny_transformer(n_layers=1, attention=spec))]

@@ -5,6 +5,7 @@ import torch
 
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.reweighting import MultiMax
+from tests.helpers.models import micro_vit
 
 
 @pytest.mark.parametrize("variant, millions", [("deit_tiny", 5.7), ("deit_small", 22.1), ("deit_base", 86.6)])
@@ -14,17 +15,6 @@ def test_deit_sizes(variant, millions):
         model = ReweightedViT(ViTConfig(variant=variant, attention=ReweightingSpec("multimax")))
     n = sum(p.numel() for p in model.parameters())
     assert n / 1e6 == pytest.approx(millions, abs=0.15)
-
-
-def micro_vit(**fields) -> ViTConfig:
-    """The tests' smallest ViT: ``vit_micro`` on 8x8 one-channel images (the digits fixture's), 10 classes.
-
-    Args:
-        fields: any other ``ViTConfig`` field, or one of these five to override.
-    """
-    return ViTConfig(
-        **{"variant": "vit_micro", "img_size": 8, "patch_size": 2, "in_chans": 1, "num_classes": 10, **fields}
-    )
 
 
 def test_each_layer_gets_its_own_reweighting():

@@ -10,8 +10,7 @@ from mmlight.models.transformer import TransformerLM, TransformerSeq2Seq
 from mmlight.nn import AttentionObserver, AttentionSite, attention, observe_attention, record_attention
 from mmlight.reweighting import ReweightingSpec, build, multimax_sigma
 from mmlight.reweighting.fused import SigmaKernels
-from tests.models.test_transformer import tiny
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit, tiny
 
 PAD = 1
 

@@ -2,10 +2,8 @@
 a 2-task CPU DDP job, and a job preempted mid-run that comes back, resumes from its checkpoint and
 ends with the weights of an uninterrupted job."""
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,53 +11,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.test_resume import assert_same_tensors
+from tests.helpers.checks import assert_same_tensors, wait_for
+from tests.helpers.slurm import job_env, sbatch_and_wait
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
 CPU_OVERRIDE = ["--ntasks-per-node", "2", "--gpus-per-node", "0", "--cpus-per-task", "1"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    result = subprocess.run(["bash", str(ROOT / ".ci" / "slurm-cluster.sh")], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"no SLURM cluster: {result.stderr.strip() or result.stdout.strip()}")
-
-
-def job_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRITON_INTERPRET"))}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the `mmlight` of this environment
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-#: the states in which a job (or an array task) has ended for good
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def job_records(job: int | str) -> list[dict[str, str]]:
-    """scontrol's fields of a job: one dict per array task (one for a plain job)."""
-    out = subprocess.run(["scontrol", "show", "job", str(job), "-o"], capture_output=True, text=True).stdout
-    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if "JobState=" in line]
-
-
-def sbatch_and_wait(command: list[str], timeout: float = 900, **run) -> subprocess.CompletedProcess:
-    """``command`` (an ``sbatch --parsable``), then a poll each second until every task of the job has
-    ended. What ``sbatch --wait`` does, without its growing poll interval (a 12-second job took 42 s
-    with it here). The exit code is the highest of the tasks', or 1 where one was killed by a signal."""
-    submitted = subprocess.run(command, capture_output=True, text=True, timeout=60, **run)
-    if submitted.returncode != 0:
-        return submitted
-    job = submitted.stdout.strip().split(";")[0].splitlines()[0]
-
-    def ended():
-        records = job_records(job)
-        return records if records and all(r["JobState"] in ENDED for r in records) else None
-
-    codes = [tuple(map(int, r["ExitCode"].split(":"))) for r in wait_for(ended, timeout, f"job {job} to end")]
-    code = max(1 if signal else status for status, signal in codes)
-    return subprocess.CompletedProcess(command, code, submitted.stdout, submitted.stderr)
 
 
 def submit(tmp_path, *overrides, wait=False) -> tuple[int, subprocess.CompletedProcess]:
@@ -95,16 +52,6 @@ def job_state(job: int) -> str:
     out = subprocess.run(["scontrol", "show", "job", str(job), "-o"], capture_output=True, text=True).stdout
     match = re.search(r"JobState=(\S+)", out)
     return match.group(1) if match else "UNKNOWN"
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:

@@ -6,7 +6,7 @@ import torch
 from mmlight.models import TransformerConfig
 from mmlight.tasks import LanguageModel
 from mmlight.tasks.checkpoint import check_checkpoint_matches
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
 
 
 def lm(d_model=8, n_layers=1, **task) -> LanguageModel:

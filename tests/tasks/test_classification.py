@@ -8,8 +8,8 @@ import torch
 from mmlight.data import DigitsDataModule, write_digits_shards
 from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
-from tests.conftest import quiet_trainer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
+from tests.helpers.trainer import quiet_trainer
 
 MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
 

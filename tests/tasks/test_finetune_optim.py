@@ -12,8 +12,8 @@ from timm.optim._param_groups import param_groups_layer_decay
 from mmlight.data import DigitsDataModule, write_digits_shards
 from mmlight.models import ReweightingSpec
 from mmlight.tasks import ImageClassifier
-from tests.conftest import quiet_trainer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
+from tests.helpers.trainer import quiet_trainer
 
 MICRO = micro_vit(
     global_pool="token",

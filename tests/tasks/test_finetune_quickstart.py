@@ -11,8 +11,8 @@ from mmlight.cli import build_cli
 from mmlight.data import DigitsDataModule
 from mmlight.models import ReweightedViT, ReweightingSpec, ViTConfig
 from mmlight.tasks import ImageClassifier
-from tests.conftest import quiet_trainer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit
+from tests.helpers.trainer import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = micro_vit(num_classes=6, drop_path_rate=0.0)

@@ -217,7 +217,7 @@ def lm(tmp_path_factory):
     """A tiny WikiText-103 language model (the paper's config at toy size, 2 steps on the fixture
     shards) and its ``mmlight test`` metrics."""
     from mmlight.data.prepare.wikitext import prepare
-    from tests.data.test_wikitext import write_raw
+    from tests.helpers.wikitext import write_raw
 
     tmp = tmp_path_factory.mktemp("lm")
     raw = write_raw(tmp / "raw")
@@ -423,7 +423,7 @@ def test_a_classifier_checkpoint_without_class_names_says_so(digits, tmp_path):
 
 def test_a_classifier_without_its_data_names_what_it_lacks_and_the_datamodule_to_attach():
     """The fast twin of the checkpoint test above: the errors whole, the DataModule's name included."""
-    from tests.models.test_vit import micro_vit
+    from tests.helpers.models import micro_vit
 
     classifier = ImageClassifier(model=micro_vit(num_classes=5))
     with pytest.raises(RuntimeError) as refused:
@@ -448,7 +448,7 @@ def test_a_classifier_without_its_data_names_what_it_lacks_and_the_datamodule_to
 def test_a_classifier_takes_class_names_at_setup_only_from_data_that_has_both_names_and_transforms():
     """A DataModule of the user's own with image transforms but no class names (or names but no transforms)
     trains as it is; only data with both is taken for ``classify``."""
-    from tests.models.test_vit import micro_vit
+    from tests.helpers.models import micro_vit
 
     names, augment = ClassMap(list("abcde")), ImageAugment(image_size=8)
     for data in (SimpleNamespace(augment=augment), SimpleNamespace(class_map=names), SimpleNamespace()):
@@ -471,7 +471,7 @@ def test_a_sequence_task_given_data_without_a_typed_vocabulary_names_the_data():
 
 
 def test_a_classifier_given_data_without_names_or_transforms_names_the_data():
-    from tests.models.test_vit import micro_vit
+    from tests.helpers.models import micro_vit
 
     classifier = ImageClassifier(model=micro_vit(num_classes=5))
     names, augment = ClassMap(list("abcde")), ImageAugment(image_size=8)
@@ -486,7 +486,7 @@ def test_a_classifier_given_data_without_names_or_transforms_names_the_data():
 
 
 def test_a_classifier_checkpoint_of_other_classes_is_refused_naming_the_first_of_each():
-    from tests.models.test_vit import micro_vit
+    from tests.helpers.models import micro_vit
 
     classifier = ImageClassifier(model=micro_vit(num_classes=5))
     data = SimpleNamespace(class_map=ClassMap(["a", "b", "c", "d", "e"]), augment=ImageAugment(image_size=8))

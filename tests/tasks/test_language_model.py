@@ -11,9 +11,9 @@ from mmlight.data.text import WikiTextDataModule
 from mmlight.data.vocab import load_vocab
 from mmlight.models import ReweightingSpec
 from mmlight.tasks import LanguageModel
-from tests.conftest import quiet_trainer
-from tests.data.test_wikitext import VALID, tokens, write_raw
-from tests.models.test_transformer import tiny_transformer
+from tests.helpers.models import tiny_transformer
+from tests.helpers.trainer import quiet_trainer
+from tests.helpers.wikitext import VALID, tokens, write_raw
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from torch import nn
 
 from mmlight.models import TransformerConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
-from tests.models.test_transformer import tiny_transformer
-from tests.models.test_vit import micro_vit
+from tests.helpers.models import micro_vit, tiny_transformer
+from tests.helpers.references import lrs
 
 NUM_CLASSES = 7
 
@@ -311,15 +311,6 @@ def test_data_with_another_padding_id_is_refused():
     module.setup("fit")
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace(pad_id=PAD))  # no vocab_size either
     module.setup("fit")
-
-
-def lrs(optimizer, scheduler, steps: int) -> list[float]:
-    seen = []
-    for _ in range(steps):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return seen
 
 
 def cosine_reference(peak: float, floor: float, warmup: int, total: int, steps: int) -> list[float]:

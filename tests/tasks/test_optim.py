@@ -8,8 +8,8 @@ import torch
 from mmlight.models import ReweightedViT, ReweightingSpec
 from mmlight.reweighting import Reweighting
 from mmlight.tasks.optim import param_groups, warmup_cosine
-from tests.models.test_vit import micro_vit
-from tests.tasks.test_metrics import lrs
+from tests.helpers.models import micro_vit
+from tests.helpers.references import lrs
 
 
 def test_no_decay_on_1d_pos_embed_and_reweighting():

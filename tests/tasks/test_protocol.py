@@ -21,7 +21,7 @@ from mmlight.nn import attention, record_attention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules
 from mmlight.reweighting import ReweightingSpec
 from mmlight.tasks.protocol import AnalysedTask, ExampleInputs, TaskMetric, check_analysed_task
-from tests.analysis.test_analyze import analyze
+from tests.helpers.cli import analyze
 
 PAD, VOCAB, LENGTH, CLASSES = 0, 8, 6, 3
 
@@ -333,7 +333,7 @@ def test_the_language_model_names_its_decoder_tokens_and_saves_no_vocabulary_it_
     writes no vocabulary into its checkpoints (and one given it writes its tokens)."""
     from mmlight.data.vocab import Vocab
     from mmlight.tasks import LanguageModel
-    from tests.models.test_transformer import tiny_transformer
+    from tests.helpers.models import tiny_transformer
 
     task = LanguageModel(tiny_transformer(n_layers=1))
     batch = {"input": torch.tensor([[5, 6, 7]]), "target": torch.tensor([[6, 7, 2]])}

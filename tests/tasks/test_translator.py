@@ -14,12 +14,12 @@ import sacrebleu
 import torch
 
 from mmlight.data import ToyTranslationDataModule
-from mmlight.models import ReweightingSpec, TransformerConfig
+from mmlight.models import TransformerConfig
 from mmlight.models.beam_search import BeamSearchConfig, beam_search
 from mmlight.tasks import Translator
 from mmlight.tasks.bleu import corpus_bleu
-from tests.conftest import quiet_trainer
-from tests.models.test_transformer import tiny_transformer
+from tests.helpers.models import tiny_translator
+from tests.helpers.trainer import quiet_trainer
 
 
 def bleu_by_definition(hypotheses: list[str], references: list[str]) -> float:
@@ -73,20 +73,6 @@ def toy(tmp_path_factory):
     )
     data.prepare_data()
     return data
-
-
-def tiny_translator(vocab_size: int, attention: str = "multimax", **task) -> Translator:
-    torch.manual_seed(0)
-    config = tiny_transformer(
-        vocab_size=vocab_size,
-        n_layers=1,
-        n_encoder_layers=1,
-        dropout=0.0,
-        max_positions=64,
-        share_embeddings=True,
-        attention=ReweightingSpec(attention),
-    )
-    return Translator(config, beam=BeamSearchConfig(beam_size=3, max_len_a=1.0, max_len_b=3), **task)
 
 
 def trainer(tmp_path) -> L.Trainer:

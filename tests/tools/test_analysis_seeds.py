@@ -1,16 +1,14 @@
 """tools/analysis_seeds.py: seeds grouped by label, layer means and the spread against NumPy."""
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tools import analysis_seeds
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("analysis_seeds", ROOT / "tools" / "analysis_seeds.py")
-analysis_seeds = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(analysis_seeds)
 
 
 def write(path: Path, header, rows) -> None:

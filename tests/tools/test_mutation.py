@@ -2,17 +2,13 @@
 diff touches (hunks read by hand from git's unified format; mutmut's naming of functions and methods)."""
 
 import fnmatch
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tools import mutation
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
-mutation = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mutation  # dataclasses look their module up there
-spec.loader.exec_module(mutation)
 
 
 def test_every_runtime_module_but_the_kernels_is_mutated_against_tests_that_exist():

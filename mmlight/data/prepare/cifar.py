@@ -7,13 +7,14 @@ which is read without extracting it::
     CIFAR-10:  data_batch_1 .. data_batch_5, test_batch, batches.meta (label_names)
     CIFAR-100: train, test, meta (fine_label_names); the label is the fine label (100 classes)
 
-Each pickle holds ``data`` (N x 3072 bytes: the red, green and blue 32 x 32 planes) and the labels.
+Each pickle holds ``data`` (N x 3072 bytes: the red, green and blue 32 x 32 planes) and the labels. The
+pickles are read by :class:`~mmlight.safe_load.PlainUnpickler`, which builds only plain data and NumPy
+arrays: a pickle that references anything else is refused, naming the file, and nothing in it runs.
 Every image is stored as a lossless PNG. Splits ``train`` (50,000) and ``test`` (10,000).
 """
 
 from __future__ import annotations
 
-import pickle
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from mmlight.data.prepare.image_files import png_bytes, write_image_splits
+from mmlight.safe_load import PlainUnpickler
 
 #: CIFAR images are about 2.5 kB as PNG: 5,000 per shard, ~12 MB
 SAMPLES_PER_SHARD = 5000
@@ -70,19 +72,29 @@ CIFAR100 = Cifar(
 )
 
 
-def _unpickle(data: bytes) -> dict:
+def _unpickle(data: bytes, where: str) -> dict:
+    """The dict pickled in ``data`` (the file ``where``), built by :class:`PlainUnpickler`: a pickle that
+    references anything but plain data and NumPy arrays is refused, and nothing in it runs."""
     # the official pickles were written by Python 2: byte-string keys
-    return {key.decode(): value for key, value in pickle.loads(data, encoding="bytes").items()}
+    content = PlainUnpickler(data, where).load()
+    if not isinstance(content, dict):
+        raise ValueError(f"{where} holds a {type(content).__name__}, not the dict of a CIFAR pickle")
+    return {key.decode() if isinstance(key, bytes) else key: value for key, value in content.items()}
 
 
 def _reader(src: Path, release: Cifar):
     """A function ``file name -> unpickled dict`` over the folder or the archive found in ``src``."""
     for folder in (src, src / release.folder):
         if (folder / release.meta).is_file():
-            return lambda name: _unpickle((folder / name).read_bytes())
+            return lambda name: _unpickle((folder / name).read_bytes(), str(folder / name))
     if (src / release.archive).is_file():
         archive = tarfile.open(src / release.archive)
-        return lambda name: _unpickle(archive.extractfile(f"{release.folder}/{name}").read())
+
+        def read(name: str) -> dict:
+            member = f"{release.folder}/{name}"
+            return _unpickle(archive.extractfile(member).read(), f"{src / release.archive}:{member}")
+
+        return read
     raise FileNotFoundError(
         f"expected the {release.name} pickles ({release.meta}, ...) in {src} or "
         f"{src / release.folder}, or the archive {src / release.archive}"

@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
         # The interpreter must be on before any Triton kernel is defined, and the ``mmlight`` command
         # has imported Triton and Lightning by now: check in a fresh process.
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        raise SystemExit(subprocess.run([sys.executable, "-m", "mmlight.doctor", *(argv or [])], env=env).returncode)
+        raise SystemExit(
+            subprocess.run([sys.executable, "-m", "mmlight.commands.doctor", *(argv or [])], env=env).returncode
+        )
     for name, value in environment():
         print(f"{name:>24}: {value}")
     if not on_gpu:

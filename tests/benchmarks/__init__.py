@@ -1,0 +1,1 @@
+"""Tests of the benchmark records and their rendering in BENCHMARKS.md."""

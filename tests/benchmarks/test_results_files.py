@@ -1,0 +1,112 @@
+"""benchmarks/results/ and BENCHMARKS.md: every record file follows the naming pattern and is named in
+BENCHMARKS.md, and every table BENCHMARKS.md renders from records is what ``benchmarks/report.py``
+renders from them today (so the document cannot drift from its records)."""
+
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import record_name
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = (ROOT / "BENCHMARKS.md").read_text()
+
+# The blocks as BENCHMARKS.md's method section describes them, parsed here without report.py's regex.
+BLOCKS = [
+    (paths.split(), body)
+    for paths, body in re.findall(r"<!-- report: ([^>\n]+?) -->\n(.*?)<!-- end report -->", DOC, flags=re.DOTALL)
+]
+
+
+def report(paths: list[str]) -> str:
+    """``python benchmarks/report.py PATHS`` as a user runs it (the script's folder on its ``sys.path``)."""
+    return subprocess.run(
+        [sys.executable, "benchmarks/report.py", *paths], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def test_every_record_file_follows_the_pattern_and_is_named_in_benchmarks_md():
+    files = sorted(path.name for path in RESULTS.iterdir())
+    assert files
+    off_pattern = [name for name in files if record_name.PATTERN.fullmatch(name) is None]
+    assert off_pattern == [], "named off <benchmark>-<device>-<versions>-<YYYYMMDD>[-<tag>].<ext>"
+    for name in files:  # the date part is a real day
+        datetime.datetime.strptime(record_name.PATTERN.fullmatch(name)["date"], "%Y%m%d")
+    unreferenced = [name for name in files if f"benchmarks/results/{name}" not in DOC]
+    assert unreferenced == [], "in benchmarks/results/ but not named in BENCHMARKS.md: render or git rm them"
+
+
+def test_every_record_file_a_report_block_names_exists():
+    assert len(BLOCKS) >= 9
+    missing = [path for paths, _ in BLOCKS for path in paths if not (ROOT / path).is_file()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("paths, body", BLOCKS, ids=[Path(paths[0]).name for paths, _ in BLOCKS])
+def test_each_rendered_table_is_what_report_py_renders_from_its_records(paths, body):
+    assert body == report(paths), "run: python benchmarks/report.py --update BENCHMARKS.md"
+
+
+def test_the_loader_table_holds_the_records_rates_and_their_same_run_ratios():
+    """Each run's uint8 / per-copy ratio, recomputed from its samples/s, is the figure in the table."""
+    paths = sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("loader-*.jsonl"))
+    rendered = report(paths)
+    for path in paths:
+        rates = {
+            (r["backend"], r["copies"]): r["samples_per_s_per_worker"]
+            for r in map(json.loads, (ROOT / path).read_text().splitlines())
+            if r["op"] == "image_loader_deit_train"
+        }
+        assert f"{rates['shards, uint8', 3]:.1f}" in rendered
+        assert f"{rates['shards, uint8', 3] / rates['shards, per-copy decode', 3]:.2f}" in rendered
+
+
+def test_the_step_time_medians_are_the_scripts_own_medians():
+    """report.py recomputes each function's median ratio from the rounds; reweighting_step_time.py stored
+    its own: the two must agree to the digits shown."""
+    paths = sorted(str(p.relative_to(ROOT)) for p in RESULTS.glob("reweighting_step_time-*.json"))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in report(paths).splitlines() if line.startswith("| ")}
+    for column, path in enumerate(paths, start=1):
+        record = json.loads((ROOT / path).read_text())
+        for function, median in record["median_ratio_to_softmax"].items():
+            cell = rows[function].strip(" |").split(" | ")[column]
+            assert cell.startswith(f"{median:.2f} ("), (function, path)
+            ratios = [round_[function] / round_["softmax"] for round_ in record["rounds"]]
+            assert statistics.median(ratios) == pytest.approx(median)
+
+
+def test_record_path_names_a_file_the_pattern_accepts():
+    when = datetime.datetime(2026, 11, 23, 13, 28, tzinfo=datetime.timezone.utc)
+    versions = [("torch", "2.14.1+cu130"), ("Pillow-SIMD", "12.1.1.post0")]
+    path = record_name.record_path("loader", "cpu", versions, "jsonl", when=when, folder=Path("out"))
+    assert path == Path("out/loader-cpu-torch2.14_pillowsimd12.1-20261123-1328.jsonl")
+    assert record_name.PATTERN.fullmatch(path.name)["tag"] == "1328"
+    lm = record_name.record_path("reweighting_step_time", "cpu", versions[:1], "json", tag="lm", when=when)
+    assert lm.name == "reweighting_step_time-cpu-torch2.14-20261123-lm.json"
+    assert record_name.record_path("repro", "cpu", versions[:1], "jsonl", tag="", when=when).name == (
+        "repro-cpu-torch2.14-20261123.jsonl"
+    )
+    with pytest.raises(ValueError, match="naming pattern"):
+        record_name.record_path("Loader Bench", "cpu", versions, "jsonl", when=when)
+    with pytest.raises(ValueError, match="does not start with a number"):
+        record_name.version_part("torch", "unknown")
+
+
+@pytest.mark.parametrize(
+    "name, part",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GeForce RTX 3090", "3090"),
+        ("cpu (x86_64)", "cpu"),
+    ],
+)
+def test_device_part_is_the_gpu_model_or_cpu(name, part):
+    assert record_name.device_part(name) == part

@@ -1,0 +1,40 @@
+"""The ``mmlight`` command as the tests run it: in a subprocess (:func:`run_mmlight`) or in-process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mmlight.cli import main
+
+
+def mmlight_argv(*args: str) -> list[str]:
+    """The command line that runs ``mmlight ARGS`` with this interpreter (and so this checkout's package,
+    through the inherited ``PYTHONPATH``), whether or not the console script is installed."""
+    return [sys.executable, "-m", "mmlight.cli", *args]
+
+
+def run_mmlight(*args: str, timeout: float = 900, **run) -> subprocess.CompletedProcess:
+    """Run ``mmlight ARGS`` to the end in a subprocess and return it, its output captured as text.
+
+    Args:
+        args: the command line after ``mmlight``.
+        timeout: seconds before the process is killed and ``subprocess.TimeoutExpired`` raised.
+        run: any other ``subprocess.run`` argument (``cwd``, ``env``, ``check``).
+    """
+    return subprocess.run(mmlight_argv(*args), capture_output=True, text=True, timeout=timeout, **run)
+
+
+def analyze(config: Path, ckpts: list[Path], out: Path, *options: str, overrides: Sequence[str] = ()) -> None:
+    """``mmlight analyze`` of ``ckpts`` trained with ``config``, written to ``out``.
+
+    Args:
+        config: the config the checkpoints were trained with.
+        ckpts: the checkpoints to compare.
+        out: the output folder.
+        options: analysis options (``--num_samples 16``, ``--robustness``, ...).
+        overrides: ``--data.*``/``--trainer.*`` options for the config's parser.
+    """
+    main(["analyze", "--config", str(config), *overrides, "--ckpt_path", *map(str, ckpts), "--out", str(out), *options])

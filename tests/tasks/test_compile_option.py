@@ -1,0 +1,93 @@
+"""The tasks' ``compile`` option: checkpoints are the same with and without it, a run trained compiled
+continues uncompiled (and the other way round), and a failure names what failed.
+
+Compiled here with the ``aot_eager`` backend (``compile: {backend: aot_eager}``): the same graphs
+as Inductor's input, without generating code, so the tests stay cheap. The micro ViT comes from
+``tests/models/test_vit.py`` (``micro_vit``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmlight.data import DigitsDataModule, write_digits_shards
+from mmlight.models import ReweightingSpec
+from mmlight.tasks import ImageClassifier
+from mmlight.tasks.compiling import compile_kwargs
+from tests.helpers.models import micro_vit
+from tests.helpers.trainer import quiet_trainer
+
+MICRO = micro_vit(attention=ReweightingSpec("multimax"), output_multimax=True, drop_path_rate=0.0)
+COMPILED = {"backend": "aot_eager"}
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    write_digits_shards(root)
+    return root
+
+
+def fit(module, digits, steps, ckpt_path=None, **trainer):
+    torch.manual_seed(0)
+    run = quiet_trainer(max_steps=steps, limit_val_batches=1, gradient_clip_val=1.0, **trainer)
+    run.fit(module, DigitsDataModule(cache_dir=str(digits), batch_size=16), ckpt_path=ckpt_path)
+    return run
+
+
+def test_compile_kwargs():
+    assert compile_kwargs(False) is None
+    assert compile_kwargs(True) == {"fullgraph": True}
+    assert compile_kwargs({"mode": "max-autotune"}) == {"fullgraph": True, "mode": "max-autotune"}
+    assert compile_kwargs({"fullgraph": False}) == {"fullgraph": False}
+    with pytest.raises(ValueError, match=r"unknown torch.compile option\(s\) \['modes'\]"):
+        compile_kwargs({"modes": "max-autotune"})
+    with pytest.raises(TypeError, match="compile must be true, false or a dict"):
+        compile_kwargs("yes")
+
+
+def test_trained_compiled_continues_uncompiled_and_back_with_the_same_weights(digits, tmp_path):
+    torch.manual_seed(0)
+    compiled = ImageClassifier(MICRO, ema_decay=0.9, compile=COMPILED, lr_reference_batch=None)
+    run = fit(compiled, digits, 3)
+    path = tmp_path / "compiled.ckpt"
+    run.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert not [k for k in state if "_orig_mod" in k]
+    torch.manual_seed(0)  # the same initial weights
+    eager = ImageClassifier(MICRO, ema_decay=0.9, lr_reference_batch=None)
+    assert state.keys() == eager.state_dict().keys()
+    # the same three steps uncompiled reach the same weights, EMA included (aot_eager runs the same
+    # kernels; a gradient's contributions may be summed in another order: a few ulps, amplified by
+    # three Adam steps on parameters near zero)
+    fit(eager, digits, 3)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+    # resumed uncompiled (the option from the command line: a keyword over the checkpoint's) ...
+    resumed = ImageClassifier.load_from_checkpoint(path, compile=False)
+    assert resumed.compiled.kwargs is None
+    run = fit(resumed, digits, 5, ckpt_path=path)
+    assert run.global_step == 5
+    validated = quiet_trainer(limit_val_batches=1).validate(
+        resumed, DigitsDataModule(cache_dir=str(digits), batch_size=16)
+    )
+    assert {"val/top1", "val/ema_top1"} <= validated[0].keys()
+    # ... and an uncompiled checkpoint resumes compiled, in bf16-mixed
+    path2 = tmp_path / "eager.ckpt"
+    run.save_checkpoint(path2)
+    again = ImageClassifier.load_from_checkpoint(path2, compile=COMPILED)
+    assert fit(again, digits, 7, ckpt_path=path2, precision="bf16-mixed").global_step == 7
+
+
+def test_a_compile_failure_names_the_method_and_the_functions(digits):
+    module = ImageClassifier(MICRO, compile={"backend": "no_such_backend"})
+    # the sanity check's evaluation forward is the first compiled call
+    message = (
+        r"torch.compile of ReweightedViT.forward \(reweighting: MultiMax \(backend auto\)\) failed: Invalid backend"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        fit(module, digits, 1)

@@ -1,0 +1,85 @@
+"""How the tests share code: a test module imports helpers (``tests/helpers/``, the fixtures of
+``tests/conftest.py`` by name) and the ``benchmarks``/``tools`` packages, never another test module, and
+reaches nothing through ``sys.path`` edits or files loaded by path."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers.imports import imported_names
+
+TESTS = Path(__file__).resolve().parent
+
+
+def is_test_module(name: str) -> bool:
+    """A test module or a conftest, by the last part of its dotted name."""
+    last = name.rsplit(".", 1)[-1]
+    return last.startswith("test_") or last == "conftest"
+
+
+def loads_code_by_path(source: str) -> list[str]:
+    """The calls of ``source`` that put code within reach outside the import system: ``sys.path`` edits and
+    ``importlib.util.spec_from_file_location``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = ast.unparse(node.func)
+            if target.startswith("sys.path.") or target.endswith("spec_from_file_location"):
+                found.append(target)
+    return found
+
+
+def python_files() -> dict[str, Path]:
+    """Every module under ``tests/`` by dotted name."""
+    root = TESTS.parent
+    return {".".join(p.relative_to(root).with_suffix("").parts): p for p in sorted(TESTS.rglob("*.py"))}
+
+
+def test_the_readers_see_every_form():
+    source = """
+import tests.models.test_vit
+from tests.helpers.models import micro_vit
+from .test_iwslt import write_raw
+from . import conftest
+import sys; sys.path.insert(0, "x")
+spec = importlib.util.spec_from_file_location("m", "m.py")
+"""
+    names = imported_names(source, "tests.data.test_x", is_package=False)
+    assert {"tests.models.test_vit", "tests.helpers.models", "tests.data.test_iwslt", "tests.data.conftest"} <= names
+    assert [n for n in sorted(names) if is_test_module(n)] == [
+        "tests.data.conftest",
+        "tests.data.test_iwslt",
+        "tests.models.test_vit",
+    ]
+    assert not is_test_module("tests.helpers.models") and not is_test_module("tests.data.image_fixtures")
+    assert loads_code_by_path(source) == ["sys.path.insert", "importlib.util.spec_from_file_location"]
+
+
+def test_no_test_module_imports_another_test_module():
+    found = {}
+    for name, path in python_files().items():
+        imported = imported_names(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
+        found[name] = sorted(n for n in imported if is_test_module(n))
+    assert {name: imports for name, imports in found.items() if imports} == {}
+
+
+def test_no_test_reaches_code_through_sys_path_or_a_file_path():
+    found = {name: loads_code_by_path(path.read_text(encoding="utf-8")) for name, path in python_files().items()}
+    assert {name: calls for name, calls in found.items() if calls} == {}
+
+
+def test_the_shared_scopes_name_tests_that_exist():
+    """``SHARED_SCOPES`` (what runs on one xdist worker) names files and tests of the suite, so that renaming
+    one cannot quietly let two workers share the SLURM cluster; the scheduler maps them to their scope."""
+    from tests.helpers.xdist import SHARED_SCOPES, SharedScopes
+
+    root = TESTS.parent
+    for prefix in SHARED_SCOPES:
+        path, _, name = prefix.partition("::")
+        assert (root / path).is_file(), prefix
+        assert not name or f"def {name}(" in (root / path).read_text(encoding="utf-8"), prefix
+    scope = SharedScopes._split_scope.__get__(object.__new__(SharedScopes))
+    assert scope("tests/slurm/test_slurm.py::test_ddp_job") == scope("tests/test_docs.py::test_sbatch_test_only[a]")
+    assert scope("tests/test_docs.py::test_readme_python_runs") == "tests/test_docs.py"
+    assert scope("tests/models/test_vit.py::TestX::test_y") == "tests/models/test_vit.py"
