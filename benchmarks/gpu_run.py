@@ -23,8 +23,8 @@ each section skipped (and recorded as skipped) when the time left is below its e
    ``torch.compile`` of the model's forward.
 
 Every record is one JSON line, flushed as soon as it exists, in
-``<out>/multimax-<device>-torch<v>-triton<v>-<date>.jsonl``, so a run cut off still returns what it
-measured; ``benchmarks/report.py`` renders the file. ``--smoke`` runs the same code at tiny shapes on
+``<out>/gpu_run-<device>-torch<v>_triton<v>-<YYYYMMDD>-<HHMM>.jsonl``, so a run cut off still
+returns what it measured; ``benchmarks/report.py`` renders the file. ``--smoke`` runs the same code at tiny shapes on
 the CPU (Triton's interpreter; fp32), recording what needs CUDA as skipped with the reason.
 
     python benchmarks/gpu_run.py --out "$OUT"        # on the GPU
@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
 import json
 import multiprocessing
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -58,6 +56,7 @@ if "--smoke" in sys.argv[1:] and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench_multimax import PEAK_GBPS, bent_multimax, device_name, time_ms  # noqa: E402 (beside this script)
+from record_name import device_part, record_path  # noqa: E402
 
 from mmlight.commands.doctor import relative_error  # noqa: E402
 from mmlight.kernels import attention as attention_kernel  # noqa: E402
@@ -215,13 +214,10 @@ def first_line(error: BaseException) -> str:
 
 
 def record_file_name(versions: dict, smoke: bool) -> str:
-    """``multimax-<device>-torch<major.minor>-triton<major.minor>-<date>.jsonl`` (``smoke-`` first)."""
-    device = re.sub(r"[^a-z0-9]+", "-", versions["device"].lower()).strip("-")
-    device = next((k.lower() for k in ("H200", "H100", "A100") if k.lower() in device), device)
-    short = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
-    date = datetime.date.today().isoformat()
-    name = f"multimax-{device}-torch{short(versions['torch'])}-triton{short(versions['triton'])}-{date}.jsonl"
-    return ("smoke-" if smoke else "") + name
+    """``gpu_run-<device>-torch<major.minor>_triton<major.minor>-<YYYYMMDD>-<HHMM or smoke>.jsonl``, the
+    results' naming pattern (``record_name.py``)."""
+    part = [("torch", versions["torch"]), ("triton", versions["triton"])]
+    return record_path("gpu_run", device_part(versions["device"]), part, "jsonl", tag="smoke" if smoke else None).name
 
 
 def timer(run: Run, fn: Callable[[], object], reps: int = 50) -> float:

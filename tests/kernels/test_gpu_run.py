@@ -30,7 +30,7 @@ def smoke_run(tmp_path_factory):
         cwd=ROOT,
         capture_output=True,
     )
-    (path,) = out.glob("smoke-multimax-*-torch*-triton*-*.jsonl")
+    (path,) = out.glob("gpu_run-cpu-torch*_triton*-*-smoke.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()], out, path
 
 
