@@ -178,7 +178,7 @@ def run_host_code(case: Case) -> None:
 
 def launches_of(case: Case, capability: int) -> list[Launch]:
     """The kernel launches the host code makes for ``case`` on a GPU of ``capability``."""
-    from mmlight.kernels.attention import OFFLINE_CAPABILITY
+    from mmlight.kernels.tiles import OFFLINE_CAPABILITY
 
     token = OFFLINE_CAPABILITY.set(capability)  # the tile sizes depend on the target
     try:

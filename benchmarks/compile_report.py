@@ -4,10 +4,12 @@ and record registers, spills and shared memory (see `benchmarks/compile_check.py
     python benchmarks/compile_report.py            # full matrix, both targets, ~15 min on 2 cores
     python benchmarks/compile_report.py --matrix shipped
     python benchmarks/compile_report.py --family attention --dtype bf16   # recompile a part
+    python benchmarks/compile_report.py --matrix shipped --switch PARAM_SUMS_PER_PROGRAM
 
-Writes ``benchmarks/results/compile_report-cpu-<versions>-<date>-<matrix>.json`` and ``.md`` (a summary
-table per kernel and target, then one row per compiled kernel); ``benchmarks/report.py`` renders the
-summary in BENCHMARKS.md. Rerun it
+Writes ``benchmarks/results/compile_report-cpu-<versions>-<date>-<matrix>[_<switches>].json`` and ``.md``
+(a summary table per kernel and target, then one row per compiled kernel; ``--switch`` turns kernel
+switches of ``mmlight/kernels/attention.py``, ``cross_entropy.py`` or ``rowwise.py`` on and adds their
+names to the tag); ``benchmarks/report.py`` renders the summary in BENCHMARKS.md. Rerun it
 whenever a kernel or its tile sizes change. Exit status 1 if any kernel fails a check.
 """
 
@@ -73,7 +75,26 @@ def main(argv: list[str] | None = None) -> int:
         default=list(compile_check.DTYPES),
         help="recompile only these dtypes; the report keeps the other rows",
     )
+    parser.add_argument(
+        "--switch",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="kernel switches of mmlight/kernels/attention.py, cross_entropy.py or rowwise.py to turn on "
+        "(e.g. PARAM_SUMS_PER_PROGRAM)",
+    )
     args = parser.parse_args(argv)
+    from mmlight.kernels import attention, cross_entropy, rowwise
+
+    for name in args.switch:
+        module = next(
+            (m for m in (attention, cross_entropy, rowwise) if isinstance(getattr(m, name, None), bool)), None
+        )
+        if module is None or not name.isupper():
+            parser.error(
+                f"{name} is not a kernel switch of mmlight/kernels/attention.py, cross_entropy.py or rowwise.py"
+            )
+        setattr(module, name, True)
     cases = compile_check.full_matrix() if args.matrix == "full" else compile_check.shipped_cases()
     cases = [case for case in cases if case.family in args.family and case.dtype in args.dtype]
     results = compile_check.check_cases(
@@ -81,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     versions = [("triton", triton.__version__), ("torch", torch.__version__)]
-    json_path = record_path("compile_report", "cpu", versions, "json", tag=args.matrix, folder=args.out)
+    tag = "_".join([args.matrix, *(name.lower() for name in args.switch)])
+    json_path = record_path("compile_report", "cpu", versions, "json", tag=tag, folder=args.out)
     md_path = json_path.with_name(json_path.name.removesuffix(".json") + ".md")
-    earlier = [p for p in args.out.glob(f"compile_report-*-{args.matrix}.json") if PATTERN.fullmatch(p.name)]
+    earlier = [p for p in args.out.glob(f"compile_report-*-{tag}.json") if PATTERN.fullmatch(p.name)]
     if earlier:  # keep the rows of the families and dtypes not recompiled, from the latest report
         latest = max(earlier, key=lambda p: PATTERN.fullmatch(p.name)["date"])
         kept = [

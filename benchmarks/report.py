@@ -3,8 +3,10 @@
     python benchmarks/report.py benchmarks/results/<file> [<file> ...]
     python benchmarks/report.py --update BENCHMARKS.md     # every table of BENCHMARKS.md, again
 
-Each file's kind is recognised from its records: ``bench_multimax.py`` (one table per op and shape, the
-device and versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
+Each file's kind is recognised from its records: ``gpu_run.py`` (its records carry a ``kind``: the
+issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, what
+was skipped, then the kernels' tables), ``bench_multimax.py`` (one table per op and shape, the device and
+versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
 ``pillow_build_pixels.py``, ``attention_stats_cost.py``, ``attention_stats_fit_time.py``,
 ``reweighting_step_time.py`` and ``compile_report.py``. Files of one kind render as one table, side by
 side (the loader's runs, the step-time configs); each table starts with a line naming the device, the
@@ -383,8 +385,154 @@ def render_compile_report(paths: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The attention targets: (label, (op, causal length or False for any, ratio key), bound).
+TARGETS = [
+    ("attention (256, 6, 197, 64) forward / SDPA flash", ("attention", False, "fwd_ratio"), 1.2),
+    ("attention (256, 6, 197, 64) backward / SDPA flash", ("attention", False, "bwd_ratio"), 1.5),
+    ("causal attention N = 1,024 forward / SDPA flash", ("attention_causal", 1024, "fwd_ratio"), 1.3),
+    ("causal attention N = 1,024 backward / SDPA flash", ("attention_causal", 1024, "bwd_ratio"), 2.0),
+    ("causal attention N = 4,096 forward / SDPA flash", ("attention_causal", 4096, "fwd_ratio"), 1.3),
+    ("causal attention N = 4,096 backward / SDPA flash", ("attention_causal", 4096, "bwd_ratio"), 2.0),
+]
+
+
+def _tuned_attention(records: list[dict], op: str, n: int | bool, key: str):
+    """The tuned fused kernel's ratio at an attention op (``n``: the causal length, False: any)."""
+    for r in records:
+        if r.get("kind") == "timing" and r.get("op") == op and r.get("backend") == "multimax/triton tuned":
+            if n is False or r["shape"][2] == n:
+                return r.get(key)
+    return None
+
+
+def targets_table(records: list[dict]) -> list[str]:
+    """The issue's targets against this run's ratios (each measured against a baseline of the same run)."""
+    lines = ["| target | bound | measured | met? |", "|---|---|---|---|"]
+
+    def row(label, value, bound, lower=True, digits=3):
+        met = "–" if value is None else ("yes" if (value <= bound if lower else value >= bound) else "no")
+        sign = "≤" if lower else "≥"
+        lines.append(f"| {label} | {sign} {bound} | {fmt(value, digits)} | {met} |")
+
+    for label, (op, n, key), bound in TARGETS:
+        row(label, _tuned_attention(records, op, n, key), bound)
+    eager = {r["backend"]: r for r in records if r.get("kind") == "step" and not r.get("compiled")}
+    base = eager.get("softmax (SDPA flash)", {}).get("step_ms")
+    tuned = eager.get("multimax tuned", {}).get("step_ms")
+    row("DeiT-small step, MultiMax tuned / softmax (SDPA flash), eager", tuned / base if tuned and base else None, 1.05)
+    fused = [
+        r for r in records if r.get("op") == "cross_entropy" and r.get("backend", "").startswith("multimax/triton")
+    ]
+    ratios = [r["fwd_bwd_ratio"] for r in fused if r.get("fwd_bwd_ratio") and r.get("ok", True)]
+    row("MultiMax cross-entropy fw + bw / F.cross_entropy (best setting)", min(ratios, default=None), 0.5)
+    copy = next((r["copy_gbps"] for r in records if r.get("kind") == "ceiling"), None)
+    rowwise = [r for r in records if r.get("op") == "rowwise" and r.get("ok") and r.get("fwd_ms")]
+    best = min(rowwise, key=lambda r: r["fwd_ms"], default=None)
+    fraction = best["bytes_fwd"] / best["fwd_ms"] / 1e6 / copy if best and copy else None
+    row("row-wise forward, best config, of the measured copy bandwidth", fraction, 0.7, lower=False)
+    return lines
+
+
+def sweep_table(records: list[dict]) -> list[str]:
+    """Per shape and kernel: candidates checked and passed, the fastest config and its time."""
+    checks: dict[tuple, list[bool]] = {}
+    for r in records:
+        if r.get("kind") == "check":
+            checks.setdefault((r["shape_name"], r["kernel"]), []).append(bool(r["ok"]))
+    lines = [
+        "| shape | kernel | checked | passed | fastest (m, n, warps, stages) | ms | shipped ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    shipped = {r["shape_name"]: r for r in records if r.get("kind") == "sweep" and r.get("kernel") is None}
+    timed: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("kind") == "sweep" and r.get("kernel"):
+            timed.setdefault((r["shape_name"], r["kernel"]), []).append(r)
+    for (shape, kernel), group in timed.items():
+        phase = "fwd_ms" if kernel == "forward" else "bwd_ms"
+        best = min(group, key=lambda r: r[phase])
+        c = best["config"]
+        # causal 4,096 has causal 1,024's specialisation: its candidates were checked there
+        results = checks.get(("causal_1k" if shape == "causal_4k" else shape, kernel), [])
+        lines.append(
+            f"| {shape} {best['shape']} | {kernel} | {len(results)} | {sum(results)} | "
+            f"{c['block_m']}, {c['block_n']}, {c['num_warps']}, {c['num_stages']} | {fmt(best[phase])} | "
+            f"{fmt(shipped.get(shape, {}).get(phase))} |"
+        )
+    return lines
+
+
+def switch_table(records: list[dict]) -> list[str]:
+    lines = ["| shape | switch | value | fwd ms | bwd ms |", "|---|---|---|---|---|"]
+    for r in records:
+        if r.get("kind") == "switch":
+            lines.append(
+                f"| {r['shape_name']} | {r['switch']} | {r['value']} | {fmt(r.get('fwd_ms'))} | "
+                f"{fmt(r.get('bwd_ms'))} |"
+            )
+    return lines
+
+
+def step_table(records: list[dict]) -> list[str]:
+    lines = ["| variant | compiled | step ms | × baseline | first step s | peak MB |", "|---|---|---|---|---|---|"]
+    for r in records:
+        if r.get("kind") == "step":
+            lines.append(
+                f"| {r['backend']} | {'yes' if r.get('compiled') else 'no'} | {fmt(r.get('step_ms'))} | "
+                f"{fmt(r.get('step_ratio'))} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+                + (f" {r['error']}" if r.get("error") else "")
+            )
+    return lines
+
+
+def render_run(records: list[dict]) -> str:
+    """The Markdown of one ``gpu_run.py`` file."""
+    first = records[0]
+    env = next((r for r in records if r.get("kind") == "env"), {})
+    ceiling = next((r for r in records if r.get("kind") == "ceiling"), {})
+    lines = [
+        f"\n### {first['device']}, torch {first['torch']}, triton {first['triton']}\n",
+        f"Python {env.get('python', '–')}, CUDA {env.get('cuda', '–')}, cuDNN {env.get('cudnn', '–')}; "
+        f"nvidia-smi at the start: {env.get('nvidia_smi') or '–'}. Measured ceilings: copy "
+        f"{fmt(ceiling.get('copy_gbps'), 4)} GB/s (read + write), bf16 matrix product "
+        f"{fmt(ceiling.get('bf16_mm_tflops'), 4)} TFLOP/s.\n",
+        "#### Targets\n",
+        *targets_table(records),
+        "\n#### Tile sweep (each candidate checked against fp32 first)\n",
+        *sweep_table(records),
+        "\n#### Kernel switches (tuned tiles)\n",
+        *switch_table(records),
+        "\n#### Training step (× baseline: eager against softmax with SDPA flash, compiled against timm's)\n",
+        *step_table(records),
+    ]
+    skipped = [r for r in records if r.get("kind") in ("skipped", "error")]
+    if skipped:
+        lines.append("\n#### Skipped or failed\n")
+        lines += [
+            " ".join(filter(None, (f"- {r['section']}:", r.get("what"), r.get("reason") or r.get("error"))))
+            for r in skipped
+        ]
+    timings = [r for r in records if r.get("kind") == "timing" and r.get("op") != "cross_entropy"]
+    ce = [r for r in records if r.get("kind") == "timing" and r.get("op") == "cross_entropy"]
+    lines.append("\n#### Kernels\n")
+    lines.append(render(timings).rstrip())
+    if ce:
+        lines += [
+            "",
+            "| cross-entropy backend | fwd ms | fwd + bwd ms | × F.cross_entropy | peak MB |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['backend']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_bwd_ms'))} | "
+            f"{fmt(r.get('fwd_bwd_ratio'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+            for r in ce
+        ]
+    return "\n".join(lines) + "\n"
+
+
 #: Each kind of record file: how to recognise one of its records, and its renderer.
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
+    "gpu_run": (lambda r: "kind" in r, lambda paths: "".join(render_run(load(path)) for path in paths)),
     "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths))),
     "loader": (lambda r: r.get("op") == "images", render_loader),
     "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),

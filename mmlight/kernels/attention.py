@@ -36,8 +36,6 @@ Causal programs skip key blocks that lie entirely in the future of their query b
 from __future__ import annotations
 
 import math
-from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,6 +52,7 @@ from mmlight.kernels.sigma import (
     store_param_partials,
     sum_param_partials,
 )
+from mmlight.kernels.tiles import BlockConfig, device_capability, measured
 
 __all__ = ["multimax_attention"]
 
@@ -79,40 +78,29 @@ _SUM_SCORES_IN_ORDER = tl.constexpr(_INTERPRETED)
 # they are not the default; fp16/bf16 inputs are unaffected. The interpreter computes in fp32.
 FP32_DOT_PRECISION = "tf32"
 
-
-@dataclass(frozen=True)
-class BlockConfig:
-    """Tile sizes and launch options of one kernel.
-
-    Args:
-        block_m: queries per tile.
-        block_n: keys per tile.
-        num_warps: warps per program.
-        num_stages: software-pipelining depth of the loads in the inner loop.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def device_capability(device: torch.device) -> int:
-    """Compute capability as ``10 * major + minor`` (80: A100, 90: H100) of a CUDA device; for CPU
-    tensors (the interpreter, offline compile checks) the value of :data:`OFFLINE_CAPABILITY`."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return 10 * major + minor
-    return OFFLINE_CAPABILITY.get()
+# Kernel switches, each a candidate of benchmarks/gpu_run.py's sweep until a GPU measurement decides.
+#: dK/dV kernel: accumulate the sigma-parameter partials per key and reduce them across the warps
+#: once per program, after the query loop, instead of to scalars at every query step.
+PARAM_SUMS_PER_PROGRAM = False
+#: Forward: write the output ``(B, Tq, H, D)``-contiguous and return it as a ``(B, H, Tq, D)`` view, as
+#: SDPA does, so that a caller that merges the heads (``out.transpose(1, 2).reshape(B, Tq, H * D)``)
+#: copies nothing.
+OUTPUT_IN_CALLER_LAYOUT = False
+#: Backward for at most ``SINGLE_PASS_MAX_KEYS`` keys: one kernel that also writes each key block's
+#: share of dQ (fp32, summed in a fixed order after it) instead of a second kernel that recomputes
+#: the scores, sigma and the weights for dQ.
+SINGLE_PASS_BACKWARD = False
+#: Forward: the key blocks that all queries of a program see whole (all but the causal diagonal and
+#: the last partial block; none with key padding) run without a mask and with unmasked loads.
+MASK_FREE_INTERIOR = False
+SINGLE_PASS_MAX_KEYS = 256
 
 
-#: The capability whose tile sizes CPU tensors get: :mod:`benchmarks/compile_check.py` sets it to
-#: the target it compiles for.
-OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
-
-
-def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> BlockConfig:
-    """Tiles of the forward kernel (the interpreter ignores warps and stages).
+def forward_config(
+    head_dim: int, dtype: torch.dtype, capability: int = 90, causal: bool = False, n: int = 0
+) -> BlockConfig:
+    """Tiles of the forward kernel (the interpreter ignores warps and stages): the measured row of
+    :data:`mmlight.kernels.tiles.MEASURED` where there is one, else the offline choice below.
 
     128 queries per program amortise each K/V tile over many rows; 64 keys per tile keep the
     fp32 score tile, sigma's temporaries and the (BLOCK_M, D) accumulator in registers. fp32
@@ -124,7 +112,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
         head_dim: D.
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
+        causal: causal attention (a key of the measured table).
+        n: key length (its bucket is a key of the measured table).
     """
+    found = measured("forward", capability, head_dim, dtype, causal, n)
+    if found is not None:
+        return found
     hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
@@ -135,8 +128,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, capability: int = 90) -> B
     return BlockConfig(128, 64, 8, 2) if hopper else BlockConfig(128, 32, 8, 2)
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) -> tuple[BlockConfig, BlockConfig]:
-    """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares).
+def backward_configs(
+    head_dim: int, dtype: torch.dtype, capability: int = 90, causal: bool = False, n: int = 0
+) -> tuple[BlockConfig, BlockConfig]:
+    """Tiles of the dK/dV kernel and of the dQ kernel (whose BLOCK_M the delta kernel shares): each
+    the measured row of :data:`mmlight.kernels.tiles.MEASURED` where there is one, else the offline
+    choice below.
 
     Each program keeps a wide block resident (keys for dK/dV, queries for dQ) and steps through
     narrow blocks of the other side. The dK/dV program is the tight one: it holds K, V and two
@@ -147,7 +144,16 @@ def backward_configs(head_dim: int, dtype: torch.dtype, capability: int = 90) ->
         head_dim: D.
         dtype: dtype of q, k and v.
         capability: compute capability, ``10 * major + minor``.
+        causal: causal attention (a key of the measured table).
+        n: key length (its bucket is a key of the measured table).
     """
+    dkdv, dq = _offline_backward_configs(head_dim, dtype, capability)
+    return (measured("dkdv", capability, head_dim, dtype, causal, n) or dkdv,
+            measured("dq", capability, head_dim, dtype, causal, n) or dq)
+
+
+def _offline_backward_configs(head_dim: int, dtype: torch.dtype, capability: int) -> tuple[BlockConfig, BlockConfig]:
+    """The backward tiles chosen offline (see :func:`backward_configs`)."""
     hopper = capability == 90
     if dtype == torch.float32:
         if head_dim <= 64:
@@ -288,6 +294,50 @@ def _grad_tile(x, dp, keep, row_max, row_inv_sum, delta, scale,
 
 
 @triton.jit
+def _unmasked_key_end(start_m, Tq, Tk, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the whole key blocks (a multiple of BLOCK_N) that every query from ``start_m`` on sees."""
+    seen = Tk
+    if CAUSAL:
+        # the block's first query sees keys up to Tk - Tq + start_m (bottom-right aligned)
+        seen = tl.minimum(tl.maximum(Tk - Tq + start_m + 1, 0), Tk)
+    return (seen // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt, stride_vd,
+                  Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3, m_i, l_i, acc,
+                  BLOCK_N: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: the updated ``(m_i, l_i, acc)``.
+
+    Unless ``MASKED``, every query of the block sees every key of this block (an interior tile): the
+    loads and the scores need no mask, and the row max is finite."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k = _load_rows(k_head, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
+        v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
+    else:
+        k = tl.load(k_head + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd)
+        v = tl.load(v_head + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd)
+    x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    if MASKED:
+        keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
+        s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+    if MASKED:
+        # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
+    alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, O, ROW_MAX, ROW_INV_SUM, PAD, PARAMS,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -297,7 +347,7 @@ def _forward_kernel(
     stride_pb, stride_pn,
     H, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, MASK_FREE_INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one (batch, head) against all keys they can see."""
     start_m, bh = _block_and_head(Tq, BLOCK_M)
@@ -315,23 +365,17 @@ def _forward_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(s - m_i)
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
 
-    for start_n in range(0, _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL), BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_head, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
-        v = _load_rows(v_head, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
-        x = _scores(q, k, scale, DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        keep = _keep_mask(offs_m[:, None], offs_n[None, :], Tq, Tk, pad_row, stride_pn, CAUSAL, HAS_PAD)
-        s = sigma_forward(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
-        s = tl.where(keep, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-        # a row with no key so far keeps m = -inf; shift by 0 then, so exp2(-inf - 0) = 0
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_shift[:, None]) * LOG2E)  # (BLOCK_M, BLOCK_N)
-        alpha = tl.exp2((m_i - m_shift) * LOG2E)  # (BLOCK_M,) rescales the old sums to the new max
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
+    key_end = _causal_key_end(start_m, Tq, Tk, BLOCK_M, CAUSAL)
+    # key blocks that every query of this block sees whole: no mask to compute, no masked load
+    full_end = _unmasked_key_end(start_m, Tq, Tk, BLOCK_N, CAUSAL) if MASK_FREE_INTERIOR and not HAS_PAD else 0
+    for start_n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3,
+                                      m_i, l_i, acc, BLOCK_N, ORDER, CAUSAL, HAS_PAD, False, DOT_PRECISION)
+    for start_n in range(full_end, key_end, BLOCK_N):
+        m_i, l_i, acc = _forward_tile(q, k_head, v_head, start_n, offs_m, offs_d, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, Tq, Tk, pad_row, stride_pn, scale, r0, r1, r2, r3, t0, t1, t2, t3,
+                                      m_i, l_i, acc, BLOCK_N, ORDER, CAUSAL, HAS_PAD, True, DOT_PRECISION)
 
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without keys: acc = 0, so out = 0
@@ -367,7 +411,7 @@ def _delta_kernel(
 
 @triton.jit
 def _backward_dkdv_kernel(
-    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS,
+    Q, K, V, DO, ROW_MAX, ROW_INV_SUM, DELTA, PAD, PARAMS, DK, DV, PARTIALS, DQ_PARTS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -378,9 +422,14 @@ def _backward_dkdv_kernel(
     H, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PARAM_GRADS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PARAM_SUMS_PER_PROGRAM: tl.constexpr, DQ_PARTIALS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head)."""
+    """One program: dK, dV (and the sigma-parameter partials) of BLOCK_N keys of one (batch, head).
+
+    With ``DQ_PARTIALS`` it also writes this key block's share of dQ for every query step, fp32, to
+    ``DQ_PARTS[key block, bh, query, :]`` (a ``(key blocks, B * H, Tq, D)`` buffer): summed over the
+    key blocks in a fixed order on the host, that is dQ without the dQ kernel's second pass.
+    """
     start_n, bh = _block_and_head(Tk, BLOCK_N)
     b = bh // H
     h = bh % H
@@ -395,15 +444,26 @@ def _backward_dkdv_kernel(
     v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
-    # per-program parameter partials, kept in registers (no atomics)
-    dr0 = 0.0
-    dr1 = 0.0
-    dr2 = 0.0
-    dr3 = 0.0
-    dt0 = 0.0
-    dt1 = 0.0
-    dt2 = 0.0
-    dt3 = 0.0
+    # per-program parameter partials, kept in registers (no atomics): per key, reduced over the keys
+    # once after the loop (PARAM_SUMS_PER_PROGRAM), or reduced to scalars at every step
+    if PARAM_SUMS_PER_PROGRAM:
+        dr0 = tl.zeros((BLOCK_N,), tl.float32)
+        dr1 = tl.zeros((BLOCK_N,), tl.float32)
+        dr2 = tl.zeros((BLOCK_N,), tl.float32)
+        dr3 = tl.zeros((BLOCK_N,), tl.float32)
+        dt0 = tl.zeros((BLOCK_N,), tl.float32)
+        dt1 = tl.zeros((BLOCK_N,), tl.float32)
+        dt2 = tl.zeros((BLOCK_N,), tl.float32)
+        dt3 = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        dr0 = 0.0
+        dr1 = 0.0
+        dr2 = 0.0
+        dr3 = 0.0
+        dt0 = 0.0
+        dt1 = 0.0
+        dt2 = 0.0
+        dt3 = 0.0
 
     for start_m in range(_causal_query_begin(start_n, Tq, Tk, BLOCK_M, CAUSAL), Tq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -421,10 +481,16 @@ def _backward_dkdv_kernel(
                                  r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
         dv += _dot(pt.to(do.dtype), do, DOT_PRECISION)  # (BLOCK_N, D)
         dk += _dot(dst.to(q.dtype), q, DOT_PRECISION)  # (BLOCK_N, D)
+        if DQ_PARTIALS:
+            # each (key block, query) row is written by exactly one program: deterministic
+            dq_part = _dot(tl.trans(dst).to(k.dtype), k, DOT_PRECISION)  # (BLOCK_M, D)
+            n_heads = tl.num_programs(0) // tl.cdiv(Tk, BLOCK_N)  # B * H
+            dq_rows = DQ_PARTS + ((start_n // BLOCK_N) * n_heads + bh) * Tq * HEAD_D
+            tl.store(dq_rows + offs_m[:, None] * HEAD_D + offs_d[None, :], dq_part, mask=(offs_m < Tq)[:, None])
         if PARAM_GRADS:
             # each (query, key) pair is visited by exactly one dK/dV program: nothing counted twice
             e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(
-                xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+                xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, PARAM_SUMS_PER_PROGRAM)
             dr0 += e0
             dr1 += e1
             dr2 += e2
@@ -437,7 +503,12 @@ def _backward_dkdv_kernel(
     _store_rows(DK + b * stride_dkb + h * stride_dkh, dk, offs_n, offs_d, stride_dkt, stride_dkd, Tk)
     _store_rows(DV + b * stride_dvb + h * stride_dvh, dv, offs_n, offs_d, stride_dvt, stride_dvd, Tk)
     if PARAM_GRADS:
-        store_param_partials(PARTIALS + tl.program_id(0) * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
+        if PARAM_SUMS_PER_PROGRAM:
+            store_param_partials(PARTIALS + tl.program_id(0) * 8, tl.sum(dr0, axis=0), tl.sum(dr1, axis=0),
+                                 tl.sum(dr2, axis=0), tl.sum(dr3, axis=0), tl.sum(dt0, axis=0),
+                                 tl.sum(dt1, axis=0), tl.sum(dt2, axis=0), tl.sum(dt3, axis=0))
+        else:
+            store_param_partials(PARTIALS + tl.program_id(0) * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 @triton.jit
@@ -498,21 +569,25 @@ def _padding_arg(key_padding: torch.Tensor | None, device: torch.device) -> tupl
 
 def _forward(q, k, v, params, order, scale, causal, key_padding):
     """Launch the forward kernel; returns ``(out, row_max, row_inv_sum)``: ``(B, H, Tq, D)`` in q's
-    dtype, and per query the max ``m`` of sigma and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
+    dtype (see ``OUTPUT_IN_CALLER_LAYOUT`` for its strides), and per query the max ``m`` of sigma
+    and ``1 / sum exp(sigma - m)``, fp32 ``(B, H, Tq)``."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    if OUTPUT_IN_CALLER_LAYOUT:
+        out = torch.empty((B, Tq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
     row_max = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     row_inv_sum = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
-    cfg = forward_config(D, q.dtype, device_capability(q.device))
+    cfg = forward_config(D, q.dtype, device_capability(q.device), causal, Tk)
     _forward_kernel[(triton.cdiv(Tq, cfg.block_m) * B * H,)](
         q, k, v, out, row_max, row_inv_sum, pad, params,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         stride_pb, stride_pn,
         H, Tq, Tk, scale,
         HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
-        DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
+        MASK_FREE_INTERIOR=MASK_FREE_INTERIOR, DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
     )
     return out, row_max, row_inv_sum
 
@@ -538,7 +613,7 @@ def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ord
     """Launch the backward kernels; returns ``(dq, dk, dv, partials)`` (None where not wanted)."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
-    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device))
+    cfg_kv, cfg_q = backward_configs(D, q.dtype, device_capability(q.device), causal, Tk)
     pad, stride_pb, stride_pn = _padding_arg(key_padding, q.device)
     common = dict(
         HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
@@ -548,20 +623,30 @@ def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ord
     delta = _delta(out, dout, cfg_q)
 
     dq = dk = dv = partials = None
+    # one pass for short keys: the dK/dV kernel also writes dQ per key block (see DQ_PARTIALS)
+    single_pass = SINGLE_PASS_BACKWARD and want_dq and (want_dkdv or want_params) and Tk <= SINGLE_PASS_MAX_KEYS
     if want_dkdv or want_params:
         dk = torch.empty((B, H, Tk, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=q.device)
-        programs = triton.cdiv(Tk, cfg_kv.block_n) * B * H
+        key_blocks = triton.cdiv(Tk, cfg_kv.block_n)
+        programs = key_blocks * B * H
         # one row per program; a dummy when the parameters need no gradient
         partials = torch.empty((programs if want_params else 1, NUM_SIGMA_PARAMS),
                                dtype=torch.float32, device=q.device)
+        # causal programs skip the queries before their keys: their rows of the buffer stay 0
+        new_parts = torch.zeros if causal else torch.empty
+        dq_parts = new_parts((key_blocks, B * H, Tq, D) if single_pass else (1,), dtype=torch.float32,
+                             device=q.device)
         _backward_dkdv_kernel[(programs,)](
-            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials,
+            q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials, dq_parts,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, scale, PARAM_GRADS=want_params, **common,
+            stride_pb, stride_pn, H, Tq, Tk, scale, PARAM_GRADS=want_params,
+            PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, DQ_PARTIALS=single_pass, **common,
             **_tile_args(cfg_kv),
         )
-    if want_dq:
+        if single_pass:
+            dq = dq_parts.sum(dim=0).view(B, H, Tq, D).to(q.dtype)  # a fixed order: deterministic
+    if want_dq and not single_pass:
         dq = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,
@@ -585,8 +670,11 @@ def _attention_forward(
 
 @_attention_forward.register_fake
 def _(q, k, v, params, order, scale, causal, key_padding):
-    stat = q.new_empty(q.shape[:3], dtype=torch.float32)  # (B, H, Tq)
-    return q.new_empty(q.shape), stat, torch.empty_like(stat)
+    B, H, Tq, D = q.shape
+    stat = q.new_empty((B, H, Tq), dtype=torch.float32)
+    # the strides of the real output (OUTPUT_IN_CALLER_LAYOUT), so that a compiled graph sees them
+    out = q.new_empty((B, Tq, H, D)).transpose(1, 2) if OUTPUT_IN_CALLER_LAYOUT else q.new_empty(q.shape)
+    return out, stat, torch.empty_like(stat)
 
 
 @torch.library.custom_op("mmlight::multimax_attention_backward", mutates_args=())
@@ -721,7 +809,8 @@ def multimax_attention(
         key_padding: optional bool ``(B, Tk)``, True = keep the key.
 
     Returns:
-        ``(B, H, Tq, D)`` in q's dtype (accumulated in fp32; on the GPU, fp32 inputs go through
+        ``(B, H, Tq, D)`` in q's dtype, contiguous or (``OUTPUT_IN_CALLER_LAYOUT``) a view of a
+        ``(B, Tq, H, D)``-contiguous tensor (accumulated in fp32; on the GPU, fp32 inputs go through
         TF32 tensor-core matmuls, see ``FP32_DOT_PRECISION``). A query that sees no key gets 0,
         and zero gradients.
 

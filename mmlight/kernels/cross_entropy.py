@@ -37,6 +37,11 @@ V = 267,744 in bf16 that is one extra 4.4 GB buffer (none with ``inplace_grad=Tr
 eager composition keeps several fp32 ``T x V`` tensors (upcast, sigma, log-softmax, gradients) of
 8.8 GB each.
 
+With ``GRADIENT_IN_BACKWARD`` the forward runs pass 1 only and saves each row's max and ``1 / sum``
+(two fp32 values per row); the backward runs pass 2 with the upstream gradient read on the device,
+so the gradient is written once, already scaled: ``b`` bytes per element in the forward and ``2b``
+in the backward.
+
 Ignored rows (target == ignore_index) skip pass 1 entirely (their loads are masked off) and, when
 the logits need a gradient, only write zeros in pass 2.
 
@@ -71,6 +76,10 @@ __all__ = ["multimax_cross_entropy"]
 MAX_BLOCK_V = 4096
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
 REDUCTIONS = ("mean", "sum")
+#: Compute the gradient in the backward (a second kernel reading the upstream gradient on the device)
+#: instead of in the forward followed by a pass that scales it: one read and one write of ``T x V``
+#: fewer. A switch for benchmarks/gpu_run.py until a GPU measurement decides.
+GRADIENT_IN_BACKWARD = False
 
 
 @triton.jit
@@ -134,7 +143,7 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
         if PARAM_GRADS:
             # The shared helper reduces 2-D tiles; x is finite and g is 0 on inactive lanes, as it requires.
             b0, b1, b2, b3, c0, c1, c2, c3 = sigma_param_partials(
-                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+                x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
             dr0 += b0
             dr1 += b1
             dr2 += b2
@@ -148,10 +157,10 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
 
 @triton.jit
 def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr,
-                          loss_ptr, grad_ptr, stride_grad, partials_ptr,
+                          loss_ptr, grad_ptr, stride_grad, partials_ptr, max_ptr, inv_sum_ptr,
                           V, ignore_index, confidence, smooth,
                           ORDER: tl.constexpr, BLOCK_V: tl.constexpr,
-                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr):
+                          STORE_DZ: tl.constexpr, PARAM_GRADS: tl.constexpr, SAVE_STATS: tl.constexpr):
     # int64 row offsets: T * V exceeds 2**31 at LM sizes (8,192 x 267,744 = 2.2e9).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits
@@ -172,15 +181,39 @@ def _cross_entropy_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, sca
     loss = lse - confidence * s_y - smooth * sum_s
     tl.store(loss_ptr + row, tl.where(valid, loss * w, 0.0))
 
+    # an ignored row (max -inf, sum 0) gets 0 and 0: every p is 0, never NaN
+    row_max = tl.where(valid, max_s, 0.0)
+    row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
+    if SAVE_STATS:  # for the backward kernel
+        tl.store(max_ptr + row, row_max)
+        tl.store(inv_sum_ptr + row, row_inv_sum)
     if STORE_DZ or PARAM_GRADS:
-        # an ignored row (max -inf, sum 0) gets 0 and 0: every p is 0, never NaN
-        row_max = tl.where(valid, max_s, 0.0)
-        row_inv_sum = tl.where(valid, 1.0 / tl.where(valid, sum_exp, 1.0), 0.0)
         dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
             row_ptr, grad_ptr + row * stride_grad, y, V, n_active, row_max, row_inv_sum, w, confidence, smooth,
             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
         if PARAM_GRADS:
             store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
+
+
+@triton.jit
+def _cross_entropy_backward_kernel(logits_ptr, stride_logits, target_ptr, params_ptr, scale_ptr, upstream_ptr,
+                                   max_ptr, inv_sum_ptr, grad_ptr, stride_grad, partials_ptr,
+                                   V, ignore_index, confidence, smooth,
+                                   ORDER: tl.constexpr, BLOCK_V: tl.constexpr, STORE_DZ: tl.constexpr,
+                                   PARAM_GRADS: tl.constexpr):
+    """Pass 2 run by the backward (``GRADIENT_IN_BACKWARD``): ``dz`` of one row, already scaled by
+    the upstream gradient (read on the device), from the row's max and ``1 / sum`` saved by the forward."""
+    row = tl.program_id(0).to(tl.int64)
+    r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
+    y = tl.load(target_ptr + row)
+    n_active = tl.where(y != ignore_index, V, 0)
+    w = tl.load(scale_ptr) * tl.load(upstream_ptr)
+    dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = _row_grad(
+        logits_ptr + row * stride_logits, grad_ptr + row * stride_grad, y, V, n_active,
+        tl.load(max_ptr + row), tl.load(inv_sum_ptr + row), w, confidence, smooth,
+        r0, r1, r2, r3, t0, t1, t2, t3, ORDER, BLOCK_V, STORE_DZ, PARAM_GRADS)
+    if PARAM_GRADS:
+        store_param_partials(partials_ptr + row * 8, dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)
 
 
 def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reduction, inplace_grad):
@@ -215,43 +248,87 @@ def _validate(logits, target, ranges, ts, label_smoothing, ignore_index, reducti
         raise ValueError("inplace_grad=True would overwrite a leaf tensor that requires grad; "
                          "use it only on an intermediate (e.g. the output of the LM head)")
 
-
 def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
-    """Raise ValueError for a target outside ``[0, V)`` that is not ``ignore_index`` (one host sync)."""
+    """Refuse a target outside ``[0, V)`` that is not ``ignore_index``: a ValueError for CPU tensors
+    (the interpreter), a device-side assert on CUDA, as ``F.cross_entropy`` does there, so that a
+    training step has no host sync (it stops the process at the next synchronisation)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= V))
-    if bool(bad.any()):
+    if target.device.type == "cuda":
+        torch._assert_async(~bad.any(), f"a target is outside [0, {V}) and is not ignore_index ({ignore_index})")
+    elif bool(bad.any()):
         value = int(target[bad][0])
         raise ValueError(f"target value {value} is outside [0, {V}) and is not ignore_index ({ignore_index})")
 
 
-def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad, param_grads):
-    """Run the kernel, writing the logits' gradient into ``grad`` when it is given:
-    ``(loss, d_params)``, with ``d_params`` the fp32 ``(8,)`` sums of the per-row partials, or
+def _loss_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Each row's loss weight, fp32 ``(1,)``: ``1 / n_valid`` for ``"mean"``, 1 for ``"sum"``."""
+    if reduction == "mean":
+        # On device, without a host sync; an all-ignored batch divides 0 by 1.
+        n_valid = (target != ignore_index).sum()
+        return (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=target.device)
+
+
+def _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad, param_grads,
+            stats=None):
+    """Run the forward kernel, writing the logits' gradient into ``grad`` when it is given and each
+    row's max and ``1 / sum`` into ``stats = (row_max, row_inv_sum)`` (fp32 ``(T,)``) when those are
+    given: ``(loss, d_params)``, with ``d_params`` the fp32 ``(8,)`` sums of the per-row partials, or
     None without ``param_grads``."""
     T, V = logits.shape
     _check_targets(target, V, ignore_index)
     device = logits.device
     store_dz = grad is not None
-    if reduction == "mean":
-        # On device: no second host sync; an all-ignored batch divides 0 by 1.
-        n_valid = (target != ignore_index).sum()
-        scale = (1.0 / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=device)
+    scale = _loss_scale(target, ignore_index, reduction)
     row_loss = torch.empty(T, dtype=torch.float32, device=device)
     partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
     if T > 0:
-        block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+        block_v = _block_v(V)
         _cross_entropy_kernel[(T,)](
             logits, logits.stride(0), target, params, scale,
             row_loss, grad if store_dz else logits, grad.stride(0) if store_dz else 0,
             partials if param_grads else row_loss,  # unused pointers are never touched
+            *(stats if stats is not None else (row_loss, row_loss)),
+            V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
+            ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
+            SAVE_STATS=stats is not None, num_warps=8 if block_v >= 2048 else 4,
+        )
+    # Fixed-order sums over rows: deterministic (no atomics).
+    return row_loss.sum(), (sum_param_partials(partials) if param_grads else None)
+
+
+def _block_v(V: int) -> int:
+    """Column block of the row loop."""
+    return min(MAX_BLOCK_V, triton.next_power_of_2(V))
+
+
+def _launch_backward(logits, target, params, order, row_max, row_inv_sum, upstream, label_smoothing,
+                     ignore_index, reduction, grad, param_grads):
+    """Run the backward kernel (``GRADIENT_IN_BACKWARD``), writing the logits' gradient, already times
+    ``upstream``, into ``grad`` when it is given: ``d_params`` (fp32 ``(8,)``, also times ``upstream``)
+    or None without ``param_grads``."""
+    T, V = logits.shape
+    device = logits.device
+    store_dz = grad is not None
+    scale = _loss_scale(target, ignore_index, reduction)
+    partials = torch.zeros((T, NUM_SIGMA_PARAMS), dtype=torch.float32, device=device) if param_grads else None
+    if T > 0:
+        block_v = _block_v(V)
+        _cross_entropy_backward_kernel[(T,)](
+            logits, logits.stride(0), target, params, scale, upstream.to(torch.float32).reshape(1),
+            row_max, row_inv_sum,
+            grad if store_dz else logits, grad.stride(0) if store_dz else 0,  # not written without STORE_DZ
+            partials if param_grads else row_max,
             V, ignore_index, 1.0 - label_smoothing, label_smoothing / V,
             ORDER=order, BLOCK_V=block_v, STORE_DZ=store_dz, PARAM_GRADS=param_grads,
             num_warps=8 if block_v >= 2048 else 4,
         )
-    # Fixed-order sums over rows: deterministic (no atomics).
-    return row_loss.sum(), (sum_param_partials(partials) if param_grads else None)
+    return sum_param_partials(partials) if param_grads else None
+
+
+def _none_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor standing for an output not wanted (a fresh one each time: outputs may not alias)."""
+    return t.new_empty(0)
 
 
 # The kernel as an operator of torch.library: torch.compile calls it as an opaque operator (its fake
@@ -267,19 +344,13 @@ def _cross_entropy(
     grad = torch.empty_like(logits) if store_dz else None
     loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
                              param_grads)
-    def none():  # a fresh empty tensor each time: outputs may not alias each other
-        return params.new_empty(0)
-
-    return loss, (grad if store_dz else none()), (d_params if param_grads else none())
+    return loss, (grad if store_dz else _none_like(params)), (d_params if param_grads else _none_like(params))
 
 
 @_cross_entropy.register_fake
 def _(logits, target, params, order, label_smoothing, ignore_index, reduction, store_dz, param_grads):
-    def none():  # a fresh empty tensor each time: outputs may not alias each other
-        return params.new_empty(0)
-
-    return (params.new_empty(()), torch.empty_like(logits) if store_dz else none(),
-            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else none())
+    return (params.new_empty(()), torch.empty_like(logits) if store_dz else _none_like(params),
+            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else _none_like(params))
 
 
 def _cross_entropy_setup(ctx, inputs, output):
@@ -315,12 +386,84 @@ def _cross_entropy_grad(ctx, grad_output, _d_grad, _d_params):
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
+# GRADIENT_IN_BACKWARD: the forward operator runs pass 1 only and returns each row's max and 1 / sum;
+# the backward operator runs pass 2 with the upstream gradient and returns the gradients, scaled.
+@torch.library.custom_op("mmlight::multimax_cross_entropy_stats", mutates_args=())
+def _cross_entropy_stats(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, row_max, row_inv_sum)``: the fp32 scalar loss and per row the max of sigma and
+    ``1 / sum exp(sigma - max)``, fp32 ``(T,)``."""
+    T = logits.shape[0]
+    stats = (logits.new_empty(T, dtype=torch.float32), logits.new_empty(T, dtype=torch.float32))
+    loss, _ = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, None, False, stats)
+    return (loss, *stats)
+
+
+@_cross_entropy_stats.register_fake
+def _(logits, target, params, order, label_smoothing, ignore_index, reduction):
+    stat = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return params.new_empty(()), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("mmlight::multimax_cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(
+    logits: torch.Tensor, target: torch.Tensor, params: torch.Tensor, row_max: torch.Tensor,
+    row_inv_sum: torch.Tensor, grad_output: torch.Tensor, order: int, label_smoothing: float,
+    ignore_index: int, reduction: str, store_dz: bool, param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_logits, d_params)``, both already times ``grad_output``; empty tensors stand for those
+    not wanted."""
+    grad = torch.empty_like(logits) if store_dz else None
+    d_params = _launch_backward(logits, target, params, order, row_max, row_inv_sum, grad_output,
+                                label_smoothing, ignore_index, reduction, grad, param_grads)
+    return (grad if store_dz else _none_like(params)), (d_params if param_grads else _none_like(params))
+
+
+@_cross_entropy_backward.register_fake
+def _(logits, target, params, row_max, row_inv_sum, grad_output, order, label_smoothing, ignore_index,
+      reduction, store_dz, param_grads):
+    return (torch.empty_like(logits) if store_dz else _none_like(params),
+            params.new_empty(NUM_SIGMA_PARAMS) if param_grads else _none_like(params))
+
+
+def _cross_entropy_stats_setup(ctx, inputs, output):
+    logits, target, params, order, label_smoothing, ignore_index, reduction = inputs
+    _, row_max, row_inv_sum = output
+    ctx.save_for_backward(logits, target, params, row_max, row_inv_sum)
+    ctx.args = (order, label_smoothing, ignore_index, reduction)
+
+
+def _cross_entropy_stats_grad(ctx, grad_output, _d_row_max, _d_row_inv_sum):
+    logits, target, params, row_max, row_inv_sum = ctx.saved_tensors
+    order, label_smoothing, ignore_index, reduction = ctx.args
+    need_logits, param_grads = ctx.needs_input_grad[0], order > 0 and ctx.needs_input_grad[2]
+    grad_logits, d_params = _cross_entropy_backward(logits, target, params, row_max, row_inv_sum, grad_output,
+                                                    order, label_smoothing, ignore_index, reduction,
+                                                    need_logits, param_grads)
+    return (grad_logits if need_logits else None), None, (d_params if param_grads else None), None, None, None, None
+
+
+_cross_entropy_stats.register_autograd(_cross_entropy_stats_grad, setup_context=_cross_entropy_stats_setup)
+
+
 class _InplaceCrossEntropy(torch.autograd.Function):
     """``inplace_grad=True`` (eager only; an operator may not write into its input and have a
-    gradient): the kernel writes the logits' gradient into the logits' own storage."""
+    gradient): the kernel writes the logits' gradient into the logits' own storage, in the forward,
+    or with ``GRADIENT_IN_BACKWARD`` in the backward (already scaled)."""
 
     @staticmethod
     def forward(ctx, logits, target, params, order, label_smoothing, ignore_index, reduction, param_grads):
+        ctx.deferred = GRADIENT_IN_BACKWARD
+        if ctx.deferred:
+            T = logits.shape[0]
+            stats = (logits.new_empty(T, dtype=torch.float32), logits.new_empty(T, dtype=torch.float32))
+            loss, _ = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, None,
+                              False, stats)
+            ctx.save_for_backward(logits, target, params, *stats)
+            ctx.args = (order, label_smoothing, ignore_index, reduction, param_grads)
+            return loss
         grad = logits.detach()
         loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
                                  param_grads)
@@ -329,6 +472,13 @@ class _InplaceCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.deferred:
+            logits, target, params, row_max, row_inv_sum = ctx.saved_tensors
+            order, label_smoothing, ignore_index, reduction, param_grads = ctx.args
+            grad = logits.detach()  # each block of a row is read before its gradient overwrites it
+            d_params = _launch_backward(logits, target, params, order, row_max, row_inv_sum, grad_output,
+                                        label_smoothing, ignore_index, reduction, grad, param_grads)
+            return grad, None, d_params, None, None, None, None, None
         grad_logits, grad_params = _scaled_grads(ctx, ctx.grad, ctx.d_params, grad_output)
         return grad_logits, None, grad_params, None, None, None, None, None
 
@@ -370,4 +520,6 @@ def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: t
             raise ValueError("multimax_cross_entropy: inplace_grad is not supported inside torch.compile "
                              "(the compiler plans the gradient's buffer itself); leave it False there")
         return _InplaceCrossEntropy.apply(logits, target, params, order, *args, param_grads)
+    if GRADIENT_IN_BACKWARD and (store_dz or param_grads):
+        return _cross_entropy_stats(logits, target, params, order, *args)[0]
     return _cross_entropy(logits, target, params, order, *args, store_dz, param_grads)[0]

@@ -40,6 +40,7 @@ from mmlight.kernels.sigma import (
     store_param_partials,
     sum_param_partials,
 )
+from mmlight.kernels.tiles import device_capability, measured
 
 #: Longest row kept in registers by one program; longer rows take the online multi-block loop.
 #: 4096 fp32 values over 8 warps are 16 per thread, which the order-2 backward (scores, sigma,
@@ -51,6 +52,14 @@ LONG_ROW_BLOCK = 4096
 #: Elements per program a short-row tile aims for (several rows per program when rows are short).
 SHORT_TILE_ELEMENTS = 4096
 SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend choice
+#: Short rows, forward: a grid of at most ``PERSISTENT_PROGRAMS_PER_SM`` programs per SM, each looping
+#: over tiles of rows, instead of one program per tile. (A loop in the order-2 backward spills on
+#: sm_80 and sm_90, ``benchmarks/compile_check.py``: it keeps one tile per program.) A switch for
+#: benchmarks/gpu_run.py until a GPU measurement decides.
+PERSISTENT_ROWS = False
+PERSISTENT_PROGRAMS_PER_SM = 4
+#: The grid of the persistent loop on the CPU (the interpreter), small so that tests loop.
+PERSISTENT_PROGRAMS_OFFLINE = 2
 
 
 @triton.jit
@@ -80,19 +89,21 @@ def _probabilities(s, row_max, row_sum):
 def _forward_short_rows(x_ptr, mask_ptr, y_ptr, max_ptr, sum_ptr, params_ptr, M, N, stride_x, stride_mask, stride_y,
                         scale, ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # tiles of ROWS rows, one per program or (PERSISTENT_ROWS) strided over a smaller grid
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(params_ptr)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
-    _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
-                         r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
-    row_max = tl.max(s, axis=1)  # (ROWS,)
-    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row: avoid -inf - -inf
-    total = tl.sum(tl.exp(s - row_max[:, None]), axis=1)  # masked entries: exp(-inf) = 0
-    total = tl.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0
-    y = _probabilities(s, row_max, total)
-    tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
-    tl.store(max_ptr + rows, row_max[:, None], mask=rows < M)
-    tl.store(sum_ptr + rows, total[:, None], mask=rows < M)
+    for tile in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)[:, None]  # (ROWS, 1)
+        _, s, _ = _load_tile(x_ptr, mask_ptr, rows, cols, M, N, stride_x, stride_mask, scale,
+                             r0, r1, r2, r3, t0, t1, t2, t3, ORDER, HAS_MASK)
+        row_max = tl.max(s, axis=1)  # (ROWS,)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row: avoid -inf - -inf
+        total = tl.sum(tl.exp(s - row_max[:, None]), axis=1)  # masked entries: exp(-inf) = 0
+        total = tl.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0
+        y = _probabilities(s, row_max, total)
+        tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
+        tl.store(max_ptr + rows, row_max[:, None], mask=rows < M)
+        tl.store(sum_ptr + rows, total[:, None], mask=rows < M)
 
 
 @triton.jit
@@ -129,7 +140,7 @@ def _backward_tile(u, s, dy, row_max, row_sum, dot, scale, r0, r1, r2, r3, t0, t
     p = _probabilities(s, row_max, row_sum)
     g = p * (dy - dot[:, None])  # gradient wrt sigma(u); 0 where masked since p = 0 there
     dx = g * sigma_derivative(u, r0, r1, r2, r3, t0, t1, t2, t3, ORDER) * scale
-    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER)
+    partials = sigma_param_partials(u, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
     return dx, partials
 
 
@@ -184,11 +195,33 @@ def _backward_long_rows(x_ptr, mask_ptr, dy_ptr, dx_ptr, max_ptr, sum_ptr, param
     tl.store(partials_ptr + row * 8 + tl.arange(0, 8), acc)
 
 
-def _launch_config(n: int) -> dict:
-    """Block sizes and warps for rows of ``n`` columns (short: several rows per program)."""
+def _short_row_programs(tiles: int, device: torch.device) -> int:
+    """Programs of the short-row forward: one per tile, or a persistent grid (``PERSISTENT_ROWS``)."""
+    if not PERSISTENT_ROWS:
+        return tiles
+    if device.type == "cuda":
+        cap = PERSISTENT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = PERSISTENT_PROGRAMS_OFFLINE
+    return min(tiles, cap)
+
+
+def _launch_config(n: int, dtype: torch.dtype = torch.float32, capability: int = 90) -> dict:
+    """Block sizes and warps for rows of ``n`` columns (short: several rows per program): rows per
+    program and warps from the measured table (:data:`mmlight.kernels.tiles.MEASURED`, kernel
+    ``rowwise``) where it has a row for short rows, else the offline choice below.
+
+    Args:
+        n: row length.
+        dtype: dtype of the scores.
+        capability: compute capability, ``10 * major + minor``.
+    """
     if n > MAX_SINGLE_BLOCK:
         return {"long": True, "BLOCK_N": LONG_ROW_BLOCK, "ROWS": 1, "num_warps": 8}
     block = triton.next_power_of_2(n)
+    found = measured("rowwise", capability, 0, dtype, False, n)
+    if found is not None:
+        return {"long": False, "BLOCK_N": block, "ROWS": found.block_m, "num_warps": found.num_warps}
     rows = max(1, min(32, SHORT_TILE_ELEMENTS // block))
     num_warps = 8 if rows * block >= SHORT_TILE_ELEMENTS else 4  # at most 16 values per thread
     return {"long": False, "BLOCK_N": block, "ROWS": rows, "num_warps": num_warps}
@@ -207,7 +240,7 @@ def _softmax_forward(
     y = torch.empty_like(x2d)
     row_max = torch.empty(m, dtype=torch.float32, device=x2d.device)
     row_sum = torch.empty(m, dtype=torch.float32, device=x2d.device)
-    cfg = _launch_config(n)
+    cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
     mask_arg = mask2d if mask2d is not None else x2d  # never read when HAS_MASK is False
     mask_stride = mask2d.stride(0) if mask2d is not None else 0
     common = dict(ORDER=order, HAS_MASK=mask2d is not None, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
@@ -215,7 +248,7 @@ def _softmax_forward(
         _forward_long_rows[(m,)](x2d, mask_arg, y, row_max, row_sum, params, m, n,
                                  x2d.stride(0), mask_stride, y.stride(0), scale, **common)
     else:
-        _forward_short_rows[(triton.cdiv(m, cfg["ROWS"]),)](
+        _forward_short_rows[(_short_row_programs(triton.cdiv(m, cfg["ROWS"]), x2d.device),)](
             x2d, mask_arg, y, row_max, row_sum, params, m, n, x2d.stride(0), mask_stride, y.stride(0), scale,
             ROWS=cfg["ROWS"], **common)
     return y, row_max, row_sum
@@ -236,7 +269,7 @@ def _softmax_backward(
     m, n = x2d.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty_like(x2d)
-    cfg = _launch_config(n)
+    cfg = _launch_config(n, x2d.dtype, device_capability(x2d.device))
     programs = m if cfg["long"] else triton.cdiv(m, cfg["ROWS"])
     partials = torch.empty(programs, NUM_SIGMA_PARAMS, dtype=torch.float32, device=x2d.device)
     mask_arg = mask2d if mask2d is not None else x2d

@@ -85,18 +85,26 @@ def sigma_derivative(x, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
 
 
 @triton.jit
-def _sum2d(a):
-    return tl.sum(tl.sum(a, axis=1), axis=0)
+def _reduce(a, PER_ROW: tl.constexpr):
+    """Sum of a 2-D tile over both axes (a scalar), or over axis 1 only (a vector, one per row)."""
+    # one return statement: the compiler wants one return type, and only the taken branch exists
+    if PER_ROW:
+        total = tl.sum(a, axis=1)
+    else:
+        total = tl.sum(tl.sum(a, axis=1), axis=0)
+    return total
 
 
 @triton.jit
-def sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr):
+def sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr, PER_ROW: tl.constexpr):
     """Sums over a 2-D fp32 tile of ``g * d sigma / d theta`` for the 8 parameters.
 
     ``g`` is the gradient with respect to sigma(x); it must already be 0 at masked positions.
-    Returns ``(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)`` as fp32 scalars (0 for unused terms).
+    Returns ``(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3)`` as fp32 scalars (0 for unused terms), or
+    with ``PER_ROW`` as vectors summed over axis 1 only: a loop that accumulates those and reduces
+    them once after it spares a cross-warp reduction (shared memory and barriers) per tile.
     """
-    zero = _sum2d(g * 0.0)
+    zero = _reduce(g * 0.0, PER_ROW)
     dr0 = zero
     dr1 = zero
     dr2 = zero
@@ -108,17 +116,17 @@ def sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constex
     if ORDER >= 1:
         lo1 = tl.maximum(r0 - x, 0.0)
         hi1 = tl.maximum(x - r1, 0.0)
-        dr0 = t0 * _sum2d(tl.where(x < r0, g, 0.0))
-        dr1 = -t1 * _sum2d(tl.where(x > r1, g, 0.0))
-        dt0 = _sum2d(g * lo1)
-        dt1 = _sum2d(g * hi1)
+        dr0 = t0 * _reduce(tl.where(x < r0, g, 0.0), PER_ROW)
+        dr1 = -t1 * _reduce(tl.where(x > r1, g, 0.0), PER_ROW)
+        dt0 = _reduce(g * lo1, PER_ROW)
+        dt1 = _reduce(g * hi1, PER_ROW)
     if ORDER == 2:
         lo2 = tl.maximum(r2 - x, 0.0)
         hi2 = tl.maximum(x - r3, 0.0)
-        dr2 = 2.0 * t2 * _sum2d(g * lo2)
-        dr3 = -2.0 * t3 * _sum2d(g * hi2)
-        dt2 = _sum2d(g * lo2 * lo2)
-        dt3 = _sum2d(g * hi2 * hi2)
+        dr2 = 2.0 * t2 * _reduce(g * lo2, PER_ROW)
+        dr3 = -2.0 * t3 * _reduce(g * hi2, PER_ROW)
+        dt2 = _reduce(g * lo2 * lo2, PER_ROW)
+        dt3 = _reduce(g * hi2 * hi2, PER_ROW)
     return dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3
 
 

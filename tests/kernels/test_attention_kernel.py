@@ -21,8 +21,8 @@ TS = {1: [0.3, 0.2], 2: [0.3, 0.2, 0.1, 0.05]}
 def use_blocks(monkeypatch, block_m, block_n):
     """Force ``block_m`` x ``block_n`` tiles in every kernel."""
     cfg = kernel.BlockConfig(block_m, block_n, num_warps=4, num_stages=1)
-    monkeypatch.setattr(kernel, "forward_config", lambda head_dim, dtype, capability: cfg)
-    monkeypatch.setattr(kernel, "backward_configs", lambda head_dim, dtype, capability: (cfg, cfg))
+    monkeypatch.setattr(kernel, "forward_config", lambda *args: cfg)
+    monkeypatch.setattr(kernel, "backward_configs", lambda *args: (cfg, cfg))
 
 
 @pytest.fixture
@@ -193,7 +193,44 @@ def test_half_precision(small_blocks, dtype, tol_out, tol_grad):
     assert grads[3].dtype == grads[4].dtype == torch.float32
 
 
-def test_parameter_grads_are_deterministic(small_blocks):
+#: Kernel switches (module attributes of kernels/attention.py), each tested on against the reference.
+SWITCHES = ["PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT", "SINGLE_PASS_BACKWARD", "MASK_FREE_INTERIOR"]
+
+
+@pytest.mark.parametrize("switch", SWITCHES)
+@pytest.mark.parametrize(
+    "Tq, Tk, causal, padded, blocks",
+    [
+        (37, 37, False, False, (16, 16)),
+        (20, 37, True, True, (16, 16)),  # causal + padding, Tq < Tk, partial blocks
+        (20, 37, True, False, (16, 16)),  # causal, Tq < Tk: whole key blocks before the diagonal
+        (37, 19, True, False, (32, 16)),  # queries that see no key
+    ],
+)
+def test_kernel_switches_match_reference(monkeypatch, switch, Tq, Tk, causal, padded, blocks):
+    monkeypatch.setattr(kernel, switch, True)
+    use_blocks(monkeypatch, *blocks)
+    inputs = make_inputs(Tq=Tq, Tk=Tk, order=2)
+    pad = make_padding(2, Tk) if padded else None
+    check_against_reference(inputs, 1e-5, 2e-5, causal=causal, key_padding=pad)
+
+
+def test_output_in_the_callers_layout(monkeypatch, small_blocks):
+    """The output is a (B, H, T, D) view of a (B, T, H, D)-contiguous tensor: merging the heads is free."""
+    monkeypatch.setattr(kernel, "OUTPUT_IN_CALLER_LAYOUT", True)
+    q, k, v, ranges, ts = make_inputs(Tq=19, Tk=37, order=2)
+    out = multimax_attention(q, k, v, ranges, ts)
+    assert out.shape == (2, 2, 19, 32) and out.transpose(1, 2).is_contiguous()
+    merged = out.transpose(1, 2).reshape(2, 19, 64)
+    assert merged.data_ptr() == out.data_ptr()
+    want = reference(q, k, v, ranges, ts).transpose(1, 2).reshape(2, 19, 64)
+    assert_close(merged, want, 1e-5, "merged heads")
+
+
+@pytest.mark.parametrize("switches", [{}, *({name: True} for name in SWITCHES)])
+def test_parameter_grads_are_deterministic(small_blocks, monkeypatch, switches):
+    for name, value in switches.items():
+        monkeypatch.setattr(kernel, name, value)
     q, k, v, ranges, ts = make_inputs(Tq=37, Tk=37, order=2)
     pad = make_padding(2, 37)
     results = []

@@ -278,3 +278,45 @@ def test_float64_parameters_get_float64_grads():
     got = kernel(logits, target, ranges, ts, label_smoothing=0.1)
     assert got[2].dtype == torch.float64 and got[3].dtype == torch.float64
     assert_matches(got, reference(logits, target, ranges, ts, label_smoothing=0.1))
+
+
+@pytest.fixture
+def gradient_in_backward(monkeypatch):
+    """The switch that moves the gradient pass into the backward (GRADIENT_IN_BACKWARD)."""
+    monkeypatch.setattr(ce, "GRADIENT_IN_BACKWARD", True)
+
+
+@pytest.mark.parametrize("order, reduction, grad_scale", [(0, "mean", 1.0), (2, "mean", 1.0), (2, "sum", 2.5)])
+def test_gradient_in_backward_matches_reference(gradient_in_backward, small_block, order, reduction, grad_scale):
+    """Several column blocks, ignored rows, label smoothing and an upstream gradient read on the device."""
+    logits, target, ranges, ts = make_inputs(6, 600, order)
+    kw = {"label_smoothing": 0.1, "ignore_index": IGNORE, "reduction": reduction, "grad_scale": grad_scale}
+    got = kernel(logits, target, ranges, ts, **kw)
+    assert_matches(got, reference(logits, target, ranges, ts, **kw))
+    assert torch.all(got[1][1] == 0) and torch.all(got[1][4] == 0)  # ignored rows
+
+
+def test_gradient_in_backward_of_the_parameters_alone(gradient_in_backward):
+    """Frozen logits: the backward pass reads them and writes nothing into them."""
+    logits, target, ranges, ts = make_inputs(6, 197, 2)
+    logits.requires_grad_(False)
+    before = logits.clone()
+    want = reference(logits, target, ranges, ts, label_smoothing=0.1)
+    multimax_cross_entropy(logits, target, ranges, ts, label_smoothing=0.1).backward()
+    assert torch.equal(logits, before)
+    assert_matches((None, None, ranges.grad, ts.grad), (None, None, want[2], want[3]))
+
+
+def test_gradient_in_backward_in_place_and_deterministic(gradient_in_backward):
+    leaf, target, ranges, ts = make_inputs(6, 197, 2)
+    want = reference(leaf, target, ranges, ts, grad_scale=3.0, label_smoothing=0.1)
+    logits = leaf * 1.0
+    loss = multimax_cross_entropy(logits, target, ranges, ts, label_smoothing=0.1, inplace_grad=True)
+    (3.0 * loss).backward(retain_graph=True)
+    # written in the backward, into the logits' own storage, already scaled
+    torch.testing.assert_close(logits.detach().double(), want[1], rtol=1e-5, atol=1e-6)
+    assert_matches((loss.detach(), leaf.grad, ranges.grad, ts.grad), want)
+    first = (ranges.grad.clone(), ts.grad.clone())
+    ranges.grad = ts.grad = None
+    multimax_cross_entropy(leaf * 1.0, target, ranges, ts, label_smoothing=0.1).mul(3.0).backward()
+    assert torch.equal(first[0], ranges.grad) and torch.equal(first[1], ts.grad)

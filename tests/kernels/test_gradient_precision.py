@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from mmlight.kernels import attention as attention_kernel
 from mmlight.kernels.attention import multimax_attention
 from mmlight.kernels.cross_entropy import multimax_cross_entropy
 from mmlight.kernels.rowwise import multimax_softmax
@@ -118,8 +119,12 @@ def test_rowwise_gradients(rows, n, std, masked):
 CAUSAL_PARAM_RATIO = {"ranges": 4.0, "ts": 4.0}
 
 
+@pytest.mark.parametrize("switch", [None, "PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT", "SINGLE_PASS_BACKWARD"])
 @pytest.mark.parametrize("causal, padded", [(False, True), (True, False)])
-def test_attention_gradients(causal, padded):
+def test_attention_gradients(causal, padded, switch, monkeypatch):
+    """As accurate as eager fp32, as shipped and with each kernel switch of kernels/attention.py on."""
+    if switch is not None:
+        monkeypatch.setattr(attention_kernel, switch, True)
     B, H, T, D = 1, 2, 80, 16
 
     def make_case(seed):

@@ -275,3 +275,12 @@ def test_auto_is_reference_on_cpu_tensors():
 def test_compile_backend_matches_reference():
     """torch.compile of the reference (slow: a first compile takes tens of seconds on the CPU)."""
     assert_backend_matches_reference("compile")
+
+
+@pytest.mark.parametrize("order", [0, 2])
+def test_persistent_rows_match_reference(monkeypatch, order):
+    """PERSISTENT_ROWS: two forward programs loop over the tiles of rows."""
+    monkeypatch.setattr(rowwise, "PERSISTENT_ROWS", True)
+    x, mask = scores_and_mask(rows=(4, 20), n=40)  # 80 rows of 40, 3 tiles of 32: program 0 takes two
+    assert rowwise._short_row_programs(rowwise.triton.cdiv(80, rowwise._launch_config(40)["ROWS"]), x.device) == 2
+    assert_matches_reference(x, mask, order)

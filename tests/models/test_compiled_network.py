@@ -150,3 +150,21 @@ def test_compiles_whole_with_the_triton_kernels_as_operators(model, name):
 @pytest.mark.parametrize("name", ["softmax", "multimax"])
 def test_inductor_matches_eager_on_the_vit(name):
     compare_compiled("vit", name, "auto", "inductor", rtol=1e-4, atol=1e-5)
+
+
+#: The kernel switches (docs/kernels.md), all on at once: the operators' fake functions, autograd
+#: registrations and the extra cross-entropy operators carry them through the compiled graph.
+KERNEL_SWITCHES = (
+    ("mmlight.kernels.attention", "PARAM_SUMS_PER_PROGRAM"),
+    ("mmlight.kernels.attention", "OUTPUT_IN_CALLER_LAYOUT"),
+    ("mmlight.kernels.attention", "SINGLE_PASS_BACKWARD"),
+    ("mmlight.kernels.attention", "MASK_FREE_INTERIOR"),
+    ("mmlight.kernels.rowwise", "PERSISTENT_ROWS"),
+    ("mmlight.kernels.cross_entropy", "GRADIENT_IN_BACKWARD"),
+)
+
+
+def test_compiles_whole_with_every_kernel_switch_on(monkeypatch):
+    for module, switch in KERNEL_SWITCHES:
+        monkeypatch.setattr(f"{module}.{switch}", True)
+    compare_compiled("lm", "multimax", "triton", "aot_eager", rtol=1e-5, atol=1e-6)
