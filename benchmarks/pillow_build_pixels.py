@@ -1,6 +1,6 @@
 """How far the DeiT training augmentation's pixels move when Pillow-SIMD replaces Pillow.
 
-Pillow-SIMD resizes about 5x faster (BENCHMARKS.md, "Image loader"), but its vectorised resampling
+Pillow-SIMD shortens the augmentation (BENCHMARKS.md, "Image loader"), but its vectorised resampling
 rounds differently. Run ``dump`` once in each environment on the same JPEG files, then ``compare``:
 
     python benchmarks/pillow_build_pixels.py dump --src /tmp/pixels-src --out /tmp/pillow.npz
