@@ -19,7 +19,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmlight.reweighting import Reweighting
 
@@ -58,7 +58,8 @@ class Throughput(ThroughputMonitor):
     batch holds (``batch_counts(batch) -> (samples, tokens or None)``) and its training loss on a
     given network (``training_loss(batch, network)``). Rates are logged once ``window_size`` batches
     have been seen, per device (``train/device/samples_per_sec``) and, with several devices, in
-    total (``train/samples_per_sec``).
+    total (``train/samples_per_sec``). A task without these members (one written outside mmlight) is
+    run without throughput logs, with a warning that names what it lacks.
 
     Args:
         window_size: batches averaged in each logged value.
@@ -69,6 +70,23 @@ class Throughput(ThroughputMonitor):
         self._module = None
         self._first: tuple[float, int, int] | None = None  # (time, samples, tokens) after the first batch
         self.flops_per_sample: float | None = None
+        self.disabled = False  # set by setup: the task lacks PROTOCOL
+
+    def _start(self, trainer) -> None:
+        if not self.disabled:
+            super()._start(trainer)
+
+    def _update(self, trainer, pl_module, batch, iter_num: int) -> None:
+        if not self.disabled:
+            super()._update(trainer, pl_module, batch, iter_num)
+
+    def _compute(self, trainer, iter_num: int | None = None) -> None:
+        if not self.disabled:
+            super()._compute(trainer, iter_num)
+
+    def on_validation_end(self, trainer, *args) -> None:
+        if not self.disabled:
+            super().on_validation_end(trainer, *args)
 
     def _samples_in(self, batch) -> int:
         return self._module.batch_counts(batch)[0]
@@ -76,7 +94,18 @@ class Throughput(ThroughputMonitor):
     def _tokens_in(self, batch) -> int:
         return self._module.batch_counts(batch)[1]
 
+    #: what a task must offer (mmlight's tasks do: tasks/classification.py, tasks/sequence.py)
+    PROTOCOL = ("counts_tokens", "batch_counts", "training_loss")
+
     def setup(self, trainer, pl_module, stage: str) -> None:
+        missing = [name for name in self.PROTOCOL if not hasattr(pl_module, name)]
+        self.disabled = bool(missing)
+        if missing:
+            rank_zero_warn(
+                f"Throughput: {type(pl_module).__name__} has no {', '.join(missing)} "
+                "(mmlight/callbacks/throughput.py), so this run logs no samples/s, tokens/s or MFU"
+            )
+            return
         super().setup(trainer, pl_module, stage)
         self._module = pl_module
         if not pl_module.counts_tokens:
@@ -86,6 +115,8 @@ class Throughput(ThroughputMonitor):
             throughput.available_flops = self.available_flops
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.disabled:
+            return
         samples = pl_module.batch_counts(batch)[0]
         if self.flops_per_sample is None:
             self.flops_per_sample = training_step_flops(pl_module, batch) / samples
@@ -95,10 +126,14 @@ class Throughput(ThroughputMonitor):
         pl_module.flops_per_batch = self.flops_per_sample * samples
 
     def on_validation_batch_start(self, trainer, pl_module, batch, *args) -> None:
+        if self.disabled:
+            return
         # validation logs its samples/s, but no FLOPs: the count is of a training step (with backward)
         pl_module.flops_per_batch = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
+        if self.disabled:
+            return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
         stage = RunningStage.TRAINING
         throughput = self._throughputs[stage]
@@ -117,6 +152,8 @@ class Throughput(ThroughputMonitor):
         self._last = now
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if self.disabled:
+            return
         if self._first is None or self._last[0] <= self._first[0]:
             return
         # the mean after the first batch (compilation and the loader's start excluded), all devices

@@ -158,7 +158,7 @@ class ReweightedViT(nn.Module):
             new_keys = {  # the reweightings' and gates' parameters, which plain attention weights lack
                 f"blocks.{i}.attn.{part}.{name}"
                 for i, block in enumerate(self.vit.blocks)
-                for part in ("reweight", "gate")
+                for part in ("reweight", "out_gate")
                 if getattr(block.attn, part) is not None
                 for name, _ in getattr(block.attn, part).named_parameters()
             }
@@ -169,7 +169,7 @@ class ReweightedViT(nn.Module):
         the names that monitoring and attention analysis report."""
         return sites_by_name(
             [
-                AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight, gate=block.attn.gate)
+                AttentionSite(f"blocks.{i}", "self", "blocks", i, block.attn.reweight, gate=block.attn.out_gate)
                 for i, block in enumerate(self.vit.blocks)
             ]
         )

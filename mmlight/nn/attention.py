@@ -316,22 +316,26 @@ class ReweightedAttention(TimmAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reweight: Reweighting = Softmax()
-        self.gate: OutputGate | None = None
+        # mmlight's gate is ``out_gate``: ``gate`` is timm's own (``gated=True``: after the norm, per channel)
+        self.out_gate: OutputGate | None = None
 
     def set_gate(self, kind: GateKind) -> None:
         """Gate each head's output by the layer's input (:mod:`mmlight.nn.gate`): ``none``, ``headwise``
         or ``elementwise``. The gate is initialised as timm initialises the ``qkv`` projection (truncated
         normal, std 0.02, zero bias; a bias when ``qkv`` has one), the query projection's init as in the
         paper's released code."""
-        self.gate = output_gate(kind, self.qkv.in_features, self.num_heads, self.head_dim, self.qkv.bias is not None)
-        if self.gate is not None:
-            init_weights_vit_timm(self.gate)
+        self.out_gate = output_gate(
+            kind, self.qkv.in_features, self.num_heads, self.head_dim, self.qkv.bias is not None
+        )
+        if self.out_gate is not None:
+            init_weights_vit_timm(self.out_gate)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             raise TypeError("ReweightedAttention takes a boolean attn_mask (True = attend)")
         B, N, C = x.shape
-        gate = self.gate(x) if self.gate is not None else None  # (B, nh, N, 1|hs)
+        gate = self.out_gate(x) if self.out_gate is not None else None  # (B, nh, N, 1|hs)
+        timm_gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None  # (B, N, C)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, nh, N, hs) each
         q, k = self.q_norm(q), self.k_norm(k)
@@ -349,4 +353,6 @@ class ReweightedAttention(TimmAttention):
             y = y * gate
         x = y.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
+        if timm_gate is not None:
+            x = x * timm_gate
         return self.proj_drop(self.proj(x))

@@ -111,3 +111,33 @@ def test_a_network_on_the_triton_backend_is_counted_by_its_reference():
     batch = (torch.randn(3, 1, 8, 8), torch.randint(0, 10, (3,)))
     assert training_step_flops(task, batch) / 3 == 19_681_024
     assert {m.backend for m in task.model.modules() if hasattr(m, "backend")} == {"triton"}  # the task's own
+
+
+def test_a_task_without_the_protocol_fits_without_throughput_and_a_warning_names_what_it_lacks():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mmlight.callbacks.throughput import Throughput
+    from tests.helpers.trainer import quiet_trainer
+
+    class Plain(L.LightningModule):  # a task written outside mmlight
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=4)
+    callback = Throughput(window_size=1)
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=1, callbacks=[callback])
+    with pytest.warns(UserWarning, match="Plain has no counts_tokens, batch_counts, training_loss"):
+        trainer.fit(Plain(), data, data)
+    assert trainer.global_step == 3
+    assert callback.disabled and callback.flops_per_sample is None

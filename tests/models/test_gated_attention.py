@@ -21,7 +21,7 @@ def sigmoid(z):
     return 1 / (1 + np.exp(-z))
 
 
-def paper_layer(w, x, memory, keep, causal, nh, q="q_proj", kv=("k_proj", "v_proj"), out="out_proj"):
+def paper_layer(w, x, memory, keep, causal, nh, q="q_proj", kv=("k_proj", "v_proj"), out="out_proj", gate="gate"):
     """One gated attention layer in float64 NumPy, from its weights ``w`` (name -> array):
     ``Y_h = softmax(Q_h K_h^T / sqrt(hs) + mask) V_h``, ``Y'_h = Y_h * sigmoid(X W_g + b_g)_h`` (the gate
     from the queries' input X, one value per head or per channel), heads concatenated, projected.
@@ -56,7 +56,7 @@ def paper_layer(w, x, memory, keep, causal, nh, q="q_proj", kv=("k_proj", "v_pro
         0.0,
     )
     p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-    y = (p @ vh) * heads(sigmoid(linear("gate", x)))  # (B, nh, T, hs) * (B, nh, T, 1|hs)
+    y = (p @ vh) * heads(sigmoid(linear(gate, x)))  # (B, nh, T, hs) * (B, nh, T, 1|hs)
     return linear(out, y.transpose(0, 2, 1, 3).reshape(B, T, d))
 
 
@@ -155,7 +155,7 @@ def test_vit_self_attention_is_the_papers_equation(gate):
             w["qkv.weight"][i * d : (i + 1) * d],
             w["qkv.bias"][i * d : (i + 1) * d],
         )
-    want = paper_layer(w, x, x, None, causal=False, nh=4, q="q", kv=("k", "v"), out="proj")
+    want = paper_layer(w, x, x, None, causal=False, nh=4, q="q", kv=("k", "v"), out="proj", gate="out_gate")
     np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-9, atol=1e-12)
 
 
@@ -168,7 +168,7 @@ def test_no_gate_keeps_every_parameter_and_checkpoint_as_it_was():
         assert {k for k in gated if ".gate." not in k} == set(plain)
         assert len([k for k in gated if k.endswith(".gate.weight")]) == len(build("none").attention_sites())
     vit = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10))
-    assert not any(".gate." in k for k in vit.state_dict()) and TransformerConfig(vocab_size=5).gate == "none"
+    assert not any("gate." in k for k in vit.state_dict()) and TransformerConfig(vocab_size=5).gate == "none"
 
 
 def test_transformer_gate_is_initialised_as_the_query_projection():

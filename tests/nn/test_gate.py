@@ -44,7 +44,7 @@ def paper_timm_layer(layer, x, gate):
     p = np.exp(scores - scores.max(-1, keepdims=True))
     y = (p / p.sum(-1, keepdims=True)) @ v  # (B, nh, N, hs)
     if gate != "none":
-        g = sigmoid(x @ w["gate.weight"].T + w["gate.bias"]).reshape(B, N, nh, -1).transpose(0, 2, 1, 3)
+        g = sigmoid(x @ w["out_gate.weight"].T + w["out_gate.bias"]).reshape(B, N, nh, -1).transpose(0, 2, 1, 3)
         y = y * g
     y = y.transpose(0, 2, 1, 3).reshape(B, N, C)
     return y @ w["proj.weight"].T + w["proj.bias"]
@@ -62,7 +62,7 @@ def test_timm_layer_is_the_papers_equation(gate):
                 p.normal_()
     x = torch.randn(2, 5, 12, dtype=torch.float64)
     np.testing.assert_allclose(layer(x).detach().numpy(), paper_timm_layer(layer, x.numpy(), gate), rtol=1e-10)
-    assert (layer.gate is None) == (gate == "none")
+    assert (layer.out_gate is None) == (gate == "none")
 
 
 def test_timm_gate_is_initialised_as_the_qkv_projection():
@@ -71,9 +71,9 @@ def test_timm_gate_is_initialised_as_the_qkv_projection():
     torch.manual_seed(0)
     layer = ReweightedAttention(192, num_heads=3, qkv_bias=True)
     layer.set_gate("elementwise")
-    w = layer.gate.weight.detach()
-    assert w.shape == (192, 192) and (layer.gate.bias == 0).all()
+    w = layer.out_gate.weight.detach()
+    assert w.shape == (192, 192) and (layer.out_gate.bias == 0).all()
     assert w.std().item() == pytest.approx(0.02, rel=0.05) and w.mean().abs() < 1e-3
     no_bias = ReweightedAttention(16, num_heads=2, qkv_bias=False)
     no_bias.set_gate("headwise")
-    assert no_bias.gate.bias is None and no_bias.gate.weight.shape == (2, 16)
+    assert no_bias.out_gate.bias is None and no_bias.out_gate.weight.shape == (2, 16)

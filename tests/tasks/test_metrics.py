@@ -31,6 +31,14 @@ class FixedLogits(nn.Module):
         return self.table[images[:, 0, 0, 0].long()]
 
 
+class Averaged(nn.Module):
+    """Stands in for the EMA's ``AveragedModel``: the averaged network as ``.module``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+
 class LogRecorder:
     """Stands in for ``LightningModule.log``: keeps each call's value and options."""
 
@@ -58,7 +66,7 @@ def classifier_with_fixed_logits(n: int, seed: int = 0, num_classes: int = NUM_C
     logits, ema_logits = rng.normal(size=(2, n, num_classes)).astype(np.float32)
     labels = rng.integers(0, num_classes, size=n)
     module = ImageClassifier(micro_vit(num_classes=num_classes), ema_decay=0.9)
-    module.model, module.ema = FixedLogits(logits), FixedLogits(ema_logits)
+    module.model, module.ema = FixedLogits(logits), Averaged(FixedLogits(ema_logits))
     module.log = LogRecorder()
     images = torch.zeros(n, 1, 8, 8)
     images[:, 0, 0, 0] = torch.arange(n)
@@ -543,6 +551,7 @@ def test_task_defaults_are_the_papers_recipes():
         "reweighting_lr_mult": 1.0,
         "layer_decay": None,
         "freeze_backbone_epochs": 0,
+        "compile": False,  # the network runs eagerly unless asked
     }
     lm_config = TransformerConfig(vocab_size=V, d_model=8, n_heads=2, ffn_dim=8, n_layers=1)
     assert saved(LanguageModel(lm_config)) == {
@@ -555,6 +564,7 @@ def test_task_defaults_are_the_papers_recipes():
         "min_lr": 1e-5,
         "label_smoothing": 0.0,
         "accuracy": False,
+        "compile": False,
     }
     translator = saved(Translator(dataclasses.replace(lm_config, n_encoder_layers=1)))
     # fairseq's IWSLT14 example: --eval-bleu-args '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}', and
@@ -577,6 +587,7 @@ def test_task_defaults_are_the_papers_recipes():
         "label_smoothing": 0.1,
         "bleu_in_validation": False,
         "output_dir": None,
+        "compile": False,
     }
     # and they reach the optimiser: a task built without arguments uses them
     module = LanguageModel(lm_config)
