@@ -353,6 +353,7 @@ def test_observer_statistics_of_hand_made_calls_equal_loops_over_the_rows():
         "sink_eps": 1.0,
         "top_sinks": 3,
         "zero_mass": 1e-9,
+        "low_gate": 0.1,
     }
     assert stats["histogram_edges"] == pytest.approx(np.logspace(-8, 0, 33).tolist(), rel=1e-12)
     assert stats["blocks"] == {"decoder.layers.9": {"token_similarity": 0.25}}
@@ -399,7 +400,7 @@ HEAD_METRICS_REF = (
 
 def test_default_thresholds_are_the_documented_ones():
     """docs/analysis.md: eps = 0 for M and S on the centred scores, 1e-3 for "near zero", eps = 3 for
-    sinks, the five top sinks."""
+    sinks, the five top sinks, a gate below 0.1 counted as nearly closed."""
     from dataclasses import asdict
 
     from mmlight.analysis.stats import Settings
@@ -411,6 +412,7 @@ def test_default_thresholds_are_the_documented_ones():
         "sink_eps": 3.0,
         "top_sinks": 5,
         "zero_mass": 1e-9,
+        "low_gate": 0.1,
     }
 
 
