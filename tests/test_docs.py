@@ -305,11 +305,16 @@ ROOTS = ("", "mmlight/", "tests/")
 
 
 def python_files() -> list[str]:
-    """Every Python file of the repository, as a path relative to it."""
-    skip = {".git", "build", "runs", ".venv", "node_modules"}
-    return sorted(
-        p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts)
-    )
+    """Every Python file of the repository (tracked, or new and not ignored), as a path relative to it:
+    git's list, so that a virtual environment inside the clone (CI's ``.ci-venv``) is not read."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return sorted(f for f in listed if (ROOT / f).is_file())
 
 
 def files_named(path: str) -> list[str]:
