@@ -35,6 +35,7 @@ from mmlight.callbacks import (
     LastCheckpoint,
     ReweightingMonitor,
     SkippedSamplesMonitor,
+    SlurmRequeue,
     StepProgressBar,
     StepSeed,
     Throughput,
@@ -59,8 +60,9 @@ def trainer_defaults() -> dict:
     the count of skipped corrupt samples, a one-time warning when the step waits on the data loader,
     the final metrics printed, samples/s, tokens/s and MFU (:class:`~mmlight.callbacks.Throughput`),
     the per-step seeding of dropout and mixup
-    (:class:`~mmlight.callbacks.StepSeed`), and the data position restored on resume
-    (:class:`~mmlight.callbacks.DataPosition`)."""
+    (:class:`~mmlight.callbacks.StepSeed`), the data position restored on resume
+    (:class:`~mmlight.callbacks.DataPosition`), and under SLURM the checkpoint of the warning signal
+    written at the end of a step (:class:`~mmlight.callbacks.SlurmRequeue`)."""
     return {
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="mmlight"),
         "callbacks": [
@@ -73,6 +75,7 @@ def trainer_defaults() -> dict:
             lazy_instance(StepSeed),
             lazy_instance(DataPosition),
             lazy_instance(Throughput),
+            lazy_instance(SlurmRequeue),
         ],
     }
 

@@ -14,7 +14,7 @@
 # The run lives in runs/<name>/slurm-<job id>/ (TensorBoard version = job id). A requeued job keeps
 # its id, so it finds its own checkpoints there and resumes (--ckpt_path last); 5 minutes before
 # the time limit SLURM signals the batch shell, which forwards the signal to the training tasks:
-# Lightning then saves hpc_ckpt_<n>.ckpt and requeues the job.
+# at the end of the step under way they save hpc_ckpt_<n>.ckpt and requeue the job (SlurmRequeue).
 #
 #SBATCH --job-name=mmlight
 #SBATCH --nodes=1
@@ -38,8 +38,8 @@ tasks_per_node=${SLURM_NTASKS_PER_NODE%%(*}  # "8" or "8(x4)"
 echo "mmlight: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NUM_NODES} node(s) x ${tasks_per_node} task(s): ${config} $*"
 
 # The shell receives SLURM's warning signal (B: above) and forwards it to srun, which passes it to
-# every task; signalling the step directly does not always reach the Python processes. Lightning
-# then saves hpc_ckpt_<n>.ckpt and requeues the job, which ends this shell too. Where it cannot
+# every task; signalling the step directly does not always reach the Python processes. The tasks
+# then save hpc_ckpt_<n>.ckpt at the end of a step and requeue the job, which ends this shell too. Where it cannot
 # requeue (no scontrol inside a container), this shell requeues the job after a grace period.
 srun_pid=
 on_warning_signal() {

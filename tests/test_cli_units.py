@@ -24,6 +24,7 @@ from mmlight.callbacks import (
     FinalMetrics,
     ReweightingMonitor,
     SkippedSamplesMonitor,
+    SlurmRequeue,
     StepProgressBar,
     StepSeed,
     Throughput,
@@ -254,6 +255,7 @@ def test_trainer_defaults():
         StepSeed,
         DataPosition,
         Throughput,
+        SlurmRequeue,
     ]
     assert len(callbacks) == len(kinds) and all(isinstance(c, k) for c, k in zip(callbacks, kinds))
     assert callbacks[1]._lazy_kwargs == {"logging_interval": "step"}

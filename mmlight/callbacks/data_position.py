@@ -18,8 +18,9 @@ class DataPosition(Callback):
 
     The position handed over is the number of batches of the epoch that Lightning counts as done
     (:func:`batches_done`), which is what the loader counted unless the checkpoint was written in
-    the middle of a step (Lightning writes ``hpc_ckpt`` from inside the SLURM signal handler):
-    Lightning then runs that step again, and the loader must hand out its batch again.
+    the middle of a step (Lightning's own SLURM signal handler writes ``hpc_ckpt`` there;
+    :class:`~mmlight.callbacks.SlurmRequeue` moves it to the step's end): Lightning then runs that
+    step again, and the loader must hand out its batch again.
     """
 
     def __init__(self):
