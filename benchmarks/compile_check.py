@@ -381,19 +381,28 @@ def format_row(r: Compiled) -> str:
 
 
 def summary_table(results: list[Compiled]) -> str:
-    """Per kernel and target: how many specialisations, the largest register and shared-memory
-    use, and how many have a problem."""
-    lines = [
-        "| kernel | sm | specialisations | max registers | max shared (KB) | spilling | failing |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    groups: dict[tuple[str, int], list[Compiled]] = {}
+    """Per kernel, one row with a ``/``-separated value per target (sm, ascending): how many
+    specialisations, the largest register and shared-memory use, and how many spill or fail."""
+    groups: dict[str, dict[int, list[Compiled]]] = {}
     for r in results:
-        groups.setdefault((r.kernel, r.capability), []).append(r)
-    for (kernel, capability), rs in sorted(groups.items()):
-        lines.append(
-            f"| {kernel} | {capability} | {len(rs)} | {max(r.registers for r in rs)} | "
-            f"{max(r.shared for r in rs) / 1024:.1f} | {sum(bool(r.spill_stores or r.spill_loads) for r in rs)} | "
-            f"{sum(bool(r.problems) for r in rs)} |"
-        )
+        groups.setdefault(r.kernel, {}).setdefault(r.capability, []).append(r)
+    capabilities = sorted({r.capability for r in results})
+    columns = {
+        "specialisations": len,
+        "max registers": lambda rs: str(max(r.registers for r in rs)),
+        "max shared (KB)": lambda rs: f"{max(r.shared for r in rs) / 1024:.1f}",
+        "spilling": lambda rs: str(sum(bool(r.spill_stores or r.spill_loads) for r in rs)),
+        "failing": lambda rs: str(sum(bool(r.problems) for r in rs)),
+    }
+    targets = " / ".join(map(str, capabilities))
+    lines = [
+        "| kernel | " + " | ".join(f"{name}, sm {targets}" for name in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for kernel, by_capability in sorted(groups.items()):
+        cells = [
+            " / ".join(str(value(by_capability[c])) if c in by_capability else "–" for c in capabilities)
+            for value in columns.values()
+        ]
+        lines.append(f"| {kernel} | {' | '.join(cells)} |")
     return "\n".join(lines)

@@ -38,36 +38,86 @@ def fmt(value, digits=3) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def render(records: list[dict]) -> str:
+def render(records: list[dict], date: str | None = None) -> str:
+    """``bench_multimax.py``: a line naming the device, versions and ``date`` (none: the line is left out,
+    for a caller that names them), then one table of the operators (a row per shape and backend) and
+    one of the training steps."""
     lines = []
-    key = lambda r: (r["device"], r["torch"], r["triton"], r["op"], str(r["shape"]), r["dtype"])  # noqa: E731
-    for (device, torch_v, triton_v, op, shape, dtype), group in itertools.groupby(records, key=key):
+    key = lambda r: (r["device"], r["torch"], r["triton"])  # noqa: E731
+    for (device, torch_v, triton_v), group in itertools.groupby(records, key=key):
         group = list(group)
-        lines.append(f"\n#### {op} {shape} {dtype} — {device}, torch {torch_v}, triton {triton_v}\n")
-        if "step_ms" in group[0] or any("step_ms" in r for r in group):
-            lines.append("| backend | step ms | × baseline | peak MB |")
-            lines.append("|---|---|---|---|")
-            for r in group:
-                lines.append(
-                    f"| {r['backend']} | {fmt(r.get('step_ms'))} | {fmt(r.get('step_ratio'))} | "
-                    f"{fmt(r.get('peak_mem_mb'), 5)} |" + (f" {r['error']}" if r.get("error") else "")
-                )
-            continue
-        lines.append(
-            "| backend | fwd ms | bwd ms | fwd × base | bwd × base | GB/s fwd / bwd | % peak fwd / bwd | "
-            "TFLOP/s fwd | peak MB |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        for r in group:
-            frac = r.get("frac_peak_bw")
-            pct = {k: v and 100 * v for k, v in frac.items()} if frac else None
+        ops = [r for r in group if "step_ms" not in r]
+        steps = [r for r in group if "step_ms" in r]
+        if date is not None:
             lines.append(
-                f"| {r['backend']} | {fmt(r.get('fwd_ms'))} | {fmt(r.get('bwd_ms'))} | "
-                f"{fmt(r.get('fwd_ratio'))} | {fmt(r.get('bwd_ratio'))} | {fmt(r.get('gbps'), 4)} | "
-                f"{fmt(pct)} | {fmt(r.get('tflops_fwd'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
-                + (f" {r['error']}" if r.get("error") else "")
+                f"\n{device}, torch {torch_v}, triton {triton_v}; {date}. Ratios to each shape's first backend.\n"
+            )
+        if ops:
+            lines += table(
+                [
+                    "op",
+                    "shape",
+                    "dtype",
+                    "backend",
+                    "fwd ms",
+                    "bwd ms",
+                    "fwd ×",
+                    "bwd ×",
+                    "% peak fwd / bwd",
+                    "TFLOP/s fwd",
+                    "peak MB",
+                    "error",
+                ],
+                [
+                    [
+                        r["op"],
+                        str(r["shape"]),
+                        r["dtype"],
+                        r["backend"],
+                        r.get("fwd_ms"),
+                        r.get("bwd_ms"),
+                        r.get("fwd_ratio"),
+                        r.get("bwd_ratio"),
+                        percents(r.get("frac_peak_bw")),
+                        r.get("tflops_fwd"),
+                        fmt(r.get("peak_mem_mb"), 5),
+                        short_error(r.get("error")),
+                    ]
+                    for r in ops
+                ],
+            )
+        if steps:
+            lines.append("")
+            lines += table(
+                ["step", "shape", "dtype", "backend", "step ms", "× baseline", "peak MB", "error"],
+                [
+                    [
+                        r["op"],
+                        str(r["shape"]),
+                        r["dtype"],
+                        r["backend"],
+                        r.get("step_ms"),
+                        r.get("step_ratio"),
+                        fmt(r.get("peak_mem_mb"), 5),
+                        short_error(r.get("error")),
+                    ]
+                    for r in steps
+                ],
             )
     return "\n".join(lines) + "\n"
+
+
+def percents(frac: dict | None) -> str:
+    """Fractions of the bandwidth peak (forward / backward) as percentages; ``–`` where not measured."""
+    return fmt({k: v and 100 * v for k, v in frac.items()} if frac else None)
+
+
+def short_error(error: str | None) -> str:
+    """A recorded error cut to its kind: the first two ``:``-separated parts, up to the first sentence's
+    end (``out of memory: CUDA out of memory``); the record keeps the whole message."""
+    if not error:
+        return ""
+    return ":".join(error.split(":")[:2]).split(". ")[0].strip()
 
 
 Records = list[dict]
@@ -533,7 +583,7 @@ def render_run(records: list[dict]) -> str:
 #: Each kind of record file: how to recognise one of its records, and its renderer.
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "gpu_run": (lambda r: "kind" in r, lambda paths: "".join(render_run(load(path)) for path in paths)),
-    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths))),
+    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths), dates(paths))),
     "loader": (lambda r: r.get("op") == "images", render_loader),
     "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),
     "repro": (lambda r: r.get("check") == "same_seed_same_losses", render_repro),

@@ -82,6 +82,46 @@ def test_the_step_time_medians_are_the_scripts_own_medians():
             assert statistics.median(ratios) == pytest.approx(median)
 
 
+def markdown_rows(rendered: str) -> list[list[str]]:
+    """The body cells of every Markdown table in ``rendered`` (header and rule rows left out)."""
+    lines = [line for line in rendered.splitlines() if line.startswith("|")]
+    bodies = [
+        line
+        for i, line in enumerate(lines)
+        if not line.startswith("|---") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))
+    ]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in bodies]
+
+
+def test_the_kernel_table_has_one_row_per_record_with_its_times():
+    """bench_multimax.py's records: each (op, shape, dtype, backend) is one row of one table, with the
+    record's times to three significant digits, or its error's kind."""
+    for path in sorted(RESULTS.glob("multimax-*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        rows = {tuple(row[:4]): row for row in markdown_rows(report([str(path.relative_to(ROOT))]))}
+        assert len(rows) == len(records)
+        for r in records:
+            row = rows[(r["op"], str(r["shape"]), r["dtype"], r["backend"])]
+            time = r.get("step_ms", r.get("fwd_ms"))
+            assert row[4] == (f"{time:.3g}" if time is not None else "–")
+            assert (row[-1] != "") == bool(r.get("error")) and r.get("error", "").startswith(row[-1])
+
+
+def test_the_compile_table_counts_each_kernels_specialisations_per_target():
+    """compile_report.py's records, counted here per kernel and sm: the table's ``a / b`` cells."""
+    for path in sorted(RESULTS.glob("compile_report-*.json")):
+        records = json.loads(path.read_text())
+        rows = {row[0]: row for row in markdown_rows(report([str(path.relative_to(ROOT))]))}
+        assert sorted(rows) == sorted({r["kernel"] for r in records})
+        for kernel, row in rows.items():
+            counts = [sum(r["kernel"] == kernel and r["capability"] == sm for r in records) for sm in (80, 90)]
+            registers = [
+                max(r["registers"] for r in records if r["kernel"] == kernel and r["capability"] == sm)
+                for sm in (80, 90)
+            ]
+            assert row[1] == " / ".join(map(str, counts)) and row[2] == " / ".join(map(str, registers))
+
+
 def test_record_path_names_a_file_the_pattern_accepts():
     when = datetime.datetime(2026, 11, 23, 13, 28, tzinfo=datetime.timezone.utc)
     versions = [("torch", "2.14.1+cu130"), ("Pillow-SIMD", "12.1.1.post0")]
