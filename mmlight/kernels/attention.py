@@ -44,13 +44,14 @@ import triton.language as tl
 from mmlight.kernels.runtime import TRITON_DTYPES, triton_interpreting
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
+    add_param_partials,
     load_sigma_params,
     pack_sigma_params,
     sigma_derivative,
     sigma_forward,
-    sigma_param_partials,
     store_param_partials,
     sum_param_partials,
+    zero_param_sums,
 )
 from mmlight.kernels.tiles import BlockConfig, device_capability, measured
 
@@ -446,24 +447,7 @@ def _backward_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     # per-program parameter partials, kept in registers (no atomics): per key, reduced over the keys
     # once after the loop (PARAM_SUMS_PER_PROGRAM), or reduced to scalars at every step
-    if PARAM_SUMS_PER_PROGRAM:
-        dr0 = tl.zeros((BLOCK_N,), tl.float32)
-        dr1 = tl.zeros((BLOCK_N,), tl.float32)
-        dr2 = tl.zeros((BLOCK_N,), tl.float32)
-        dr3 = tl.zeros((BLOCK_N,), tl.float32)
-        dt0 = tl.zeros((BLOCK_N,), tl.float32)
-        dt1 = tl.zeros((BLOCK_N,), tl.float32)
-        dt2 = tl.zeros((BLOCK_N,), tl.float32)
-        dt3 = tl.zeros((BLOCK_N,), tl.float32)
-    else:
-        dr0 = 0.0
-        dr1 = 0.0
-        dr2 = 0.0
-        dr3 = 0.0
-        dt0 = 0.0
-        dt1 = 0.0
-        dt2 = 0.0
-        dt3 = 0.0
+    dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = zero_param_sums(BLOCK_N, PARAM_SUMS_PER_PROGRAM)
 
     for start_m in range(_causal_query_begin(start_n, Tq, Tk, BLOCK_M, CAUSAL), Tq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -489,16 +473,9 @@ def _backward_dkdv_kernel(
             tl.store(dq_rows + offs_m[:, None] * HEAD_D + offs_d[None, :], dq_part, mask=(offs_m < Tq)[:, None])
         if PARAM_GRADS:
             # each (query, key) pair is visited by exactly one dK/dV program: nothing counted twice
-            e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(
+            dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = add_param_partials(
+                dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3,
                 xt, gt, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, PARAM_SUMS_PER_PROGRAM)
-            dr0 += e0
-            dr1 += e1
-            dr2 += e2
-            dr3 += e3
-            dt0 += f0
-            dt1 += f1
-            dt2 += f2
-            dt3 += f3
 
     _store_rows(DK + b * stride_dkb + h * stride_dkh, dk, offs_n, offs_d, stride_dkt, stride_dkd, Tk)
     _store_rows(DV + b * stride_dvb + h * stride_dvh, dv, offs_n, offs_d, stride_dvt, stride_dvd, Tk)

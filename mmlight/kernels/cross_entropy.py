@@ -59,13 +59,14 @@ import triton.language as tl
 from mmlight.kernels.runtime import TRITON_DTYPES
 from mmlight.kernels.sigma import (
     NUM_SIGMA_PARAMS,
+    add_param_partials,
     load_sigma_params,
     pack_sigma_params,
     sigma_derivative,
     sigma_forward,
-    sigma_param_partials,
     store_param_partials,
     sum_param_partials,
+    zero_param_sums,
 )
 
 __all__ = ["multimax_cross_entropy"]
@@ -116,14 +117,7 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
     Columns at or past ``n_active`` (all of them for an ignored row) are not read and get
     ``dsigma = 0``; the loop still covers all ``V`` columns when ``dz`` must be written, so ignored
     rows receive explicit zeros."""
-    dr0 = 0.0
-    dr1 = 0.0
-    dr2 = 0.0
-    dr3 = 0.0
-    dt0 = 0.0
-    dt1 = 0.0
-    dt2 = 0.0
-    dt3 = 0.0
+    dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = zero_param_sums(1, False)
     if STORE_DZ:
         n_loop = V
     else:
@@ -142,16 +136,9 @@ def _row_grad(row_ptr, grad_row_ptr, y, V, n_active, row_max, row_inv_sum, w, co
             tl.store(grad_row_ptr + cols, dz.to(grad_row_ptr.dtype.element_ty), mask=cols < V)
         if PARAM_GRADS:
             # The shared helper reduces 2-D tiles; x is finite and g is 0 on inactive lanes, as it requires.
-            b0, b1, b2, b3, c0, c1, c2, c3 = sigma_param_partials(
+            dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3 = add_param_partials(
+                dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3,
                 x[None, :], g[None, :], r0, r1, r2, r3, t0, t1, t2, t3, ORDER, False)
-            dr0 += b0
-            dr1 += b1
-            dr2 += b2
-            dr3 += b3
-            dt0 += c0
-            dt1 += c1
-            dt2 += c2
-            dt3 += c3
     return dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3
 
 

@@ -131,6 +131,24 @@ def sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constex
 
 
 @triton.jit
+def zero_param_sums(BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+    """Eight zero accumulators for :func:`add_param_partials`: fp32 scalars, or with ``PER_ROW``
+    ``(BLOCK,)`` vectors (one per row of the tiles that will be added)."""
+    zero = tl.zeros((BLOCK,), tl.float32)
+    if not PER_ROW:
+        zero = tl.sum(zero, axis=0)
+    return zero, zero, zero, zero, zero, zero, zero, zero
+
+
+@triton.jit
+def add_param_partials(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3,
+                       x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER: tl.constexpr, PER_ROW: tl.constexpr):
+    """The 8 running sums plus one tile's :func:`sigma_param_partials` (same arguments after the sums)."""
+    e0, e1, e2, e3, f0, f1, f2, f3 = sigma_param_partials(x, g, r0, r1, r2, r3, t0, t1, t2, t3, ORDER, PER_ROW)
+    return dr0 + e0, dr1 + e1, dr2 + e2, dr3 + e3, dt0 + f0, dt1 + f1, dt2 + f2, dt3 + f3
+
+
+@triton.jit
 def pack_param_partials(dr0, dr1, dr2, dr3, dt0, dt1, dt2, dt3):
     """The 8 partials as one ``(8,)`` fp32 vector, in the order of the packed parameters."""
     slot = tl.arange(0, 8)
