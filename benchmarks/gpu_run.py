@@ -21,11 +21,20 @@ each section skipped (and recorded as skipped) when the time left is below its e
    ``torch.softmax``, and the fused cross-entropy against ``F.cross_entropy``.
 7. ``compiled``: timm's ``deit_small_patch16_224`` compiled (the peer), then the step variants with
    ``torch.compile`` of the model's forward.
+8. ``fit``: ``mmlight fit`` of ``configs/deit_small_multimax.yaml``, then (if the budget allows)
+   ``deit_small_softmax.yaml``, on one device with ``compile: true``, 300 steps at the step's batch,
+   no validation and no checkpoint, reading synthetic ImageNet-format shards (``fit_shards.py``)
+   through the real loader with the config's workers. The images/s the Throughput callback logs to
+   TensorBoard, averaged past the warm-up, are set beside the step's of the same variant: the
+   difference is the data pipeline and Lightning's overhead. Each fit's output ends in ``fit.log``.
+   It needs what ``mmlight fit`` imports (webdataset, jsonargparse, tensorboard); a missing package
+   is recorded as the section's error before any shard is written.
 
 Every record is one JSON line, flushed as soon as it exists, in
 ``<out>/gpu_run-<device>-torch<v>_triton<v>-<YYYYMMDD>-<HHMM>.jsonl``, so a run cut off still
 returns what it measured; ``benchmarks/report.py`` renders the file. ``--smoke`` runs the same code at tiny shapes on
-the CPU (Triton's interpreter; fp32), recording what needs CUDA as skipped with the reason.
+the CPU (Triton's interpreter; fp32), recording what needs CUDA as skipped with the reason; its fits
+train the micro ViT at 16 px for 30 steps, uncompiled, with one loader worker.
 
     python benchmarks/gpu_run.py --out "$OUT"        # on the GPU
     python benchmarks/gpu_run.py --smoke --out /tmp/smoke
@@ -35,10 +44,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import itertools
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +79,8 @@ from mmlight.kernels.tiles import DTYPE_NAMES, BlockConfig, override_tiles, seq_
 #: magnitude (``mmlight doctor``'s tolerances); fp32 under the interpreter: 1e-4.
 TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-4}
 ORDER = 2
+#: The repository's root: the fit section runs its configs from there.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- what is measured
@@ -174,6 +187,7 @@ class Run:
         self.sink = self.path.open("a")
         self.tuned: dict[str, dict[str, BlockConfig]] = {}  # shape name -> kernel -> best config
         self.tuned_switches: dict[str, object] = {}
+        self.steps: dict[tuple[str, bool], dict] = {}  # (backend, compiled) -> the step record, for the fit
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
@@ -182,6 +196,8 @@ class Run:
         record = {**self.versions, "elapsed_s": round(time.monotonic() - self.start, 1), **record}
         self.sink.write(json.dumps(record, default=str) + "\n")
         self.sink.flush()
+        if record.get("kind") == "step":
+            self.steps[record["backend"], bool(record["compiled"])] = record
         brief = {k: v for k, v in record.items() if k not in self.versions and k != "table" and v is not None}
         print(json.dumps(brief, default=str)[:300], flush=True)
         return record
@@ -928,10 +944,252 @@ def both(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
     torch.autograd.grad(loss, [t for t in leaves if t.requires_grad])
 
 
+# ----------------------------------------------------------------------------- 8. fit
+
+
+@dataclass(frozen=True)
+class FitRun:
+    """One short ``mmlight fit`` of a DeiT-small config, timed by the Throughput callback's logs.
+
+    Args:
+        name: label of the record.
+        config: the config file, relative to the repository's root.
+        step: backend of the ``step`` record with the same attention and output layer, whose images/s
+            the fit's is set beside.
+    """
+
+    name: str
+    config: str
+    step: str
+
+
+#: Most telling first (the budget may cut the second): MultiMax, whose kernels run as custom
+#: operators inside the compiled network, then softmax (SDPA picks its backend in the fit).
+FIT_RUNS = [
+    FitRun("deit_small_multimax", "configs/deit_small_multimax.yaml", "multimax shipped"),
+    FitRun("deit_small_softmax", "configs/deit_small_softmax.yaml", "softmax (SDPA flash)"),
+]
+#: Seconds one fit needs at least on an H100/H200: start-up, compilation, the steps (the section's estimate).
+FIT_ESTIMATE_S = 120
+#: Seconds a process of the section may run under --smoke, which ignores the budget.
+SMOKE_LIMIT_S = 600
+
+
+def fit_time_limit(run: Run) -> float:
+    """Seconds the section's next process may run: what the budget leaves, less 20 s for Lightning's
+    shutdown after its ``max_time`` (:data:`SMOKE_LIMIT_S` under ``--smoke``)."""
+    return SMOKE_LIMIT_S if run.smoke else max(run.left() - 20, 1)
+
+
+def fit_setup(run: Run) -> dict:
+    """Steps, batch (the step benchmark's), loader workers (None: the config's), ``compile``, the images
+    generated, and the overrides that shrink the run under ``--smoke`` (the micro ViT at 16 px, one
+    worker, uncompiled, on the CPU)."""
+    if run.smoke:
+        micro = ["--model.init_args.model.variant", "vit_micro", "--model.init_args.model.img_size", "16"]
+        micro += ["--model.init_args.model.patch_size", "4", "--data.init_args.augment.image_size", "16"]
+        return {"steps": 30, "batch": 4, "workers": 1, "compile": False, "distinct": 4, "overrides": micro}
+    return {
+        "steps": 300,
+        "batch": step_setup(run)["batch"],
+        "workers": None,
+        "compile": True,
+        "distinct": 256,
+        "overrides": [],
+    }
+
+
+def duration(seconds: float) -> str:
+    """Lightning's ``max_time`` format, ``DD:HH:MM:SS``."""
+    s = max(int(seconds), 1)
+    return f"{s // 86400:02d}:{s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def fit_command(run: Run, fit: FitRun, setup: dict, shards: Path, logs: Path, seconds: float) -> list[str]:
+    """``mmlight fit`` of ``fit.config`` on one device: the shards, ``setup``'s steps, batch and
+    ``compile``, no validation, no checkpoint, TensorBoard logs every 10 steps under ``logs/fit/<name>``,
+    stopped by Lightning after ``seconds``. The interpreter runs ``mmlight.cli`` (the device machine
+    has no ``mmlight`` script)."""
+    options = {
+        "--trainer.devices": "1",
+        "--trainer.num_nodes": "1",
+        "--trainer.strategy": "auto",
+        "--trainer.max_steps": str(setup["steps"]),
+        "--trainer.max_time": duration(seconds),
+        "--trainer.limit_val_batches": "0",
+        "--trainer.num_sanity_val_steps": "0",
+        "--trainer.log_every_n_steps": "10",
+        "--trainer.default_root_dir": str(logs),
+        "--trainer.logger.init_args.save_dir": str(logs),
+        "--trainer.logger.init_args.name": "fit",
+        "--trainer.logger.init_args.version": fit.name,
+        "--last_checkpoint.save_last": "false",
+        "--best_checkpoint.save_top_k": "0",
+        "--model.init_args.compile": "true" if setup["compile"] else "false",
+        "--data.init_args.root": str(shards),
+        "--data.init_args.batch_size": str(setup["batch"]),
+    }
+    if setup["workers"] is not None:
+        options["--data.init_args.num_workers"] = str(setup["workers"])
+    if not run.cuda:
+        options["--trainer.accelerator"] = "cpu"
+    argv = [sys.executable, "-c", "from mmlight.cli import main; main()", "fit", "--config", fit.config]
+    return argv + [a for pair in options.items() for a in pair] + setup["overrides"]
+
+
+def run_logged(command: list[str], timeout: float, log: Path, cwd: Path = ROOT) -> tuple[int | None, str]:
+    """Run ``command`` in a process group of its own; after ``timeout`` seconds kill the group (its loader
+    workers and compile workers with it). Return the exit status (None: killed) and the output, whose
+    last 200 lines are appended to ``log``."""
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        status = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        status = None
+    with log.open("a") as sink:
+        sink.write(f"$ {' '.join(command)}\n" + "\n".join(output.splitlines()[-200:]) + "\n\n")
+    return status, output
+
+
+def last_error(output: str) -> str:
+    """The exception line of the output's last traceback (the first line after its indented frames),
+    else the last line (a command-line error that stops with a message)."""
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    after = lines[starts[-1] + 1 :] if starts else []
+    named = [line for line in after if line.strip() and not line[0].isspace()]
+    rest = [line for line in lines if line.strip()]
+    return (named[:1] or rest[-1:] or [""])[0].strip()[:200]
+
+
+def logged_throughput(events: Path, steady_from: int) -> dict:
+    """Mean of the Throughput callback's TensorBoard scalars (each over a window of batches) logged after
+    step ``steady_from``: ``images_per_s`` (``train/device/samples_per_sec``) and ``mfu``
+    (``train/device/mfu``, None where no peak is known), the windows averaged and the last step logged
+    (0-based: ``max_steps - 1`` when the fit ran to its end)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+
+    def steady(tag: str) -> list:
+        return [e for e in accumulator.Scalars(tag) if e.step > steady_from] if tag in tags else []
+
+    rates = steady("train/device/samples_per_sec")
+    mfu = [e.value for e in steady("train/device/mfu")]
+    logged = [e.step for tag in tags for e in accumulator.Scalars(tag)]
+    return {
+        "images_per_s": statistics.mean(e.value for e in rates) if rates else None,
+        "mfu": statistics.mean(mfu) if mfu else None,
+        "windows": len(rates),
+        "last_logged_step": max(logged, default=None),
+    }
+
+
+def write_fit_shards(run: Run, setup: dict, shards: Path, log: Path) -> float:
+    """One epoch's synthetic ImageNet-format shards (``fit_shards.py``, in a fresh process on every
+    core) for ``setup``'s steps; the seconds it took."""
+    began = time.monotonic()
+    samples = setup["batch"] * (setup["steps"] + 1)  # one epoch of at least the steps
+    workers = 1 if run.smoke else (os.cpu_count() or 1)
+    command = [sys.executable, str(ROOT / "benchmarks" / "fit_shards.py"), "--out", str(shards)]
+    command += ["--samples", str(samples), "--distinct", str(setup["distinct"]), "--workers", str(workers)]
+    status, output = run_logged(command, fit_time_limit(run), log)
+    if status != 0:
+        raise RuntimeError(f"fit_shards.py failed: {last_error(output)}")
+    return time.monotonic() - began
+
+
+def measure_fit(run: Run, fit: FitRun, setup: dict, shards: Path, logs: Path) -> dict:
+    """Run one fit and read its logged images/s back; the record's fields."""
+    import yaml
+
+    from mmlight.callbacks import Throughput
+
+    workers = setup["workers"]
+    if workers is None:
+        workers = yaml.safe_load((ROOT / fit.config).read_text())["data"]["init_args"]["num_workers"]
+    window = inspect.signature(Throughput).parameters["window_size"].default
+    # after compilation the steps first drain the batches the workers prefetched meanwhile (2 each,
+    # DataLoader's prefetch_factor): the windows past those show the loader's steady rate
+    steady_from = 2 * workers + window
+    seconds = fit_time_limit(run)  # Lightning stops there
+    began = time.monotonic()
+    status, output = run_logged(
+        fit_command(run, fit, setup, shards, logs, seconds), seconds + 15, run.out_dir / "fit.log"
+    )
+    wall_s = round(time.monotonic() - began, 1)
+    fields = {
+        "config": fit.config,
+        "compiled": setup["compile"],
+        "batch": setup["batch"],
+        "max_steps": setup["steps"],
+        "loader_workers": workers,
+        "cpus": os.cpu_count(),
+        "steady_from_step": steady_from,
+        "wall_s": wall_s,
+    }
+    if status != 0:
+        why = "killed at the time limit" if status is None else f"exit status {status}"
+        return {**fields, "images_per_s": None, "error": f"{why}: {last_error(output)}"}
+    fields.update(logged_throughput(logs / "fit" / fit.name, steady_from))
+    if not fields["windows"]:
+        fields["error"] = f"no samples/s logged past step {steady_from} (last logged: {fields['last_logged_step']})"
+    mean = re.search(r"mean throughput: ([\d.]+) samples/s", output)
+    fields["end_of_fit_images_per_s"] = float(mean.group(1)) if mean else None
+    return fields
+
+
+def section_fit(run: Run) -> None:
+    """``mmlight fit`` of the DeiT-small configs on synthetic ImageNet-format shards with the real loader
+    (compiled on a GPU), its logged images/s beside the training step's: the difference is the data
+    pipeline and Lightning's overhead."""
+    import tempfile
+
+    from mmlight.lightning_cli import MmlightCLI  # noqa: F401 (a missing package is named here, before any work)
+
+    setup = fit_setup(run)
+    if run.cuda:
+        torch.cuda.empty_cache()  # the fit's process needs the memory this one cached
+    with tempfile.TemporaryDirectory(prefix="gpu_run-fit-") as tmp:
+        shards = Path(tmp) / "shards"
+        shards_s = round(write_fit_shards(run, setup, shards, run.out_dir / "fit.log"), 1)
+        for i, fit in enumerate(FIT_RUNS):
+            if i and run.left() < (0 if run.smoke else FIT_ESTIMATE_S):
+                run.emit(kind="skipped", section="fit", what=fit.name, reason="time budget")
+                continue
+            fields = measure_fit(run, fit, setup, shards, Path(tmp) / "logs")
+            step = run.steps.get((fit.step, setup["compile"]), {})
+            step_rate = step["shape"][0] / step["step_ms"] * 1e3 if step.get("step_ms") else None
+            rate = fields.get("images_per_s")
+            run.emit(
+                kind="fit",
+                backend=fit.name,
+                smoke=run.smoke,
+                shards_s=shards_s,
+                **fields,
+                step_backend=fit.step,
+                step_images_per_s=step_rate,
+                fit_to_step=round(rate / step_rate, 3) if rate and step_rate else None,
+            )
+
+
 # ----------------------------------------------------------------------------- main
 
 
-SECTIONS = ["env", "sweep", "attention", "rowwise", "cross_entropy", "step", "profile", "compiled"]
+SECTIONS = ["env", "sweep", "attention", "rowwise", "cross_entropy", "step", "profile", "compiled", "fit"]
 #: Seconds each section needs at least on an H100 (estimates; the guard skips a section below them).
 ESTIMATES = {
     "env": 5,
@@ -942,6 +1200,7 @@ ESTIMATES = {
     "rowwise": 15,
     "cross_entropy": 15,
     "compiled": 90,
+    "fit": FIT_ESTIMATE_S,
 }
 
 
@@ -977,6 +1236,7 @@ def main(argv: list[str] | None = None) -> Path:
         "rowwise": lambda: section_rowwise(run),
         "cross_entropy": lambda: section_cross_entropy(run),
         "compiled": lambda: section_compiled(run),
+        "fit": lambda: section_fit(run),
     }
     for name in args.only or SECTIONS:
         run.section(name, 0 if args.smoke else ESTIMATES[name], bodies[name])

@@ -4,9 +4,9 @@
     python benchmarks/report.py --update BENCHMARKS.md     # every table of BENCHMARKS.md, again
 
 Each file's kind is recognised from its records: ``gpu_run.py`` (its records carry a ``kind``: the
-issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, what
-was skipped, then the kernels' tables), ``bench_multimax.py`` (one table per op and shape, the device and
-versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
+issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, the
+fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (one table per op
+and shape, the device and versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
 ``pillow_build_pixels.py``, ``attention_stats_cost.py``, ``attention_stats_fit_time.py``,
 ``reweighting_step_time.py`` and ``compile_report.py``. Files of one kind render as one table, side by
 side (the loader's runs, the step-time configs); each table starts with a line naming the device, the
@@ -535,6 +535,28 @@ def step_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def fit_table(records: list[dict]) -> list[str]:
+    """Each ``mmlight fit``'s logged images/s (mean of the windows past the warm-up) beside the training
+    step's of the same variant, and their ratio: what the data pipeline and Lightning leave of the step's rate."""
+    lines = [
+        "| config | compiled | batch | steps (last logged) | loader workers / CPUs | fit images/s | MFU | "
+        "step variant | step images/s | fit / step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("kind") == "fit":
+            mfu = r.get("mfu")
+            lines.append(
+                f"| `{Path(r['config']).name}`{' (smoke)' if r.get('smoke') else ''} | "
+                f"{'yes' if r.get('compiled') else 'no'} | {r['batch']} | "
+                f"{r['max_steps']} ({fmt(r.get('last_logged_step'))}) | {r['loader_workers']} / {r['cpus']} | "
+                f"{fmt(r.get('images_per_s'), 4)} | {percent(mfu) if mfu else '–'} | {r['step_backend']} | "
+                f"{fmt(r.get('step_images_per_s'), 4)} | {fmt(r.get('fit_to_step'))} |"
+                + (f" {r['error']}" if r.get("error") else "")
+            )
+    return lines
+
+
 def render_run(records: list[dict]) -> str:
     """The Markdown of one ``gpu_run.py`` file."""
     first = records[0]
@@ -555,6 +577,12 @@ def render_run(records: list[dict]) -> str:
         "\n#### Training step (× baseline: eager against softmax with SDPA flash, compiled against timm's)\n",
         *step_table(records),
     ]
+    if any(r.get("kind") == "fit" for r in records):
+        lines += [
+            "\n#### mmlight fit on synthetic ImageNet shards (images/s past the warm-up; fit / step: the data "
+            "pipeline and Lightning's overhead)\n",
+            *fit_table(records),
+        ]
     skipped = [r for r in records if r.get("kind") in ("skipped", "error")]
     if skipped:
         lines.append("\n#### Skipped or failed\n")

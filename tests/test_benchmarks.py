@@ -198,3 +198,35 @@ def test_reweighting_step_time_records_each_round_and_the_median_ratio(tmp_path)
     assert record["median_ratio_to_softmax"]["softmax"] == 1.0
     want = statistics.median(r["sigmoid"] / r["softmax"] for r in record["rounds"])
     assert record["median_ratio_to_softmax"]["sigmoid"] == pytest.approx(want, rel=1e-12)
+
+
+def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
+    """``fit_shards.py`` writes ``mmlight prepare imagenet``'s layout (a ``train`` split of ``jpg``/``cls``
+    samples, 1,000 classes) whose samples cycle the generated pool; read back with ``tarfile``."""
+    import tarfile
+
+    from PIL import Image
+
+    from mmlight.data.shards import read_info
+
+    out = tmp_path / "shards"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fit_shards.py"), "--out", str(out), "--samples", "5"]
+        + ["--distinct", "2", "--workers", "1"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    info = read_info(out)
+    assert len(info["classes"]) == 1000 and info["splits"]["train"]["num_samples"] == 5
+    (shard,) = info["splits"]["train"]["shards"]
+    with tarfile.open(out / shard["name"]) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    keys = [f"synthetic_{i:08d}" for i in range(5)]
+    assert sorted(members) == sorted(f"{k}.{ext}" for k in keys for ext in ("cls", "jpg"))
+    images = [members[f"{k}.jpg"] for k in keys]
+    pool = [(out / "pool" / f"{i:05d}.jpg").read_bytes() for i in range(2)]
+    assert images == [pool[0], pool[1], pool[0], pool[1], pool[0]] and pool[0] != pool[1]
+    assert all(0 <= int(members[f"{k}.cls"]) < 1000 for k in keys)
+    with Image.open(out / "pool" / "00000.jpg") as image:  # a photograph-sized JPEG, as ImageNet's
+        assert image.format == "JPEG" and image.mode == "RGB" and max(image.size) >= 120

@@ -15,7 +15,7 @@ from mmlight.kernels import attention, tiles
 from mmlight.kernels.tiles import BlockConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = {"env", "sweep", "attention", "step", "profile", "rowwise", "cross_entropy", "compiled"}
+SECTIONS = {"env", "sweep", "attention", "step", "profile", "rowwise", "cross_entropy", "compiled", "fit"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,27 @@ def test_smoke_run_covers_every_section(smoke_run):
     assert "## softmax (SDPA flash)" in profiles and "## multimax tuned" in profiles and "Self CPU" in profiles
 
 
+@pytest.mark.slow
+def test_smoke_fits_log_their_images_per_second(smoke_run):
+    """Each DeiT-small config ran as ``mmlight fit`` on the generated shards, logged samples/s past its
+    warm-up, and is set beside the eager step of its variant (images/s from that record's batch and ms)."""
+    records, out, _ = smoke_run
+    fits = {r["backend"]: r for r in records if r["kind"] == "fit"}
+    assert set(fits) == {"deit_small_multimax", "deit_small_softmax"}
+    steps = {r["backend"]: r for r in records if r["kind"] == "step"}
+    for fit in fits.values():
+        assert fit["smoke"] and not fit["compiled"] and "error" not in fit
+        assert fit["images_per_s"] > 0 and fit["windows"] >= 1 and fit["end_of_fit_images_per_s"] > 0
+        # TensorBoard steps are 0-based: the fit ran its 30 steps
+        assert fit["last_logged_step"] == fit["max_steps"] - 1 > fit["steady_from_step"]
+        step = steps[fit["step_backend"]]
+        assert not step["compiled"]
+        step_rate = step["shape"][0] * 1000 / step["step_ms"]
+        assert fit["step_images_per_s"] == pytest.approx(step_rate)
+        assert fit["fit_to_step"] == pytest.approx(fit["images_per_s"] / step_rate, rel=1e-3)
+    assert "mmlight.cli" in (out / "fit.log").read_text()
+
+
 def _in_benchmarks(code: str, stdin: str = "") -> str:
     """The output of ``code`` run by Python from ``benchmarks/``, so that it imports the scripts as they
     import each other (beside one another), in a process of its own."""
@@ -112,6 +133,11 @@ def test_report_renders_the_run(smoke_run):
     step = next(r for r in records if r["kind"] == "step" and r["backend"] == "multimax tuned")
     assert len(step_rows) == 1 and f"{step['step_ratio']:.3g}" in step_rows[0]
     assert "#### Targets" in report and "#### Tile sweep" in report and "compiled: torch.compile" in report
+    fit = next(r for r in records if r["kind"] == "fit" and r["backend"] == "deit_small_multimax")
+    fit_rows = [line for line in report.splitlines() if line.startswith("| `deit_small_multimax.yaml` (smoke) |")]
+    assert len(fit_rows) == 1 and fit_rows[0].endswith(
+        f"| multimax shipped | {fit['step_images_per_s']:.4g} | {fit['fit_to_step']:.3g} |"
+    )
 
 
 def test_report_targets_from_synthetic_records():
@@ -214,3 +240,52 @@ print(json.dumps([ran, str(run.path)]))
         ("section", "broken"),
     ]
     assert "time budget" in records[1]["reason"] and "ZeroDivisionError" in records[2]["error"]
+
+
+def test_fit_throughput_read_from_tensorboard(tmp_path):
+    """The fit's figures are the mean of the windows logged after the warm-up step, read from the
+    event file a SummaryWriter wrote (values chosen so that the mean is known by hand)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step, rate, mfu in ((9, 1000.0, 0.5), (19, 20.0, 0.25), (29, 30.0, 0.5), (39, 52.0, 0.75)):
+            writer.add_scalar("train/device/samples_per_sec", rate, step)
+            writer.add_scalar("train/device/mfu", mfu, step)
+        writer.add_scalar("lr-AdamW", 1e-4, 40)
+    code = f"""
+import json
+from pathlib import Path
+from gpu_run import logged_throughput
+
+print(json.dumps(logged_throughput(Path({str(tmp_path)!r}), 15)))
+"""
+    read = json.loads(_in_benchmarks(code).splitlines()[-1])
+    # steps 19, 29, 39 are past step 15: (20 + 30 + 52) / 3 and (0.25 + 0.5 + 0.75) / 3
+    assert read == {
+        "images_per_s": pytest.approx(34.0),
+        "mfu": pytest.approx(0.5),
+        "windows": 3,
+        "last_logged_step": 40,
+    }
+
+
+def test_fit_error_is_the_exception_line():
+    """A failed fit is recorded by the line that names its exception, also under a chained traceback
+    and with output after it; a command-line error by its last line."""
+    code = """
+import json, sys
+from gpu_run import last_error
+print(json.dumps([last_error(text) for text in json.load(sys.stdin)]))
+"""
+    outputs = [
+        "Traceback (most recent call last):\n  File \"a.py\", line 1\nKeyError: 'x'\n\nDuring handling of the above "
+        'exception, another exception occurred:\n\nTraceback (most recent call last):\n  File "b.py", line 2\n'
+        "    f()\ntorch._dynamo.exc.Unsupported: graph break in layer 3\n  from user code\nEpoch 0: 5/30\n",
+        "usage: mmlight fit [-h]\nmmlight fit: error: Key 'data.init_args.rot' is not expected\n",
+        "",
+    ]
+    assert json.loads(_in_benchmarks(code, json.dumps(outputs))) == [
+        "torch._dynamo.exc.Unsupported: graph break in layer 3",
+        "mmlight fit: error: Key 'data.init_args.rot' is not expected",
+        "",
+    ]
