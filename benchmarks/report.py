@@ -39,9 +39,9 @@ def fmt(value, digits=3) -> str:
 
 
 def render(records: list[dict], date: str | None = None) -> str:
-    """``bench_multimax.py``: a line naming the device, versions and ``date`` (none: the line is left out,
-    for a caller that names them), then one table of the operators (a row per shape and backend) and
-    one of the training steps."""
+    """``bench_multimax.py``: a line naming the device, versions and ``date`` (``""``: a file named off the
+    pattern, such as a smoke run's, has none; None: the line is left out, for a caller that names them),
+    then one table of the operators (a row per shape and backend) and one of the training steps."""
     lines = []
     key = lambda r: (r["device"], r["torch"], r["triton"])  # noqa: E731
     for (device, torch_v, triton_v), group in itertools.groupby(records, key=key):
@@ -50,7 +50,8 @@ def render(records: list[dict], date: str | None = None) -> str:
         steps = [r for r in group if "step_ms" in r]
         if date is not None:
             lines.append(
-                f"\n{device}, torch {torch_v}, triton {triton_v}; {date}. Ratios to each shape's first backend.\n"
+                f"\n{device}, torch {torch_v}, triton {triton_v}{'; ' + date if date else ''}. "
+                "Ratios to each shape's first backend.\n"
             )
         if ops:
             lines += table(
@@ -160,6 +161,11 @@ def run_tag(path: Path) -> str:
 def dates(paths: list[Path]) -> str:
     """The distinct run dates of ``paths``, in order."""
     return ", ".join(sorted({run_date(path) for path in paths}))
+
+
+def named_dates(paths: list[Path]) -> str:
+    """:func:`dates` of the paths named by the pattern; the others (a smoke run's file) have none."""
+    return dates([path for path in paths if PATTERN.fullmatch(path.name)])
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -611,7 +617,10 @@ def render_run(records: list[dict]) -> str:
 #: Each kind of record file: how to recognise one of its records, and its renderer.
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "gpu_run": (lambda r: "kind" in r, lambda paths: "".join(render_run(load(path)) for path in paths)),
-    "multimax": (lambda r: "fwd_ms" in r or "step_ms" in r, lambda paths: render(all_records(paths), dates(paths))),
+    "multimax": (
+        lambda r: "fwd_ms" in r or "step_ms" in r,
+        lambda paths: render(all_records(paths), named_dates(paths)),
+    ),
     "loader": (lambda r: r.get("op") == "images", render_loader),
     "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),
     "repro": (lambda r: r.get("check") == "same_seed_same_losses", render_repro),
