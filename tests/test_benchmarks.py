@@ -54,7 +54,8 @@ def test_smoke_run_writes_side_by_side_records(tmp_path):
     report = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "report.py"), str(out)], check=True, capture_output=True, text=True
     ).stdout
-    assert report.count("\n| ") - report.count("\n| backend") == len(records)  # one table row per record
+    headers = report.count("\n| op |") + report.count("\n| step |")  # the operators' table, the steps'
+    assert report.count("\n| ") - headers == len(records)  # one table row per record
     assert "multimax/triton" in report and "torch" in report
 
 
