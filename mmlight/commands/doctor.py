@@ -12,7 +12,8 @@ kernel on the backends ``triton`` (the fused kernels), ``reference`` (eager PyTo
 Each kernel's output and gradients (inputs and the 8 MultiMax parameters) are compared with the
 reference computed in fp32 from the same bf16 inputs, and each backend's forward + backward is
 timed (median of ``triton.testing.do_bench``). One table, then a verdict: whether ``backend: auto``
-will use the kernels on this machine. Exit status 1 if a kernel fails.
+will use the kernels on this machine, and which kernels the ``compile`` backend beats there. Exit
+status 1 if a kernel fails.
 
 Without a CUDA GPU it says so, and checks what it can: the same four computations at tiny shapes
 in fp32 under Triton's CPU interpreter (in a fresh process with ``TRITON_INTERPRET=1``), without
@@ -217,10 +218,31 @@ def render(rows: list[dict], on_gpu: bool) -> str:
     return "\n".join(lines)
 
 
+def slower_than_compile(rows: list[dict]) -> list[str]:
+    """The checks whose fused kernel took longer than the ``compile`` backend (forward + backward), each
+    with both times; a check without both timings is left out."""
+    slower = []
+    for r in rows:
+        triton_ms, compile_ms = r.get("ms", {}).get("triton"), r.get("ms", {}).get("compile")
+        if isinstance(triton_ms, float) and isinstance(compile_ms, float) and triton_ms > compile_ms:
+            slower.append(f"{r['check']} ({triton_ms:.3g} ms against {compile_ms:.3g} ms)")
+    return slower
+
+
 def verdict(rows: list[dict], on_gpu: bool) -> str:
     failed = [r["check"] for r in rows if not r["ok"]]
     if on_gpu and not failed:
-        return "VERDICT: every kernel matches the reference; backend 'auto' will use the Triton kernels here."
+        slower = slower_than_compile(rows)
+        if not slower:
+            return (
+                "VERDICT: every kernel matches the reference and is faster than 'compile' here; backend 'auto' "
+                "will use the Triton kernels here."
+            )
+        return (
+            "VERDICT: every kernel matches the reference; backend 'auto' will use the Triton kernels here, but "
+            f"'compile' is faster for {'; '.join(slower)}. Where a model runs those kernels, "
+            "--model.init_args.model.backend compile is the faster choice on this device."
+        )
     if on_gpu:
         return (
             f"VERDICT: FAIL for {', '.join(failed)}. Backend 'auto' falls back to 'compile' for a kernel "
