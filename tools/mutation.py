@@ -118,6 +118,7 @@ MODULES: dict[str, Module] = {
                 "data_wait",
                 "final_metrics",
                 "progress",
+                "requeue",
                 "reweighting_monitor",
                 "skipped_samples",
                 "step_seed",
