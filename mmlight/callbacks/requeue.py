@@ -39,11 +39,13 @@ class SlurmRequeue(Callback):
         self._step: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._signum = None  # a callback reused outside SLURM watches nothing
         environment = trainer._accelerator_connector.cluster_environment
         if stage != "fit" or not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
             return
-        # installed before Lightning's, which then leaves the signal alone (it skips one already handled)
-        self._signum = environment.requeue_signal or signal.SIGUSR1
+        # installed before Lightning's, which then leaves the signal alone (it skips one already handled);
+        # the environment's signal is SIGUSR1 unless a config names another
+        self._signum = environment.requeue_signal
         self._previous = signal.signal(self._signum, self._note)
 
     def _note(self, signum, frame) -> None:

@@ -4,13 +4,14 @@ at the end of that step, from which a resumed run ends bitwise where the uninter
 import os
 import signal
 import stat
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mmlight.callbacks.requeue import SlurmRequeue
+from mmlight.callbacks.requeue import SlurmRequeue, requeue_job
 from tests.helpers.checks import assert_same_tensors
 from tests.helpers.trainer import quiet_trainer
 
@@ -104,3 +105,110 @@ def test_outside_slurm_the_signal_is_left_alone(monkeypatch, tmp_path):
 def test_every_n_steps_is_checked():
     with pytest.raises(ValueError, match="every_n_steps must be at least 1, got 0"):
         SlurmRequeue(every_n_steps=0)
+
+
+class Strategy:
+    """A two-process strategy's ``reduce``: the max of this rank's flag and the other rank's."""
+
+    def __init__(self, other_rank_signalled: bool):
+        self.other, self.calls = float(other_rank_signalled), []
+        self.root_device = torch.device("cpu")
+
+    def reduce(self, tensor, reduce_op):
+        self.calls.append((tensor.item(), reduce_op))
+        return torch.maximum(tensor, torch.tensor(self.other))
+
+
+def stub_trainer(world_size=1, step=0, other_rank_signalled=False, tmp_path=None):
+    """What SlurmRequeue reads of a trainer; ``saved`` collects the paths it checkpoints to."""
+    trainer = SimpleNamespace(
+        world_size=world_size,
+        global_step=step,
+        is_global_zero=False,  # no scontrol: requeue_job has its own tests
+        default_root_dir=str(tmp_path),
+        strategy=Strategy(other_rank_signalled),
+        saved=[],
+    )
+    trainer.save_checkpoint = trainer.saved.append
+    trainer._checkpoint_connector = SimpleNamespace(hpc_save_path=lambda root: f"{root}/hpc_ckpt_1.ckpt")
+    return trainer
+
+
+def armed(trainer, signalled=False, every_n_steps=10) -> SlurmRequeue:
+    """A callback as ``setup`` leaves it under SLURM, its run started at the trainer's step."""
+    callback = SlurmRequeue(every_n_steps=every_n_steps)
+    callback._signum = signal.SIGUSR1
+    callback.on_train_start(trainer, None)
+    callback.signalled = signalled
+    return callback
+
+
+def test_processes_compare_notes_every_n_steps_and_save_when_any_was_signalled(tmp_path, caplog):
+    trainer = stub_trainer(world_size=2, step=8, other_rank_signalled=True, tmp_path=tmp_path)
+    callback = armed(trainer)
+    for step in (9, 10):
+        trainer.global_step = step
+        with caplog.at_level("INFO"):
+            callback.on_train_batch_end(trainer, None, None, None, step)
+    # step 9: no collective (not a multiple of 10); step 10: this rank's 0 against the other's 1
+    assert trainer.strategy.calls == [(0.0, "max")]
+    assert trainer.saved == [f"{tmp_path}/hpc_ckpt_1.ckpt"]
+    assert f"saving {tmp_path}/hpc_ckpt_1.ckpt at step 10" in caplog.text
+    trainer.strategy.other, trainer.global_step = 0.0, 20  # noted and acted on: nothing more to save
+    callback.on_train_batch_end(trainer, None, None, None, 20)
+    assert trainer.strategy.calls[-1] == (0.0, "max") and len(trainer.saved) == 1
+
+
+def test_nobody_signalled_saves_nothing_and_one_process_needs_no_collective(tmp_path):
+    two = stub_trainer(world_size=2, step=9, tmp_path=tmp_path)
+    callback = armed(two)
+    two.global_step = 10
+    callback.on_train_batch_end(two, None, None, None, 0)
+    assert two.strategy.calls == [(0.0, "max")] and two.saved == []
+    one = stub_trainer(world_size=1, step=2, tmp_path=tmp_path)
+    callback = armed(one, signalled=True)
+    one.global_step = 3  # not a multiple of every_n_steps: one process looks at every step
+    callback.on_train_batch_end(one, None, None, None, 0)
+    assert one.strategy.calls == [] and len(one.saved) == 1
+
+
+def test_between_accumulated_batches_nothing_is_saved(tmp_path):
+    """A batch that ends without an optimiser step (the global step unchanged) is no place for it."""
+    trainer = stub_trainer(step=5, tmp_path=tmp_path)
+    callback = armed(trainer, signalled=True)
+    callback.on_train_batch_end(trainer, None, None, None, 0)  # still step 5: the run's first, accumulating
+    assert trainer.saved == []
+    trainer.global_step = 6
+    callback.on_train_batch_end(trainer, None, None, None, 1)
+    assert len(trainer.saved) == 1
+
+
+def test_outside_slurm_a_multi_process_run_makes_no_collective(tmp_path):
+    trainer = stub_trainer(world_size=2, step=9, other_rank_signalled=True, tmp_path=tmp_path)
+    callback = SlurmRequeue()  # setup found no SLURM environment: no signal to watch
+    callback.on_train_start(trainer, None)
+    trainer.global_step = 10
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert trainer.strategy.calls == [] and trainer.saved == []
+
+
+def test_default_and_smallest_every_n_steps():
+    assert SlurmRequeue().every_n_steps == 10 and SlurmRequeue(every_n_steps=1).every_n_steps == 1
+
+
+def test_requeue_names_an_array_task_by_its_array_id(slurm_job, monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    with caplog.at_level("INFO"):
+        requeue_job()
+    assert slurm_job.read_text() == "requeue 77_3\n" and "requeued SLURM job 77_3" in caplog.text
+
+
+def test_a_failed_requeue_is_a_warning_naming_the_job(slurm_job, monkeypatch, tmp_path):
+    failing = tmp_path / "bin" / "scontrol"
+    failing.write_text('#!/bin/sh\necho "scontrol: error: Invalid job id specified" >&2\nexit 1\n')
+    with pytest.warns(UserWarning, match=r"scontrol requeue 4242 failed \(1\): scontrol: error: Invalid job id"):
+        requeue_job()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no scontrol at all (inside a container)
+    with pytest.warns(UserWarning, match="could not requeue SLURM job 4242: .*scontrol"):
+        requeue_job()
