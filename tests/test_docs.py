@@ -304,6 +304,7 @@ PATH_REFERENCE = re.compile(r"`((?:tests/[\w./*<>-]*)|(?:[\w.-]+/)+[\w.*<>-]+\.p
 ROOTS = ("", "mmlight/", "tests/")
 
 
+@functools.cache
 def python_files() -> list[str]:
     """Every Python file of the repository (tracked, or new and not ignored), as a path relative to it:
     git's list, so that a virtual environment inside the clone (CI's ``.ci-venv``) is not read."""
