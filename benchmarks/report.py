@@ -5,8 +5,8 @@
 
 Each file's kind is recognised from its records: ``gpu_run.py`` (its records carry a ``kind``: the
 issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, the
-fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (one table per op
-and shape, the device and versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
+fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (a row per op
+and shape, a column per backend, the device and versions in the heading), ``bench_loader.py``, ``bench_resume.py``, ``check_reproducible.py``,
 ``pillow_build_pixels.py``, ``attention_stats_cost.py``, ``attention_stats_fit_time.py``,
 ``reweighting_step_time.py`` and ``compile_report.py``. Files of one kind render as one table, side by
 side (the loader's runs, the step-time configs); each table starts with a line naming the device, the
@@ -41,7 +41,8 @@ def fmt(value, digits=3) -> str:
 def render(records: list[dict], date: str | None = None) -> str:
     """``bench_multimax.py``: a line naming the device, versions and ``date`` (``""``: a file named off the
     pattern, such as a smoke run's, has none; None: the line is left out, for a caller that names them),
-    then one table of the operators (a row per shape and backend) and one of the training steps."""
+    then one table of the operators (a row per op, shape and dtype, a column per backend: :func:`op_cells`)
+    and one of the training steps."""
     lines = []
     key = lambda r: (r["device"], r["torch"], r["triton"])  # noqa: E731
     for (device, torch_v, triton_v), group in itertools.groupby(records, key=key):
@@ -49,44 +50,9 @@ def render(records: list[dict], date: str | None = None) -> str:
         ops = [r for r in group if "step_ms" not in r]
         steps = [r for r in group if "step_ms" in r]
         if date is not None:
-            lines.append(
-                f"\n{device}, torch {torch_v}, triton {triton_v}{'; ' + date if date else ''}. "
-                "Ratios to each shape's first backend.\n"
-            )
+            lines.append(f"\n{device}, torch {torch_v}, triton {triton_v}{'; ' + date if date else ''}.\n")
         if ops:
-            lines += table(
-                [
-                    "op",
-                    "shape",
-                    "dtype",
-                    "backend",
-                    "fwd ms",
-                    "bwd ms",
-                    "fwd ×",
-                    "bwd ×",
-                    "% peak fwd / bwd",
-                    "TFLOP/s fwd",
-                    "peak MB",
-                    "error",
-                ],
-                [
-                    [
-                        r["op"],
-                        str(r["shape"]),
-                        r["dtype"],
-                        r["backend"],
-                        r.get("fwd_ms"),
-                        r.get("bwd_ms"),
-                        r.get("fwd_ratio"),
-                        r.get("bwd_ratio"),
-                        percents(r.get("frac_peak_bw")),
-                        r.get("tflops_fwd"),
-                        fmt(r.get("peak_mem_mb"), 5),
-                        short_error(r.get("error")),
-                    ]
-                    for r in ops
-                ],
-            )
+            lines += op_table(ops)
         if steps:
             lines.append("")
             lines += table(
@@ -106,6 +72,46 @@ def render(records: list[dict], date: str | None = None) -> str:
                 ],
             )
     return "\n".join(lines) + "\n"
+
+
+def op_table(ops: list[dict]) -> list[str]:
+    """The operator timings side by side: a row per (op, shape, dtype), whose first backend is its baseline
+    (the ratios' denominator), then a column per other backend, in the order the records name them."""
+    rows: dict[tuple, list[dict]] = {}
+    for r in ops:
+        rows.setdefault((r["op"], str(r["shape"]), r["dtype"]), []).append(r)
+    baselines = {id(group[0]) for group in rows.values()}
+    backends = list(dict.fromkeys(r["backend"] for r in ops if id(r) not in baselines))
+    legend = (
+        "Each cell: forward / backward ms, × the baseline's, peak MB, and the share of the bandwidth peak "
+        "where counted; or the error's kind."
+    )
+    body = []
+    for (op, shape, dtype), group in rows.items():
+        by_backend = {r["backend"]: r for r in group[1:]}
+        cells = [op_cell(by_backend[b], ratios=True) if b in by_backend else "" for b in backends]
+        body.append([op, shape, dtype, f"{group[0]['backend']}: {op_cell(group[0], ratios=False)}", *cells])
+    return [legend, "", *table(["op", "shape", "dtype", "baseline", *backends], body)]
+
+
+def op_cell(r: dict, ratios: bool) -> str:
+    """One backend's figures: ``0.18 / 1.4 ms, 1.4× / 2.38×, 40.6 MB, 22 / 9.6% peak``, or its error's kind."""
+    if r.get("error"):
+        return short_error(r["error"])
+    parts = [f"{fmt(r.get('fwd_ms'))} / {fmt(r.get('bwd_ms'))} ms"]
+    if ratios:
+        parts.append(f"{fmt(r.get('fwd_ratio'))}× / {fmt(r.get('bwd_ratio'))}×")
+    parts.append(megabytes(r.get("peak_mem_mb")))
+    if r.get("frac_peak_bw"):
+        parts.append(f"{percents(r['frac_peak_bw'])}% peak")
+    return ", ".join(parts)
+
+
+def megabytes(mb: float | None) -> str:
+    """A peak memory: whole megabytes with thousands separators from 100 MB up, three digits below."""
+    if mb is None:
+        return "– MB"
+    return f"{mb:,.0f} MB" if mb >= 100 else f"{mb:.3g} MB"
 
 
 def percents(frac: dict | None) -> str:
