@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -300,14 +301,37 @@ def test_a_requirement_needing_another_torch_fails_the_build_naming_the_conflict
     assert not image_exists(tag)
 
 
+#: the torch that the guard test's base lets pip install: a local wheel holding only ``torch.__version__``,
+#: a build of the pinned version (a local label matches ``torchvision``'s ``torch==2.9.1``)
+GUARD_TORCH = next(r for r in OLDEST_PAIR if r.startswith("torch==")).removeprefix("torch==") + "+guard"
+
+
+def stand_in_torch_wheel(folder: Path, version: str) -> Path:
+    """A wheel of a ``torch`` whose only content is its version: what pip installs in place of the image's."""
+    name = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": f"__version__ = {version!r}\n",
+        f"{name}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+        f"{name}/WHEEL": "Wheel-Version: 1.0\nGenerator: mmlight-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{name}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{name}/RECORD"])
+    wheel = folder / f"torch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
+
+
 def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
-    """A base without the constraint file whose torch (2.3.0) is older than pyproject.toml's floor: pip
-    would replace it, and the guard fails the build with its message."""
-    containerfile = tmp_path / "Containerfile"
-    containerfile.write_text(
-        f'FROM {TORCH_BASE}\nENV PIP_CONSTRAINT=\nRUN rm /etc/pip/constraint.txt && python -c "{FAKE_OLD_TORCH}"\n'
+    """A base whose torch (metadata and ``torch.__version__``, 2.3.0) is below pyproject.toml's floor and
+    whose constraint file pins another build (a local wheel, so that no CUDA torch is downloaded): pip
+    replaces the image's torch, and the guard fails the build naming both versions."""
+    wheel = stand_in_torch_wheel(tmp_path, GUARD_TORCH)
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {TORCH_BASE}\nCOPY {wheel.name} /opt/wheels/\nENV PIP_FIND_LINKS=/opt/wheels\n"
+        f'RUN python -c "{FAKE_OLD_TORCH}" && sed -i "s/^torch==.*/torch=={GUARD_TORCH}/" /etc/pip/constraint.txt\n'
     )
-    build(containerfile, GUARD_BASE, {})
+    build(tmp_path / "Containerfile", GUARD_BASE, {}, context=tmp_path)
     probe = buildah("from", GUARD_BASE).stdout.strip()
     try:
         faked = buildah("run", probe, "--", "python", "-c", "import torch; print(torch.__version__)").stdout
@@ -318,7 +342,7 @@ def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
             {"BASE_IMAGE": GUARD_BASE, "UID": str(UID), "GID": str(GID)},
             check=False,
         )
-        assert "pip install replaced the image's torch 2.3.0 with" in log, log[-4000:]
+        assert f"pip install replaced the image's torch 2.3.0 with {GUARD_TORCH}" in log, log[-4000:]
         assert not image_exists(f"{PREFIX}/guard-must-fail")
     finally:
         buildah("rm", probe, check=False)
