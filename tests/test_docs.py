@@ -21,12 +21,14 @@ The README's Python blocks are run.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,40 @@ def script_help(program: tuple[str, ...]) -> str:
     return result.stdout
 
 
+#: Runs each script given with ``--help`` as ``python SCRIPT --help`` would (``__main__``, its folder first on
+#: ``sys.path``), one after another in one process, and writes {script: [exit status, help text]} as JSON.
+HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+out, scripts = sys.argv[1], sys.argv[2:]
+helps = {}
+for script in scripts:
+    sys.argv = [script, "--help"]
+    sys.path.insert(0, script.rsplit("/", 1)[0])
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as stop:
+        status = stop.code or 0
+    helps[script] = [status, text.getvalue()]
+    sys.path.pop(0)
+open(out, "w").write(json.dumps(helps))
+"""
+
+
+@functools.cache
+def python_script_helps() -> dict[str, tuple[int, str]]:
+    """``--help`` of every ``benchmarks/`` and ``tools/`` script the docs run, from one Python process: the
+    scripts import torch, and a process each would import it once per script."""
+    scripts = {str(ROOT / words(c)[1]) for _, c in COMMANDS if words(c)[0] == "python" and words(c)[1] != "-c"}
+    scripts = sorted(script for script in scripts if Path(script).is_file())  # a missing one fails its own test
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "helps.json"
+        subprocess.run([sys.executable, "-c", HELP_RUNNER, str(out), *scripts], cwd=ROOT, timeout=600, check=True)
+        return {script: tuple(result) for script, result in json.loads(out.read_text()).items()}
+
+
 def check_help_names(help_text: str, tokens: list[str], command: str) -> None:
     missing = [o for o in options(tokens) if not re.search(re.escape(o) + r"\b", help_text)]
     assert not missing, f"{command!r} uses options its --help does not name: {missing}"
@@ -145,7 +181,9 @@ def check_mmlight(tokens: list[str], command: str, capsys) -> None:
 def check_python(tokens: list[str], command: str) -> None:
     script = ROOT / tokens[1]
     assert script.parent.name in ("benchmarks", "tools") and script.is_file(), f"{command!r}: no script {script}"
-    check_help_names(script_help((sys.executable, str(script))), tokens[2:], command)
+    status, help_text = python_script_helps()[str(script)]
+    assert status == 0, f"{command!r}: python {tokens[1]} --help exited with {status}"
+    check_help_names(help_text, tokens[2:], command)
 
 
 def check_sbatch(tokens: list[str], command: str) -> None:
