@@ -34,7 +34,7 @@ Every record is one JSON line, flushed as soon as it exists, in
 ``<out>/gpu_run-<device>-torch<v>_triton<v>-<YYYYMMDD>-<HHMM>.jsonl``, so a run cut off still
 returns what it measured; ``benchmarks/report.py`` renders the file. ``--smoke`` runs the same code at tiny shapes on
 the CPU (Triton's interpreter; fp32), recording what needs CUDA as skipped with the reason; its fits
-train the micro ViT at 16 px for 30 steps, uncompiled, with one loader worker.
+train the micro ViT at 16 px for 20 steps, uncompiled, with one loader worker.
 
     python benchmarks/gpu_run.py --out "$OUT"        # on the GPU
     python benchmarks/gpu_run.py --smoke --out /tmp/smoke
@@ -988,7 +988,7 @@ def fit_setup(run: Run) -> dict:
     if run.smoke:
         micro = ["--model.init_args.model.variant", "vit_micro", "--model.init_args.model.img_size", "16"]
         micro += ["--model.init_args.model.patch_size", "4", "--data.init_args.augment.image_size", "16"]
-        return {"steps": 30, "batch": 4, "workers": 1, "compile": False, "distinct": 4, "overrides": micro}
+        return {"steps": 20, "batch": 4, "workers": 1, "compile": False, "distinct": 4, "overrides": micro}
     return {
         "steps": 300,
         "batch": step_setup(run)["batch"],

@@ -77,7 +77,7 @@ def test_smoke_fits_log_their_images_per_second(smoke_run):
     for fit in fits.values():
         assert fit["smoke"] and not fit["compiled"] and "error" not in fit
         assert fit["images_per_s"] > 0 and fit["windows"] >= 1 and fit["end_of_fit_images_per_s"] > 0
-        # TensorBoard steps are 0-based: the fit ran its 30 steps
+        # TensorBoard steps are 0-based: the fit ran its 20 steps
         assert fit["last_logged_step"] == fit["max_steps"] - 1 > fit["steady_from_step"]
         step = steps[fit["step_backend"]]
         assert not step["compiled"]
