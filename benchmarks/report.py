@@ -431,6 +431,40 @@ def render_step_time(paths: list[Path]) -> str:
     return headed_table(heading, ["function", *columns], rows)
 
 
+def render_compile_cpu(paths: list[Path]) -> str:
+    """``compile_cpu.py``: each function's eager and compiled step, their ratio, the first compiled step
+    (compilation included) and the steps the compiled network needs to repay it."""
+    tables = []
+    for path in paths:
+        r = load(path)[0]
+        heading = (
+            f"{r['machine']}, {r['threads']} thread; Python {r['python']}, torch {r['torch']}; Inductor caches "
+            f"{r['inductor_caches']}; batch {r['batch']}, median of {r['steps']} steps after {r['warmup']} warm-up "
+            f"steps, seed {r['seed']}, one run; {run_date(path)}. {r['note'][0].upper()}{r['note'][1:]}."
+        )
+        rows = [
+            [
+                f["function"],
+                f"{f['eager_step_ms']:.0f} ms",
+                f"{f['compiled_step_ms']:.0f} ms",
+                f"{f['step_ratio_compiled_over_eager']:.2f}",
+                f"{f['first_compiled_step_s']:.0f} s",
+                f"{f['steps_to_recover_compile_time']:,.0f}",
+            ]
+            for f in r["results"]
+        ]
+        header = [
+            "function",
+            "eager step",
+            "compiled step",
+            "compiled / eager",
+            "first compiled step",
+            "steps to repay it",
+        ]
+        tables.append(headed_table(heading, header, rows))
+    return "\n".join(tables)
+
+
 def render_compile_report(paths: list[Path]) -> str:
     """``compile_report.py``: per kernel and target, the specialisations compiled and their largest
     register and shared-memory use."""
@@ -636,6 +670,7 @@ KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "attention_stats_fit_time": (lambda r: "paired_difference_s" in r, render_fit_time),
     "reweighting_step_time": (lambda r: "median_ratio_to_softmax" in r, render_step_time),
     "compile_report": (lambda r: "kernel" in r and "capability" in r, render_compile_report),
+    "compile_cpu": (lambda r: r.get("benchmark") == "compile_cpu", render_compile_cpu),
 }
 
 

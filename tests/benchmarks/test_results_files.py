@@ -165,3 +165,17 @@ def test_record_path_names_a_file_the_pattern_accepts():
 )
 def test_device_part_is_the_gpu_model_or_cpu(name, part):
     assert record_name.device_part(name) == part
+
+
+def test_the_cpu_compile_table_recomputes_the_ratio_and_the_steps_to_repay_from_the_times():
+    """compile_cpu.py's records: compiled / eager and the steps that repay the compile time (the first
+    compiled step over the time each later step saves), recomputed here from the step times."""
+    for path in sorted(RESULTS.glob("compile_cpu-*.json")):
+        record = json.loads(path.read_text())
+        rows = {row[0]: row for row in markdown_rows(report([str(path.relative_to(ROOT))]))}
+        assert sorted(rows) == sorted(f["function"] for f in record["results"])
+        for f in record["results"]:
+            eager, compiled = f["eager_step_ms"], f["compiled_step_ms"]
+            repay = f["first_compiled_step_s"] / ((eager - compiled) / 1e3)
+            assert rows[f["function"]][1:4] == [f"{eager:.0f} ms", f"{compiled:.0f} ms", f"{compiled / eager:.2f}"]
+            assert rows[f["function"]][5] == f"{repay:,.0f}"
