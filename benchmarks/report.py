@@ -8,10 +8,10 @@ issue's targets against what was measured, the tile sweep, the kernel switches, 
 fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (a row per op and
 shape, a column per backend, the device and versions in the heading), ``bench_loader.py``,
 ``bench_resume.py``, ``check_reproducible.py``, ``pillow_build_pixels.py``, ``attention_stats_cost.py``,
-``attention_stats_fit_time.py``, ``reweighting_step_time.py`` and ``compile_report.py``. Files of one kind
-render as one table, side by side (the loader's runs, the step-time configs); each table starts with a line
-naming the device, the versions and the date (from the file name, ``record_name.py``'s pattern, where the
-records hold none).
+``attention_stats_fit_time.py``, ``reweighting_step_time.py``, ``compile_report.py`` and ``compile_cpu.py``.
+Files of one kind render as one table, side by side (the loader's runs, the step-time configs); each table
+starts with a line naming the device, the versions and the date (from the file name, ``record_name.py``'s
+pattern, where the records hold none).
 BENCHMARKS.md holds this output between ``<!-- report: FILES -->`` and ``<!-- end report -->``, and
 ``tests/benchmarks/test_results_files.py`` checks that it still equals it.
 """
