@@ -117,6 +117,8 @@ def test_the_kernel_table_has_one_cell_per_record_with_its_times():
             else:
                 assert cell.startswith(f"{r['fwd_ms']:.3g} / {r['bwd_ms']:.3g} ms")
                 assert first or f"{r['fwd_ratio']:.3g}× / {r['bwd_ratio']:.3g}×" in cell
+                shown_mb = float(re.search(r"([\d,.]+) MB", cell).group(1).replace(",", ""))
+                assert shown_mb == pytest.approx(r["peak_mem_mb"], rel=5e-3)  # 3 digits, or whole MB from 100
         steps = {tuple(row[:4]): row for row in markdown_rows(rendered) if len(row) == 8}
         for r in (r for r in records if "step_ms" in r):
             assert steps[(r["op"], str(r["shape"]), r["dtype"], r["backend"])][4] == f"{r['step_ms']:.3g}"
