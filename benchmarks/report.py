@@ -159,12 +159,6 @@ def run_date(path: Path) -> str:
     return f"{day[:4]}-{day[4:6]}-{day[6:]}"
 
 
-def run_tag(path: Path) -> str:
-    """The file name's tag (the run's time ``HHMM`` as ``HH:MM``, or a configuration such as ``lm``)."""
-    tag = PATTERN.fullmatch(path.name)["tag"] or ""
-    return f"{tag[:2]}:{tag[2:]}" if tag.isdigit() and len(tag) == 4 else tag
-
-
 def dates(paths: list[Path]) -> str:
     """The distinct run dates of ``paths``, in order."""
     return ", ".join(sorted({run_date(path) for path in paths}))
@@ -200,28 +194,43 @@ def copies_label(copies: int) -> str:
     return f"{copies} cop{'y' if copies == 1 else 'ies'}"
 
 
-def loader_rates(runs: list[Records], columns: list[str]) -> list[str]:
-    """Samples/s per worker of each pipeline and copy count, one column per run, and the uint8 shards'
-    ratios to the per-copy pipeline and to ImageFolder, each in its own run."""
-    rates = [{(r["backend"], r["copies"]): r for r in run if r["op"] == "image_loader_deit_train"} for run in runs]
+def span(values: list[float], digits: int) -> str:
+    """``low-high`` of a build's runs (one figure when they agree to the digits shown)."""
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def loader_rates(runs: list[Records]) -> list[str]:
+    """Samples/s per worker of each pipeline, one column per copy count and Pillow build holding the range
+    over that build's runs; then the uint8 shards' ratios to the per-copy pipeline and to ImageFolder,
+    each computed within its own run before the range is taken."""
+    builds: dict[str, list[dict]] = {}
+    for run in runs:
+        rates = {(r["backend"], r["copies"]): r for r in run if r["op"] == "image_loader_deit_train"}
+        builds.setdefault(pillow_name(run[0]["pillow"]), []).append(rates)
+    columns = [(copies, build) for copies in (1, 3) for build in builds]
+
+    def cells(pipeline: str, field: str, digits: int) -> list[str]:
+        """One range per column of ``field`` in the pipeline's records; "–" where no run has it."""
+        found = [
+            [rates[pipeline, copies][field] for rates in builds[build] if (pipeline, copies) in rates]
+            for copies, build in columns
+        ]
+        return [span(values, digits) if values else "–" for values in found]
+
     rows = []
-    for copies in (1, 3):
-        for pipeline in LOADER_PIPELINES:
-            if (pipeline, copies) in rates[0]:
-                row = [rate[pipeline, copies] for rate in rates]
-                rss = [r["peak_rss_mib_per_worker"] for r in row]
-                rows.append(
-                    [f"{pipeline}, {copies_label(copies)}"]
-                    + [f"{r['samples_per_s_per_worker']:.1f}" for r in row]
-                    + [f"{min(rss):.0f}-{max(rss):.0f} MiB"]
-                )
-        for base, field in (("per-copy", "ratio_to_per_copy_shards"), ("ImageFolder", "ratio_to_imagefolder")):
-            rows.append(
-                [f"**uint8 / {base}**, {copies_label(copies)}"]
-                + [f"{rate['shards, uint8', copies][field]:.2f}" for rate in rates]
-                + [""]
-            )
-    return table(["pipeline", *columns, "worker peak RSS"], rows)
+    for pipeline in LOADER_PIPELINES:
+        rss = [
+            r["peak_rss_mib_per_worker"]
+            for run in runs
+            for r in run
+            if r.get("backend") == pipeline and r["op"] == "image_loader_deit_train"
+        ]
+        rows.append([pipeline, *cells(pipeline, "samples_per_s_per_worker", 1), f"{min(rss):.0f}-{max(rss):.0f} MiB"])
+    for base, field in (("per-copy", "ratio_to_per_copy_shards"), ("ImageFolder", "ratio_to_imagefolder")):
+        rows.append([f"**uint8 / {base}**", *cells("shards, uint8", field, 2), ""])
+    header = [f"{copies_label(copies)}, {build} ({len(builds[build])} runs)" for copies, build in columns]
+    return table(["pipeline", *header, "worker peak RSS"], rows)
 
 
 def loader_stages(runs: list[Records]) -> list[str]:
@@ -255,11 +264,10 @@ def render_loader(paths: list[Path]) -> str:
         f"timm {first['timm']}, webdataset {first['webdataset']}; {images['images']} images "
         f"(mean {images['mean_width']} × {images['mean_height']} px, {images['mean_kib']} KiB, seed {images['seed']}), "
         f"batch {first['batch_size']}, {first['workers']} worker, median of {first['repeats']} measurements of "
-        f"{first['samples']} samples; {dates(paths)}. Samples/s per worker:"
+        f"{first['samples']} samples; {dates(paths)}. Samples/s per worker, the range over each build's runs:"
     )
-    columns = [f"{pillow_name(run[0]['pillow'])}, {run_tag(path)}" for run, path in zip(runs, paths)]
     stages = "Where the time goes, ms per output sample, 3 copies (one process, median over each build's runs):"
-    return "\n".join([heading, "", *loader_rates(runs, columns), "", stages, "", *loader_stages(runs)]) + "\n"
+    return "\n".join([heading, "", *loader_rates(runs), "", stages, "", *loader_stages(runs)]) + "\n"
 
 
 def render_resume(paths: list[Path]) -> str:
