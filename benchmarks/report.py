@@ -318,6 +318,28 @@ def render_repro(paths: list[Path]) -> str:
     return headed_table(heading, header, rows)
 
 
+def render_quickstart_spread(paths: list[Path]) -> str:
+    """``quickstart_spread.py``: per quick start, its last ``val/top1`` in each environment (instruction
+    cap and thread count) and the range over them."""
+    records = all_records(paths)
+    r0 = records[0]
+    heading = (
+        f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}; each config's seed, one run per cell; "
+        f"{dates(paths)}. Last `val/top1` by the instructions torch used (`--isa`) and the thread count:"
+    )
+    found = {(r["config"], r["isa"], r["threads"]): r["val/top1"] for r in records}
+    # this CPU's own instructions first, then each cap; fewer threads first
+    envs = sorted({(r["isa"], r["threads"], r["capability"]) for r in records}, key=lambda e: (e[0] != "native", e))
+    rows = []
+    for config in dict.fromkeys(r["config"] for r in records):
+        top1 = [found.get((config, isa, threads)) for isa, threads, _ in envs]
+        cells = [f"{100 * value:.1f}%" if value is not None else "–" for value in top1]
+        spread = span([100 * value for value in top1 if value is not None], 1)
+        rows.append([f"`{config}`", *cells, f"**{spread}%**"])
+    header = [f"{capability}, {threads}" for _, threads, capability in envs]
+    return headed_table(heading, ["config", *header, "range"], rows)
+
+
 def render_pillow_pixels(paths: list[Path]) -> str:
     """``pillow_build_pixels.py``: how far two Pillow builds move the DeiT augmentation's uint8 pixels."""
     records = all_records(paths)
@@ -673,6 +695,7 @@ KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "loader": (lambda r: r.get("op") == "images", render_loader),
     "resume": (lambda r: r.get("bench") == "resume_replay", render_resume),
     "repro": (lambda r: r.get("check") == "same_seed_same_losses", render_repro),
+    "quickstart_spread": (lambda r: r.get("check") == "quickstart_spread", render_quickstart_spread),
     "pillow_build_pixels": (lambda r: r.get("op") == "pillow_build_pixels", render_pillow_pixels),
     "attention_stats_cost": (lambda r: "runs" in r and "meta" in r, render_attention_stats_cost),
     "attention_stats_fit_time": (lambda r: "paired_difference_s" in r, render_fit_time),

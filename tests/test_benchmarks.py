@@ -233,3 +233,29 @@ def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
     assert all(0 <= int(members[f"{k}.cls"]) < 1000 for k in keys)
     with Image.open(out / "pool" / "00000.jpg") as image:  # a photograph-sized JPEG, as ImageNet's
         assert image.format == "JPEG" and image.mode == "RGB" and max(image.size) >= 120
+
+
+def test_quickstart_spread_reads_the_last_validation_scalars_of_every_event_file(tmp_path, monkeypatch):
+    """A fit resumed into a second event file: the values at the highest step win, train scalars are left
+    out; the environments cap exactly the three libraries' instructions and drop an inherited cap."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from benchmarks import quickstart_spread
+
+    for part, steps in (("a", (10, 20)), ("b", (30,))):
+        with SummaryWriter(tmp_path / "run" / part) as writer:
+            for step in steps:
+                writer.add_scalar("val/top1", step / 100, step)
+                writer.add_scalar("train/loss", 1 / step, step)
+    assert quickstart_spread.last_scalars(tmp_path / "run") == {"val/top1": pytest.approx(0.30)}
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    native, avx2 = quickstart_spread.environment(1, "native"), quickstart_spread.environment(2, "avx2")
+    assert "ATEN_CPU_CAPABILITY" not in native and "TRITON_INTERPRET" not in native
+    assert native["OMP_NUM_THREADS"] == "1" and avx2["OMP_NUM_THREADS"] == "2"
+    assert {k: avx2[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")} == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }

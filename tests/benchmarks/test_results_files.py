@@ -206,3 +206,33 @@ def test_the_cpu_compile_table_recomputes_the_ratio_and_the_steps_to_repay_from_
             repay = f["first_compiled_step_s"] / ((eager - compiled) / 1e3)
             assert rows[f["function"]][1:4] == [f"{eager:.0f} ms", f"{compiled:.0f} ms", f"{compiled / eager:.2f}"]
             assert rows[f["function"]][5] == f"{repay:,.0f}"
+
+
+def test_the_quickstart_range_is_each_configs_lowest_and_highest_top1_over_its_runs():
+    """quickstart_spread.py's records, grouped here by config: each config's row holds one cell per run
+    and ends with the extremes."""
+    for path in sorted(RESULTS.glob("quickstart_spread-*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        rendered = report([str(path.relative_to(ROOT))]).splitlines()
+        rows = {
+            row[0].strip("` "): row[1:]
+            for row in (line.strip("|").split(" | ") for line in rendered if line.startswith("| `"))
+        }
+        assert set(rows) == {r["config"] for r in records}
+        for config, cells in rows.items():
+            top1 = [100 * r["val/top1"] for r in records if r["config"] == config]
+            assert sorted(cells[:-1]) == sorted(f"{value:.1f}%" for value in top1)
+            assert cells[-1].strip(" *") == f"{min(top1):.1f}-{max(top1):.1f}%"
+
+
+def test_the_readme_promises_the_digits_quick_starts_measured_ranges():
+    """The README's expected results are quickstart_spread.py's ranges, in points and in images of 359."""
+    (path,) = RESULTS.glob("quickstart_spread-*.jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    readme = (ROOT / "README.md").read_text()
+    for config in ("digits_multimax", "digits_softmax"):
+        top1 = sorted(r["val/top1"] for r in records if Path(r["config"]).stem == config)
+        images = [top1[0] * 359, top1[-1] * 359]
+        assert images == pytest.approx([round(n) for n in images], abs=1e-3)  # whole images of 359
+        promise = f"{100 * top1[0]:.1f}-{100 * top1[-1]:.1f}% ({round(images[0])}-{round(images[1])} of 359"
+        assert promise in readme, f"README.md should promise {promise} for {config}"

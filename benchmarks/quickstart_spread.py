@@ -1,0 +1,131 @@
+"""The quick starts' results across CPU code paths and thread counts: each config trained in full, as the
+README runs it, once per environment, and its last validation metrics read from its TensorBoard events.
+
+    python benchmarks/quickstart_spread.py          # both digits quick starts, 1 and 2 threads, AVX-512 and AVX2
+    python benchmarks/quickstart_spread.py --configs configs/quickstart/digits_softmax.yaml --threads 1 --isa avx2
+
+An environment is a thread count (``OMP_NUM_THREADS``) and the widest vector instructions that torch's
+own kernels (``ATEN_CPU_CAPABILITY``), oneDNN (``ONEDNN_MAX_CPU_ISA``) and MKL
+(``MKL_ENABLE_INSTRUCTIONS``) may use, so that one machine stands in for a CPU without AVX-512. Both
+change the order of floating-point sums, and a run's numbers with them; the seed is the config's.
+
+Writes one JSON line per run under ``benchmarks/results/``
+(``quickstart_spread-cpu-<versions>-<date>-<time>.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
+from record_name import record_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = [ROOT / "configs" / "quickstart" / f"digits_{name}.yaml" for name in ("multimax", "softmax")]
+
+#: --isa NAME -> the variables that cap each library's instructions; "native" sets none
+ISA = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+
+def environment(threads: int, isa: str) -> dict[str, str]:
+    """This process's environment with the thread count and instruction cap of one run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", *ISA["avx2"])}
+    return {**env, "OMP_NUM_THREADS": str(threads), **ISA[isa]}
+
+
+def capability(env: dict[str, str]) -> str:
+    """The vector instructions torch's kernels use under ``env`` (``AVX512``, ``AVX2``, ...)."""
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def last_scalars(run_dir: Path, prefix: str = "val/") -> dict[str, float]:
+    """The last logged value of every scalar under ``prefix`` in the event files of ``run_dir``."""
+    last: dict[str, tuple[int, float]] = {}
+    for events in sorted(run_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            if tag.startswith(prefix):
+                for event in acc.Scalars(tag):
+                    if tag not in last or event.step >= last[tag][0]:
+                        last[tag] = (event.step, event.value)
+    return {tag: value for tag, (_, value) in sorted(last.items())}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (``platform.processor()`` elsewhere)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = (
+        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if cpuinfo.exists()
+        else []
+    )
+    return names[0] if names else platform.processor()
+
+
+def fit(config: Path, threads: int, isa: str, workdir: Path) -> dict:
+    """One ``mmlight fit --config CONFIG`` run; its last validation scalars and wall time."""
+    save_dir = workdir / f"{config.stem}-{threads}-{isa}"
+    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config.resolve())]
+    command += ["--trainer.logger.init_args.save_dir", str(save_dir)]
+    command += ["--data.init_args.cache_dir", str(workdir / "cache" / config.stem.split("_")[0])]
+    env = environment(threads, isa)
+    start = time.monotonic()
+    run = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
+    return {"fit_s": round(time.monotonic() - start, 1), "capability": capability(env), **last_scalars(save_dir)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", type=Path, nargs="+", default=DIGITS, help="quick-start configs to train")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="OMP_NUM_THREADS values")
+    parser.add_argument("--isa", nargs="+", choices=sorted(ISA), default=["native", "avx2"], help="instruction caps")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON lines file (default: results/quickstart_spread-cpu-...)"
+    )
+    args = parser.parse_args(argv)
+    out = args.out or record_path("quickstart_spread", "cpu", [("torch", importlib.metadata.version("torch"))], "jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in args.configs:
+            for isa in args.isa:
+                for threads in args.threads:
+                    record = {
+                        "check": "quickstart_spread",
+                        "config": str(config.resolve().relative_to(ROOT)),
+                        "threads": threads,
+                        "isa": isa,
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "device": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores",
+                        "python": platform.python_version(),
+                        "torch": importlib.metadata.version("torch"),
+                        **fit(config, threads, isa, Path(tmp)),
+                    }
+                    print(json.dumps(record), flush=True)
+                    with open(out, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
