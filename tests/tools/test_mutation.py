@@ -27,6 +27,21 @@ def test_every_runtime_module_but_the_kernels_is_mutated_against_tests_that_exis
         assert all(not g.startswith("mmlight/kernels") for g in module.mutate), name
 
 
+def test_every_test_file_of_a_mutated_module_is_in_its_set():
+    """``tests/<folder>/test_<module>.py`` judges ``mmlight/<folder>/<module>.py``: a new one (a new
+    reweighting function's, say) runs in the set that mutates that module, or is left out with a reason."""
+    missing = []
+    for test in sorted(ROOT.glob("tests/**/test_*.py")):
+        rel = test.relative_to(ROOT).as_posix()
+        module = (Path("mmlight") / test.relative_to(ROOT / "tests").parent / test.name[len("test_") :]).as_posix()
+        sets = [m for m in mutation.MODULES.values() if any(fnmatch.fnmatch(module, g) for g in m.mutate)]
+        listed = any(t.split("::")[0] == rel for m in sets for t in m.tests)
+        if sets and (ROOT / module).is_file() and not listed and rel not in mutation.LEFT_OUT:
+            missing.append(rel)
+    assert missing == [], "add them to their module's set in tools/mutation.py, or to LEFT_OUT with the reason"
+    assert all((ROOT / path).is_file() for path in mutation.LEFT_OUT)
+
+
 DIFF = """\
 diff --git a/mmlight/a.py b/mmlight/a.py
 index 1111111..2222222 100644
