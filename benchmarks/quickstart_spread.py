@@ -1,5 +1,6 @@
 """The quick starts' results across CPU code paths and thread counts: each config trained in full, as the
-README runs it, once per environment, and its last validation metrics read from its TensorBoard events.
+README runs it, once per environment, and its last validation metrics read from the run's
+``final_metrics.json`` (``mmlight.callbacks.FinalMetrics``).
 
     python benchmarks/quickstart_spread.py          # both digits quick starts, 1 and 2 threads, AVX-512 and AVX2
     python benchmarks/quickstart_spread.py --configs configs/quickstart/digits_softmax.yaml --threads 1 --isa avx2
@@ -27,7 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+import yaml
+
+from mmlight.experiments.table import METRICS_FILE, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
 from record_name import record_path  # noqa: E402
@@ -56,18 +59,24 @@ def capability(env: dict[str, str]) -> str:
     ).stdout.strip()
 
 
-def last_scalars(run_dir: Path, prefix: str = "val/") -> dict[str, float]:
-    """The last logged value of every scalar under ``prefix`` in the event files of ``run_dir``."""
-    last: dict[str, tuple[int, float]] = {}
-    for events in sorted(run_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            if tag.startswith(prefix):
-                for event in acc.Scalars(tag):
-                    if tag not in last or event.step >= last[tag][0]:
-                        last[tag] = (event.step, event.value)
-    return {tag: value for tag, (_, value) in sorted(last.items())}
+def check_configs(configs: list[Path]) -> None:
+    """Stop before any training unless every config is an image-classification quick start (the table
+    reads its ``val/top1``, and its data module takes a ``cache_dir``)."""
+    for config in configs:
+        if not config.is_file():
+            raise SystemExit(f"{config}: no such config")
+        model = (yaml.safe_load(config.read_text()) or {}).get("model", {})
+        if not str(model.get("class_path", "")).endswith("ImageClassifier"):
+            raise SystemExit(f"{config}: not an image-classification config (its model is {model.get('class_path')})")
+
+
+def final_val_metrics(save_dir: Path) -> dict[str, float]:
+    """The ``val/*`` values of the one ``final_metrics.json`` a fit wrote under ``save_dir``."""
+    found = sorted(save_dir.rglob(METRICS_FILE))
+    if len(found) != 1:
+        raise SystemExit(f"{save_dir}: expected one {METRICS_FILE} from the fit, found {len(found)}")
+    metrics = read_metrics(found[0].parent)["metrics"]
+    return {name: m["value"] for name, m in sorted(metrics.items()) if name.startswith("val/")}
 
 
 def cpu_model() -> str:
@@ -92,7 +101,7 @@ def fit(config: Path, threads: int, isa: str, workdir: Path) -> dict:
     run = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-    return {"fit_s": round(time.monotonic() - start, 1), "capability": capability(env), **last_scalars(save_dir)}
+    return {"fit_s": round(time.monotonic() - start, 1), "capability": capability(env), **final_val_metrics(save_dir)}
 
 
 def main(argv=None) -> None:
@@ -104,6 +113,7 @@ def main(argv=None) -> None:
         "--out", type=Path, default=None, help="JSON lines file (default: results/quickstart_spread-cpu-...)"
     )
     args = parser.parse_args(argv)
+    check_configs(args.configs)
     out = args.out or record_path("quickstart_spread", "cpu", [("torch", importlib.metadata.version("torch"))], "jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

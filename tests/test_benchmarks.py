@@ -235,19 +235,35 @@ def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
         assert image.format == "JPEG" and image.mode == "RGB" and max(image.size) >= 120
 
 
-def test_quickstart_spread_reads_the_last_validation_scalars_of_every_event_file(tmp_path, monkeypatch):
-    """A fit resumed into a second event file: the values at the highest step win, train scalars are left
-    out; the environments cap exactly the three libraries' instructions and drop an inherited cap."""
-    from torch.utils.tensorboard import SummaryWriter
-
+def test_quickstart_spread_reads_the_fits_final_validation_metrics(tmp_path, monkeypatch):
+    """The val/* values of the run's final_metrics.json (FinalMetrics' format), nothing else; a missing
+    file and a config that is not an image classifier stop with the path named. The environments cap
+    exactly the three libraries' instructions and drop an inherited cap."""
     from benchmarks import quickstart_spread
 
-    for part, steps in (("a", (10, 20)), ("b", (30,))):
-        with SummaryWriter(tmp_path / "run" / part) as writer:
-            for step in steps:
-                writer.add_scalar("val/top1", step / 100, step)
-                writer.add_scalar("train/loss", 1 / step, step)
-    assert quickstart_spread.last_scalars(tmp_path / "run") == {"val/top1": pytest.approx(0.30)}
+    version = tmp_path / "run" / "digits_multimax" / "version_0"
+    version.mkdir(parents=True)
+    (version / "final_metrics.json").write_text(
+        json.dumps(
+            {
+                "stage": "fit",
+                "global_step": 1760,
+                "metrics": {
+                    "val/top1": {"value": 0.9582, "step": 1760, "epoch": 39},
+                    "val/loss": {"value": 0.228, "step": 1760, "epoch": 39},
+                    "train/loss": {"value": 0.5, "step": 1760, "epoch": 39},
+                },
+            }
+        )
+    )
+    assert quickstart_spread.final_val_metrics(tmp_path / "run") == {"val/loss": 0.228, "val/top1": 0.9582}
+    with pytest.raises(SystemExit, match="expected one final_metrics.json from the fit, found 0"):
+        quickstart_spread.final_val_metrics(tmp_path / "empty")
+    with pytest.raises(SystemExit, match="lm_softmax.yaml: not an image-classification config"):
+        quickstart_spread.check_configs(
+            [ROOT / "configs/quickstart/digits_softmax.yaml", ROOT / "configs/quickstart/lm_softmax.yaml"]
+        )
+    quickstart_spread.check_configs([ROOT / "configs/quickstart/digits_multimax.yaml"])
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -208,21 +208,26 @@ def test_the_cpu_compile_table_recomputes_the_ratio_and_the_steps_to_repay_from_
             assert rows[f["function"]][5] == f"{repay:,.0f}"
 
 
-def test_the_quickstart_range_is_each_configs_lowest_and_highest_top1_over_its_runs():
-    """quickstart_spread.py's records, grouped here by config: each config's row holds one cell per run
-    and ends with the extremes."""
+def test_the_quickstart_table_puts_each_run_under_its_environment_and_ends_with_the_range():
+    """quickstart_spread.py's records, looked up here by config, instructions and threads: the cell under
+    each ``CAPABILITY, THREADS`` column is that run's val/top1, and the last cell the extremes."""
     for path in sorted(RESULTS.glob("quickstart_spread-*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        rendered = report([str(path.relative_to(ROOT))]).splitlines()
-        rows = {
-            row[0].strip("` "): row[1:]
-            for row in (line.strip("|").split(" | ") for line in rendered if line.startswith("| `"))
-        }
+        lines = [
+            line.strip("|").split(" | ")
+            for line in report([str(path.relative_to(ROOT))]).splitlines()
+            if line.startswith("| ")
+        ]
+        header, rows = [cell.strip() for cell in lines[0]], {row[0].strip("` "): row for row in lines[1:]}
+        assert header[0] == "config" and header[-1] == "range"
         assert set(rows) == {r["config"] for r in records}
-        for config, cells in rows.items():
+        for r in records:
+            column = header.index(f"{r['capability']}, {r['threads']}")
+            assert rows[r["config"]][column].strip() == f"{100 * r['val/top1']:.1f}%"
+        for config, row in rows.items():
             top1 = [100 * r["val/top1"] for r in records if r["config"] == config]
-            assert sorted(cells[:-1]) == sorted(f"{value:.1f}%" for value in top1)
-            assert cells[-1].strip(" *") == f"{min(top1):.1f}-{max(top1):.1f}%"
+            assert len(row) == len(header) == len(top1) + 2
+            assert row[-1].strip(" *") == f"{min(top1):.1f}-{max(top1):.1f}%"
 
 
 def test_the_readme_promises_the_digits_quick_starts_measured_ranges():
