@@ -41,7 +41,6 @@ import io
 import itertools
 import json
 import math
-import os
 import platform
 import random
 import statistics
@@ -56,7 +55,7 @@ import torch
 import torchvision
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageFilter
-from record_name import record_path  # beside this script, which Python puts on sys.path
+from record_name import cpu_description, record_path  # beside this script, which Python puts on sys.path
 from torch.utils.data import default_collate
 
 from mmlight.data import ImageAugment, ImageShardDataModule
@@ -344,9 +343,8 @@ def measure(loader, samples: int) -> tuple[float, float | None]:
 
 
 def versions() -> dict:
-    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return {
-        "device": cpu,
+        "device": cpu_description(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,

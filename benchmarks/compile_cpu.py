@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # cold compiles, read at import
 
 import torch  # noqa: E402
-from record_name import record_path  # noqa: E402  (beside this script, which Python puts on sys.path)
+from record_name import cpu_description, record_path  # noqa: E402  (beside this script, which Python puts on sys.path)
 
 from mmlight.models import ReweightingSpec, ViTConfig  # noqa: E402
 from mmlight.tasks import ImageClassifier  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
     rows = [measure(name, args.steps, args.warmup, args.seed) for name in args.functions]
     record = {
         "benchmark": "compile_cpu",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": cpu_description(),
         "threads": torch.get_num_threads(),
         "inductor_caches": "off" if os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1" else "on",
         "python": platform.python_version(),

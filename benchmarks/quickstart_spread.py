@@ -33,7 +33,7 @@ import yaml
 from mmlight.experiments.table import METRICS_FILE, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
-from record_name import record_path  # noqa: E402
+from record_name import cpu_description, record_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = [ROOT / "configs" / "quickstart" / f"digits_{name}.yaml" for name in ("multimax", "softmax")]
@@ -79,17 +79,6 @@ def final_val_metrics(save_dir: Path) -> dict[str, float]:
     return {name: m["value"] for name, m in sorted(metrics.items()) if name.startswith("val/")}
 
 
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (``platform.processor()`` elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    names = (
-        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        if cpuinfo.exists()
-        else []
-    )
-    return names[0] if names else platform.processor()
-
-
 def fit(config: Path, threads: int, isa: str, workdir: Path) -> dict:
     """One ``mmlight fit --config CONFIG`` run; its last validation scalars and wall time."""
     save_dir = workdir / f"{config.stem}-{threads}-{isa}"
@@ -126,7 +115,7 @@ def main(argv=None) -> None:
                         "threads": threads,
                         "isa": isa,
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "device": f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores",
+                        "device": cpu_description(),
                         "python": platform.python_version(),
                         "torch": importlib.metadata.version("torch"),
                         **fit(config, threads, isa, Path(tmp)),

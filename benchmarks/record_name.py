@@ -12,6 +12,8 @@ Each part is lower-case letters, digits, ``_`` and (in the versions) ``.``; ``-`
 from __future__ import annotations
 
 import datetime
+import os
+import platform
 import re
 from pathlib import Path
 
@@ -45,6 +47,20 @@ def device_part(name: str) -> str:
     """
     model = re.search(r"\b[A-Za-z]*\d+[A-Za-z]*\b", name)
     return "cpu" if name.lower().startswith("cpu") or model is None else model.group(0).lower()
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU as a CPU benchmark's record names it: ``x86_64, AMD EPYC 9654 96-Core Processor, 2 cores``.
+
+    The model name comes from Linux's ``cpuinfo`` (``platform.processor()`` there says only ``x86_64``);
+    elsewhere, or where it has none, the architecture and core count stand alone.
+
+    Args:
+        cpuinfo: the file to read the model name from.
+    """
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    models = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+    return ", ".join([platform.machine(), *models[:1], f"{os.cpu_count()} cores"])
 
 
 def record_path(

@@ -226,7 +226,7 @@ def loader_rates(runs: list[Records]) -> list[str]:
             for r in run
             if r.get("backend") == pipeline and r["op"] == "image_loader_deit_train"
         ]
-        rows.append([pipeline, *cells(pipeline, "samples_per_s_per_worker", 1), f"{min(rss):.0f}-{max(rss):.0f} MiB"])
+        rows.append([pipeline, *cells(pipeline, "samples_per_s_per_worker", 1), f"{span(rss, 0)} MiB"])
     for base, field in (("per-copy", "ratio_to_per_copy_shards"), ("ImageFolder", "ratio_to_imagefolder")):
         rows.append([f"**uint8 / {base}**", *cells("shards, uint8", field, 2), ""])
     header = [f"{copies_label(copies)}, {build} ({len(builds[build])} runs)" for copies, build in columns]
@@ -448,7 +448,7 @@ def render_step_time(paths: list[Path]) -> str:
     columns, ratios = [], []
     for r in records:
         softmax_ms = [1e3 * round_["softmax"] for round_ in r["rounds"]]
-        columns.append(f"`{Path(r['config']).name}` (softmax {min(softmax_ms):.0f}-{max(softmax_ms):.0f} ms/step)")
+        columns.append(f"`{Path(r['config']).name}` (softmax {span(softmax_ms, 0)} ms/step)")
         ratios.append(
             {f: [round_[f] / round_["softmax"] for round_ in r["rounds"]] for f in r["median_ratio_to_softmax"]}
         )

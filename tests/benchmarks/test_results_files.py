@@ -3,7 +3,10 @@ BENCHMARKS.md, and every table BENCHMARKS.md renders from records is what ``benc
 renders from them today (so the document cannot drift from its records)."""
 
 import datetime
+import importlib
 import json
+import os
+import platform
 import re
 import statistics
 import subprocess
@@ -192,6 +195,30 @@ def test_record_path_names_a_file_the_pattern_accepts():
 )
 def test_device_part_is_the_gpu_model_or_cpu(name, part):
     assert record_name.device_part(name) == part
+
+
+def test_a_span_is_low_high_or_one_figure_where_they_agree_to_the_digits_shown(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # report.py imports record_name from beside it
+    span = importlib.import_module("report").span
+    assert span([2.5, 1.04, 1.96], 1) == "1.0-2.5"  # min and max, in that order, whatever the input's
+    assert span([3.14, 3.141, 3.1], 1) == "3.1"
+    assert span([96.14, 96.16], 1) == "96.1-96.2"  # apart once rounded: both shown
+    assert span([7], 0) == "7"
+
+
+def test_cpu_description_names_the_first_processors_model_and_the_core_count(tmp_path):
+    # /proc/cpuinfo's raw format: one block per logical CPU, "key<TAB>: value" lines
+    cpuinfo = tmp_path / "cpuinfo"
+    fields = (
+        "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC 9654 96-Core Processor\n"
+    )
+    blocks = [f"processor\t: {n}\n{fields}" for n in (0, 1)]
+    cpuinfo.write_text("\n".join(blocks))
+    machine, cores = platform.machine(), f"{os.cpu_count()} cores"
+    assert record_name.cpu_description(cpuinfo) == f"{machine}, AMD EPYC 9654 96-Core Processor, {cores}"
+    assert record_name.cpu_description(tmp_path / "absent") == f"{machine}, {cores}"
+    cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # aarch64's cpuinfo has no model name
+    assert record_name.cpu_description(cpuinfo) == f"{machine}, {cores}"
 
 
 def test_the_cpu_compile_table_recomputes_the_ratio_and_the_steps_to_repay_from_the_times():
