@@ -29,7 +29,7 @@ import json  # noqa: E402
 import compile_check  # noqa: E402  (beside this script, which Python puts on sys.path)
 import torch  # noqa: E402
 import triton  # noqa: E402
-from record_name import PATTERN, record_path  # noqa: E402
+from record_name import PATTERN, newest, record_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAMILIES = ("rowwise", "attention", "cross_entropy")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path = json_path.with_name(json_path.name.removesuffix(".json") + ".md")
     earlier = [p for p in args.out.glob(f"compile_report-*-{tag}.json") if PATTERN.fullmatch(p.name)]
     if earlier:  # keep the rows of the families and dtypes not recompiled, from the latest report
-        latest = max(earlier, key=lambda p: PATTERN.fullmatch(p.name)["date"])
+        latest = newest(earlier)
         kept = [
             compile_check.Compiled(**row)
             for row in json.loads(latest.read_text())

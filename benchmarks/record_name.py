@@ -49,6 +49,23 @@ def device_part(name: str) -> str:
     return "cpu" if name.lower().startswith("cpu") or model is None else model.group(0).lower()
 
 
+def newest(paths: list[Path]) -> Path:
+    """The record whose name says it is the latest: the latest date, then the latest tag (``HHMM`` tags
+    sort as times of day), so that two runs of one day are not picked between at random.
+
+    Args:
+        paths: record files whose names follow :data:`PATTERN`.
+    """
+
+    def when(path: Path) -> tuple[str, str]:
+        match = PATTERN.fullmatch(path.name)
+        if match is None:
+            raise ValueError(f"{path.name!r} does not follow the results' naming pattern {PATTERN.pattern}")
+        return match["date"], match["tag"] or ""
+
+    return max(paths, key=when)
+
+
 def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU as a CPU benchmark's record names it: ``x86_64, AMD EPYC 9654 96-Core Processor, 2 cores``.
 

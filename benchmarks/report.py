@@ -324,19 +324,23 @@ def render_quickstart_spread(paths: list[Path]) -> str:
     records = all_records(paths)
     r0 = records[0]
     heading = (
-        f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}; each config's seed, one run per cell; "
-        f"{dates(paths)}. Last `val/top1` by the instructions torch used (`--isa`) and the thread count:"
+        f"{r0['device']}; Python {r0['python']}, torch {r0['torch']}; each config's seed, one run per `--isa` and "
+        f"thread count; {dates(paths)}. Last `val/top1` by the instructions torch used and the thread count:"
     )
-    found = {(r["config"], r["isa"], r["threads"]): r["val/top1"] for r in records}
-    # this CPU's own instructions first, then each cap; fewer threads first
-    envs = sorted({(r["isa"], r["threads"], r["capability"]) for r in records}, key=lambda e: (e[0] != "native", e))
+    # a column per environment torch reports (instructions used, threads): a cap at or above what the CPU
+    # has changes nothing, and its runs share the uncapped runs' column. This CPU's own first; fewer threads first.
+    runs = sorted(records, key=lambda r: (r["isa"] != "native", r["isa"], r["threads"]))
+    envs = list(dict.fromkeys((r["capability"], r["threads"]) for r in runs))
     rows = []
     for config in dict.fromkeys(r["config"] for r in records):
-        top1 = [found.get((config, isa, threads)) for isa, threads, _ in envs]
-        cells = [f"{100 * value:.1f}%" if value is not None else "–" for value in top1]
-        spread = span([100 * value for value in top1 if value is not None], 1)
+        top1 = {
+            env: [100 * r["val/top1"] for r in runs if r["config"] == config and (r["capability"], r["threads"]) == env]
+            for env in envs
+        }
+        cells = [f"{span(top1[env], 1)}%" if top1[env] else "–" for env in envs]
+        spread = span([value for values in top1.values() for value in values], 1)
         rows.append([f"`{config}`", *cells, f"**{spread}%**"])
-    header = [f"{capability}, {threads}" for _, threads, capability in envs]
+    header = [f"{capability}, {threads}" for capability, threads in envs]
     return headed_table(heading, ["config", *header, "range"], rows)
 
 

@@ -197,6 +197,19 @@ def test_device_part_is_the_gpu_model_or_cpu(name, part):
     assert record_name.device_part(name) == part
 
 
+def test_newest_is_the_latest_date_then_the_latest_time_of_that_day():
+    names = [
+        "quickstart_spread-cpu-torch2.14-20261128-0915.jsonl",
+        "quickstart_spread-cpu-torch2.14-20261128-2250.jsonl",
+        "quickstart_spread-cpu-torch2.15-20261127-2359.jsonl",
+        "quickstart_spread-cpu-torch2.14-20261128.jsonl",  # no tag: older than any tagged run of its day
+    ]
+    for order in (names, names[::-1]):  # glob's order is the file system's: the answer must not follow it
+        assert record_name.newest([Path(n) for n in order]).name == names[1]
+    with pytest.raises(ValueError, match="notes.txt"):
+        record_name.newest([Path(names[0]), Path("notes.txt")])
+
+
 def test_a_span_is_low_high_or_one_figure_where_they_agree_to_the_digits_shown(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # report.py imports record_name from beside it
     span = importlib.import_module("report").span
@@ -257,10 +270,36 @@ def test_the_quickstart_table_puts_each_run_under_its_environment_and_ends_with_
             assert row[-1].strip(" *") == f"{min(top1):.1f}-{max(top1):.1f}%"
 
 
+def test_the_quickstart_table_gives_runs_of_one_environment_one_column(tmp_path):
+    """On a CPU without AVX-512, the AVX2 cap changes nothing: torch reports AVX2 for both, and the capped
+    runs share the uncapped runs' column (its range) instead of a second column with the same heading."""
+    base = {"date": "2026-11-28T10:00:00+00:00", "device": "x86_64, 2 cores", "python": "3.12.3", "torch": "2.14.1"}
+    runs = [  # (isa, threads, val/top1 in images of 359)
+        ("native", 1, 340), ("native", 2, 343), ("avx2", 1, 341), ("avx2", 2, 343),
+    ]  # fmt: skip
+    path = tmp_path / "quickstart_spread-cpu-torch2.14-20261128-1000.jsonl"
+    records = [
+        {**base, "check": "quickstart_spread", "config": "configs/quickstart/digits_multimax.yaml", "isa": isa}
+        | {"threads": threads, "capability": "AVX2", "val/top1": images / 359}
+        for isa, threads, images in runs
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = [line.strip("|").split(" | ") for line in report([str(path)]).splitlines() if line.startswith("| ")]
+    header, row = [cell.strip() for cell in lines[0]], [cell.strip(" *") for cell in lines[1]]
+    assert header == ["config", "AVX2, 1", "AVX2, 2", "range"]
+    one, two = f"{100 * 340 / 359:.1f}-{100 * 341 / 359:.1f}%", f"{100 * 343 / 359:.1f}%"
+    assert row == [
+        "`configs/quickstart/digits_multimax.yaml`",
+        one,
+        two,
+        f"{100 * 340 / 359:.1f}-{100 * 343 / 359:.1f}%",
+    ]
+
+
 def test_the_readme_promises_the_digits_quick_starts_measured_ranges():
     """The README's expected results are the newest quickstart_spread.py record's ranges, in points and in
     images of 359."""
-    path = max(RESULTS.glob("quickstart_spread-*.jsonl"), key=lambda p: record_name.PATTERN.fullmatch(p.name)["date"])
+    path = record_name.newest(list(RESULTS.glob("quickstart_spread-*.jsonl")))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     readme = (ROOT / "README.md").read_text()
     for config in ("digits_multimax", "digits_softmax"):
