@@ -76,6 +76,8 @@ def final_val_metrics(save_dir: Path) -> dict[str, float]:
     if len(found) != 1:
         raise SystemExit(f"{save_dir}: expected one {METRICS_FILE} from the fit, found {len(found)}")
     metrics = read_metrics(found[0].parent)["metrics"]
+    if "val/top1" not in metrics:  # the table's one figure: a fit that never validated has none
+        raise SystemExit(f"{found[0]}: no val/top1 (did the fit validate?); it holds {sorted(metrics)}")
     return {name: m["value"] for name, m in sorted(metrics.items()) if name.startswith("val/")}
 
 

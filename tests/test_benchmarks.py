@@ -237,7 +237,7 @@ def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
 
 def test_quickstart_spread_reads_the_fits_final_validation_metrics(tmp_path, monkeypatch):
     """The val/* values of the run's final_metrics.json (FinalMetrics' format), nothing else; a missing
-    file and a config that is not an image classifier stop with the path named. The environments cap
+    file, a fit without val/top1 and a config that is not an image classifier stop with the path named. The environments cap
     exactly the three libraries' instructions and drop an inherited cap."""
     from benchmarks import quickstart_spread
 
@@ -257,6 +257,10 @@ def test_quickstart_spread_reads_the_fits_final_validation_metrics(tmp_path, mon
         )
     )
     assert quickstart_spread.final_val_metrics(tmp_path / "run") == {"val/loss": 0.228, "val/top1": 0.9582}
+    (tmp_path / "unvalidated").mkdir()
+    (tmp_path / "unvalidated" / "final_metrics.json").write_text(json.dumps({"stage": "fit", "metrics": {}}))
+    with pytest.raises(SystemExit, match=r"unvalidated/final_metrics.json: no val/top1 \(did the fit validate\?\)"):
+        quickstart_spread.final_val_metrics(tmp_path / "unvalidated")
     with pytest.raises(SystemExit, match="expected one final_metrics.json from the fit, found 0"):
         quickstart_spread.final_val_metrics(tmp_path / "empty")
     with pytest.raises(SystemExit, match="lm_softmax.yaml: not an image-classification config"):
