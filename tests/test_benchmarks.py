@@ -237,8 +237,8 @@ def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
 
 def test_quickstart_spread_reads_the_fits_final_validation_metrics(tmp_path, monkeypatch):
     """The val/* values of the run's final_metrics.json (FinalMetrics' format), nothing else; a missing
-    file, a fit without val/top1 and a config that is not an image classifier stop with the path named. The environments cap
-    exactly the three libraries' instructions and drop an inherited cap."""
+    file, a fit without val/top1 and a config that is not an image classifier stop with the path named.
+    The environments cap exactly the three libraries' instructions and drop an inherited cap."""
     from benchmarks import quickstart_spread
 
     version = tmp_path / "run" / "digits_multimax" / "version_0"
