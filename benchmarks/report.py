@@ -134,10 +134,16 @@ Records = list[dict]
 def load(path: Path) -> Records:
     """A record file's records: one per line of a ``.jsonl``, the list or the one object of a ``.json``."""
     text = path.read_text()
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    value = json.loads(text)
-    return value if isinstance(value, list) else [value]
+    records = []
+    for number, line in enumerate(text.splitlines() if path.suffix == ".jsonl" else [text], 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:  # a run killed mid-write, or a hand edit
+            raise SystemExit(f"{path}:{number}: not JSON ({error.msg})") from error
+        records += value if isinstance(value, list) else [value]
+    return records
 
 
 def all_records(paths: list[Path]) -> Records:
@@ -723,7 +729,17 @@ def render_files(paths: list[Path]) -> str:
     by_kind: dict[str, list[Path]] = {}
     for path in paths:
         by_kind.setdefault(kind_of(path), []).append(path)
-    return "\n".join(KINDS[kind][1](kind_paths) for kind, kind_paths in by_kind.items())
+    return "\n".join(render_kind(kind, kind_paths) for kind, kind_paths in by_kind.items())
+
+
+def render_kind(kind: str, paths: list[Path]) -> str:
+    """The tables of record files of one kind; a record without a field its table needs (an older script's,
+    or a hand edit) stops with the files and the field named."""
+    try:
+        return KINDS[kind][1](paths)
+    except KeyError as error:
+        names = ", ".join(str(path) for path in paths)
+        raise SystemExit(f"{names}: a {kind} record has no {error.args[0]!r} field, which its table needs") from error
 
 
 #: A rendered block of BENCHMARKS.md: the record files (relative to the repository root), then their tables.

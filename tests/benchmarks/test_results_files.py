@@ -57,6 +57,26 @@ def test_each_rendered_table_is_what_report_py_renders_from_its_records(paths, b
     assert body == report(paths), "run: python benchmarks/report.py --update BENCHMARKS.md"
 
 
+def test_a_record_missing_a_field_or_cut_off_mid_line_stops_report_py_with_the_file_named(tmp_path):
+    source = record_name.newest(list(RESULTS.glob("quickstart_spread-*.jsonl")))
+    records = [json.loads(line) for line in source.read_text().splitlines()]
+    lacking = tmp_path / source.name
+    lacking.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "val/top1"}) + "\n" for r in records))
+    cut = tmp_path / "cut" / source.name
+    cut.parent.mkdir()
+    cut.write_text(source.read_text()[:-20])  # the last line cut off, as a run killed mid-write leaves it
+    for path, message in (
+        (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
+        (cut, f"{cut}:{len(records)}: not JSON ("),
+    ):
+        run = subprocess.run(
+            [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
+        )
+        assert (run.returncode, run.stdout) == (1, "")
+        assert run.stderr.startswith(message), run.stderr
+        assert "Traceback" not in run.stderr
+
+
 def test_the_loader_table_holds_each_builds_range_of_rates_and_same_run_ratios():
     """Per Pillow build and copy count, the lowest and highest samples/s of the uint8 shards over the
     build's runs, and of the uint8 / per-copy ratio recomputed within each run from its samples/s, are
