@@ -141,7 +141,8 @@ def load(path: Path) -> Records:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as error:  # a run killed mid-write, or a hand edit
-            raise SystemExit(f"{path}:{number}: not JSON ({error.msg})") from error
+            # error.lineno counts within the text parsed: the line itself in a .jsonl, the file in a .json
+            raise SystemExit(f"{path}:{number + error.lineno - 1}: not JSON ({error.msg})") from error
         records += value if isinstance(value, list) else [value]
     return records
 
@@ -735,8 +736,9 @@ def render_files(paths: list[Path]) -> str:
 def render_kind(kind: str, paths: list[Path]) -> str:
     """The tables of record files of one kind; a record without a field its table needs (an older script's,
     or a hand edit) stops with the files and the field named."""
+    render = KINDS[kind][1]  # kind_of has checked the kind
     try:
-        return KINDS[kind][1](paths)
+        return render(paths)
     except KeyError as error:
         names = ", ".join(str(path) for path in paths)
         raise SystemExit(f"{names}: a {kind} record has no {error.args[0]!r} field, which its table needs") from error

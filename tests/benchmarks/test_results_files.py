@@ -65,9 +65,12 @@ def test_a_record_missing_a_field_or_cut_off_mid_line_stops_report_py_with_the_f
     cut = tmp_path / "cut" / source.name
     cut.parent.mkdir()
     cut.write_text(source.read_text()[:-20])  # the last line cut off, as a run killed mid-write leaves it
+    edited = tmp_path / "edited.json"
+    edited.write_text('[\n{"a": 1},\n{"a": 1,,}\n]\n')  # a .json is one document: its line 3 is wrong
     for path, message in (
         (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
         (cut, f"{cut}:{len(records)}: not JSON ("),
+        (edited, f"{edited}:3: not JSON ("),
     ):
         run = subprocess.run(
             [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
