@@ -719,8 +719,10 @@ KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
 def kind_of(path: Path) -> str:
     """The kind of a record file, from its first record (an error naming the file if none matches)."""
     records = load(path)
+    if not records:  # a run killed before its first record, or an empty hand-made file
+        raise SystemExit(f"{path}: holds no records")
     for kind, (matches, _) in KINDS.items():
-        if records and matches(records[0]):
+        if matches(records[0]):
             return kind
     raise SystemExit(f"{path}: not a record file of a known benchmark ({', '.join(KINDS)})")
 

@@ -57,7 +57,7 @@ def test_each_rendered_table_is_what_report_py_renders_from_its_records(paths, b
     assert body == report(paths), "run: python benchmarks/report.py --update BENCHMARKS.md"
 
 
-def test_a_record_missing_a_field_or_cut_off_mid_line_stops_report_py_with_the_file_named(tmp_path):
+def test_a_record_file_missing_a_field_cut_off_mid_line_or_empty_stops_report_py_with_the_file_named(tmp_path):
     source = record_name.newest(list(RESULTS.glob("quickstart_spread-*.jsonl")))
     records = [json.loads(line) for line in source.read_text().splitlines()]
     lacking = tmp_path / source.name
@@ -67,10 +67,14 @@ def test_a_record_missing_a_field_or_cut_off_mid_line_stops_report_py_with_the_f
     cut.write_text(source.read_text()[:-20])  # the last line cut off, as a run killed mid-write leaves it
     edited = tmp_path / "edited.json"
     edited.write_text('[\n{"a": 1},\n{"a": 1,,}\n]\n')  # a .json is one document: its line 3 is wrong
+    empty = tmp_path / "empty" / source.name
+    empty.parent.mkdir()
+    empty.write_text("\n")  # a run killed before its first record
     for path, message in (
         (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
         (cut, f"{cut}:{len(records)}: not JSON ("),
         (edited, f"{edited}:3: not JSON ("),
+        (empty, f"{empty}: holds no records"),
     ):
         run = subprocess.run(
             [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
