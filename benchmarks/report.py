@@ -143,7 +143,10 @@ def load(path: Path) -> Records:
         except json.JSONDecodeError as error:  # a run killed mid-write, or a hand edit
             # error.lineno counts within the text parsed: the line itself in a .jsonl, the file in a .json
             raise SystemExit(f"{path}:{number + error.lineno - 1}: not JSON ({error.msg})") from error
-        records += value if isinstance(value, list) else [value]
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(record, dict) for record in values):  # a hand edit: a record is a JSON object
+            raise SystemExit(f"{path}:{number}: a record is not a JSON object")
+        records += values
     return records
 
 

@@ -57,7 +57,7 @@ def test_each_rendered_table_is_what_report_py_renders_from_its_records(paths, b
     assert body == report(paths), "run: python benchmarks/report.py --update BENCHMARKS.md"
 
 
-def test_a_record_file_missing_a_field_cut_off_mid_line_or_empty_stops_report_py_with_the_file_named(tmp_path):
+def test_a_record_file_missing_a_field_cut_off_mid_line_empty_or_not_of_objects_stops_report_py_naming_it(tmp_path):
     source = record_name.newest(list(RESULTS.glob("quickstart_spread-*.jsonl")))
     records = [json.loads(line) for line in source.read_text().splitlines()]
     lacking = tmp_path / source.name
@@ -70,11 +70,18 @@ def test_a_record_file_missing_a_field_cut_off_mid_line_or_empty_stops_report_py
     empty = tmp_path / "empty" / source.name
     empty.parent.mkdir()
     empty.write_text("\n")  # a run killed before its first record
+    scalar = tmp_path / "scalar" / source.name
+    scalar.parent.mkdir()
+    scalar.write_text(source.read_text().splitlines()[0] + "\n3\n")  # a hand edit: line 2 is no record
+    strings = tmp_path / "strings.json"
+    strings.write_text('["a"]')
     for path, message in (
         (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
         (cut, f"{cut}:{len(records)}: not JSON ("),
         (edited, f"{edited}:3: not JSON ("),
         (empty, f"{empty}: holds no records"),
+        (scalar, f"{scalar}:2: a record is not a JSON object"),
+        (strings, f"{strings}:1: a record is not a JSON object"),
     ):
         run = subprocess.run(
             [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
