@@ -131,9 +131,18 @@ def short_error(error: str | None) -> str:
 Records = list[dict]
 
 
+def read(path: Path) -> str:
+    """The text of ``path``; a file that is not there or cannot be read (a mistyped or renamed name, a
+    folder) stops with the file named."""
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise SystemExit(f"{path}: cannot be read ({error.strerror})") from error
+
+
 def load(path: Path) -> Records:
     """A record file's records: one per line of a ``.jsonl``, the list or the one object of a ``.json``."""
-    text = path.read_text()
+    text = read(path)
     records = []
     for number, line in enumerate(text.splitlines() if path.suffix == ".jsonl" else [text], 1):
         if not line.strip():
@@ -761,7 +770,7 @@ def update(doc: Path) -> str:
         paths = [doc.parent / name for name in block["paths"].split()]
         return f"<!-- report: {block['paths']} -->\n{render_files(paths)}<!-- end report -->"
 
-    return BLOCK.sub(rendered, doc.read_text())
+    return BLOCK.sub(rendered, read(doc))
 
 
 def main(argv: list[str] | None = None) -> None:

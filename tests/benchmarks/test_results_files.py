@@ -57,7 +57,7 @@ def test_each_rendered_table_is_what_report_py_renders_from_its_records(paths, b
     assert body == report(paths), "run: python benchmarks/report.py --update BENCHMARKS.md"
 
 
-def test_a_record_file_missing_a_field_cut_off_mid_line_empty_or_not_of_objects_stops_report_py_naming_it(tmp_path):
+def test_a_record_file_unreadable_missing_a_field_cut_off_empty_or_not_of_objects_stops_report_py_naming_it(tmp_path):
     source = record_name.newest(list(RESULTS.glob("quickstart_spread-*.jsonl")))
     records = [json.loads(line) for line in source.read_text().splitlines()]
     lacking = tmp_path / source.name
@@ -82,6 +82,8 @@ def test_a_record_file_missing_a_field_cut_off_mid_line_empty_or_not_of_objects_
         (empty, f"{empty}: holds no records"),
         (scalar, f"{scalar}:2: a record is not a JSON object"),
         (strings, f"{strings}:1: a record is not a JSON object"),
+        (tmp_path / "renamed.jsonl", f"{tmp_path / 'renamed.jsonl'}: cannot be read (No such file or directory)"),
+        (tmp_path / "empty", f"{tmp_path / 'empty'}: cannot be read (Is a directory)"),
     ):
         run = subprocess.run(
             [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
