@@ -74,20 +74,22 @@ def test_a_record_file_unreadable_missing_a_field_cut_off_empty_or_not_of_object
     scalar.parent.mkdir()
     scalar.write_text(source.read_text().splitlines()[0] + "\n3\n")  # a hand edit: line 2 is no record
     strings = tmp_path / "strings.json"
-    strings.write_text('["a"]')
-    for path, message in (
-        (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
-        (cut, f"{cut}:{len(records)}: not JSON ("),
-        (edited, f"{edited}:3: not JSON ("),
-        (empty, f"{empty}: holds no records"),
-        (scalar, f"{scalar}:2: a record is not a JSON object"),
-        (strings, f"{strings}:1: a record is not a JSON object"),
-        (tmp_path / "renamed.jsonl", f"{tmp_path / 'renamed.jsonl'}: cannot be read (No such file or directory)"),
-        (tmp_path / "empty", f"{tmp_path / 'empty'}: cannot be read (Is a directory)"),
-    ):
-        run = subprocess.run(
-            [sys.executable, "benchmarks/report.py", str(path)], cwd=ROOT, capture_output=True, text=True
+    strings.write_text('[{"a": 1}, "a"]')  # one object, then one that is not
+    unwritten = tmp_path / "BENCHMARKS.md"  # --update of a doc that is not there
+    for argv, message in [
+        ([str(path)], message)
+        for path, message in (
+            (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
+            (cut, f"{cut}:{len(records)}: not JSON ("),
+            (edited, f"{edited}:3: not JSON ("),
+            (empty, f"{empty}: holds no records"),
+            (scalar, f"{scalar}:2: a record is not a JSON object"),
+            (strings, f"{strings}:1: a record is not a JSON object"),
+            (tmp_path / "renamed.jsonl", f"{tmp_path / 'renamed.jsonl'}: cannot be read (No such file or directory)"),
+            (tmp_path / "empty", f"{tmp_path / 'empty'}: cannot be read (Is a directory)"),
         )
+    ] + [(["--update", str(unwritten)], f"{unwritten}: cannot be read (No such file or directory)")]:
+        run = subprocess.run([sys.executable, "benchmarks/report.py", *argv], cwd=ROOT, capture_output=True, text=True)
         assert (run.returncode, run.stdout) == (1, "")
         assert run.stderr.startswith(message), run.stderr
         assert "Traceback" not in run.stderr
