@@ -76,19 +76,18 @@ def test_a_record_file_unreadable_missing_a_field_cut_off_empty_or_not_of_object
     strings = tmp_path / "strings.json"
     strings.write_text('[{"a": 1}, "a"]')  # one object, then one that is not
     unwritten = tmp_path / "BENCHMARKS.md"  # --update of a doc that is not there
-    for argv, message in [
-        ([str(path)], message)
-        for path, message in (
-            (lacking, f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
-            (cut, f"{cut}:{len(records)}: not JSON ("),
-            (edited, f"{edited}:3: not JSON ("),
-            (empty, f"{empty}: holds no records"),
-            (scalar, f"{scalar}:2: a record is not a JSON object"),
-            (strings, f"{strings}:1: a record is not a JSON object"),
-            (tmp_path / "renamed.jsonl", f"{tmp_path / 'renamed.jsonl'}: cannot be read (No such file or directory)"),
-            (tmp_path / "empty", f"{tmp_path / 'empty'}: cannot be read (Is a directory)"),
-        )
-    ] + [(["--update", str(unwritten)], f"{unwritten}: cannot be read (No such file or directory)")]:
+    renamed, folder = tmp_path / "renamed.jsonl", tmp_path / "empty"
+    for argv, message in (
+        ([str(lacking)], f"{lacking}: a quickstart_spread record has no 'val/top1' field, which its table needs"),
+        ([str(cut)], f"{cut}:{len(records)}: not JSON ("),
+        ([str(edited)], f"{edited}:3: not JSON ("),
+        ([str(empty)], f"{empty}: holds no records"),
+        ([str(scalar)], f"{scalar}:2: a record is not a JSON object"),
+        ([str(strings)], f"{strings}:1: a record is not a JSON object"),
+        ([str(renamed)], f"{renamed}: cannot be read (No such file or directory)"),
+        ([str(folder)], f"{folder}: cannot be read (Is a directory)"),
+        (["--update", str(unwritten)], f"{unwritten}: cannot be read (No such file or directory)"),
+    ):
         run = subprocess.run([sys.executable, "benchmarks/report.py", *argv], cwd=ROOT, capture_output=True, text=True)
         assert (run.returncode, run.stdout) == (1, "")
         assert run.stderr.startswith(message), run.stderr
