@@ -9,6 +9,9 @@ Every text data set numbers the specials as fairseq does: ``<s>`` 0, ``<pad>`` 1
     line ``i`` is id ``i + 4``.
 ``vocab.txt`` (WikiText-103)
     one token per line, the specials written out, the line index being the id.
+``tokenizer.json`` (``mmlight prepare text``)
+    a Hugging Face ``tokenizers`` tokenizer (byte-level BPE); its ids are the vocabulary's, and its
+    JSON travels in :class:`Tokenizer` (``hf_json``), so a checkpoint encodes and decodes without it.
 
 :class:`Vocab` is the one typed vocabulary (tokens, special ids, and the :class:`Tokenizer` that
 turns raw text into its tokens); :class:`ClassMap` the one label set. A shard set describes its
@@ -18,6 +21,7 @@ reads it) and its label set under ``classes``.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -38,7 +42,7 @@ BOS_ID, PAD_ID, EOS_ID, UNK_ID = range(len(SPECIALS))
 SPECIAL_IDS = {"bos": BOS_ID, "pad": PAD_ID, "eos": EOS_ID, "unk": UNK_ID}
 
 #: how a vocabulary file lists its tokens (see the module docstring)
-VocabFormat = Literal["dict", "lines"]
+VocabFormat = Literal["dict", "lines", "hf"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Tokenizer:
         tgt_lang: the language :meth:`Vocab.decode` detokenises by default.
         bpe_codes: the subword-nmt codes (the text of the ``code`` file), or None for no BPE.
         version: what the tokenised text depends on besides the raw text (informative).
+        hf_json: a Hugging Face ``tokenizers`` tokenizer (the text of its ``tokenizer.json``), or None;
+            when set it alone turns text into tokens and back (the other fields are unused).
     """
 
     moses: bool = False
@@ -59,9 +65,20 @@ class Tokenizer:
     tgt_lang: str | None = None
     bpe_codes: str | None = None
     version: str | None = None
+    hf_json: str | None = None
+
+    @cached_property
+    def hf(self):
+        """The ``tokenizers.Tokenizer`` of ``hf_json`` (built once)."""
+        if self.hf_json is None:
+            raise ValueError("this tokenizer is not a Hugging Face tokenizer (no hf_json)")
+        return hf_tokenizers().Tokenizer.from_str(self.hf_json)
 
     def tokenize(self, text: str, lang: str | None = None) -> list[str]:
-        """Raw text -> tokens (Moses, lowercasing and BPE where this tokenizer has them)."""
+        """Raw text -> tokens (Moses, lowercasing and BPE where this tokenizer has them; the Hugging
+        Face tokenizer's tokens, specials not added, when it has one)."""
+        if self.hf_json is not None:
+            return self.hf.encode(text, add_special_tokens=False).tokens
         if self.moses:
             text = moses_tokenize(text, lang or self.src_lang)
         if self.bpe_codes is not None:
@@ -70,11 +87,22 @@ class Tokenizer:
 
     def detokenize(self, tokens: list[str], moses: bool = True, lang: str | None = None) -> str:
         """Tokens -> text: BPE removed (``@@ ``), then Moses-detokenised when ``moses`` and this
-        tokenizer has Moses; otherwise the tokenised text."""
+        tokenizer has Moses; otherwise the tokenised text. A Hugging Face tokenizer's decoder gives the
+        raw text back (byte-level BPE: byte for byte) unless ``moses`` is False."""
+        if self.hf_json is not None and moses and self.hf.decoder is not None:
+            return self.hf.decoder.decode(tokens)
         text = " ".join(tokens)
         if self.bpe_codes is not None:
             text = remove_bpe(text)
         return moses_detokenize(text, lang or self.tgt_lang) if moses and self.moses else text
+
+
+def hf_tokenizers():
+    """The ``tokenizers`` package (Hugging Face), or an ImportError that says how to install it."""
+    try:
+        return importlib.import_module("tokenizers")
+    except ImportError as err:
+        raise ImportError("byte-level BPE vocabularies need Hugging Face tokenizers: pip install tokenizers") from err
 
 
 @dataclass(frozen=True)
@@ -156,6 +184,8 @@ class Vocab:
         if entry is None:
             raise ValueError(f"the shard set {root} has no vocabulary in its _info.json: {reprepare_hint(root, info)}")
         path = Path(root) / entry["file"]
+        if entry["format"] == "hf":
+            return cls.from_hf_json(_read_text(path), dict(entry["special_ids"]), expected_size=entry["size"])
         tokens = load_dictionary(path) if entry["format"] == "dict" else load_vocab(path)
         if len(tokens) != entry["size"]:
             raise ValueError(
@@ -167,6 +197,20 @@ class Vocab:
         codes = (Path(root) / bpe_file).read_text(encoding="utf-8") if bpe_file else None
         return cls(tuple(tokens), dict(entry["special_ids"]), Tokenizer(bpe_codes=codes, **settings))
 
+    @classmethod
+    def from_hf_json(cls, hf_json: str, special_ids: dict[str, int], expected_size: int | None = None) -> Vocab:
+        """The vocabulary of a Hugging Face tokenizer (the text of its ``tokenizer.json``): its tokens by
+        id, added tokens included; an error if its ids have a gap or (``expected_size``) its size differs."""
+        tokenizer = Tokenizer(hf_json=hf_json)
+        size = tokenizer.hf.get_vocab_size(with_added_tokens=True)
+        tokens = [tokenizer.hf.id_to_token(i) for i in range(size)]
+        gaps = [i for i, tok in enumerate(tokens) if tok is None]
+        if gaps:
+            raise ValueError(f"the tokenizer's ids are not consecutive: no token has id {gaps[:5]}")
+        if expected_size is not None and size != expected_size:
+            raise ValueError(f"the tokenizer has {size} tokens, _info.json says {expected_size}")
+        return cls(tuple(tokens), special_ids, tokenizer)
+
 
 def vocab_entry(
     file: str,
@@ -175,13 +219,16 @@ def vocab_entry(
     tokenizer: Tokenizer = Tokenizer(),
     bpe_file: str | None = None,
     bpe_merges: int | None = None,
+    special_ids: dict[str, int] | None = None,
 ) -> dict:
     """The ``vocab`` entry of ``_info.json``: the vocabulary file and its format, its size, the special
-    ids and the tokenizer settings (the BPE codes by file name and merge count)."""
-    settings = {k: v for k, v in asdict(tokenizer).items() if k != "bpe_codes"}
+    ids (fairseq's by default) and the tokenizer settings (the BPE codes by file name and merge count;
+    a Hugging Face tokenizer is the file itself)."""
+    settings = {k: v for k, v in asdict(tokenizer).items() if k not in ("bpe_codes", "hf_json")}
     if bpe_file is not None:
         settings.update(bpe_file=bpe_file, bpe_merges=bpe_merges)
-    return {"file": file, "format": fmt, "size": size, "special_ids": dict(SPECIAL_IDS), "tokenizer": settings}
+    ids = dict(SPECIAL_IDS if special_ids is None else special_ids)
+    return {"file": file, "format": fmt, "size": size, "special_ids": ids, "tokenizer": settings}
 
 
 def reprepare_hint(root: str | Path, info: dict) -> str:

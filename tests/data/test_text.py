@@ -1,0 +1,329 @@
+"""``mmlight prepare text`` (mmlight/data/prepare/text.py) on fixtures of every raw format, damaged ones
+included: token ids against ``tokenizers`` encoding the same text directly, the split against the hash
+rule computed here, the bad inputs counted and named, determinism (tokenizer bytes, 1 vs 2 workers),
+resumption, streaming through the WikiText DataModule on two ranks, and decoding from a checkpoint
+with the data folder deleted."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+from pydoc_data.topics import topics
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import zstandard
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from mmlight.commands.prepare import main
+from mmlight.data import WikiTextDataModule
+from mmlight.data.prepare import text
+from mmlight.data.shards import read_info
+from mmlight.data.text import read_stream
+from mmlight.data.vocab import Vocab
+from mmlight.tasks import LanguageModel
+from tests.helpers.models import tiny_transformer
+
+VOCAB = 300
+VALID = 0.25
+#: documents: real English from pydoc_data, cut short to keep tokenising fast
+DOCS = [topics[name][:600] for name in sorted(topics)[:44]]
+
+
+def jsonl(texts) -> bytes:
+    return b"".join(json.dumps({"text": t, "meta": 1}).encode() + b"\n" for t in texts)
+
+
+def write_raw(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """Every raw format with damage; returns the readable documents in source order and the bad
+    inputs ``(place relative to root, start of the reason)`` in the order they are reported."""
+    root.mkdir(parents=True)
+    d = iter(DOCS)
+    take = lambda n: [next(d) for _ in range(n)]  # noqa: E731
+    docs, bad = [], []
+    # sorted order: a.txt, b.jsonl, bad.txt, broken.parquet, c.jsonl.gz, d.jsonl.zst, e.parquet, empty.txt,
+    # nocol.parquet, notes.md, sub/f.txt.gz, truncated.jsonl.gz
+    (a,) = take(1)
+    (root / "a.txt").write_text(a, encoding="utf-8")
+    b = take(6)
+    lines = [*jsonl(b[:2]).splitlines(keepends=True), b'{"text": "unterminated\n', b"\n"]
+    lines += [*jsonl(b[2:4]).splitlines(keepends=True), b'{"text": "caf\xe9"}\n', b'{"other": "x"}\n']
+    lines += [b'{"text": 7}\n', b'["text"]\n', jsonl(["   \n"]), *jsonl(b[4:]).splitlines(keepends=True)]
+    (root / "b.jsonl").write_bytes(b"".join(lines))
+    docs += [a, *b]
+    bad += [("b.jsonl:3", "malformed JSON"), ("b.jsonl:4", "blank line"), ("b.jsonl:7", "not valid UTF-8")]
+    bad += [("b.jsonl:8", "no 'text' field"), ("b.jsonl:9", "'text' is int"), ("b.jsonl:10", "not a JSON object")]
+    bad += [("b.jsonl:11", "empty document")]
+    (root / "bad.txt").write_bytes(b"valid start \xff\xfe then not")
+    bad.append(("bad.txt", "not valid UTF-8"))
+    (root / "broken.parquet").write_bytes(b"PAR1 this is no parquet file")
+    bad.append(("broken.parquet", "unreadable parquet file"))
+    c = take(5)
+    (root / "c.jsonl.gz").write_bytes(gzip.compress(jsonl(c), mtime=0))
+    d_ = take(5)
+    (root / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(d_)))
+    docs += [*c, *d_]
+    e = take(8)
+    table = pa.table({"id": list(range(10)), "text": [e[0], None, *e[1:4], "", *e[4:]]})
+    pq.write_table(table, root / "e.parquet", row_group_size=4)  # row groups of rows 0-3, 4-7, 8-9
+    docs += e
+    bad += [("e.parquet:1", "null text"), ("e.parquet:5", "empty document")]
+    (root / "empty.txt").write_text("\n \n", encoding="utf-8")
+    bad.append(("empty.txt", "empty document"))
+    pq.write_table(pa.table({"content": ["no text column"]}), root / "nocol.parquet")
+    bad.append(("nocol.parquet", "no column 'text'"))
+    (root / "notes.md").write_text("not a source", encoding="utf-8")
+    bad.append(("notes.md", "not a text source"))
+    (sub,) = take(1)
+    (root / "sub").mkdir()
+    (root / "sub" / "f.txt.gz").write_bytes(gzip.compress(sub.encode(), mtime=0))
+    docs.append(sub)
+    t = take(3)
+    damaged = gzip.compress(jsonl(t), mtime=0) + gzip.compress(jsonl(["lost"]), mtime=0)[:14]
+    (root / "truncated.jsonl.gz").write_bytes(damaged)
+    docs += t
+    bad.append(("truncated.jsonl.gz:4", "unreadable from here on"))
+    # reported order: files that are not sources, then parquet files skipped at planning, then the rest
+    order = ["notes.md", "broken.parquet", "nocol.parquet"]
+    bad.sort(key=lambda x: order.index(x[0]) if x[0] in order else len(order))
+    return docs, bad
+
+
+def valid_by_hash(doc: str) -> bool:
+    """The documented rule, computed here: BLAKE2b-64 of the UTF-8 text, big-endian, below fraction * 2**64."""
+    value = int(hashlib.blake2b(doc.encode("utf-8"), digest_size=8).hexdigest(), 16)
+    return value < VALID * 2**64
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    docs, bad = write_raw(root / "raw")
+    options = {"workers": 1, "vocab_size": VOCAB, "valid_fraction": VALID, "chunk_tokens": 500}
+    info = text.prepare([root / "raw"], root / "out", **options)
+    return root, docs, bad, info
+
+
+def expected_streams(tokenizer_file: Path, docs: list[str], eos: int) -> dict[str, list[int]]:
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    streams = {"train": [], "valid": []}
+    for doc in docs:
+        ids = tokenizer.encode(doc, add_special_tokens=False).ids
+        streams["valid" if valid_by_hash(doc) else "train"] += ids + [eos]
+    return streams
+
+
+def test_ids_equal_tokenizers_on_the_same_text_split_by_hash(prepared):
+    root, docs, _, info = prepared
+    out = root / "out"
+    streams = expected_streams(out / "tokenizer.json", docs, eos=2)
+    assert 0 < len(streams["valid"]) < len(streams["train"])  # both splits hold documents
+    for split, expected in streams.items():
+        assert read_stream(out, info, split).tolist() == expected
+        assert info["splits"][split]["num_tokens"] == len(expected)
+        assert info["splits"][split]["num_documents"] == sum((split == "valid") == valid_by_hash(d) for d in docs)
+    assert info["num_documents"] == len(docs)
+    with tarfile.open(out / "train-000000.tar") as tar:  # stored as uint16: 300 tokens fit
+        member = next(m for m in tar if m.name.endswith(".ids.npy"))
+        assert np.load(io.BytesIO(tar.extractfile(member).read())).dtype == np.uint16
+
+
+def test_bad_inputs_are_counted_and_named(prepared):
+    root, _, bad, info = prepared
+    raw = str(root / "raw") + "/"
+    places = [s["path"].removeprefix(raw) for s in info["skipped"]]
+    assert places == [where for where, _ in bad]
+    for s, (_, reason) in zip(info["skipped"], bad):
+        assert s["reason"].startswith(reason), (s, reason)
+    assert info["num_skipped"] == len(bad) == 15
+
+
+def test_the_trained_tokenizer_is_byte_level_with_the_specials_first(prepared):
+    root, docs, _, info = prepared
+    tokenizer = Tokenizer.from_file(str(root / "out" / "tokenizer.json"))
+    assert [tokenizer.id_to_token(i) for i in range(4)] == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert tokenizer.get_vocab_size() == VOCAB == info["vocab"]["size"]
+    assert info["vocab"]["special_ids"] == {"bos": 0, "pad": 1, "eos": 2, "unk": 3}
+    odd = "naïve – ∑ 🙂 \x00 tab\tend"  # never seen in training: bytes still round-trip
+    assert tokenizer.decode(tokenizer.encode(odd).ids) == odd
+
+
+def test_same_input_same_tokenizer_and_shards_with_1_or_2_workers(prepared, tmp_path):
+    root, _, _, info = prepared
+    again = text.prepare([root / "raw"], tmp_path, workers=2, vocab_size=VOCAB, valid_fraction=VALID, chunk_tokens=500)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (root / "out" / "tokenizer.json").read_bytes()
+    assert again == info  # shard names, sample counts and SHA-256 included
+    for shard in info["splits"]["train"]["shards"]:
+        assert (tmp_path / shard["name"]).read_bytes() == (root / "out" / shard["name"]).read_bytes()
+
+
+def test_an_interrupted_run_resumes_to_the_same_result(prepared, tmp_path, monkeypatch):
+    root, _, _, info = prepared
+    done = []
+    real = text.tokenize_unit
+
+    def interrupted(job):
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append(job.name)
+        return real(job)
+
+    monkeypatch.setattr(text, "tokenize_unit", interrupted)
+    options = {"workers": 1, "vocab_size": VOCAB, "valid_fraction": VALID, "chunk_tokens": 500}
+    with pytest.raises(KeyboardInterrupt):
+        text.prepare([root / "raw"], tmp_path, **options)
+    assert not (tmp_path / "_info.json").exists()
+    finished = {p: p.stat().st_mtime_ns for p in (tmp_path / "_work").glob("*.npy")}
+    assert len(finished) == 2 * 3
+    monkeypatch.setattr(text, "tokenize_unit", real)
+    assert text.prepare([root / "raw"], tmp_path, **options) == info
+    assert (tmp_path / "_info.json").read_bytes() == (root / "out" / "_info.json").read_bytes()
+    assert all(p.stat().st_mtime_ns == t for p, t in finished.items())  # the finished units were reused
+
+
+def test_a_changed_source_is_refused_rather_than_mixed(prepared, tmp_path):
+    root, _, _, _ = prepared
+    raw = tmp_path / "raw"
+    shutil.copytree(root / "raw", raw)
+    text.prepare([raw / "a.txt"], tmp_path / "out", vocab_size=VOCAB, valid_fraction=VALID)
+    (raw / "a.txt").write_text(DOCS[-1], encoding="utf-8")
+    with pytest.raises(ValueError, match="another tokenizer than this one: prepare into an empty --out folder"):
+        text.prepare([raw / "a.txt"], tmp_path / "out", vocab_size=VOCAB, valid_fraction=VALID)
+
+
+def scored(batches) -> list[tuple[int, int]]:
+    pairs = []
+    for batch in batches:
+        for start, target, mask in zip(batch["start"], batch["target"], batch["loss_mask"]):
+            pairs += [(int(start) + int(t), int(target[t])) for t in torch.nonzero(mask).flatten()]
+    return pairs
+
+
+def test_streams_ddp_exact_through_the_wikitext_datamodule(prepared):
+    root, _, _, info = prepared
+    out = str(root / "out")
+    steps, pairs = [], []
+    for rank in (0, 1):
+        dm = WikiTextDataModule(out, block_size=16, batch_size=2, num_workers=0, eval_context=4, val_split="valid")
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        assert dm.vocab_size == VOCAB
+        batches = list(dm.train_dataloader())
+        steps.append(len(batches))
+        assert all(b["input"].shape == (2, 16) and int(b["input"].max()) < VOCAB for b in batches)
+        pairs += scored(dm.eval_dataset("valid"))
+    assert steps[0] == steps[1] == info["splits"]["train"]["num_tokens"] // (16 * 2 * 2)
+    stream = read_stream(out, info, "valid").tolist()
+    assert sorted(pairs) == list(enumerate(stream))  # every validation token scored once over both ranks
+
+
+def test_a_checkpoint_decodes_with_the_data_folder_deleted(prepared, tmp_path):
+    root, docs, _, _ = prepared
+    out = tmp_path / "data"
+    shutil.copytree(root / "out", out)
+    dm = WikiTextDataModule(str(out), block_size=8, batch_size=2, num_workers=0, val_split="valid")
+    model = LanguageModel(tiny_transformer(vocab_size=VOCAB, pad_id=1, max_positions=16), warmup_steps=1)
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False, accelerator="cpu")
+    trainer.fit(model, dm)
+    trainer.save_checkpoint(tmp_path / "lm.ckpt")
+    direct = Tokenizer.from_file(str(out / "tokenizer.json"))
+    shutil.rmtree(out)
+    loaded = LanguageModel.load_from_checkpoint(tmp_path / "lm.ckpt", map_location="cpu")
+    vocab = Vocab.from_dict(torch.load(tmp_path / "lm.ckpt", weights_only=False)["mmlight_data"]["vocab"])
+    for v in (loaded.vocab, vocab):
+        ids = v.encode(docs[0])
+        assert ids == direct.encode(docs[0], add_special_tokens=False).ids
+        assert v.decode([v.bos_id, *ids, v.eos_id]) == docs[0]  # byte for byte, the specials dropped
+    (score,) = loaded.score([docs[1][:40]], block_size=16)
+    assert score.tokens == len(direct.encode(docs[1][:40]).ids) + 1 and score.log_prob < 0
+
+
+def test_a_given_tokenizer_gets_the_missing_specials_and_large_vocabularies_uint32(prepared, tmp_path):
+    root, docs, _, _ = prepared
+    words = sorted({w for doc in docs for w in doc.split()})
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    vocab.update({f"filler{i}": len(vocab) + i for i in range(70_000 - len(vocab))})
+    given = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    given.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    given.save(str(tmp_path / "given.json"))
+    info = text.prepare(
+        [root / "raw" / "c.jsonl.gz"], tmp_path / "out", tokenizer=tmp_path / "given.json", valid_fraction=VALID
+    )
+    assert info["vocab"]["special_ids"] == {"bos": 70_000, "pad": 70_001, "eos": 70_002, "unk": 70_003}
+    assert info["vocab"]["size"] == 70_004 and info["dtype"] == "uint32"
+    lines = gzip.decompress((root / "raw" / "c.jsonl.gz").read_bytes()).decode().splitlines()
+    for split in ("train", "valid"):
+        texts = [t for t in (json.loads(line)["text"] for line in lines) if (split == "valid") == valid_by_hash(t)]
+        expected = [i for t in texts for i in [vocab[w] for w in t.split()] + [70_002]]
+        assert read_stream(tmp_path / "out", info, split).tolist() == expected
+    assert Vocab.from_shards(tmp_path / "out", read_info(tmp_path / "out")).decode([vocab[words[0]]]) == words[0]
+
+
+def test_bad_options_and_missing_sources_stop_before_work(tmp_path):
+    (tmp_path / "a.txt").write_text("some text", encoding="utf-8")
+    (tmp_path / "x.csv").write_text("a,b", encoding="utf-8")
+    cases = [
+        ({"src": [tmp_path / "nope"]}, FileNotFoundError, "does not exist"),
+        ({"src": [tmp_path / "x.csv"]}, ValueError, "is not a text source"),
+        ({"src": [tmp_path], "valid_fraction": 1.0}, ValueError, r"--valid-fraction must be in \[0, 1\)"),
+        ({"src": [tmp_path], "vocab_size": 100}, ValueError, "--vocab-size must be at least 260"),
+        ({"src": [tmp_path], "tokenizer": tmp_path / "none.json"}, FileNotFoundError, "--tokenizer .* is not a file"),
+        ({"src": [tmp_path / "x.csv", tmp_path / "a.txt"]}, ValueError, "x.csv is not a text source"),
+    ]
+    for options, error, message in cases:
+        with pytest.raises(error, match=message):
+            text.prepare(out=tmp_path / "out", **options)
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "empty.txt").write_text(" ", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"no readable document .* \(1 inputs skipped"):
+        text.prepare([tmp_path / "only"], tmp_path / "out2", vocab_size=VOCAB)
+
+
+def test_a_missing_optional_package_is_named(tmp_path, monkeypatch):
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "a.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"\.parquet files need the pyarrow package: pip install pyarrow"):
+        text.prepare([tmp_path], tmp_path / "out")
+
+
+def test_command_line(prepared, tmp_path, capsys):
+    root, _, bad, _ = prepared
+    with pytest.raises(SystemExit) as exit_info:
+        main(["text", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for option in ("--src", "--vocab-size", "--tokenizer", "--valid-fraction", "--text-column", "--workers"):
+        assert option in help_text
+    main(["text", "--src", str(root / "raw" / "a.txt"), str(root / "raw"), "--out", str(tmp_path), "--vocab-size",
+          str(VOCAB), "--valid-fraction", str(VALID), "--workers", "1"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"{len(bad)} bad inputs skipped, named in _info.json" in printed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["text", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_trainer_settings_are_deterministic_across_fresh_tokenizers():
+    """The trainer alone, twice on the same batches: the same JSON (what the preparation relies on)."""
+    texts = [[d] for d in DOCS]
+    first = text.train_tokenizer(iter(texts), 280)
+    assert text.train_tokenizer(iter(texts), 280) == first
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=280,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    reference.train_from_iterator(DOCS, trainer)
+    assert Tokenizer.from_str(first).get_vocab() == reference.get_vocab()
