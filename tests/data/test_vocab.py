@@ -277,3 +277,34 @@ def test_encode_and_decode_pass_the_language_on():
         assert side.encode("l'homme,") == [4, 5, 8] and side.encode("l'homme,", "en") == [6, 7, 8]
         assert side.decode([4, 5, 8]) == "l' homme," and side.decode([4, 5, 8], lang="fr") == "l'homme,"
         assert side.decode([4, 5, 8], False) == "l&apos; homme ,"
+
+
+def word_level(vocab: dict[str, int]) -> str:
+    """A Hugging Face word-level tokenizer (whitespace split) over ``vocab``, as JSON text."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    tokenizer = HF(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer.to_str()
+
+
+def test_a_hugging_face_vocabulary_encodes_decodes_and_travels_as_plain_types():
+    hf_json = word_level({tok: i for i, tok in enumerate(SPECIALS + WORDS)})
+    vocab = Vocab.from_hf_json(hf_json, dict(SPECIAL_IDS), expected_size=9)
+    assert vocab.tokens == SPECIALS + WORDS
+    assert vocab.encode("the dog  sees a zebra") == [4, 5, 6, 7, vocab.unk_id]
+    # no decoder in this tokenizer: tokens joined by spaces, the specials but <unk> dropped, as for the others
+    assert vocab.decode([vocab.bos_id, 4, 5, vocab.unk_id, vocab.eos_id]) == "the dog <unk>"
+    data = vocab.to_dict()
+    assert json.loads(json.dumps(data)) == data and data["tokenizer"]["hf_json"] == hf_json
+    assert Vocab.from_dict(data) == vocab and Vocab.from_dict(data).encode("a cat") == [7, 8]
+    entry = vocab_entry("tokenizer.json", "hf", 9, vocab.tokenizer, special_ids={**SPECIAL_IDS, "pad": 5})
+    assert "hf_json" not in entry["tokenizer"] and entry["special_ids"]["pad"] == 5  # the file holds it
+
+
+def test_a_hugging_face_vocabulary_with_a_gap_or_another_size_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"ids are not consecutive: no token has id \[4\]"):
+        Vocab.from_hf_json(word_level({**{t: i for i, t in enumerate(SPECIALS)}, "x": 5}), dict(SPECIAL_IDS))
+    with pytest.raises(ValueError, match="has 9 tokens, _info.json says 10"):
+        Vocab.from_hf_json(word_level({t: i for i, t in enumerate(SPECIALS + WORDS)}), dict(SPECIAL_IDS), 10)

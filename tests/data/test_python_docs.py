@@ -1,0 +1,68 @@
+"""The Python-docs corpus (mmlight/data/prepare/python_docs.py): its documents against pydoc_data and
+docstrings written here, the folders left out, a file that does not parse named, and the shard set."""
+
+from __future__ import annotations
+
+import json
+from pydoc_data.topics import topics
+
+import pytest
+
+from mmlight.commands.prepare import main
+from mmlight.data.prepare import python_docs
+from mmlight.data.shards import read_info
+
+MODULES = {
+    "mod.py": '"""Module doc."""\n\n\nclass A:\n    """Class doc."""\n\n    def f(self):\n        """Method doc."""\n',
+    "pkg/sub.py": 'async def g():\n    """G doc."""\n',
+    "nodoc.py": "x = 1\n",
+    "bad.py": "def (:\n",
+    "test/test_x.py": '"""Left out."""\n',
+    "pkg/tests/t.py": '"""Left out."""\n',
+    "idlelib/i.py": '"""Left out."""\n',
+    "site-packages/s.py": '"""Left out."""\n',
+}
+
+
+@pytest.fixture
+def stdlib(tmp_path):
+    root = tmp_path / "stdlib"
+    for name, source in MODULES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source, encoding="utf-8")
+    return root
+
+
+def test_the_corpus_is_the_topics_then_the_module_docstrings(stdlib, tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    skipped = python_docs.write_corpus(path, stdlib)
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    expected = [{"id": f"topic:{name}", "text": topics[name]} for name in sorted(topics)]
+    expected += [
+        {"id": "module:mod", "text": "Module doc.\n\nClass doc.\n\nMethod doc."},
+        {"id": "module:pkg.sub", "text": "G doc."},
+    ]
+    assert records == expected
+    assert [(s.path, s.reason.split(":")[0]) for s in skipped] == [(str(stdlib / "bad.py"), "does not parse")]
+    before = path.stat().st_mtime_ns
+    python_docs.write_corpus(path, stdlib)  # identical: left untouched
+    assert path.stat().st_mtime_ns == before
+
+
+def test_prepare_makes_a_text_shard_set_of_it(stdlib, tmp_path):
+    out = tmp_path / "out"
+    info = python_docs.prepare(None, out, 1, stdlib=stdlib, vocab_size=300, valid_fraction=0.1)
+    assert info == read_info(out)
+    assert info["dataset"] == "python-docs" and info["python"].count(".") == 2
+    assert info["num_documents"] == len(topics) + 2
+    assert info["splits"]["train"]["num_documents"] + info["splits"]["valid"]["num_documents"] == len(topics) + 2
+    assert [s["path"] for s in info["skipped"]] == [str(stdlib / "bad.py")] and info["num_skipped"] == 1
+    assert info["vocab"]["size"] == 300 and (out / "tokenizer.json").is_file()
+
+
+def test_the_command_takes_the_text_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["python-docs", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--vocab-size" in out and "--valid-fraction" in out
