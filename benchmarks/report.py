@@ -8,7 +8,8 @@ issue's targets against what was measured, the tile sweep, the kernel switches, 
 fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (a row per op and
 shape, a column per backend, the device and versions in the heading), ``bench_loader.py``,
 ``bench_resume.py``, ``check_reproducible.py``, ``pillow_build_pixels.py``, ``attention_stats_cost.py``,
-``attention_stats_fit_time.py``, ``reweighting_step_time.py``, ``compile_report.py`` and ``compile_cpu.py``.
+``attention_stats_fit_time.py``, ``reweighting_step_time.py``, ``compile_report.py``, ``compile_cpu.py`` and
+``bench_prepare_text.py``.
 Files of one kind render as one table, side by side (the loader's runs, the step-time configs); each table
 starts with a line naming the device, the versions and the date (from the file name, ``record_name.py``'s
 pattern, where the records hold none).
@@ -708,6 +709,34 @@ def render_run(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_prepare_text(paths: list[Path]) -> str:
+    """``bench_prepare_text.py``: tokens/s on one thread of ``tokenizers`` alone and of ``mmlight prepare text``
+    on the same text, medians over rounds with the range, and each over ``encode_batch`` in the same round."""
+    return "\n".join(prepare_text_table(load(path)[0], run_date(path)) for path in paths)
+
+
+def prepare_text_table(r: dict, date: str) -> str:
+    """The table of one ``bench_prepare_text.py`` record."""
+    heading = (
+        f"{r['machine']}; Python {r['python']}, tokenizers {r['tokenizers']}, numpy {r['numpy']}; the python-docs "
+        f"corpus: {r['documents']:,} documents, {r['bytes'] / 1e6:.1f} MB, {r['tokens']:,} tokens of a "
+        f"{r['vocab_size']:,}-token byte-level BPE (trained once in {r['train_tokenizer_s']:.1f} s, not compared); "
+        f"one thread each, {len(r['rounds'])} rounds side by side; load average (1 / 5 / 15 min) {load_average(r)}; "
+        f"{date}."
+    )
+    labels = {
+        "encode_batch": "`tokenizers` `encode_batch` (documents in memory)",
+        "encode_batch_fast": "`tokenizers` `encode_batch_fast` (documents in memory)",
+        "prepare": "`mmlight prepare text --workers 1` (read, split, encode, write shards)",
+    }
+    rows = []
+    for key, label in labels.items():
+        rates = [r["tokens"] / round_[f"{key}_s"] / 1e3 for round_ in r["rounds"]]
+        ratios = [round_["encode_batch_s"] / round_[f"{key}_s"] for round_ in r["rounds"]]
+        rows.append([label, f"{statistics.median(rates):.0f} ({span(rates, 0)})", f"{statistics.median(ratios):.2f}"])
+    return headed_table(heading, ["", "k tokens/s per core (range)", "× encode_batch"], rows)
+
+
 #: Each kind of record file: how to recognise one of its records, and its renderer.
 KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "gpu_run": (lambda r: "kind" in r, lambda paths: "".join(render_run(load(path)) for path in paths)),
@@ -725,6 +754,7 @@ KINDS: dict[str, tuple[Callable[[dict], bool], Callable[[list[Path]], str]]] = {
     "reweighting_step_time": (lambda r: "median_ratio_to_softmax" in r, render_step_time),
     "compile_report": (lambda r: "kernel" in r and "capability" in r, render_compile_report),
     "compile_cpu": (lambda r: r.get("benchmark") == "compile_cpu", render_compile_cpu),
+    "prepare_text": (lambda r: r.get("benchmark") == "prepare_text", render_prepare_text),
 }
 
 

@@ -345,3 +345,21 @@ def test_the_readme_promises_the_digits_quick_starts_measured_ranges():
         assert images == pytest.approx([round(n) for n in images], abs=1e-3)  # whole images of 359
         promise = f"{100 * top1[0]:.1f}-{100 * top1[-1]:.1f}% ({round(images[0])}-{round(images[1])} of 359"
         assert promise in readme, f"README.md should promise {promise} for {config}"
+
+
+def test_the_prepare_text_table_recomputes_each_rate_and_its_ratio_to_encode_batch_from_the_seconds():
+    """bench_prepare_text.py's records: tokens over each round's seconds, the median over rounds, and each
+    over encode_batch in the same round, recomputed here; the preparation's row is its own."""
+    paths = sorted(RESULTS.glob("prepare_text-*.json"))
+    assert paths
+    for path in paths:
+        record = json.loads(path.read_text())
+        rows = markdown_rows(report([str(path.relative_to(ROOT))]))
+        names = [row[0].split("`")[1] for row in rows]
+        assert names == ["tokenizers", "tokenizers", "mmlight prepare text --workers 1"]
+        for row, key in zip(rows, ("encode_batch", "encode_batch_fast", "prepare")):
+            seconds = [r[f"{key}_s"] for r in record["rounds"]]
+            assert row[1].split(" ")[0] == f"{statistics.median(record['tokens'] / s / 1e3 for s in seconds):.0f}"
+            ratio = statistics.median(r["encode_batch_s"] / r[f"{key}_s"] for r in record["rounds"])
+            assert row[2] == f"{ratio:.2f}"
+        assert rows[2][2] == f"{record['ratio_prepare_over_encode_batch']:.2f}"
