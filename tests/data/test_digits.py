@@ -153,7 +153,8 @@ def test_prepare_command_line_options(tmp_path, capsys, monkeypatch):
     assert exit_info.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert help_text.startswith("usage: mmlight prepare [-h] [--src SRC] --out OUT [--workers WORKERS]")
-    assert "{cifar10,cifar100,digits,flowers102,food101,imagefolder,imagenet,iwslt14,wikitext103}" in help_text
+    datasets = "cifar10,cifar100,digits,flowers102,food101,imagefolder,imagenet,iwslt14,python-docs,text,wikitext103"
+    assert "{" + datasets + "}" in help_text
     assert "raw datasets to webdataset shards" in help_text
     assert (
         "--src SRC raw data folder (not needed for digits) --out OUT shard set folder to write (or verify) "
