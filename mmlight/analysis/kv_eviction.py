@@ -544,3 +544,95 @@ def check_evictable(task, skip_layers: int) -> None:
             f"--kv_skip_layers {skip_layers} leaves no layer to evict in: the decoder self-attention has "
             f"layers {layers}; pass --kv_skip_layers {max(layers)} or less"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Q-Filters calibration
+
+
+class QueryCollector(AttentionObserver):
+    """Collect the queries of every decoder self-attention call (those of counted positions), per
+    layer: :attr:`queries` layer -> list of ``(n, nh, hs)``."""
+
+    def __init__(self):
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.query_keep: torch.Tensor | None = None  # (B, T) of the current batch
+
+    def edit_mask(self, site, q, k, mask):
+        if site.kind == "decoder_self":
+            rows = q.transpose(1, 2)  # (B, Tq, nh, hs)
+            if self.query_keep is not None:
+                rows = rows[self.query_keep]
+            self.queries.setdefault(site.layer, []).append(rows.reshape(-1, q.shape[1], q.shape[3]).detach().cpu())
+        return mask
+
+
+def layer_filters(queries: dict[int, torch.Tensor], n_kv_heads: dict[int, int]) -> torch.Tensor:
+    """``(L, n_kv, hs)`` filters from each layer's queries ``(N, nh, hs)``, pooling the query heads of
+    each KV group."""
+    out = []
+    for layer in sorted(queries):
+        q = queries[layer]  # (N, nh, hs)
+        groups = q.unflatten(1, (n_kv_heads[layer], -1))  # (N, n_kv, group, hs)
+        out.append(torch.stack([qfilters(groups[:, g].reshape(-1, q.shape[-1])) for g in range(groups.shape[1])]))
+    return torch.stack(out)
+
+
+def calibrate_qfilters(task, batches: list) -> dict:
+    """Q-filters of ``task``'s decoder self-attention from teacher-forced ``batches`` (the queries as
+    the attention receives them, i.e. after rotary positions where there are any), and their stability:
+    the cosine between the filters of the first and second half of the batches (disjoint sequences).
+
+    Returns:
+        ``{"filters": (L, n_kv, hs), "cosine": (L, n_kv), "num_sequences": N}``.
+    """
+    from mmlight.analysis.batches import batch_size, map_batch
+    from mmlight.nn.attention import observe_attention
+
+    n = sum(batch_size(b) for b in batches)
+    if n < 2:
+        raise ValueError(f"Q-filter calibration needs at least 2 sequences (two disjoint halves), got {n}")
+    network = network_of(task)
+    kv_heads = {
+        s.layer: attention_parts(m)["n_kv_heads"]
+        for s in network.attention_sites().values()
+        for m in network.modules()
+        if s.kind == "decoder_self" and getattr(m, "reweight", None) is s.module
+    }
+    halves = []
+    was_training = network.training
+    network.eval()
+    try:
+        for part in split_samples(batches, n // 2):
+            collector = QueryCollector()
+            with torch.no_grad(), observe_attention(task, collector):
+                for batch in part:
+                    batch = map_batch(batch, lambda t: t.to(task.device))
+                    collector.query_keep = task.query_keep(batch).get("decoder")
+                    task.teacher_forced(batch)
+            halves.append({layer: torch.cat(q) for layer, q in collector.queries.items()})
+    finally:
+        network.train(was_training)
+    first, second = layer_filters(halves[0], kv_heads), layer_filters(halves[1], kv_heads)
+    both = layer_filters({layer: torch.cat([halves[0][layer], halves[1][layer]]) for layer in halves[0]}, kv_heads)
+    return {
+        "filters": both.float(),
+        "cosine": (first * second).sum(-1),
+        "num_sequences": n,
+    }
+
+
+def split_samples(batches: list, n: int) -> tuple[list, list]:
+    """``batches`` cut into the batches of the first ``n`` samples and those of the rest."""
+    from mmlight.analysis.batches import batch_size, map_batch
+
+    first, rest, seen = [], [], 0
+    for batch in batches:
+        size = batch_size(batch)
+        cut = min(max(n - seen, 0), size)
+        if cut:
+            first.append(map_batch(batch, lambda t, cut=cut: t[:cut]))
+        if cut < size:
+            rest.append(map_batch(batch, lambda t, cut=cut: t[cut:]))
+        seen += size
+    return first, rest
