@@ -189,7 +189,8 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     state["hyper_parameters"]["accuracy"] = False
     torch.save(state, ckpt)
     out = tmp_path / "runs"  # a folder that exists already: analyze writes into it
-    analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1", overrides=data)
+    options = ("--num_samples", "16", "--robustness", "--kv_skip_layers", "1", "--kv_methods", "l2", "streaming")
+    analyze(config, [ckpt], out, *options, overrides=data)
     robust = read_csv(out / "robustness.csv")
     ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
     assert all(r["metric"] == "ppl" for r in robust)
@@ -250,6 +251,9 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
         "--robustness",
         "--kv_skip_layers",
         "0",
+        "--kv_methods",
+        "l2",
+        "streaming",
         overrides=data,
     )
     rows = read_csv(out / "stats.csv")
