@@ -22,10 +22,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
-from mmlight.analysis.robustness import KEEP_RATIOS, robustness_rows, robustness_runs
+from mmlight.analysis.kv_eviction import METHODS, calibrate_qfilters, compression_ratio
+from mmlight.analysis.robustness import KEEP_RATIOS, KV_METHODS, robustness_rows, robustness_runs
 from mmlight.analysis.stats import (
     GATE_METRICS,
     HEAD_METRICS,
@@ -75,6 +77,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help=f"KV eviction: the keep ratios, each in (0, 1] (default {' '.join(f'{r:g}' for r in KEEP_RATIOS)})",
     )
     parser.add_argument(
+        "--kv_methods",
+        nargs="+",
+        choices=list(METHODS),
+        default=list(KV_METHODS),
+        metavar="M",
+        help=f"KV eviction methods, of {', '.join(METHODS)} (default {' '.join(KV_METHODS)}; qfilters needs "
+        "--kv_calibrate, now or in an earlier run)",
+    )
+    parser.add_argument(
+        "--kv_calibrate",
+        action="store_true",
+        help="compute Q-filters from the --num_samples sequences of the split and save them beside each "
+        "checkpoint (CKPT.qfilters.pt), with their stability over two disjoint halves (qfilters.json)",
+    )
+    parser.add_argument(
         "--query_patch",
         type=int,
         default=None,
@@ -91,6 +108,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--config CONFIG is required (the config the checkpoints were trained with)")
     if args.num_samples < 1:
         parser.error(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.kv_calibrate and args.num_samples < 2:
+        parser.error(f"--kv_calibrate needs --num_samples >= 2 (two disjoint halves), got {args.num_samples}")
     if args.kv_skip_layers < 0:
         parser.error(f"--kv_skip_layers must be >= 0, got {args.kv_skip_layers}")
     if not all(0.0 < r <= 1.0 for r in args.keep_ratios):
@@ -198,18 +217,33 @@ def analyze(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(sink_eps=args.sink_eps)
     vocab = vocabulary(cli.datamodule)
-    runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios)) if args.robustness else 0
+    calibration = {}
+    if args.kv_calibrate:
+        for label, task, path in zip(labels, tasks, args.ckpt_path):
+            calibration[label] = calibrated(task, batches, Path(path))
+    options = [kv_options(args.kv_methods, path) for path in args.ckpt_path]
+    runs = 0
+    if args.robustness:
+        runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios, args.kv_methods, options[0]))
     total = len(tasks) * (args.num_samples + runs)
     results, robustness, example_files = {}, [], []
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
-        for label, task in zip(labels, tasks):
+        for label, task, kv in zip(labels, tasks, options):
             bar.set_postfix_str(label)
             task.to(trainer.strategy.root_device)
             results[label] = collect_statistics(task, batches, settings, progress=bar.update)
             example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
             if args.robustness:
                 rows = robustness_rows(
-                    trainer, task, cli.datamodule, args.split, args.kv_skip_layers, bar.update, args.keep_ratios
+                    trainer,
+                    task,
+                    cli.datamodule,
+                    args.split,
+                    args.kv_skip_layers,
+                    bar.update,
+                    args.keep_ratios,
+                    args.kv_methods,
+                    kv,
                 )
                 robustness += [(label, *row) for row in rows]
             task.cpu()
@@ -220,9 +254,13 @@ def analyze(argv: list[str]) -> None:
         "settings": asdict(settings),
         "kv_skip_layers": args.kv_skip_layers,
         "keep_ratios": args.keep_ratios,
+        "compression_ratios": [compression_ratio(r) for r in args.keep_ratios],
+        "kv_methods": args.kv_methods,
         "checkpoints": dict(zip(labels, args.ckpt_path)),
     }
     write_stats(out, results, meta)
+    if calibration:
+        (out / "qfilters.json").write_text(json.dumps(calibration, indent=1) + "\n")
     written = figures.comparisons(results, out) + example_files
     if robustness:
         write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
@@ -254,7 +292,53 @@ def checked_inputs(args: argparse.Namespace, rest: list[str]):
     except ValueError as err:
         raise AnalyzeError(str(err)) from err
     check_query_patch(args.query_patch, tasks[0].example_inputs(batches[0]).patch_grid)
+    check_kv_options(args, tasks[0], paths)
     return cli, run_labels(paths), tasks, batches
+
+
+def filters_path(checkpoint: Path) -> Path:
+    """Where ``--kv_calibrate`` saves a checkpoint's Q-filters: beside it, ``CKPT.qfilters.pt``."""
+    return Path(f"{checkpoint}.qfilters.pt")
+
+
+def kv_options(methods: list[str], checkpoint) -> dict:
+    """The eviction methods' options for ``checkpoint``: its Q-filters ``(L, n_kv, hs)``, saved beside
+    it, when ``qfilters`` is one of ``methods``."""
+    if "qfilters" not in methods:
+        return {}
+    saved = torch.load(filters_path(Path(checkpoint)), map_location="cpu", weights_only=True)
+    return {"qfilters": {"filters": saved["filters"]}}
+
+
+def calibrated(task, batches: list, checkpoint: Path) -> dict:
+    """Calibrate ``task``'s Q-filters on ``batches``, save them beside ``checkpoint`` and return the
+    stability summary (the cosine between the two halves' filters, per layer and KV head)."""
+    result = calibrate_qfilters(task, batches)
+    torch.save(result, filters_path(checkpoint))
+    cosine = result["cosine"]
+    return {
+        "file": str(filters_path(checkpoint)),
+        "num_sequences": result["num_sequences"],
+        "halves": "the first and the second half of the sequences (disjoint)",
+        "cosine": cosine.tolist(),
+        "cosine_mean": float(cosine.mean()),
+        "cosine_min": float(cosine.min()),
+    }
+
+
+def check_kv_options(args: argparse.Namespace, task, paths: list[Path]) -> None:
+    """Refuse, before any work, a KV eviction that would change nothing (``--kv_skip_layers`` past the
+    last decoder layer) or ``qfilters`` without filters beside a checkpoint."""
+    if not args.robustness or "kv_eviction" not in task.interventions:
+        return
+    try:
+        robustness_runs(task, args.kv_skip_layers, args.keep_ratios, [m for m in args.kv_methods if m != "qfilters"])
+    except ValueError as err:
+        raise AnalyzeError(str(err)) from err
+    if "qfilters" in args.kv_methods and not args.kv_calibrate:
+        missing = [str(filters_path(p)) for p in paths if not filters_path(p).is_file()]
+        if missing:
+            raise AnalyzeError(f"--kv_methods qfilters needs {missing[0]}: add --kv_calibrate (now or earlier)")
 
 
 def check_query_patch(query_patch: int | None, grid: tuple[int, int] | None) -> None:

@@ -76,6 +76,12 @@ class AttentionObserver:
             keep: the bool mask used (broadcastable to ``weights``), or None = every key.
         """
 
+    @contextmanager
+    def attached(self, network: torch.nn.Module) -> Iterator[None]:
+        """A context around the observation of ``network`` (:func:`observe_attention` enters it), for an
+        observer that hooks the network itself (default: none)."""
+        yield
+
 
 class RecordedAttention(NamedTuple):
     """One attention call seen by :func:`record_attention`: ``weights`` ``(B, nh, Tq, Tk)`` and the
@@ -140,12 +146,14 @@ def observe_attention(model: torch.nn.Module, observer: AttentionObserver) -> It
         model: a model with ``attention_sites()``, or a task holding one as ``.model``.
         observer: sees each call's mask (and may narrow it) and weights.
     """
-    sites = {id(site.module): site for site in network_of(model).attention_sites().values()}
-    token = _OBSERVED.set((sites, observer))
-    try:
-        yield observer
-    finally:
-        _OBSERVED.reset(token)
+    network = network_of(model)
+    sites = {id(site.module): site for site in network.attention_sites().values()}
+    with observer.attached(network):
+        token = _OBSERVED.set((sites, observer))
+        try:
+            yield observer
+        finally:
+            _OBSERVED.reset(token)
 
 
 @contextmanager

@@ -189,7 +189,8 @@ def test_language_model_eviction_at_ratio_1_reproduces_validate(tmp_path):
     state["hyper_parameters"]["accuracy"] = False
     torch.save(state, ckpt)
     out = tmp_path / "runs"  # a folder that exists already: analyze writes into it
-    analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1", overrides=data)
+    options = ("--num_samples", "16", "--robustness", "--kv_skip_layers", "1", "--kv_methods", "l2", "streaming")
+    analyze(config, [ckpt], out, *options, overrides=data)
     robust = read_csv(out / "robustness.csv")
     ppl = {(r["intervention"], float(r["level"])): float(r["value"]) for r in robust}
     assert all(r["metric"] == "ppl" for r in robust)
@@ -250,6 +251,9 @@ def test_translation_with_cross_attention_and_bleu_under_sink_masking(tmp_path, 
         "--robustness",
         "--kv_skip_layers",
         "0",
+        "--kv_methods",
+        "l2",
+        "streaming",
         overrides=data,
     )
     rows = read_csv(out / "stats.csv")
@@ -389,6 +393,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw(*args))
     out = tmp_path / "analyses" / "recall"  # under a folder that does not exist yet
     options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
+    options += ("--kv_calibrate", "--kv_methods", "l2", "streaming", "qfilters")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         analyze(config, [first, second], out, *options, "--sink_eps", "1.1", overrides=data)
@@ -434,9 +439,28 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     assert list(robust[0]) == ["checkpoint", "intervention", "level", "metric", "value"]
     levels = {(r["intervention"], r["level"]) for r in robust}
     assert levels == {("none", "0"), ("sink_masking", "1"), ("sink_masking", "5"), ("sink_masking", "10")} | {
-        (kind, ratio) for kind in ("kv_l2", "kv_streaming") for ratio in ("1.0", "0.5")
+        (kind, ratio) for kind in ("kv_l2", "kv_streaming", "kv_qfilters") for ratio in ("1.0", "0.5")
     }
-    assert [r["checkpoint"] for r in robust] == ["lm_softmax"] * 8 + ["lm_seed1"] * 8
+    assert [r["checkpoint"] for r in robust] == ["lm_softmax"] * 10 + ["lm_seed1"] * 10
+    assert stats["compression_ratios"] == [0.0, 0.5] and stats["kv_methods"] == ["l2", "streaming", "qfilters"]
+    # the Q-filters beside each checkpoint: layer 1's, recomputed here from the 6 sequences' queries
+    calibration = json.loads((out / "qfilters.json").read_text())
+    for label, ckpt in (("lm_softmax", first), ("lm_seed1", second)):
+        saved = torch.load(f"{ckpt}.qfilters.pt", weights_only=True)
+        assert calibration[label]["num_sequences"] == saved["num_sequences"] == 6
+        assert saved["filters"].shape == (2, 2, 32) and -1 <= calibration[label]["cosine_min"] <= 1
+        task = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu").eval()
+        net = task.model.decoder.layers[1].self_attn
+        with torch.no_grad():
+            hidden = {}
+            handle = net.register_forward_pre_hook(lambda m, a: hidden.setdefault("x", a[0]))
+            task.teacher_forced(batch)
+            handle.remove()
+        q = net.q_proj(hidden["x"]).detach().view(6, -1, 2, 32)[batch["input"] != task.config.pad_id]  # (N, nh, hs)
+        for h in range(2):
+            f = saved["filters"][1, h].double()
+            _, _, vh = torch.linalg.svd(q[:, h].double(), full_matrices=False)
+            assert torch.allclose(f.abs(), vh[0].abs(), atol=1e-5) and (q[:, h].double() @ f).mean() > 0
     assert {r["metric"] for r in robust} == {"acc"}
 
     summary = (out / "summary.md").read_text()
@@ -451,7 +475,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     ]
     captured = capsys.readouterr()
     assert f"mmlight analyze: 2 checkpoint(s), 6 val samples -> {out}/summary.md" in captured.out
-    total = 2 * (6 + 8)  # per checkpoint: its samples, then one validation run per robustness row
+    total = 2 * (6 + 10)  # per checkpoint: its samples, then one validation run per robustness row
     assert "mmlight analyze: 100%" in captured.err and f"{total}/{total} " in captured.err
     assert "sample/s, lm_softmax]" in captured.err and "sample/s, lm_seed1]" in captured.err  # the run in progress
 

@@ -89,8 +89,8 @@ def test_budget_has_no_float_noise():
 def test_bad_eviction_arguments():
     with pytest.raises(ValueError, match="keep ratio"):
         KVEviction(0.0)
-    with pytest.raises(ValueError, match="method"):
-        KVEviction(0.5, "random")
+    with pytest.raises(ValueError, match="unknown KV eviction method 'lru'; known: l2, streaming"):
+        KVEviction(0.5, "lru")
 
 
 def test_sink_masking_masks_a_hand_built_sink():
@@ -158,7 +158,7 @@ class StandInTrainer:
 def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     """LM: the plain run, sink masking at 1, 5, 10, then l2 and streaming eviction at every ratio, each
     evaluated once under its own observer (none afterwards); rows carry the task metric of that run."""
-    from mmlight.analysis.robustness import KEEP_RATIOS, SINK_LEVELS, robustness_rows, robustness_runs
+    from mmlight.analysis.robustness import KEEP_RATIOS, KV_METHODS, SINK_LEVELS, robustness_rows, robustness_runs
     from mmlight.tasks import LanguageModel
 
     task = LanguageModel(model=tiny_transformer(n_layers=3))
@@ -170,11 +170,11 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     want = (
         [("none", 0)]
         + [("sink_masking", k) for k in SINK_LEVELS]
-        + [(f"kv_{method}", r) for method in ("l2", "streaming") for r in KEEP_RATIOS]
+        + [(f"kv_{method}", r) for method in KV_METHODS for r in KEEP_RATIOS]
     )
     assert [(name, level) for name, level, _, _ in rows] == want
     assert [(metric, value) for _, _, metric, value in rows] == [("ppl", float(i + 1)) for i in range(len(want))]
-    assert len(rows) == len(robustness_runs(task, skip_layers=1)) == 16 and ticks == [1] * 16
+    assert len(rows) == len(robustness_runs(task, skip_layers=1)) == 4 + 5 * 6 and ticks == [1] * 34
     observers = [observer for _, observer, _, _ in trainer.calls]
     assert observers[0] is None and all(
         split == "test" and dm == "the datamodule" and verbose is False for split, _, dm, verbose in trainer.calls
@@ -182,8 +182,8 @@ def test_robustness_rows_run_every_intervention_in_order_under_its_observer():
     assert [o.k for o in observers[1:4]] == list(SINK_LEVELS)
     assert all(t is task for t in trainer.tasks)  # every run evaluates the task itself
     evictions = observers[4:]
-    assert [(o.method, o.ratio, o.skip_layers) for o in evictions] == [
-        (method, r, 1) for method in ("l2", "streaming") for r in KEEP_RATIOS
+    assert [(o.method.name, o.ratio, o.skip_layers) for o in evictions] == [
+        (method, r, 1) for method in KV_METHODS for r in KEEP_RATIOS
     ]
     assert observed_now() is None  # nothing left observing after the runs
 
@@ -205,15 +205,15 @@ def test_robustness_rows_for_other_tasks_and_a_run_without_the_metric():
         ("sink_masking", 5, "top1"),
         ("sink_masking", 10, "top1"),
     ]
-    translator = Translator(tiny_transformer(n_layers=1, n_encoder_layers=1))
+    translator = Translator(tiny_transformer(n_layers=3, n_encoder_layers=1))
     assert len(rows) == len(robustness_runs(image)) == 4
     assert [(name, level) for name, level, _ in robustness_runs(translator)] == [
-        (name, level) for name, level, _ in robustness_runs(LanguageModel(tiny_transformer(n_layers=1)))
+        (name, level) for name, level, _ in robustness_runs(LanguageModel(tiny_transformer(n_layers=3)))
     ]
     assert {split for split, *_ in trainer.calls} == {"val"}
     assert translator.hparams.bleu_in_validation is False
     bleu = StandInTrainer("bleu")
-    assert [r[2] for r in robustness_rows(bleu, translator, None, "val")] == ["bleu"] * 16
+    assert [r[2] for r in robustness_rows(bleu, translator, None, "val")] == ["bleu"] * 34
     from pathlib import Path
 
     scratch = {Path(output_dir) for _, output_dir in bleu.settings}
@@ -291,12 +291,12 @@ def test_streaming_keeps_the_first_4_and_the_most_recent():
 def test_eviction_defaults_and_the_ratio_bounds():
     """Defaults: l2 from layer 2 on (docs/analysis.md); ratio 1 is allowed, anything above is not."""
     evict = KVEviction(0.5)
-    assert (evict.method, evict.skip_layers) == ("l2", 2)
+    assert (evict.method.name, evict.skip_layers) == ("l2", 2)
     assert KVEviction(1.0).ratio == 1.0
     with pytest.raises(ValueError, match=r"keep ratio must be in \(0, 1\], got 1.5"):
         KVEviction(1.5)
-    with pytest.raises(ValueError, match=r"eviction method must be 'l2' or 'streaming', got 'random'"):
-        KVEviction(0.5, "random")
+    with pytest.raises(ValueError, match=r"unknown KV eviction method 'lfu'"):
+        KVEviction(0.5, "lfu")
 
 
 def test_budget_rounds_up():
@@ -320,7 +320,7 @@ def test_robustness_rows_evict_from_layer_2_by_default():
     from mmlight.analysis.robustness import robustness_rows
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(model=tiny_transformer(n_layers=1))
+    task = LanguageModel(model=tiny_transformer(n_layers=3))
     trainer = StandInTrainer("ppl")
     robustness_rows(trainer, task, None, "val")
     assert {observer.skip_layers for _, observer, _, _ in trainer.calls[4:]} == {2}
@@ -369,9 +369,9 @@ def test_robustness_runs_skip_two_layers_by_default_and_name_unknown_interventio
     from mmlight.analysis.robustness import KVEviction, robustness_runs
     from mmlight.tasks import LanguageModel
 
-    task = LanguageModel(tiny_transformer(n_layers=1))
+    task = LanguageModel(tiny_transformer(n_layers=3))
     evictions = [observer for _, _, observer in robustness_runs(task) if isinstance(observer, KVEviction)]
-    assert [o.skip_layers for o in evictions] == [2] * 12  # KVEviction's default, as the docs say
+    assert [o.skip_layers for o in evictions] == [2] * 30  # KVEviction's default, as the docs say
     task.interventions = ("kv_eviction", "dropout", "head_pruning")
     with pytest.raises(ValueError) as err:
         robustness_runs(task)
@@ -382,14 +382,14 @@ def test_robustness_runs_skip_two_layers_by_default_and_name_unknown_interventio
 
 
 def test_robustness_runs_evict_at_the_keep_ratios_asked_for():
-    from mmlight.analysis.robustness import SINK_LEVELS, robustness_runs
+    from mmlight.analysis.robustness import KV_METHODS, SINK_LEVELS, robustness_runs
     from mmlight.tasks import LanguageModel
 
     runs = robustness_runs(LanguageModel(tiny_transformer(n_layers=1)), skip_layers=0, keep_ratios=(0.9, 0.3))
     assert [(name, level) for name, level, _ in runs] == [("none", 0)] + [("sink_masking", k) for k in SINK_LEVELS] + [
-        (f"kv_{method}", r) for method in ("l2", "streaming") for r in (0.9, 0.3)
+        (f"kv_{method}", r) for method in KV_METHODS for r in (0.9, 0.3)
     ]
-    assert [(o.ratio, o.method, o.skip_layers) for _, _, o in runs[4:]] == [
+    assert [(o.ratio, o.method.name, o.skip_layers) for _, _, o in runs[4:8]] == [
         (0.9, "l2", 0),
         (0.3, "l2", 0),
         (0.9, "streaming", 0),
@@ -405,4 +405,4 @@ def test_robustness_rows_evaluate_at_the_keep_ratios_asked_for():
     rows = robustness_rows(trainer, LanguageModel(tiny_transformer(n_layers=1)), None, "val", 0, None, (0.5,))
     assert [(name, level) for name, level, _, _ in rows] == [("none", 0)] + [
         ("sink_masking", k) for k in SINK_LEVELS
-    ] + [("kv_l2", 0.5), ("kv_streaming", 0.5)]
+    ] + [(f"kv_{method}", 0.5) for method in ("l2", "streaming", "expected_attention", "oracle", "random")]

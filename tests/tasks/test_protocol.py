@@ -278,7 +278,8 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     assert len(events.Scalars("attention/late/token_similarity")) == 2
 
     out = tmp_path / "analysis"
-    analyze(config, [ckpt], out, "--num_samples", "16", "--robustness", "--kv_skip_layers", "1")
+    options = ("--num_samples", "16", "--robustness", "--kv_skip_layers", "1", "--kv_methods", "l2", "streaming")
+    analyze(config, [ckpt], out, *options)
     with open(out / "robustness.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["intervention"], float(r["level"])) for r in rows] == (
