@@ -4,7 +4,7 @@
     python benchmarks/report.py --update BENCHMARKS.md     # every table of BENCHMARKS.md, again
 
 Each file's kind is recognised from its records: ``gpu_run.py`` (its records carry a ``kind``: the
-issue's targets against what was measured, the tile sweep, the kernel switches, the training steps, the
+targets (``targets.py``) against what was measured, the tile sweep, the kernel switches, the training steps, the
 fits beside them, what was skipped, then the kernels' tables), ``bench_multimax.py`` (a row per op and
 shape, a column per backend, the device and versions in the heading), ``bench_loader.py``,
 ``bench_resume.py``, ``check_reproducible.py``, ``pillow_build_pixels.py``, ``attention_stats_cost.py``,
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from record_name import PATTERN  # beside this script, which Python puts on sys.path
+from targets import TARGETS
 
 
 def fmt(value, digits=3) -> str:
@@ -536,15 +537,15 @@ def render_compile_report(paths: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: The attention targets: (label, (op, causal length or False for any, ratio key), bound).
-TARGETS = [
-    ("attention (256, 6, 197, 64) forward / SDPA flash", ("attention", False, "fwd_ratio"), 1.2),
-    ("attention (256, 6, 197, 64) backward / SDPA flash", ("attention", False, "bwd_ratio"), 1.5),
-    ("causal attention N = 1,024 forward / SDPA flash", ("attention_causal", 1024, "fwd_ratio"), 1.3),
-    ("causal attention N = 1,024 backward / SDPA flash", ("attention_causal", 1024, "bwd_ratio"), 2.0),
-    ("causal attention N = 4,096 forward / SDPA flash", ("attention_causal", 4096, "fwd_ratio"), 1.3),
-    ("causal attention N = 4,096 backward / SDPA flash", ("attention_causal", 4096, "bwd_ratio"), 2.0),
-]
+#: Where each attention target reads its ratio: (op, causal length or False for any, ratio key).
+ATTENTION_TARGETS = {
+    "attention_fwd": ("attention", False, "fwd_ratio"),
+    "attention_bwd": ("attention", False, "bwd_ratio"),
+    "causal_1024_fwd": ("attention_causal", 1024, "fwd_ratio"),
+    "causal_1024_bwd": ("attention_causal", 1024, "bwd_ratio"),
+    "causal_4096_fwd": ("attention_causal", 4096, "fwd_ratio"),
+    "causal_4096_bwd": ("attention_causal", 4096, "bwd_ratio"),
+}
 
 
 def _tuned_attention(records: list[dict], op: str, n: int | bool, key: str):
@@ -556,31 +557,35 @@ def _tuned_attention(records: list[dict], op: str, n: int | bool, key: str):
     return None
 
 
-def targets_table(records: list[dict]) -> list[str]:
-    """The issue's targets against this run's ratios (each measured against a baseline of the same run)."""
-    lines = ["| target | bound | measured | met? |", "|---|---|---|---|"]
-
-    def row(label, value, bound, lower=True, digits=3):
-        met = "–" if value is None else ("yes" if (value <= bound if lower else value >= bound) else "no")
-        sign = "≤" if lower else "≥"
-        lines.append(f"| {label} | {sign} {bound} | {fmt(value, digits)} | {met} |")
-
-    for label, (op, n, key), bound in TARGETS:
-        row(label, _tuned_attention(records, op, n, key), bound)
+def measured_targets(records: list[dict]) -> dict[str, float | None]:
+    """This run's value for each key of ``targets.TARGETS`` (None where the run has none)."""
+    values = {key: _tuned_attention(records, *where) for key, where in ATTENTION_TARGETS.items()}
     eager = {r["backend"]: r for r in records if r.get("kind") == "step" and not r.get("compiled")}
     base = eager.get("softmax (SDPA flash)", {}).get("step_ms")
     tuned = eager.get("multimax tuned", {}).get("step_ms")
-    row("DeiT-small step, MultiMax tuned / softmax (SDPA flash), eager", tuned / base if tuned and base else None, 1.05)
+    values["step"] = tuned / base if tuned and base else None
     fused = [
         r for r in records if r.get("op") == "cross_entropy" and r.get("backend", "").startswith("multimax/triton")
     ]
     ratios = [r["fwd_bwd_ratio"] for r in fused if r.get("fwd_bwd_ratio") and r.get("ok", True)]
-    row("MultiMax cross-entropy fw + bw / F.cross_entropy (best setting)", min(ratios, default=None), 0.5)
+    values["cross_entropy"] = min(ratios, default=None)
     copy = next((r["copy_gbps"] for r in records if r.get("kind") == "ceiling"), None)
     rowwise = [r for r in records if r.get("op") == "rowwise" and r.get("ok") and r.get("fwd_ms")]
     best = min(rowwise, key=lambda r: r["fwd_ms"], default=None)
-    fraction = best["bytes_fwd"] / best["fwd_ms"] / 1e6 / copy if best and copy else None
-    row("row-wise forward, best config, of the measured copy bandwidth", fraction, 0.7, lower=False)
+    values["rowwise"] = best["bytes_fwd"] / best["fwd_ms"] / 1e6 / copy if best and copy else None
+    return values
+
+
+def targets_table(records: list[dict]) -> list[str]:
+    """The targets (``targets.py``) against this run's values (each measured against a baseline of the same run)."""
+    lines = ["| target | bound | measured | met? |", "|---|---|---|---|"]
+    measured = measured_targets(records)
+    for key, target in TARGETS.items():
+        value = measured[key]
+        within = value is not None and (value <= target.bound if target.at_most else value >= target.bound)
+        met = "–" if value is None else ("yes" if within else "no")
+        sign = "≤" if target.at_most else "≥"
+        lines.append(f"| {target.label} | {sign} {target.bound} | {fmt(value, 3)} | {met} |")
     return lines
 
 

@@ -1,8 +1,8 @@
-"""The ``mmlight`` command: nine commands, each with ``--help``.
+"""The ``mmlight`` command: its commands, each with ``--help``.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are the LightningCLI of :mod:`mmlight.lightning_cli`;
 ``prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor`` are the modules of :mod:`mmlight.commands`
-(:data:`TOOLS`), imported only when named. ``mmlight --help`` lists all nine; a misspelt command stops
+(:data:`TOOLS`), imported only when named. ``mmlight --help`` lists them all; a misspelt command stops
 with the nearest name, exit status 2, before anything runs.
 """
 

@@ -1,7 +1,8 @@
-"""What attention analysis asks of a task: the protocol that ``mmlight analyze``, its robustness runs
-and the ``AttentionStats`` callback read, so that they never switch on the type of a task.
+"""What the rest of mmlight asks of a task, as two protocols, so that nothing switches on the type of a task:
+:class:`TrainedTask`, what the throughput logs and the ``compile`` option read during training, and
+:class:`AnalysedTask`, what ``mmlight analyze``, its robustness runs and the ``AttentionStats`` callback read.
 
-A task satisfies it by having the members of :class:`AnalysedTask`; nothing is registered. Its
+A task satisfies them by having their members; nothing is registered. Its
 network (the task itself or its ``.model``, see :func:`~mmlight.nn.attention.network_of`) names its
 attention layers with ``attention_sites()`` (:class:`~mmlight.nn.sites.AttentionSite` records by
 name) and its blocks with ``blocks()`` (:class:`~mmlight.nn.sites.Block` records).
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from mmlight.nn.attention import network_of
+from mmlight.tasks.compiling import CompiledCalls
 
 #: The interventions of the robustness runs: ``sink_masking`` (every task) and ``kv_eviction`` (a task
 #: with a causal decoder, scored token by token or decoding through its KV cache, where evicting past
@@ -65,7 +67,9 @@ class AnalysedTask(Protocol):
     task's DataModule yields it (after ``on_after_batch_transfer``), already on the task's device.
     """
 
+    #: the metric the robustness runs report (a :class:`TaskMetric`)
     task_metric: TaskMetric
+    #: the interventions the task supports: ``sink_masking``, and ``kv_eviction`` for a causal decoder
     interventions: tuple[Intervention, ...]
 
     def teacher_forced(self, batch) -> None:
@@ -85,9 +89,30 @@ class AnalysedTask(Protocol):
         under ``scratch``. The task's hyperparameters are left as they are."""
 
 
-def protocol_members() -> list[str]:
-    """The names a task must have: the attributes and methods of :class:`AnalysedTask`."""
-    return [name for name in {**AnalysedTask.__annotations__, **vars(AnalysedTask)} if not name.startswith("_")]
+@runtime_checkable
+class TrainedTask(Protocol):
+    """The members a task needs for the throughput logs (:class:`~mmlight.callbacks.Throughput`, on by
+    default) and the ``compile`` option; a task without them trains, but logs no samples/s, tokens/s or MFU
+    and warns once per fit.
+    """
+
+    #: True when batches hold tokens (tokens/s is logged), False for images
+    counts_tokens: bool
+    #: the network's calls under the task's ``compile`` option: ``CompiledCalls(compile, network)`` built in
+    #: ``__init__`` from an argument ``compile: CompileOption = False`` (:mod:`mmlight.tasks.compiling`)
+    compiled: CompiledCalls
+
+    def batch_counts(self, batch) -> tuple[int, int | None]:
+        """``(samples, tokens)`` of a training batch (tokens None when ``counts_tokens`` is False)."""
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        """``network``'s training loss on ``batch``, uncompiled: what the FLOP count of a step traces, on a
+        meta-device copy of the network."""
+
+
+def protocol_members(protocol: type = AnalysedTask) -> list[str]:
+    """The names a task must have: the attributes and methods of ``protocol``."""
+    return [name for name in {**protocol.__annotations__, **vars(protocol)} if not name.startswith("_")]
 
 
 def check_analysed_task(task) -> None:

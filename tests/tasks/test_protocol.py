@@ -7,6 +7,7 @@ no analysis code could parse a layer or a kind out of, so every such fact must c
 
 import csv
 import sys
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from mmlight.cli import main
 from mmlight.nn import attention, record_attention
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules
 from mmlight.reweighting import ReweightingSpec
-from mmlight.tasks.protocol import AnalysedTask, ExampleInputs, TaskMetric, check_analysed_task
+from mmlight.tasks.compiling import CompiledCalls, CompileOption
+from mmlight.tasks.protocol import AnalysedTask, ExampleInputs, TaskMetric, TrainedTask, check_analysed_task
 from tests.helpers.cli import analyze
 
 PAD, VOCAB, LENGTH, CLASSES = 0, 8, 6, 3
@@ -60,6 +62,9 @@ class ToyNet(nn.Module):
         pooled = (x * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1)
         return self.head(pooled)  # (B, CLASSES)
 
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(tokens), labels)
+
     def attention_sites(self) -> dict[str, AttentionSite]:
         return {
             name: AttentionSite(name, "decoder_self", "tokens", i, look.reweight)
@@ -80,24 +85,41 @@ class ToyTask(L.LightningModule):
         dim: the width of the network.
         lr: Adam's learning rate.
         attention: the reweighting of both looks.
+        compile: the network's training loss and evaluation forward under ``torch.compile`` (``true``, or
+            its keyword arguments).
     """
 
     task_metric = TaskMetric("acc", higher_is_better=True)
     interventions = ("sink_masking", "kv_eviction")
+    counts_tokens = True
 
-    def __init__(self, dim: int = 8, lr: float = 0.01, attention: ReweightingSpec = ReweightingSpec()):
+    def __init__(
+        self,
+        dim: int = 8,
+        lr: float = 0.01,
+        attention: ReweightingSpec = ReweightingSpec(),
+        compile: CompileOption = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model = ToyNet(dim, attention)
+        self.compiled = CompiledCalls(compile, self.model)
         self.correct = {"val": [0, 0], "test": [0, 0]}
 
     def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self.model(batch["tokens"]), batch["label"])
+        loss = self.compiled(self.model.loss, batch["tokens"], batch["label"])
         self.log("train/loss", loss)
         return loss
 
+    # what the throughput logs read (TrainedTask)
+    def batch_counts(self, batch) -> tuple[int, int]:
+        return batch["tokens"].shape[0], int((batch["tokens"] != PAD).sum())
+
+    def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
+        return network.loss(batch["tokens"], batch["label"])
+
     def _eval_step(self, stage, batch):
-        hits = self.model(batch["tokens"]).argmax(-1) == batch["label"]
+        hits = self.compiled(self.model.forward, batch["tokens"]).argmax(-1) == batch["label"]
         self.correct[stage][0] += int(hits.sum())
         self.correct[stage][1] += len(hits)
 
@@ -210,7 +232,7 @@ def hand_entropy(weights: torch.Tensor, keep: torch.Tensor) -> float:
 def test_the_toy_task_satisfies_the_protocol_and_a_bare_module_is_named_clearly():
     task = ToyTask()
     check_analysed_task(task)
-    assert isinstance(task, AnalysedTask)
+    assert isinstance(task, AnalysedTask) and isinstance(task, TrainedTask)
     with pytest.raises(TypeError) as refused:
         check_analysed_task(L.LightningModule())
     assert str(refused.value) == (
@@ -246,18 +268,22 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
     monkeypatch.setattr(sys, "argv", ["mmlight"])
     config = tmp_path / "toy.yaml"
     config.write_text(CONFIG.format(runs=tmp_path / "runs", module=__name__))
-    main(
-        [
-            "fit",
-            "--config",
-            str(config),
-            "--trainer.callbacks+=mmlight.callbacks.AttentionStats",
-            "--trainer.callbacks.every_n_epochs",
-            "1",
-            "--trainer.callbacks.num_samples",
-            "10",
-        ]
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                "--trainer.callbacks+=mmlight.callbacks.AttentionStats",
+                "--trainer.callbacks.every_n_epochs",
+                "1",
+                "--trainer.callbacks.num_samples",
+                "10",
+            ]
+        )
+    mmlight_warnings = [str(w.message) for w in caught if "mmlight" in w.filename or "Throughput" in str(w.message)]
+    assert not [m for m in mmlight_warnings if "Throughput" in m], mmlight_warnings  # the template has its members
     ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
     task = ToyTask.load_from_checkpoint(ckpt, map_location="cpu").eval()
     val = ToyData().splits["val"]
@@ -276,6 +302,7 @@ def test_fit_attention_stats_and_analyze_with_robustness_on_a_task_defined_here(
         want = hand_entropy(recorder[name][0].weights, tokens[:10] != PAD)
         assert logged[-1].value == pytest.approx(want, rel=1e-5)
     assert len(events.Scalars("attention/late/token_similarity")) == 2
+    assert events.Scalars("train/flops_per_sample")[0].value > 0  # the throughput logs run on the template
 
     out = tmp_path / "analysis"
     options = ("--num_samples", "16", "--robustness", "--kv_skip_layers", "1", "--kv_methods", "l2", "streaming")

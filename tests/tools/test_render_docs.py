@@ -1,0 +1,169 @@
+"""tools/render_docs.py: every rendered block of the docs is what the code renders today, and what the
+blocks say agrees with the code run another way (weights computed, ``--help`` parsed, constants read)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tools import render_docs
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
+
+DOCUMENTS = render_docs.documents()
+BLOCKS = [
+    (path, name)
+    for path in DOCUMENTS
+    for name in dict.fromkeys(name for name, _ in render_docs.BLOCK.findall(path.read_text()))
+]
+
+
+def rows(markdown: str) -> list[list[str]]:
+    """The body rows of the Markdown table in ``markdown``, cells stripped."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")][2:]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+
+
+def test_every_renderer_is_used_and_every_block_is_known():
+    used = {name for _, name in BLOCKS}
+    assert used == set(render_docs.RENDERERS), "a renderer no document uses, or a block no renderer renders"
+
+
+@pytest.mark.parametrize("path, name", BLOCKS, ids=[f"{p.name}:{n}" for p, n in BLOCKS])
+def test_each_rendered_block_is_what_the_code_renders(path, name):
+    stale = render_docs.stale_blocks(path)
+    assert name not in stale, f"{path.name}: block {name!r} is stale; run: python tools/render_docs.py --update"
+
+
+def test_a_stale_block_is_named_and_update_rewrites_it(tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "README.md"
+    doc.write_text("a <!-- rendered: null-mass -->`softmax`<!-- /rendered --> b\n")
+    assert render_docs.stale_blocks(doc) == ["null-mass"]
+    monkeypatch.setattr(render_docs, "documents", lambda: [doc])
+    monkeypatch.setattr(render_docs, "ROOT", tmp_path)
+    assert render_docs.main([]) == 1 and "README.md: stale: null-mass" in capsys.readouterr().out
+    assert render_docs.main(["--update"]) == 0
+    assert doc.read_text() == f"a <!-- rendered: null-mass -->{render_docs.null_mass()}<!-- /rendered --> b\n"
+    assert render_docs.main([]) == 0 and render_docs.stale_blocks(doc) == []
+    doc.write_text("<!-- rendered: nothing -->x<!-- /rendered -->")
+    with pytest.raises(SystemExit, match=r"unknown rendered block\(s\) \['nothing'\]"):
+        render_docs.stale_blocks(doc)
+
+
+def probe_row_sums(name: str) -> torch.Tensor:
+    """Row sums of ``name``'s weights on scores that make each kind of row show: large and small, in
+    float64, causal (stick-breaking refuses anything else)."""
+    from mmlight.reweighting import build
+
+    torch.manual_seed(0)
+    scores = torch.cat([torch.randn(4, 16) * 3, torch.full((2, 16), 20.0), torch.full((2, 16), -20.0)])
+    scores = scores.double().view(1, 1, 8, 16)
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()[:8] if name == "stickbreaking" else None
+    fn = build(name, backend="reference")
+    return fn(scores, causal).sum(-1).flatten()
+
+
+def test_the_row_mass_table_says_what_the_weights_sum_to():
+    """'1': every row sums to one; '≤ 1': none above one, some below; 'unbounded': some above one (sigmoid
+    on high scores weighs every key near one)."""
+    table = {name.strip("`"): mass for name, mass, _ in rows(render_docs.reweightings())}
+    for name, mass in table.items():
+        sums = probe_row_sums(name)
+        if mass == "1":
+            assert torch.allclose(sums, torch.ones_like(sums)), name
+        elif mass == "≤ 1":
+            assert (sums <= 1 + 1e-12).all() and (sums < 0.99).any(), name
+        else:
+            assert mass.startswith("unbounded") and (sums > 1.01).any(), name
+    nothing = render_docs.null_mass()
+    assert sorted(re.findall(r"`(\w+)`", nothing)) == sorted(n for n, m in table.items() if m != "1")
+
+
+def test_the_options_column_gives_the_defaults_a_function_is_built_with():
+    """Built with the listed values spelt out, every function has the state and the weights it has built
+    with no option."""
+    import ast
+
+    from mmlight.reweighting import build
+
+    scores = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    for name, _, options in rows(render_docs.reweightings()):
+        name = name.strip("`")
+        listed = {option: ast.literal_eval(value) for option, value in re.findall(r"`(\w+)=([^`]+)`", options)}
+        torch.manual_seed(0)  # MultiMax draws its initial parameters
+        plain = build(name)
+        torch.manual_seed(0)
+        spelt = build(name, **listed)
+        assert plain.state_dict().keys() == spelt.state_dict().keys(), name
+        assert all(torch.equal(plain.state_dict()[k], spelt.state_dict()[k]) for k in plain.state_dict()), name
+        assert torch.equal(plain(scores, causal), spelt(scores, causal)), name
+
+
+def test_the_preparers_and_commands_are_what_mmlight_help_lists(capsys):
+    from mmlight.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    overview = capsys.readouterr().out
+    listed = re.findall(r"^  (\w+)  ", overview, re.M)
+    assert [name.removeprefix("`mmlight ").strip("`") for name, _ in rows(render_docs.commands())] == listed
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    choices = re.search(r"\{([\w,]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert sorted(name.strip("`") for name, *_ in rows(render_docs.preparers())) == sorted(choices)
+    digits = next(r for r in rows(render_docs.preparers()) if r[0] == "`digits`")
+    assert digits[2] == "no"  # the one preparer that runs without --src
+
+
+def test_the_switches_are_the_gpu_runs_and_their_defaults_the_modules_values():
+    """The kernel switches listed are the ones ``benchmarks/gpu_run.py`` sweeps, each at its module's value."""
+    code = (
+        "from gpu_run import SWITCHES, CE_SWITCHES, ROWWISE_SWITCHES\n"
+        "for module, name, _ in SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES:\n"
+        "    print(module.__name__.rsplit('.', 1)[1] + '.' + name)"
+    )
+    # gpu_run imports its sibling scripts by name, as `python benchmarks/gpu_run.py` runs it
+    folder = render_docs.ROOT / "benchmarks"
+    swept = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, check=True)
+    swept_names = sorted(swept.stdout.split())
+    table = {name.strip("`"): default for name, default, _ in rows(render_docs.kernel_switches())}
+    assert sorted(table) == swept_names
+    for qualified, default in table.items():
+        module, name = qualified.split(".")
+        value = getattr(importlib.import_module(f"mmlight.kernels.{module}"), name)
+        assert default == ("on" if value else "off"), qualified
+
+
+def test_the_default_callbacks_are_on_the_trainer_of_a_plain_fit(tmp_path):
+    """The callbacks listed are those of the trainer ``mmlight fit`` builds from a config naming none."""
+    from mmlight.lightning_cli import build_cli
+
+    config = "configs/quickstart/lm_softmax.yaml"
+    cli = build_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path)], run=False)
+    for name, _ in rows(render_docs.default_callbacks()):
+        module, cls = name.strip("`").rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), cls)
+        assert any(isinstance(callback, cls) for callback in cli.trainer.callbacks), name
+
+
+def test_the_task_members_are_what_every_task_has():
+    """Each member listed is on mmlight's three tasks (``compiled``: on an instance), and the protocols'
+    runtime checks accept an instance."""
+    from mmlight.tasks import ImageClassifier, LanguageModel, Translator
+    from mmlight.tasks.protocol import AnalysedTask, TrainedTask
+
+    members = re.findall(r"^- `(\w+)", render_docs.task_members(), re.M)
+    assert {"counts_tokens", "batch_counts", "training_loss", "compiled", "teacher_forced"} <= set(members)
+    for task in (ImageClassifier, LanguageModel, Translator):
+        missing = [m for m in members if m != "compiled" and not hasattr(task, m)]
+        assert missing == [], task.__name__
+    from tests.helpers.models import tiny_translator
+
+    task = tiny_translator(vocab_size=12)
+    assert isinstance(task, TrainedTask) and isinstance(task, AnalysedTask)
