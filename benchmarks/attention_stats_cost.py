@@ -31,18 +31,11 @@ TAGS = (
 
 def read_run(run_dir: Path) -> dict[str, list[float]]:
     """The values of :data:`TAGS` in a run's event files."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from fit_runs import read_scalars  # beside this script
 
-    events = sorted(run_dir.rglob("events.out.tfevents*"))
-    if not events:
+    if not any(run_dir.rglob("events.out.tfevents*")):
         raise SystemExit(f"no TensorBoard events under {run_dir}")
-    values: dict[str, list[float]] = {tag: [] for tag in TAGS}
-    for path in events:
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in TAGS:
-            if tag in acc.Tags()["scalars"]:
-                values[tag] += [e.value for e in acc.Scalars(tag)]
+    values = {tag: [value for _, value in points] for tag, points in read_scalars(run_dir, TAGS).items()}
     if not values["attention/seconds"]:
         raise SystemExit(f"{run_dir} was not trained with AttentionStats (no attention/seconds)")
     return values
