@@ -153,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
 def versions() -> dict:
     import torch
     import triton
-    from bench_multimax import device_name  # beside the gpu package
+    from record_name import device_name  # beside the gpu package
 
     return {"device": device_name(), "torch": torch.__version__, "triton": triton.__version__}
 
