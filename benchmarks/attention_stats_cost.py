@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
+from fit_runs import read_scalars  # noqa: E402
 
 TAGS = (
     "attention/seconds",
@@ -31,8 +35,6 @@ TAGS = (
 
 def read_run(run_dir: Path) -> dict[str, list[float]]:
     """The values of :data:`TAGS` in a run's event files."""
-    from fit_runs import read_scalars  # beside this script
-
     if not any(run_dir.rglob("events.out.tfevents*")):
         raise SystemExit(f"no TensorBoard events under {run_dir}")
     values = {tag: [value for _, value in points] for tag, points in read_scalars(run_dir, TAGS).items()}
