@@ -23,12 +23,15 @@ SECTION = (ROOT / "docs" / "kernels.md").read_text().split("## Measuring on a GP
 
 
 def documented(script: str) -> list[list[str]]:
-    """The arguments after ``script`` on each documented line that runs it (up to a redirection or pipe)."""
+    """The arguments after ``script`` on each line of the section's fenced blocks that runs it (up to a
+    redirection or a pipe)."""
     found = []
-    for line in SECTION.splitlines():
-        if script in line and not line.startswith(("`", "|")) and "(" not in line.split(script)[0][-2:]:
-            tokens = shlex.split(line.split(script, 1)[1])
-            found.append(list(next(iter([tokens[:i] for i, t in enumerate(tokens) if t in ("2>&1", "|")]), tokens)))
+    for block in re.findall(r"^```\w*\n(.*?)^```", SECTION, flags=re.MULTILINE | re.DOTALL):
+        for line in block.splitlines():
+            if script in line:
+                tokens = shlex.split(line.split(script, 1)[1])
+                ends = [i for i, t in enumerate(tokens) if t in ("2>&1", "|")]
+                found.append(tokens[: ends[0]] if ends else tokens)
     return found
 
 
