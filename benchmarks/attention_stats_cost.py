@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
+from fit_runs import read_scalars  # noqa: E402
 
 TAGS = (
     "attention/seconds",
@@ -31,18 +35,9 @@ TAGS = (
 
 def read_run(run_dir: Path) -> dict[str, list[float]]:
     """The values of :data:`TAGS` in a run's event files."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = sorted(run_dir.rglob("events.out.tfevents*"))
-    if not events:
+    if not any(run_dir.rglob("events.out.tfevents*")):
         raise SystemExit(f"no TensorBoard events under {run_dir}")
-    values: dict[str, list[float]] = {tag: [] for tag in TAGS}
-    for path in events:
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in TAGS:
-            if tag in acc.Tags()["scalars"]:
-                values[tag] += [e.value for e in acc.Scalars(tag)]
+    values = {tag: [value for _, value in points] for tag, points in read_scalars(run_dir, TAGS).items()}
     if not values["attention/seconds"]:
         raise SystemExit(f"{run_dir} was not trained with AttentionStats (no attention/seconds)")
     return values

@@ -14,27 +14,18 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fit_runs import fit_command  # beside this script, which Python puts on sys.path
 
 CALLBACK = "--trainer.callbacks+=mmlight.callbacks.AttentionStats"
 
 
 def timed_fit(config: str, extra: list[str], save_dir: str) -> float:
     """Seconds of one ``mmlight fit`` subprocess (interpreter start and imports included)."""
-    command = [
-        sys.executable,
-        "-m",
-        "mmlight.cli",
-        "fit",
-        "--config",
-        config,
-        "--trainer.logger.init_args.save_dir",
-        save_dir,
-        *extra,
-    ]
+    command = fit_command(config, {"--trainer.logger.init_args.save_dir": save_dir}, extra)
     start = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True)
     return time.perf_counter() - start

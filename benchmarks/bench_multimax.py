@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from record_name import device_part, record_path  # beside this script, which Python puts on sys.path
+from record_name import device_name, device_part, record_path  # beside this script, which Python puts on sys.path
 
 from mmlight.models import ReweightedViT, ViTConfig
 from mmlight.nn import attention
@@ -54,10 +53,6 @@ BACKENDS = ["reference", "compile", "triton"]  # --backends narrows it
 
 
 # ----------------------------------------------------------------------------- measurement
-
-
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
 
 
 def peak_gbps(override: float | None) -> float | None:

@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from record_name import record_path  # beside this script, which Python puts on sys.path
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from fit_runs import fit_command, read_scalars  # beside this script, which Python puts on sys.path
+from record_name import record_path
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTARTS = [ROOT / "configs" / "quickstart" / f"{task}_multimax.yaml" for task in ("digits", "lm", "nmt")]
@@ -32,36 +32,21 @@ QUICKSTARTS = [ROOT / "configs" / "quickstart" / f"{task}_multimax.yaml" for tas
 def train_losses(config: Path, seed: int, steps: int, workdir: Path, cache: Path) -> dict[int, float]:
     """Step -> train/loss of one ``mmlight fit`` run."""
     save_dir = workdir / f"seed{seed}-{len(list(workdir.glob('seed*')))}"
-    command = [
-        sys.executable,
-        "-m",
-        "mmlight.cli",
-        "fit",
-        "--config",
-        str(config),
-        "--seed_everything",
-        str(seed),
-        "--trainer.max_steps",
-        str(steps),
-        "--trainer.log_every_n_steps",
-        "1",
-        "--trainer.limit_val_batches",
-        "0",
-        "--trainer.logger.init_args.save_dir",
-        str(save_dir),
-    ]
+    options = {
+        "--seed_everything": str(seed),
+        "--trainer.max_steps": str(steps),
+        "--trainer.log_every_n_steps": "1",
+        "--trainer.limit_val_batches": "0",
+        "--trainer.logger.init_args.save_dir": str(save_dir),
+    }
     if not config.stem.startswith("lm"):  # the LM quick start's data is generated in memory
-        command += ["--data.init_args.cache_dir", str(cache / config.stem.split("_")[0])]
+        options["--data.init_args.cache_dir"] = str(cache / config.stem.split("_")[0])
+    command = fit_command(config, options)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(command, cwd=workdir, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
-    losses = {}
-    for events in save_dir.rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        acc.Reload()
-        losses.update({e.step: e.value for e in acc.Scalars("train/loss")})
-    return losses
+    return dict(read_scalars(save_dir, ["train/loss"])["train/loss"])
 
 
 def main(argv=None) -> int:

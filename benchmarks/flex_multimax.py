@@ -33,20 +33,27 @@ def require_learnable_captures() -> None:
         )
 
 
-def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor) -> Callable:
+def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor, frozen: bool = False) -> Callable:
     """A ``score_mod`` computing MultiMax's sigma of the scaled score.
 
     Args:
         ranges: ``(2,)`` (first order) or ``(4,)`` (second order), see
             :func:`mmlight.reweighting.multimax.multimax_sigma`.
         ts: same shape as ``ranges``.
+        frozen: capture the parameters as Python floats (constants of the compiled kernel, no gradient):
+            the forward that any torch's FlexAttention runs (before 2.14 it cannot differentiate
+            captured tensors).
     """
     if ranges.shape != ts.shape or ranges.shape not in ((2,), (4,)):
         raise ValueError(
             f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
         )
-    r0, r1, *r_quadratic = ranges.unbind(0)  # separate 0-D tensors (see the module docstring)
-    t0, t1, *t_quadratic = ts.unbind(0)
+    if frozen:
+        r0, r1, *r_quadratic = ranges.tolist()
+        t0, t1, *t_quadratic = ts.tolist()
+    else:
+        r0, r1, *r_quadratic = ranges.unbind(0)  # separate 0-D tensors (see the module docstring)
+        t0, t1, *t_quadratic = ts.unbind(0)
 
     def first_order(score, b, h, q_idx, kv_idx):
         return score + t0 * torch.relu(r0 - score) + t1 * torch.relu(score - r1)
@@ -91,6 +98,7 @@ def flex_multimax_attention(
     scale: float | None = None,
     block_mask=None,
     flex: Callable | None = None,
+    frozen: bool = False,
 ) -> torch.Tensor:
     """``softmax(sigma(scale * q k^T) masked) v`` with FlexAttention.
 
@@ -104,9 +112,12 @@ def flex_multimax_attention(
         block_mask: from :func:`causal_block_mask` (or any FlexAttention block mask); None = no mask.
         flex: the ``flex_attention`` to call, e.g. ``torch.compile(flex_attention)`` (the default,
             uncompiled, materialises the scores).
+        frozen: sigma's parameters as constants (:func:`multimax_score_mod`): gradients reach q, k
+            and v only.
     """
-    if torch.is_grad_enabled() and (ranges.requires_grad or ts.requires_grad):
+    if not frozen and torch.is_grad_enabled() and (ranges.requires_grad or ts.requires_grad):
         require_learnable_captures()
     if flex is None:
         from torch.nn.attention.flex_attention import flex_attention as flex
-    return flex(q, k, v, score_mod=multimax_score_mod(ranges, ts), block_mask=block_mask, scale=scale)
+    score_mod = multimax_score_mod(ranges, ts, frozen)
+    return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)

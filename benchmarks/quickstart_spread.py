@@ -33,6 +33,7 @@ import yaml
 from mmlight.experiments.table import METRICS_FILE, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # as ``python benchmarks/...`` would (tests import it)
+from fit_runs import fit_command  # noqa: E402
 from record_name import cpu_description, record_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +85,11 @@ def final_val_metrics(save_dir: Path) -> dict[str, float]:
 def fit(config: Path, threads: int, isa: str, workdir: Path) -> dict:
     """One ``mmlight fit --config CONFIG`` run; its last validation scalars and wall time."""
     save_dir = workdir / f"{config.stem}-{threads}-{isa}"
-    command = [sys.executable, "-m", "mmlight.cli", "fit", "--config", str(config.resolve())]
-    command += ["--trainer.logger.init_args.save_dir", str(save_dir)]
-    command += ["--data.init_args.cache_dir", str(workdir / "cache" / config.stem.split("_")[0])]
+    options = {
+        "--trainer.logger.init_args.save_dir": str(save_dir),
+        "--data.init_args.cache_dir": str(workdir / "cache" / config.stem.split("_")[0]),
+    }
+    command = fit_command(config.resolve(), options)
     env = environment(threads, isa)
     start = time.monotonic()
     run = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)

@@ -38,6 +38,13 @@ def version_part(name: str, version: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower()) + match.group(0)
 
 
+def device_name() -> str:
+    """``torch.cuda.get_device_name()``, or ``"cpu (<processor>)"`` without CUDA."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
+
+
 def device_part(name: str) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA GeForce RTX 3090`` -> ``3090``; a name that starts
     with ``cpu`` (or has no model number) -> ``cpu``.

@@ -549,11 +549,13 @@ ATTENTION_TARGETS = {
 
 
 def _tuned_attention(records: list[dict], op: str, n: int | bool, key: str):
-    """The tuned fused kernel's ratio at an attention op (``n``: the causal length, False: any)."""
-    for r in records:
-        if r.get("kind") == "timing" and r.get("op") == op and r.get("backend") == "multimax/triton tuned":
-            if n is False or r["shape"][2] == n:
-                return r.get(key)
+    """The tuned fused kernel's ratio at an attention op (``n``: the causal length, False: any), else the
+    shipped kernel's (a run whose sweep the budget cut)."""
+    for backend in ("multimax/triton tuned", "multimax/triton shipped"):
+        for r in records:
+            if r.get("kind") == "timing" and r.get("op") == op and r.get("backend") == backend:
+                if n is False or r["shape"][2] == n:
+                    return r.get(key)
     return None
 
 
@@ -562,7 +564,7 @@ def measured_targets(records: list[dict]) -> dict[str, float | None]:
     values = {key: _tuned_attention(records, *where) for key, where in ATTENTION_TARGETS.items()}
     eager = {r["backend"]: r for r in records if r.get("kind") == "step" and not r.get("compiled")}
     base = eager.get("softmax (SDPA flash)", {}).get("step_ms")
-    tuned = eager.get("multimax tuned", {}).get("step_ms")
+    tuned = eager.get("multimax tuned", eager.get("multimax shipped", {})).get("step_ms")
     values["step"] = tuned / base if tuned and base else None
     fused = [
         r for r in records if r.get("op") == "cross_entropy" and r.get("backend", "").startswith("multimax/triton")
@@ -689,13 +691,15 @@ def render_run(records: list[dict]) -> str:
             "pipeline and Lightning's overhead)\n",
             *fit_table(records),
         ]
-    skipped = [r for r in records if r.get("kind") in ("skipped", "error")]
-    if skipped:
-        lines.append("\n#### Skipped or failed\n")
+    skipped = [r for r in records if r.get("kind") in ("skipped", "error", "cut")]
+    end = next((r for r in records if r.get("kind") == "end"), {})
+    if skipped or end.get("not_reached"):
+        lines.append("\n#### Skipped, failed or cut off\n")
         lines += [
             " ".join(filter(None, (f"- {r['section']}:", r.get("what"), r.get("reason") or r.get("error"))))
             for r in skipped
         ]
+        lines += [f"- {name}: not reached ({end['reason']})" for name in end.get("not_reached", [])]
     timings = [r for r in records if r.get("kind") == "timing" and r.get("op") != "cross_entropy"]
     ce = [r for r in records if r.get("kind") == "timing" and r.get("op") == "cross_entropy"]
     lines.append("\n#### Kernels\n")

@@ -164,8 +164,9 @@ def placement(on_gpu: bool) -> tuple[str, torch.dtype]:
     return ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
 
 
-def run_check(check: Check, on_gpu: bool) -> dict:
-    """Errors of the kernel against the reference, and milliseconds per backend (GPU only)."""
+def run_check(check: Check, on_gpu: bool, timed: bool = True) -> dict:
+    """Errors of the kernel against the reference, and milliseconds per backend (GPU only; ``timed=False``:
+    the check alone, as ``benchmarks/gpu_run.py`` runs it without the ``compile`` backend's compilations)."""
     device, dtype = placement(on_gpu)
     shape = check.gpu_shape if on_gpu else check.cpu_shape
     gen = torch.Generator(device).manual_seed(0)
@@ -186,7 +187,7 @@ def run_check(check: Check, on_gpu: bool) -> dict:
         row["ok"] = row["error"] <= row["tolerance"]
     except Exception as error:  # a kernel that cannot run is the finding this tool exists for
         row["error"], row["ok"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}", False
-    if on_gpu:
+    if on_gpu and timed:
         row["ms"] = {backend: _time(check, module, inputs, backend) for backend in BACKENDS}
     return row
 

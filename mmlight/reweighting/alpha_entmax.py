@@ -17,7 +17,7 @@ from torch import nn
 
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting, per_head
-from mmlight.reweighting.entmax_ops import entmax_bisect
+from mmlight.reweighting.entmax_ops import entmax_bisect, require_entmax
 from mmlight.reweighting.registry import register
 
 #: The smallest α - 1 used: the bisection and its α-gradient divide by α - 1 (the package warns
@@ -43,6 +43,7 @@ class AlphaEntmax(Reweighting):
         self, num_heads: int = 1, init: float = 1.5, learnable: bool = True, n_iter: int = 50, backend: Backend = "auto"
     ):
         super().__init__(backend)
+        require_entmax("alpha_entmax")
         if num_heads < 1:
             raise ValueError(f"alpha_entmax needs num_heads >= 1, got {num_heads}")
         if not 1 + MIN_ALPHA_GAP <= init < 2:

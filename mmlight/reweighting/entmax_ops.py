@@ -7,12 +7,33 @@ the package's function and whose backward pass is the Jacobian-vector product of
 (Peters et al., 2019; the alpha gradient of Correia et al., 2019), written in plain torch so that
 compiled code traces it: with ``g = Y ** (2 - alpha)`` on the support (0 off it),
 ``dX = g * dY - g * sum(g * dY) / sum(g)``.
+
+The package is imported when a map is first built (:func:`require_entmax`), not with mmlight: an
+installation without it (a GPU node given only the wheels it needs) imports and runs everything else.
 """
 
 from __future__ import annotations
 
-import entmax
+import importlib
+from types import ModuleType
+
 import torch
+
+
+def require_entmax(function: str) -> ModuleType:
+    """The ``entmax`` package, or a ``ModuleNotFoundError`` that names it and the function that needs it.
+
+    Args:
+        function: the reweighting function being built (for the message), e.g. ``"sparsemax"``.
+    """
+    try:
+        return importlib.import_module("entmax")
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            f"{function} needs the 'entmax' package, which does not import here ({error}); "
+            "install it with `pip install entmax`",
+            name="entmax",
+        ) from error
 
 
 def _support_weighted_grad(dy: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -28,19 +49,19 @@ def _fake_like(x: torch.Tensor, *_) -> torch.Tensor:
 @torch.library.custom_op("mmlight::sparsemax", mutates_args=())
 def _sparsemax(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return entmax.sparsemax(x, dim=-1)
+        return require_entmax("sparsemax").sparsemax(x, dim=-1)
 
 
 @torch.library.custom_op("mmlight::entmax15", mutates_args=())
 def _entmax15(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return entmax.entmax15(x, dim=-1)
+        return require_entmax("entmax15").entmax15(x, dim=-1)
 
 
 @torch.library.custom_op("mmlight::entmax_bisect", mutates_args=())
 def _entmax_bisect(x: torch.Tensor, alpha: torch.Tensor, n_iter: int) -> torch.Tensor:
     with torch.no_grad():
-        return entmax.entmax_bisect(x, alpha, dim=-1, n_iter=n_iter)
+        return require_entmax("alpha_entmax").entmax_bisect(x, alpha, dim=-1, n_iter=n_iter)
 
 
 for _op in (_sparsemax, _entmax15, _entmax_bisect):

@@ -9,13 +9,21 @@ import torch
 
 from mmlight.reweighting.backend import Backend
 from mmlight.reweighting.base import Reweighting
-from mmlight.reweighting.entmax_ops import entmax15, sparsemax
+from mmlight.reweighting.entmax_ops import entmax15, require_entmax, sparsemax
 from mmlight.reweighting.registry import register
 
 
 @register("sparsemax")
 class Sparsemax(Reweighting):
-    """Sparsemax (Martins & Astudillo, 2016): Euclidean projection onto the simplex."""
+    """Sparsemax (Martins & Astudillo, 2016): Euclidean projection onto the simplex.
+
+    Args:
+        backend: ``auto``, ``reference`` or ``compile`` (no Triton kernel).
+    """
+
+    def __init__(self, backend: Backend = "auto"):
+        super().__init__(backend)
+        require_entmax("sparsemax")  # a missing package is named when the function is built, not at its first call
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return sparsemax(x)
@@ -23,7 +31,15 @@ class Sparsemax(Reweighting):
 
 @register("entmax15")
 class Entmax15(Reweighting):
-    """1.5-entmax (Peters et al., 2019), between softmax (alpha=1) and sparsemax (alpha=2)."""
+    """1.5-entmax (Peters et al., 2019), between softmax (alpha=1) and sparsemax (alpha=2).
+
+    Args:
+        backend: ``auto``, ``reference`` or ``compile`` (no Triton kernel).
+    """
+
+    def __init__(self, backend: Backend = "auto"):
+        super().__init__(backend)
+        require_entmax("entmax15")
 
     def normalize(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return entmax15(x)

@@ -85,3 +85,25 @@ def test_flex_refuses_learnable_parameters_before_torch_2_14_and_runs_without_gr
         got = flex_multimax_attention(q, k, v, ranges, ts)
         want = attention_module.attention(q, k, v, multimax(1), backend="reference")
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("order, causal", [(1, False), (2, True)])
+def test_frozen_forward_matches_reference(monkeypatch, order, causal):
+    """Sigma's parameters captured as Python floats (the benchmark's peer, for a torch whose FlexAttention
+    cannot differentiate captured tensors): the forward equals the reference attention, with the
+    parameters requiring grad and grad mode on, and no torch version check stands in the way (the CPU's
+    eager FlexAttention has no backward, so the gradients of q, k, v are the GPU run's)."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.9.1"))
+    gen = torch.Generator().manual_seed(10 + order)
+    q, k, v = torch.randn(3, 2, 3, 20, 16, generator=gen).unbind(0)
+    module = multimax(order)
+    assert module.ranges.requires_grad and torch.is_grad_enabled()
+    block_mask = causal_block_mask(20, 20, "cpu") if causal else None
+    got = flex_multimax_attention(q, k, v, module.ranges, module.ts, block_mask=block_mask, frozen=True)
+    with torch.no_grad():
+        want = attention_module.attention(q, k, v, module, is_causal=causal, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    score = torch.linspace(-3, 3, 13)
+    frozen = multimax_score_mod(module.ranges, module.ts, frozen=True)(score, 0, 0, 0, 0)
+    torch.testing.assert_close(frozen, module.modulate(score).detach())
+    assert not frozen.requires_grad  # plain floats: nothing captured that autograd could reach

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_run.py, the prepared device run: its ``--smoke`` run on the CPU (interpreter, tiny
-shapes) writes every section's records, tile rows that the kernels' config functions honour, and a
-file that benchmarks/report.py renders. Timings here mean nothing; the records and their wiring do."""
+"""benchmarks/gpu_run.py (the package benchmarks/gpu/), the prepared device run: its ``--smoke`` run on the
+CPU (interpreter, tiny shapes) writes every section's records, tile rows that the kernels' config
+functions honour, and a file that benchmarks/report.py renders. Timings here mean nothing; the records
+and their wiring do. Its control flow under faults: test_gpu_faults.py."""
 
 import json
 import os
@@ -11,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.gpu.fit import last_error, logged_throughput
 from mmlight.kernels import attention, tiles
 from mmlight.kernels.tiles import BlockConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = {"env", "sweep", "attention", "step", "profile", "rowwise", "cross_entropy", "compiled", "fit"}
+SECTIONS = ["preflight", "correctness", "step", "attention", "rowwise", "sweep", "profile", "fit"]
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     """The records of one ``--smoke`` run and its output folder."""
     out = tmp_path_factory.mktemp("gpu_run")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), "--smoke", "--out", str(out)],
         check=True,
@@ -37,29 +39,45 @@ def smoke_run(tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_run_covers_every_section(smoke_run):
     records, out, _ = smoke_run
-    assert {r["section"] for r in records if r["kind"] == "section"} == SECTIONS
-    assert not [r for r in records if r["kind"] == "error"]
+    assert [r["section"] for r in records if r["kind"] == "section"] == SECTIONS
+    assert not [r for r in records if r["kind"] in ("error", "cut")]
+    end = records[-1]
+    assert end["kind"] == "end" and end["done"] == SECTIONS and end["not_reached"] == end["cut_off"] == []
     # what needs CUDA is recorded as skipped, with the reason
     skipped = {(r["section"], r.get("what")) for r in records if r["kind"] == "skipped"}
-    assert ("compiled", "torch.compile of the training step") in skipped
-    assert ("step", "softmax (SDPA cuDNN)") in skipped
-    # every candidate was checked against fp32 and passed at these shapes
+    assert {("step", "softmax (SDPA flash), compiled"), ("step", "softmax (SDPA cuDNN)")} <= skipped
+    assert {r["check"] for r in records if r["kind"] == "doctor" and r["ok"]} == {
+        "row-wise MultiMax (DeiT-small scores)",
+        "attention (DeiT-small)",
+        "causal attention N=1024",
+        "cross-entropy (LM vocabulary)",
+    }
+    # every candidate and switch setting was checked against fp32 and passed at these shapes
     checks = [r for r in records if r["kind"] == "check"]
-    assert len(checks) == 2 * (1 + 3 + 2 * _switches())
+    switches = _switches()
+    assert len([r for r in checks if r["section"] == "sweep"]) == 2 * 3
+    assert len([r for r in checks if r["section"] == "attention"]) == 2 * (2 + switches)
     assert all(r["ok"] and r["error"] < 1e-4 for r in checks)
     backends = {r["backend"] for r in records if r["kind"] == "timing" and r["op"] == "attention"}
     assert {
+        "sdpa/math",
         "multimax/triton shipped",
-        "multimax/triton tuned, no param grads",
-        "softmax/triton tuned (order 0)",
+        "multimax/triton all switches",
+        "multimax/triton shipped, no param grads",
+        "softmax/triton (order 0)",
+        "multimax/flex (frozen sigma), fwd",
+        "multimax/triton tuned",
     } <= backends
+    rules = [r for r in records if r["kind"] == "switch_rule"]
+    assert len(rules) == switches + 1 and all(r["correct"] for r in rules)
     steps = [r["backend"] for r in records if r["kind"] == "step"]
     assert steps == [
         "softmax (SDPA flash)",
         "multimax shipped",
-        "multimax tuned",
-        "multimax attention, plain CE (tuned)",
+        "timm deit_small_patch16_224 (SDPA flash)",
+        "multimax attention, plain CE",
         "softmax attention (SDPA flash), multimax output",
+        "multimax tuned",
     ]
     assert all(r["step_ms"] > 0 for r in records if r["kind"] == "step")
     profiles = (out / "profiles.txt").read_text()
@@ -89,7 +107,7 @@ def test_smoke_fits_log_their_images_per_second(smoke_run):
 
 def _in_benchmarks(code: str, stdin: str = "") -> str:
     """The output of ``code`` run by Python from ``benchmarks/``, so that it imports the scripts as they
-    import each other (beside one another), in a process of its own."""
+    import each other (beside one another), in a process of its own (the interpreter on)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -104,7 +122,8 @@ def _in_benchmarks(code: str, stdin: str = "") -> str:
 
 def _switches() -> int:
     """How many attention kernel switches this code base has (each is checked on and off)."""
-    return int(_in_benchmarks("from gpu_run import present_switches; print(len(present_switches()))"))
+    code = "from benchmarks.gpu.common import present_switches; print(len(present_switches()))"
+    return int(_in_benchmarks(code))
 
 
 @pytest.mark.slow
@@ -132,7 +151,8 @@ def test_report_renders_the_run(smoke_run):
     step_rows = [line for line in report.splitlines() if line.startswith("| multimax tuned |")]
     step = next(r for r in records if r["kind"] == "step" and r["backend"] == "multimax tuned")
     assert len(step_rows) == 1 and f"{step['step_ratio']:.3g}" in step_rows[0]
-    assert "#### Targets" in report and "#### Tile sweep" in report and "compiled: torch.compile" in report
+    assert "#### Targets" in report and "#### Tile sweep" in report
+    assert "- step: softmax (SDPA flash), compiled needs a CUDA GPU" in report
     fit = next(r for r in records if r["kind"] == "fit" and r["backend"] == "deit_small_multimax")
     fit_rows = [line for line in report.splitlines() if line.startswith("| `deit_small_multimax.yaml` (smoke) |")]
     assert len(fit_rows) == 1 and fit_rows[0].endswith(
@@ -215,33 +235,6 @@ def test_report_targets_from_synthetic_records():
     assert table["row-wise forward, best config, of the measured copy bandwidth"] == ["0.8", "yes |"]
 
 
-def test_budget_guard_skips_and_records(tmp_path):
-    """A section whose estimate exceeds the time left is not run, and a record says so."""
-    code = f"""
-import json
-from pathlib import Path
-from gpu_run import Run
-
-run = Run(Path({str(tmp_path)!r}), budget_s=10.0, smoke=True)
-ran = []
-run.section("cheap", 1, lambda: ran.append("cheap"))
-run.section("dear", 60, lambda: ran.append("dear"))
-run.section("broken", 1, lambda: 1 / 0)
-run.sink.close()
-print(json.dumps([ran, str(run.path)]))
-"""
-    ran, path = json.loads(_in_benchmarks(code).splitlines()[-1])
-    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    assert ran == ["cheap"]
-    assert [(r["kind"], r["section"]) for r in records] == [
-        ("section", "cheap"),
-        ("skipped", "dear"),
-        ("error", "broken"),
-        ("section", "broken"),
-    ]
-    assert "time budget" in records[1]["reason"] and "ZeroDivisionError" in records[2]["error"]
-
-
 def test_fit_throughput_read_from_tensorboard(tmp_path):
     """The fit's figures are the mean of the windows logged after the warm-up step, read from the
     event file a SummaryWriter wrote (values chosen so that the mean is known by hand)."""
@@ -252,14 +245,7 @@ def test_fit_throughput_read_from_tensorboard(tmp_path):
             writer.add_scalar("train/device/samples_per_sec", rate, step)
             writer.add_scalar("train/device/mfu", mfu, step)
         writer.add_scalar("lr-AdamW", 1e-4, 40)
-    code = f"""
-import json
-from pathlib import Path
-from gpu_run import logged_throughput
-
-print(json.dumps(logged_throughput(Path({str(tmp_path)!r}), 15)))
-"""
-    read = json.loads(_in_benchmarks(code).splitlines()[-1])
+    read = logged_throughput(tmp_path, 15)
     # steps 19, 29, 39 are past step 15: (20 + 30 + 52) / 3 and (0.25 + 0.5 + 0.75) / 3
     assert read == {
         "images_per_s": pytest.approx(34.0),
@@ -272,11 +258,6 @@ print(json.dumps(logged_throughput(Path({str(tmp_path)!r}), 15)))
 def test_fit_error_is_the_exception_line():
     """A failed fit is recorded by the line that names its exception, also under a chained traceback
     and with output after it; a command-line error by its last line."""
-    code = """
-import json, sys
-from gpu_run import last_error
-print(json.dumps([last_error(text) for text in json.load(sys.stdin)]))
-"""
     outputs = [
         "Traceback (most recent call last):\n  File \"a.py\", line 1\nKeyError: 'x'\n\nDuring handling of the above "
         'exception, another exception occurred:\n\nTraceback (most recent call last):\n  File "b.py", line 2\n'
@@ -284,7 +265,7 @@ print(json.dumps([last_error(text) for text in json.load(sys.stdin)]))
         "usage: mmlight fit [-h]\nmmlight fit: error: Key 'data.init_args.rot' is not expected\n",
         "",
     ]
-    assert json.loads(_in_benchmarks(code, json.dumps(outputs))) == [
+    assert [last_error(text) for text in outputs] == [
         "torch._dynamo.exc.Unsupported: graph break in layer 3",
         "mmlight fit: error: Key 'data.init_args.rot' is not expected",
         "",
