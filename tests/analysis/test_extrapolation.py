@@ -151,7 +151,7 @@ def test_at_1x_on_recall_sequences_the_perplexity_is_the_models_own_loss():
     assert result["multiples"][1]["count"] == count == 10 * 3
     assert result["multiples"][1]["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
     assert result["multiples"][2]["count"] == count  # the same tokens, two sequences per window
-    assert position_limit(task.model) == 32
+    assert position_limit(task.model) == 32 and result["bucket"] == 3  # default: a quarter of 11, rounded up
 
 
 def test_a_stream_shorter_than_one_window_is_refused_with_the_numbers():
