@@ -348,3 +348,54 @@ def text_heatmaps(task, batch, inputs, label: str, out: Path, vocab=None) -> lis
         fig.suptitle(f"{label}: {name.replace('_', ' ')} (mean over heads)", fontsize=9)
         written.append(save(fig, out, f"{name}_{safe(label)}.png"))
     return written
+
+
+# ------------------------------------------------------------------ language-model analyses
+
+
+def extrapolation_figure(results: dict[str, dict]):
+    """Length extrapolation (:func:`~mmlight.analysis.extrapolation.length_extrapolation`): per run,
+    perplexity against the position in the window, one line per multiple of the training context
+    (each point a bucket, at its centre); a last panel gives the whole-window perplexity per multiple."""
+    fig, axes = grid(len(results) + 1, cols=3, size=(4.2, 3.2))
+    for ax, (label, result) in zip(axes, results.items()):
+        for m, entry in result["multiples"].items():
+            if entry["defined"]:
+                points = [((b["start"] + b["stop"] - 1) / 2, b["ppl"]) for b in entry["buckets"] if b["ppl"]]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=f"{m}x")
+        ax.axvline(result["context"] - 0.5, color="k", lw=0.8, ls="--")  # the end of the training context
+        undefined = [f"{m}x" for m, e in result["multiples"].items() if not e["defined"]]
+        note = f" ({', '.join(undefined)}: past the position table)" if undefined else ""
+        ax.set(title=f"{label}{note}", xlabel="position in window", ylabel="perplexity", yscale="log")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=6)
+    ax = axes[-1]
+    for label, result in results.items():
+        points = [(m, e["ppl"]) for m, e in result["multiples"].items() if e["defined"] and e["ppl"]]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set(title="whole window", xlabel="x training context", ylabel="perplexity", xscale="log", yscale="log")
+    ax.legend(fontsize=6)
+    return fig
+
+
+def massive_figure(results: dict[str, dict]):
+    """Massive activations (:func:`~mmlight.analysis.massive.massive_activations`) against depth, one
+    colour per run: the mean largest magnitude (solid) and median magnitude (dashed) of each block's
+    output, and their ratio."""
+    fig, axes = grid(2, cols=2, size=(4.5, 3.4))
+    for i, (label, result) in enumerate(results.items()):
+        blocks = list(result["blocks"].values())
+        depth = range(1, len(blocks) + 1)
+        colour = f"C{i % 10}"
+        top = [b["top_mean"][0] if b["top_mean"] else math.nan for b in blocks]
+        median = [math.nan if b["median"] is None else b["median"] for b in blocks]
+        ratio = [math.nan if b["ratio"] is None else b["ratio"] for b in blocks]
+        axes[0].plot(depth, top, marker="o", color=colour, label=f"{label} top 1")
+        axes[0].plot(depth, median, marker=".", ls="--", color=colour, label=f"{label} median")
+        axes[1].plot(depth, ratio, marker="o", color=colour, label=label)
+    axes[0].set(title="hidden-state magnitude", xlabel="block (depth order)", ylabel="|h|", yscale="log")
+    axes[1].set(title="largest / median", xlabel="block (depth order)", ylabel="ratio", yscale="log")
+    for ax in axes:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=6)
+    return fig

@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmlight.analysis.batches import batch_size, map_batch
+from mmlight.analysis.massive import MassiveSettings, massive_activations, massive_rows
 from mmlight.analysis.stats import Recording, Settings, metric_rows, record_statistics
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,12 @@ class AttentionStats(L.Callback):
     next synchronisation). Without this callback nothing is observed and attention keeps its fused
     paths.
 
+    With ``massive_activations`` on, each recording also runs the same samples once more with forward
+    hooks on the blocks (:mod:`mmlight.analysis.massive`) and logs per block ``massive/<block>/median``,
+    ``massive/<block>/top1`` (means over samples), ``massive/<block>/ratio`` and ``massive/<block>/massive``,
+    what the loop waited for it as ``massive/seconds``, and, where figures are drawn at every recording,
+    the ``massive/activations`` figure. It is off by default: the extra forward pass waits on the loop.
+
     Args:
         every_n_epochs: record at validation epochs 0, k, 2k, ... (sanity checks never count).
         num_samples: how many validation samples (taken from the first validation batches).
@@ -48,6 +55,8 @@ class AttentionStats(L.Callback):
         settings: the thresholds; :class:`~mmlight.analysis.stats.Settings` by default.
         keep_mib: how much recorded attention (MiB, on the model's device) may wait for the
             background thread; past it, the recording reduces on the loop (0: all on the loop).
+        massive_activations: also record the massive activations of the blocks' outputs.
+        massive_settings: their thresholds; :class:`~mmlight.analysis.massive.MassiveSettings` by default.
     """
 
     def __init__(
@@ -57,6 +66,8 @@ class AttentionStats(L.Callback):
         figures: Literal["every", "end", "off"] = "every",
         settings: Settings | None = None,
         keep_mib: int = 256,
+        massive_activations: bool = False,
+        massive_settings: MassiveSettings | None = None,
     ):
         if every_n_epochs < 1 or num_samples < 1:
             raise ValueError(f"every_n_epochs and num_samples must be >= 1, got {every_n_epochs}, {num_samples}")
@@ -67,6 +78,7 @@ class AttentionStats(L.Callback):
         self.every_n_epochs, self.num_samples, self.figures = every_n_epochs, num_samples, figures
         self.keep_bytes = keep_mib * 2**20
         self.settings = settings or Settings()
+        self.massive = (massive_settings or MassiveSettings()) if massive_activations else None
         self.batches: list = []
         self.validations = 0
         self.similarity_history: dict[str, dict] = {}
@@ -105,6 +117,22 @@ class AttentionStats(L.Callback):
         draw = self.figures == "every" and _has_tensorboard(trainer)
         self._submit(trainer, finish_recording, recording, label, history if draw else None)
         self._log(trainer, {"attention/seconds": time.perf_counter() - start})
+        if self.massive is not None:
+            self._record_massive(trainer, pl_module, label, draw)
+
+    def _record_massive(self, trainer, pl_module, label: str, draw: bool) -> None:
+        """Massive activations of the kept samples, logged now; the figure drawn on the background thread."""
+        start = time.perf_counter()
+        result = massive_activations(pl_module, self.batches, self.massive)
+        scalars = {
+            f"massive/{block}/{metric}": value
+            for block, metric, value in massive_rows(result)
+            if metric in ("median", "top1", "ratio", "massive") and value is not None
+        }
+        scalars["massive/seconds"] = time.perf_counter() - start
+        self._log(trainer, scalars)
+        if draw:
+            self._submit(trainer, draw_massive, result, label)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
@@ -194,6 +222,20 @@ def finish_recording(recording: Recording, label: str, similarity_history: dict 
     if similarity_history is not None:
         done["images"], scalars["attention/figure_seconds"] = draw_figures(stats, similarity_history)
     return done
+
+
+def draw_massive(result: dict, label: str) -> dict:
+    """The massive-activations figure of one recording, as an image for TensorBoard."""
+    from mmlight.analysis import figures
+
+    start = time.perf_counter()
+    image = figures.to_image(figures.massive_figure({label: result}))
+    return {
+        "label": label,
+        "stats": None,
+        "scalars": {"massive/figure_seconds": time.perf_counter() - start},
+        "images": {"massive/activations": image},
+    }
 
 
 def redraw(last: dict, similarity_history: dict) -> dict:

@@ -3,12 +3,14 @@
 ::
 
     mmlight analyze --config CONFIG --ckpt_path A.ckpt [B.ckpt ...] --out DIR [--num_samples N]
-                    [--split val|test] [--robustness] [--data.* ...] [--trainer.* ...]
+                    [--split val|test] [--robustness] [--extrapolation] [--data.* ...] [--trainer.* ...]
 
 The config and its ``--data.*``/``--trainer.*`` overrides are parsed by the same LightningCLI as
 ``fit``; each checkpoint is rebuilt from its own hyperparameters with the config's task class, so
 twins with different reweighting functions compare directly. Writes ``DIR/stats.csv``,
-``DIR/stats.json``, ``DIR/*.png``, ``DIR/summary.md`` and, with ``--robustness``, ``DIR/robustness.csv``.
+``DIR/stats.json``, ``DIR/massive_activations.csv``, ``DIR/*.png``, ``DIR/summary.md``, with
+``--robustness`` ``DIR/robustness.csv`` and, for a language model with ``--extrapolation``,
+``DIR/extrapolation.csv``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import torch
 
 from mmlight.analysis import figures
 from mmlight.analysis.batches import first_samples
+from mmlight.analysis.extrapolation import (
+    MULTIPLES,
+    extrapolation_rows,
+    length_extrapolation,
+    position_limit,
+    stream_from_batches,
+)
 from mmlight.analysis.kv_eviction import METHODS, calibrate_qfilters, compression_ratio
+from mmlight.analysis.massive import MassiveSettings, massive_activations, massive_rows
 from mmlight.analysis.robustness import KEEP_RATIOS, KV_METHODS, robustness_rows, robustness_runs
 from mmlight.analysis.stats import (
     GATE_METRICS,
@@ -37,6 +47,7 @@ from mmlight.analysis.stats import (
     metric_rows,
 )
 from mmlight.data.vocab import Vocab
+from mmlight.models.transformer import TransformerLM
 from mmlight.nn.attention import network_of
 from mmlight.tasks.protocol import check_analysed_task
 
@@ -103,6 +114,45 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=Settings.sink_eps,
         help="a key is a sink above this multiple of the uniform share (default 3)",
     )
+    parser.add_argument(
+        "--massive_top_k",
+        type=int,
+        default=MassiveSettings.top_k,
+        help=f"massive activations: the largest entries listed per block (default {MassiveSettings.top_k})",
+    )
+    parser.add_argument(
+        "--extrapolation",
+        action="store_true",
+        help="language models: perplexity at multiples of the training context, by position in the window",
+    )
+    parser.add_argument(
+        "--multiples",
+        type=int,
+        nargs="+",
+        default=list(MULTIPLES),
+        metavar="M",
+        help=f"extrapolation: window lengths as multiples of the training context (default "
+        f"{' '.join(map(str, MULTIPLES))})",
+    )
+    parser.add_argument(
+        "--train_context",
+        type=int,
+        default=None,
+        help="extrapolation: the training context in tokens (default: the data's block_size, or seq_len)",
+    )
+    parser.add_argument(
+        "--position_bucket",
+        type=int,
+        default=None,
+        help="extrapolation: positions per bucket (default: a quarter of the training context)",
+    )
+    parser.add_argument(
+        "--extrapolation_windows",
+        type=int,
+        default=4,
+        help="extrapolation: windows of the largest multiple evaluated; every multiple scores the same tokens "
+        "(default 4)",
+    )
     args, rest = parser.parse_known_args(argv)
     if "--config" not in rest and not any(a.startswith("--config=") for a in rest):
         parser.error("--config CONFIG is required (the config the checkpoints were trained with)")
@@ -112,6 +162,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--kv_calibrate needs --num_samples >= 2 (two disjoint halves), got {args.num_samples}")
     if args.kv_skip_layers < 0:
         parser.error(f"--kv_skip_layers must be >= 0, got {args.kv_skip_layers}")
+    for name in ("massive_top_k", "extrapolation_windows", "train_context", "position_bucket"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    if min(args.multiples) < 1:
+        parser.error(f"--multiples must each be >= 1, got {args.multiples}")
     if not all(0.0 < r <= 1.0 for r in args.keep_ratios):
         parser.error(f"--keep_ratios must each be in (0, 1], got {args.keep_ratios}")
     resolved = [Path(p).resolve() for p in args.ckpt_path]
@@ -212,10 +268,12 @@ def analyze(argv: list[str]) -> None:
 
     args, rest = parse_args(argv)
     cli, labels, tasks, batches = checked_inputs(args, rest)
+    stream, context = extrapolation_inputs(args, cli.datamodule, tasks) if args.extrapolation else (None, None)
     trainer = eval_trainer(cli.config.trainer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(sink_eps=args.sink_eps)
+    massive_settings = MassiveSettings(top_k=args.massive_top_k)
     vocab = vocabulary(cli.datamodule)
     calibration = {}
     if args.kv_calibrate:
@@ -225,13 +283,15 @@ def analyze(argv: list[str]) -> None:
     runs = 0
     if args.robustness:
         runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios, args.kv_methods, options[0]))
-    total = len(tasks) * (args.num_samples + runs)
-    results, robustness, example_files = {}, [], []
+    windows = 0 if stream is None else sum(extrapolation_windows(args, t, len(stream), context) for t in tasks)
+    total = len(tasks) * (args.num_samples + runs) + windows
+    results, robustness, example_files, massive, extrapolation = {}, [], [], {}, {}
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
         for label, task, kv in zip(labels, tasks, options):
             bar.set_postfix_str(label)
             task.to(trainer.strategy.root_device)
             results[label] = collect_statistics(task, batches, settings, progress=bar.update)
+            massive[label] = with_token_text(massive_activations(task, batches, massive_settings), vocab)
             example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
             if args.robustness:
                 rows = robustness_rows(
@@ -246,6 +306,10 @@ def analyze(argv: list[str]) -> None:
                     kv,
                 )
                 robustness += [(label, *row) for row in rows]
+            if stream is not None:
+                extrapolation[label] = length_extrapolation(
+                    task, stream, context, args.multiples, args.position_bucket, bar.update
+                )
             task.cpu()
 
     meta = {
@@ -258,15 +322,89 @@ def analyze(argv: list[str]) -> None:
         "kv_methods": args.kv_methods,
         "checkpoints": dict(zip(labels, args.ckpt_path)),
     }
-    write_stats(out, results, meta)
+    lm = {"massive_activations": massive, **({"extrapolation": extrapolation} if extrapolation else {})}
+    write_stats(out, results, meta, lm)
     if calibration:
         (out / "qfilters.json").write_text(json.dumps(calibration, indent=1) + "\n")
     written = figures.comparisons(results, out) + example_files
     if robustness:
         write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
         written.append(figures.robustness(robustness, out))
-    write_summary(out, results, meta, written, robustness)
+    written += write_lm_analyses(out, massive, extrapolation)
+    write_summary(out, results, meta, written, robustness, lm)
+    for label, result in extrapolation.items():
+        for line in undefined_multiples(result):
+            print(f"mmlight analyze: {label}: {line}")
     print(f"mmlight analyze: {len(tasks)} checkpoint(s), {args.num_samples} {args.split} samples -> {out}/summary.md")
+
+
+def training_context(args: argparse.Namespace, datamodule) -> int:
+    """``--train_context``, else the data's training sequence length (``block_size`` of a text
+    DataModule, ``seq_len`` of the recall task's), else an :class:`AnalyzeError` asking for it."""
+    if args.train_context is not None:
+        return args.train_context
+    for attr in ("block_size", "seq_len"):
+        value = getattr(datamodule, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise AnalyzeError(
+        f"--extrapolation needs the training context: {type(datamodule).__name__} has no block_size or "
+        "seq_len, give --train_context N"
+    )
+
+
+def extrapolation_inputs(args: argparse.Namespace, datamodule, tasks: list):
+    """The evaluation stream and the training context of ``--extrapolation``, checked before any work:
+    every checkpoint must be a language model, and the split must hold the windows asked for."""
+    for task, path in zip(tasks, args.ckpt_path):
+        if not isinstance(network_of(task), TransformerLM):
+            raise AnalyzeError(f"--extrapolation needs a language model; {path} holds a {type(task).__name__}")
+    context = training_context(args, datamodule)
+    needed = args.extrapolation_windows * context * max(args.multiples)
+    pad_id = network_of(tasks[0]).config.pad_id
+    stream = stream_from_batches(eval_loader(datamodule, args.split), pad_id, needed)
+    if len(stream) < needed:
+        raise AnalyzeError(
+            f"--extrapolation: {args.extrapolation_windows} window(s) of {max(args.multiples)} x {context} tokens "
+            f"need {needed} positions, and the {args.split} split holds {len(stream)}: lower "
+            "--extrapolation_windows or --multiples"
+        )
+    return stream, context
+
+
+def extrapolation_windows(args: argparse.Namespace, task, positions: int, context: int) -> int:
+    """Windows that the extrapolation of ``task`` runs over ``positions`` (for the progress bar): those
+    of every multiple whose window its position table holds."""
+    limit = position_limit(network_of(task))
+    return sum(positions // (m * context) for m in args.multiples if limit is None or m * context <= limit)
+
+
+def undefined_multiples(result: dict) -> list[str]:
+    """A line per multiple of an extrapolation result that is not defined, with the reason."""
+    return [f"{m}x not evaluated: {e['reason']}" for m, e in result["multiples"].items() if not e["defined"]]
+
+
+def with_token_text(result: dict, vocab: list[str] | None) -> dict:
+    """``result`` of :func:`massive_activations` with each top entry's token spelled (``token_text``)."""
+    for entry in result["blocks"].values():
+        for top in entry["top"]:
+            token = top["token"]
+            top["token_text"] = vocab[token] if vocab is not None and token is not None and token < len(vocab) else None
+    return result
+
+
+def write_lm_analyses(out: Path, massive: dict, extrapolation: dict) -> list[str]:
+    """``massive_activations.csv`` (``checkpoint,block,metric,value``) and its figure, and with
+    extrapolation results ``extrapolation.csv`` and its figure; returns the figures' names."""
+    rows = [(label, *row) for label, result in massive.items() for row in massive_rows(result)]
+    write_csv(out / "massive_activations.csv", ("checkpoint", "block", "metric", "value"), rows)
+    written = [figures.save(figures.massive_figure(massive), out, "massive_activations.png")]
+    if extrapolation:
+        header = ("checkpoint", "multiple", "length", "part", "start", "stop", "count", "ppl")
+        rows = [(label, *row) for label, result in extrapolation.items() for row in extrapolation_rows(result)]
+        write_csv(out / "extrapolation.csv", header, rows)
+        written.append(figures.save(figures.extrapolation_figure(extrapolation), out, "length_extrapolation.png"))
+    return written
 
 
 def checked_inputs(args: argparse.Namespace, rest: list[str]):
@@ -355,9 +493,10 @@ def write_csv(path: Path, header: tuple, rows: list) -> None:
         writer.writerows(rows)  # csv writes None as an empty field
 
 
-def write_stats(out: Path, results: dict, meta: dict) -> None:
+def write_stats(out: Path, results: dict, meta: dict, lm: dict | None = None) -> None:
     """``stats.csv`` (``checkpoint,layer,head,metric,value``) and ``stats.json`` (the same rows, the
-    settings, and the per-layer histograms, incoming attention and top sinks)."""
+    settings, the per-layer histograms, incoming attention and top sinks, and the ``lm`` analyses:
+    ``massive_activations`` and ``extrapolation``, each by checkpoint)."""
     rows = [(label, *row) for label, stats in results.items() for row in metric_rows(stats)]
     write_csv(out / "stats.csv", ("checkpoint", "layer", "head", "metric", "value"), rows)
     payload = {
@@ -372,6 +511,7 @@ def write_stats(out: Path, results: dict, meta: dict) -> None:
         },
         "rows": [dict(zip(("checkpoint", "layer", "head", "metric", "value"), r)) for r in rows],
         "details": results,
+        **(lm or {}),
     }
     (out / "stats.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
@@ -394,8 +534,11 @@ def layer_means(stats: dict, extra: tuple[str, ...] = ()) -> dict[str, float]:
     return means
 
 
-def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list) -> None:
-    """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the figures."""
+def write_summary(
+    out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list, lm: dict | None = None
+) -> None:
+    """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the robustness
+    rows, the ``lm`` analyses (see :func:`write_stats`), the figures."""
     columns = HEAD_METRICS + LAYER_METRICS + gate_columns(results)
     lines = [
         f"# Attention analysis: {meta['num_samples']} {meta['split']} samples",
@@ -425,5 +568,59 @@ def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str],
             "|---|---|---|---|---|",
         ]
         lines += [f"| {c} | {i} | {lv} | {m} | {v:.4g} |" for c, i, lv, m, v in robustness]
+    lines += lm_summary(lm or {})
     lines += ["", "## Figures", ""] + [f"- [{name}]({name})" for name in figure_files]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def number(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def lm_summary(lm: dict) -> list[str]:
+    """The summary's sections of the massive activations (per checkpoint, the block with the largest
+    mean ratio, and its largest entry) and of the length extrapolation (perplexity per multiple)."""
+    lines = []
+    massive = lm.get("massive_activations", {})
+    if massive:
+        lines += [
+            "",
+            "## Massive activations (block outputs)",
+            "",
+            "Per checkpoint, the block whose largest |h| is the most times its sample's median (mean over "
+            "samples), and the largest entry of that block over all samples.",
+            "",
+            "| checkpoint | block | median | top 1 | ratio | massive | largest: position, token, dim, value |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, result in massive.items():
+            name, entry = max(result["blocks"].items(), key=lambda kv: kv[1]["ratio"] or -1.0)
+            top = entry["top"][0] if entry["top"] else None
+            where = (
+                "-"
+                if top is None
+                else f"{top['position']}, {top['token_text'] or top['token']}, {top['dim']}, {top['value']:.4g}"
+            )
+            top1 = entry["top_mean"][0] if entry["top_mean"] else None
+            lines.append(
+                f"| {label} | {name} | {number(entry['median'])} | {number(top1)} | {number(entry['ratio'])} | "
+                f"{entry['massive']} | {where} |"
+            )
+    extrapolation = lm.get("extrapolation", {})
+    if extrapolation:
+        first = next(iter(extrapolation.values()))
+        multiples = list(first["multiples"])
+        lines += [
+            "",
+            f"## Length extrapolation ({first['positions']} positions, training context {first['context']})",
+            "",
+            "Perplexity over the same scored tokens, cut into windows of each multiple of the training context "
+            "(-: past the model's learned position table).",
+            "",
+            "| checkpoint | " + " | ".join(f"{m}x" for m in multiples) + " |",
+            "|---" * (len(multiples) + 1) + "|",
+        ]
+        for label, result in extrapolation.items():
+            values = [number(e.get("ppl")) for e in result["multiples"].values()]
+            lines.append(f"| {label} | " + " | ".join(values) + " |")
+    return lines

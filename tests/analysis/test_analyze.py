@@ -502,3 +502,53 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
         analyze(config, [second], tmp_path / "refused", "--num_samples", "4", overrides=fewer_keys)
     assert str(refused.value) == f"mmlight analyze: error: checkpoint {second} has vocab_size=68 but the data has 52"
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_massive_activations_and_extrapolation_reach_their_files_and_past_the_table_is_said(tmp_path, capsys):
+    """On a 1-step recall checkpoint (learned positions, 64 of them; sequences of 31 tokens): 1x and 2x are
+    evaluated, 4x and 8x are named as past the table; the files hold what the analysis functions return."""
+    from mmlight.analysis.extrapolation import length_extrapolation, stream_from_batches
+    from mmlight.analysis.massive import massive_activations
+    from mmlight.data import RecallDataModule
+    from mmlight.tasks import LanguageModel
+
+    config = QUICK / "lm_softmax.yaml"
+    data = ["--data.init_args.train_size", "64", "--data.init_args.val_size", "16"]
+    ckpt = fit(config, tmp_path / "runs", *data, "--trainer.max_steps", "1")
+    with pytest.raises(SystemExit) as refused:  # 4 windows of 8 x 31 tokens: more than 16 sequences hold
+        analyze(config, [ckpt], tmp_path / "refused", "--num_samples", "4", "--extrapolation", overrides=data)
+    assert "need 992 positions, and the val split holds 496" in str(refused.value)
+    assert not (tmp_path / "refused").exists()
+
+    out = tmp_path / "out"
+    analyze(
+        config, [ckpt], out, "--num_samples", "4", "--extrapolation", "--extrapolation_windows", "2", overrides=data
+    )
+    assert (
+        "lm_softmax: 4x not evaluated: the model's learned position table holds 64 positions" in capsys.readouterr().out
+    )
+    recall = RecallDataModule(train_size=64, val_size=16, batch_size=64)
+    recall.setup("validate")
+    batches = list(recall.val_dataloader())
+    task = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu")
+    expected = length_extrapolation(task, stream_from_batches(batches, 1, 496), 31, bucket=8)
+    rows = read_csv(out / "extrapolation.csv")
+    windows = {r["multiple"]: r for r in rows if r["part"] == "window"}
+    assert float(windows["1"]["ppl"]) == pytest.approx(expected["multiples"][1]["ppl"], rel=1e-9)
+    assert float(windows["2"]["ppl"]) == pytest.approx(expected["multiples"][2]["ppl"], rel=1e-9)
+    assert windows["4"]["ppl"] == windows["8"]["ppl"] == ""
+    assert [(r["start"], r["stop"]) for r in rows if r["multiple"] == "2" and r["part"] == "bucket"] == [
+        (str(s), str(min(s + 8, 62))) for s in range(0, 62, 8)
+    ]
+    massive = massive_activations(task, [{k: v[:4] for k, v in batches[0].items()}])
+    stats = json.loads((out / "stats.json").read_text())
+    written = stats["massive_activations"]["lm_softmax"]["blocks"]["decoder.layers.1"]
+    assert written["ratio"] == pytest.approx(massive["blocks"]["decoder.layers.1"]["ratio"], rel=1e-9)
+    assert written["top"][0]["token_text"] == f"k{written['top'][0]['token'] - 4}" or written["top"][0][
+        "token_text"
+    ].startswith("v")
+    summary = (out / "summary.md").read_text()
+    assert "## Length extrapolation (496 positions, training context 31)" in summary
+    assert "- [length_extrapolation.png](length_extrapolation.png)" in summary
+    assert (out / "massive_activations.png").is_file() and (out / "massive_activations.csv").is_file()

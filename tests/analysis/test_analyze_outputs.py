@@ -346,3 +346,17 @@ def test_summary_md_whole(tmp_path):
         "- [a.png](a.png)\n"
         "- [b.png](b.png)\n"
     )
+
+
+def test_the_docs_state_the_defaults_of_the_language_model_analyses():
+    """docs/analysis.md states these defaults in prose; they are the code's."""
+    from mmlight.analysis.extrapolation import MULTIPLES
+    from mmlight.analysis.massive import MassiveSettings
+
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "analysis.md").read_text().split())
+    args, _ = analyze.parse_args(["--config", "c.yaml", "--ckpt_path", "a.ckpt", "--out", "o"])
+    assert f"(`--multiples`, default {' '.join(map(str, MULTIPLES))})" in doc and args.multiples == list(MULTIPLES)
+    assert args.extrapolation_windows == 4 and "(default L/4, rounded up;" in doc
+    settings = MassiveSettings()
+    assert args.massive_top_k == settings.top_k
+    assert f"|h| above {settings.min_magnitude:g} and above {settings.min_ratio:g} × the sample's median" in doc

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmlight.analysis import figures
 from mmlight.analysis.figures import grad_cam_map, vit_reshape
 from mmlight.models import ReweightedViT
 from tests.helpers.models import micro_vit
@@ -673,3 +674,31 @@ def test_layers_figure_draws_counts_unless_asked_for_the_cdf():
 
     stats = {"histogram_edges": [0.1, 1.0], "sites": {"blocks.0": {"histogram": [1, 3]}}}
     assert layers_figure(stats).axes[0].get_ylabel() == "count"
+
+
+def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what_is_past_the_table():
+    bucket = [{"start": 0, "stop": 2, "ppl": 3.0}, {"start": 2, "stop": 3, "ppl": 5.0}]
+    result = {
+        "context": 3,
+        "multiples": {
+            1: {"defined": True, "ppl": 4.0, "buckets": bucket},
+            2: {"defined": False, "reason": "past the table"},
+        },
+    }
+    fig = figures.extrapolation_figure({"run": result})
+    panel, whole = fig.axes[0], fig.axes[1]
+    (line,) = panel.get_lines()[:1]
+    assert list(line.get_xdata()) == [0.5, 2.0] and list(line.get_ydata()) == [3.0, 5.0]
+    assert panel.get_title() == "run (2x: past the position table)"
+    assert [list(ln.get_ydata()) for ln in whole.get_lines()] == [[4.0]]
+
+
+def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_ratio_per_block():
+    blocks = {
+        "b0": {"top_mean": [10.0, 2.0], "median": 1.0, "ratio": 9.0},
+        "b1": {"top_mean": [400.0, 3.0], "median": 2.0, "ratio": 250.0},
+    }
+    fig = figures.massive_figure({"run": {"blocks": blocks}})
+    top, median = fig.axes[0].get_lines()
+    assert list(top.get_ydata()) == [10.0, 400.0] and list(median.get_ydata()) == [1.0, 2.0]
+    assert list(fig.axes[1].get_lines()[0].get_ydata()) == [9.0, 250.0]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from mmlight.analysis.massive import massive_activations
 from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
 from mmlight.data import RecallDataModule
@@ -481,3 +482,18 @@ def test_a_failed_run_cancels_what_waits_and_does_not_wait_for_what_runs():
     time.sleep(0.1)
     assert queued == []
     stats.on_exception(trainer, None, RuntimeError("again"))  # nothing running: nothing to do
+
+
+def test_massive_activations_are_off_by_default_and_when_on_logged_as_the_analysis_computes_them(tmp_path):
+    assert AttentionStats().massive is None
+    stats_cb = AttentionStats(every_n_epochs=1, num_samples=10, figures="off", massive_activations=True)
+    task, data, metrics = tiny_run(tmp_path, [stats_cb], epochs=1)
+    logged = [r for r in csv.DictReader(open(metrics)) if r.get("massive/decoder.layers.1/ratio")]
+    assert len(logged) == 1 and float(logged[0]["massive/seconds"]) > 0
+    want = massive_activations(task, stats_cb.batches)  # after training = the recording of the only epoch
+    for block in ("decoder.layers.0", "decoder.layers.1"):
+        entry = want["blocks"][block]
+        assert float(logged[0][f"massive/{block}/ratio"]) == pytest.approx(entry["ratio"], rel=1e-6)
+        assert float(logged[0][f"massive/{block}/median"]) == pytest.approx(entry["median"], rel=1e-6)
+        assert float(logged[0][f"massive/{block}/top1"]) == pytest.approx(entry["top_mean"][0], rel=1e-6)
+        assert float(logged[0][f"massive/{block}/massive"]) == entry["massive"]

@@ -1,0 +1,160 @@
+"""Length extrapolation: the bucket boundaries against grouping by integer division on every small case,
+the evaluation stream against the windows it was cut into, and the perplexities against per-token NLLs
+recomputed in float64 and summed by hand."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from mmlight.analysis.extrapolation import (
+    Stream,
+    bucket_bounds,
+    extrapolation_rows,
+    length_extrapolation,
+    position_limit,
+    stream_from_batches,
+)
+from mmlight.data import RecallDataModule
+from mmlight.data.text import EvalWindows
+from mmlight.models.transformer import TransformerLM
+from mmlight.tasks import LanguageModel
+from tests.helpers.models import tiny_transformer
+
+PAD, EOS = 1, 2
+
+
+def test_bucket_bounds_are_the_groups_of_integer_division_on_every_small_case():
+    for length in range(1, 13):
+        for size in range(1, 15):
+            groups: dict[int, list[int]] = {}
+            for p in range(length):
+                groups.setdefault(p // size, []).append(p)
+            expected = [(ps[0], ps[-1] + 1) for _, ps in sorted(groups.items())]
+            assert bucket_bounds(length, size) == expected, (length, size)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bucket_bounds(4, 0)
+
+
+@pytest.mark.parametrize("context", [0, 2, 4])
+def test_the_stream_of_overlapping_windows_is_the_split_once_in_order(context):
+    tokens = np.arange(10, 33)  # 23 targets
+    windows = EvalWindows(tokens, block_size=5, context=context, batch_size=3, pad_id=PAD, eos_id=EOS)
+    stream = stream_from_batches(iter(windows), PAD, num_positions=10_000)
+    assert stream.inputs.tolist() == [EOS, *tokens[:-1]]
+    assert stream.targets.tolist() == tokens.tolist()
+    assert bool(stream.scored.all())
+    first = stream_from_batches(iter(windows), PAD, num_positions=7)  # stops early, cut to the length
+    assert first.targets.tolist() == tokens[:7].tolist()
+
+
+def test_rows_without_a_start_follow_one_another_without_their_padding():
+    batch = {
+        "input": torch.tensor([[5, 6, 7], [8, PAD, PAD]]),
+        "target": torch.tensor([[6, 7, 9], [4, 0, 0]]),
+        "loss_mask": torch.tensor([[False, True, True], [True, False, False]]),
+    }
+    stream = stream_from_batches([batch, batch], PAD, num_positions=100)
+    assert stream.inputs.tolist() == [5, 6, 7, 8] * 2
+    assert stream.targets.tolist() == [6, 7, 9, 4] * 2
+    assert stream.scored.tolist() == [False, True, True, True] * 2
+
+
+def reference_nll(model: TransformerLM, stream: Stream, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position NLL and scored count summed by hand over the windows, from a float64 copy of ``model``
+    (with sinusoidal positions, built with a table of ``length`` positions from the start)."""
+    config = replace(model.config, max_positions=length) if model.config.sinusoidal_positions else model.config
+    double = TransformerLM(config).double().eval()
+    double.load_state_dict(model.state_dict())
+    nll, count = np.zeros(length), np.zeros(length, dtype=int)
+    with torch.no_grad():
+        for w in range(len(stream) // length):
+            part = slice(w * length, (w + 1) * length)
+            log_probs = torch.log_softmax(double.logits(double(stream.inputs[part][None]))[0], dim=-1)  # (W, V)
+            for p in range(length):
+                if stream.scored[part][p]:
+                    nll[p] += -float(log_probs[p, stream.targets[part][p]])
+                    count[p] += 1
+    return nll, count
+
+
+def random_stream(n: int, vocab: int, seed: int = 0) -> Stream:
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(4, vocab, (n,), generator=g)
+    targets = torch.randint(4, vocab, (n,), generator=g)
+    return Stream(inputs, targets, torch.rand(n, generator=g) < 0.7)
+
+
+@pytest.mark.parametrize("sinusoidal", [True, False])
+def test_perplexities_equal_float64_token_nlls_summed_by_hand(sinusoidal):
+    torch.manual_seed(0)
+    context = 6
+    # a sinusoidal table of exactly the training context, extended for the evaluation; a learned one of 2x
+    config = tiny_transformer(max_positions=context if sinusoidal else 2 * context, sinusoidal_positions=sinusoidal)
+    task = LanguageModel(config)
+    stream = random_stream(2 * 4 * context + 5, config.vocab_size)  # 2 windows at 4x, 5 positions left over
+    result = length_extrapolation(task, stream, context, multiples=(1, 2, 4), bucket=4)
+    assert result["positions"] == 48 and result["scored"] == int(stream.scored[:48].sum())
+    assert result["limit"] == (None if sinusoidal else 2 * context)
+    used = Stream(stream.inputs[:48], stream.targets[:48], stream.scored[:48])
+    for m in (1, 2, 4):
+        entry = result["multiples"][m]
+        if not sinusoidal and m == 4:
+            assert not entry["defined"] and "holds 12 positions, fewer than 24" in entry["reason"]
+            assert "ppl" not in entry
+            continue
+        nll, count = reference_nll(task.model, used, m * context)
+        assert entry["defined"] and entry["count"] == count.sum()
+        assert entry["ppl"] == pytest.approx(math.exp(nll.sum() / count.sum()), rel=1e-5)
+        for bucket, (start, stop) in zip(entry["buckets"], bucket_bounds(m * context, 4)):
+            assert (bucket["start"], bucket["stop"], bucket["count"]) == (start, stop, count[start:stop].sum())
+            assert bucket["nll"] == pytest.approx(nll[start:stop].sum(), rel=1e-5)
+    # the sinusoidal table is back to its own size; the model still refuses what it always refused
+    embed = task.model.decoder.embed
+    table = embed.sinusoid if sinusoidal else embed.positions.weight
+    assert embed.max_positions == config.max_positions == table.shape[0]
+    with pytest.raises(ValueError, match="exceed max_positions"):
+        task.model(stream.inputs[None, : 4 * context])
+    assert task.training  # the mode is put back
+
+
+def test_rows_list_each_window_and_bucket_and_the_undefined_multiples():
+    result = {
+        "multiples": {
+            1: {"length": 4, "defined": True, "count": 3, "ppl": 2.0, "buckets": [
+                {"start": 0, "stop": 2, "count": 1, "ppl": 3.0}, {"start": 2, "stop": 4, "count": 2, "ppl": 1.5}]},
+            2: {"length": 8, "defined": False, "reason": "too long"},
+        }
+    }  # fmt: skip
+    assert extrapolation_rows(result) == [
+        (1, 4, "window", 0, 4, 3, 2.0),
+        (1, 4, "bucket", 0, 2, 1, 3.0),
+        (1, 4, "bucket", 2, 4, 2, 1.5),
+        (2, 8, "window", 0, 8, None, None),
+    ]
+
+
+def test_at_1x_on_recall_sequences_the_perplexity_is_the_models_own_loss():
+    """Windows of the training context on the recall task are its sequences, so 1x is the validation loss."""
+    torch.manual_seed(0)
+    data = RecallDataModule(num_keys=8, num_values=8, num_pairs=3, num_queries=3, val_size=10, batch_size=4)
+    data.setup("validate")
+    task = LanguageModel(tiny_transformer(vocab_size=20, sinusoidal_positions=False)).eval()
+    batches = list(data.val_dataloader())
+    stream = stream_from_batches(batches, PAD, num_positions=10 * data.seq_len)
+    result = length_extrapolation(task, stream, data.seq_len, multiples=(1, 2))
+    with torch.no_grad():
+        sums = [task.model.loss(b["input"], b["target"], b["loss_mask"]) for b in batches]
+    total, count = sum(float(s) for s, _ in sums), sum(int(n) for _, n in sums)
+    assert result["multiples"][1]["count"] == count == 10 * 3
+    assert result["multiples"][1]["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert result["multiples"][2]["count"] == count  # the same tokens, two sequences per window
+    assert position_limit(task.model) == 32 and result["bucket"] == 3  # default: a quarter of 11, rounded up
+
+
+def test_a_stream_shorter_than_one_window_is_refused_with_the_numbers():
+    task = LanguageModel(tiny_transformer())
+    with pytest.raises(ValueError, match="holds 20 positions, fewer than one window of 8 x 3 = 24"):
+        length_extrapolation(task, random_stream(20, 20), 3)
