@@ -115,21 +115,20 @@ def test_the_preparers_and_commands_are_what_mmlight_help_lists(capsys):
     assert [name.removeprefix("`mmlight ").strip("`") for name, _ in rows(render_docs.commands())] == listed
     with pytest.raises(SystemExit):
         main(["prepare", "--help"])
-    choices = re.search(r"\{([\w,]+)\}", capsys.readouterr().out).group(1).split(",")
+    choices = re.search(r"\{([\w,-]+)\}", capsys.readouterr().out).group(1).split(",")
     assert sorted(name.strip("`") for name, *_ in rows(render_docs.preparers())) == sorted(choices)
     digits = next(r for r in rows(render_docs.preparers()) if r[0] == "`digits`")
     assert digits[2] == "no"  # the one preparer that runs without --src
 
 
 def test_the_switches_are_the_gpu_runs_and_their_defaults_the_modules_values():
-    """The kernel switches listed are the ones ``benchmarks/gpu_run.py`` sweeps, each at its module's value."""
+    """The kernel switches listed are the ones the GPU run (``benchmarks/gpu/``) sweeps, each at its module's value."""
     code = (
-        "from gpu_run import SWITCHES, CE_SWITCHES, ROWWISE_SWITCHES\n"
-        "for module, name, _ in SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES:\n"
-        "    print(module.__name__.rsplit('.', 1)[1] + '.' + name)"
+        "from benchmarks.gpu.common import ATTENTION_SWITCHES, CE_SWITCHES, ROWWISE_SWITCHES\n"
+        "for module, name, _ in ATTENTION_SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES:\n"
+        "    print(module.rsplit('.', 1)[1] + '.' + name)"
     )
-    # gpu_run imports its sibling scripts by name, as `python benchmarks/gpu_run.py` runs it
-    folder = render_docs.ROOT / "benchmarks"
+    folder = render_docs.ROOT  # the GPU run's package, as `python -m benchmarks.gpu` imports it
     swept = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, check=True)
     swept_names = sorted(swept.stdout.split())
     table = {name.strip("`"): default for name, default, _ in rows(render_docs.kernel_switches())}
