@@ -138,12 +138,16 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-#: what the official CIFAR pickles reference (NumPy arrays, by the module NumPy 1 or 2 names) and the
+#: what the official CIFAR pickles reference (NumPy arrays, by the module NumPy 1 or 2 names), what a
+#: Python 3 re-pickle at protocol 5 references for an array (built from its bytes), and the
 #: ``_codecs.encode`` that Python 3 writes for bytes at protocol 2
 _ARRAY_REBUILD = np.empty(0).__reduce__()[0]
+_ARRAY_FROM_BUFFER = np.empty(0).__reduce_ex__(5)[0]
 PLAIN_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"): _ARRAY_REBUILD,
     ("numpy._core.multiarray", "_reconstruct"): _ARRAY_REBUILD,
+    ("numpy.core.numeric", "_frombuffer"): _ARRAY_FROM_BUFFER,
+    ("numpy._core.numeric", "_frombuffer"): _ARRAY_FROM_BUFFER,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
     ("_codecs", "encode"): codecs.encode,

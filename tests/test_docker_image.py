@@ -193,6 +193,8 @@ def test_quick_start_writes_to_the_mounted_folder(container, entrypoint, runs):
     events = [path for path in files if path.name.startswith("events.out.tfevents")]
     assert checkpoints and events, files
     assert torch.load(checkpoints[0], map_location="cpu", weights_only=False)["epoch"] == 0
+    # what the container wrote where the host reads it; the logged values are checked outside Docker
+    # (tests/callbacks/test_throughput.py, tests/tasks/): here they depend on the image's CPU and timing
     assert any(tag.startswith("train/") for tag in scalar_tags(events[0]))
 
 
@@ -240,7 +242,7 @@ def test_sigterm_through_tini_stops_training_cleanly(container, entrypoint, runs
     for checkpoint in (path for path in files if path.suffix == ".ckpt"):
         assert "state_dict" in torch.load(checkpoint, map_location="cpu", weights_only=False)
     events = [path for path in files if path.name.startswith("events.out.tfevents")]
-    assert events and any(tag.startswith("train/") for tag in scalar_tags(events[0]))
+    assert events and any(tag.startswith("train/") for tag in scalar_tags(events[0]))  # values: as above
 
 
 WRITE_PROBE = """

@@ -164,6 +164,50 @@ def test_gpu_report_of_a_kernel_that_failed_or_missed_its_tolerance(recorded_gpu
     ) in out
 
 
+def test_a_kernel_that_passes_beside_a_compile_backend_that_failed_fails(gpu_on_the_cpu, monkeypatch, capsys):
+    """The kernel matches the reference, but ``compile`` (the fallback of ``backend: auto``) raises when timed:
+    a FAIL row naming the backend's error, the failing verdict and exit status 1, not "none is slower"."""
+    import triton.testing
+
+    def do_bench(fn, warmup, rep):
+        fn()
+        return 0.5
+
+    def run(module, inputs, backend):
+        if backend == "compile":
+            raise RuntimeError("BackendCompilerFailed: inductor raised")
+        return stand_in()(module, inputs, backend)
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    row = doctor.run_check(doctor.Check("stand-in", (2, 3, 9), (1, 2, 5), doctor._scores, run, 2e-2), on_gpu=True)
+    assert isinstance(row["error"], float) and row["error"] < 2e-2  # the kernel itself is right
+    assert row["ms"] == {"triton": 0.5, "reference": 0.5, "compile": "RuntimeError"} and row["ok"] is False
+    assert doctor.failed_backends(row) == ["compile: RuntimeError"]
+    assert doctor.verdict([row], on_gpu=True).startswith("VERDICT: FAIL for stand-in (compile: RuntimeError). ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(doctor, "environment", lambda: [])
+    monkeypatch.setattr(doctor, "run_check", lambda check, on_gpu: dict(row, check=check.name))
+    with pytest.raises(SystemExit) as exit_info:
+        doctor.main([])
+    assert exit_info.value.code == 1
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[-2:] for r in rows] == [["RuntimeError", "FAIL"]] * len(doctor.CHECKS)
+
+
+def test_recorded_rows_with_a_failed_reference_or_compile_backend_fail_and_name_it():
+    """Judged from the timings alone (the H100's first row): either fallback backend failing fails the row;
+    the kernel's own failure is named by its error, not twice."""
+    row = dict(H100_ROWS[0], ms={"triton": 0.9, "reference": "OutOfMemoryError", "compile": "BackendCompilerFailed"})
+    assert doctor.failed_backends(row) == ["reference: OutOfMemoryError", "compile: BackendCompilerFailed"]
+    assert doctor.failed_backends(dict(row, ms={"triton": "CompilationError", "reference": 1.0, "compile": 1.0})) == []
+    assert doctor.failed_backends(H100_ROWS[0]) == [] and doctor.failed_backends({"ok": True}) == []
+    failed = doctor.verdict([dict(row, ok=False)], on_gpu=True)
+    assert failed.startswith(
+        "VERDICT: FAIL for row-wise MultiMax (DeiT-small scores) (reference: OutOfMemoryError) "
+        "(compile: BackendCompilerFailed). Backend 'auto' falls back"
+    )
+
+
 def test_without_a_gpu_or_the_interpreter_the_doctor_reruns_itself_under_the_interpreter(monkeypatch):
     """The interpreter must be on before Triton defines a kernel: a fresh process with TRITON_INTERPRET=1,
     whose exit status is the doctor's; with it already on, no new process."""

@@ -224,6 +224,23 @@ def test_the_plain_unpickler_reads_arrays_under_numpy_1_and_2_names_and_refuses_
     assert str(refused.value).startswith(f"batch {REFUSED}: numpy.save.")
 
 
+def test_the_plain_unpickler_reads_python_3_protocol_5_arrays_with_str_keys():
+    """A re-pickle under Python 3 at protocol 5 (``pickle.HIGHEST_PROTOCOL``) has str keys and rebuilds an array
+    from its bytes (``numpy._core.numeric._frombuffer``, ``numpy.core`` under NumPy 1): the same values."""
+    array = np.arange(12, dtype=np.uint8).reshape(3, 4) * 20
+    data = pickle.dumps({"data": array, "labels": [1, 2, 0], "batch_label": "b"}, protocol=5)
+    assert b"numpy._core.numeric" in data and b"_frombuffer" in data
+    loaded = PlainUnpickler(data, "batch").load()
+    assert loaded.keys() == {"data", "labels", "batch_label"} and loaded["labels"] == [1, 2, 0]
+    assert loaded["data"].dtype == np.uint8 and np.array_equal(loaded["data"], array)
+    unpickler = PlainUnpickler(b"", "batch")  # the name NumPy 1 writes gives the same function
+    rebuild = unpickler.find_class("numpy._core.numeric", "_frombuffer")
+    assert unpickler.find_class("numpy.core.numeric", "_frombuffer") is rebuild
+    assert np.array_equal(rebuild(array.tobytes(), np.dtype(np.uint8), (3, 4), "C"), array)
+    with pytest.raises(RefusedFile, match="numpy._core.numeric.fromfile"):
+        unpickler.find_class("numpy._core.numeric", "fromfile")
+
+
 # ----------------------------------------------------------------------------- the package's own code
 
 #: what unpickles with arbitrary globals: torch's full loader, the pickle module's loaders, NumPy's pickles

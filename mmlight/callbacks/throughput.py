@@ -1,11 +1,12 @@
 """Training speed in the logs: samples/s (and tokens/s for the sequence tasks), per device and in
 total, the model FLOPs per sample and the model FLOP utilisation (MFU) against the device's peak.
 
-Built on Lightning's :class:`~lightning.pytorch.callbacks.ThroughputMonitor` (TensorBoard tags
-``train/device/samples_per_sec``, ``train/samples_per_sec`` (all devices, with several),
-``train/device/items_per_sec`` (tokens), ``train/device/flops_per_sec``, ``train/device/mfu``, over
-a window of batches). The FLOPs of one
-training step (forward and backward) are counted once, by torch's FLOP counter
+The rates are Lightning's public :class:`~lightning.fabric.utilities.throughput.Throughput` over a
+window of batches, one per stage, logged under the stage's name as Lightning's ``ThroughputMonitor``
+logs them (TensorBoard tags ``train/device/samples_per_sec``, ``train/samples_per_sec`` (all devices,
+with several), ``train/device/items_per_sec`` (tokens), ``train/device/flops_per_sec``,
+``train/device/mfu``, and ``validate/...``, ``test/...``, ``predict/...`` without FLOPs). The FLOPs of
+one training step (forward and backward) are counted once, by torch's FLOP counter
 (:func:`lightning.fabric.utilities.throughput.measure_flops`) on a copy of the network on the meta
 device: matmuls and attention only, as MFU is usually defined. The end of fit prints the mean.
 """
@@ -13,12 +14,14 @@ device: matmuls and attention only, as MFU is usually defined. The end of fit pr
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.throughput import Throughput as Rates
 from lightning.fabric.utilities.throughput import measure_flops
-from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmlight.reweighting import Reweighting
@@ -51,53 +54,80 @@ def training_step_flops(pl_module, batch) -> int:
     return measure_flops(network, lambda: pl_module.training_loss(meta_batch, network), loss_fn=lambda loss: loss)
 
 
-class Throughput(ThroughputMonitor):
+def clock(device: torch.device) -> float:
+    """Seconds (``time.perf_counter``) once the work queued on ``device`` is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # else the clock reads the time the kernels were queued at
+    return perf_counter()
+
+
+@dataclass
+class Meter:
+    """The running counts of one stage's batches since the stage started, fed to ``rates``.
+
+    Args:
+        rates: Lightning's windowed throughput of the stage.
+        start: the clock when the stage started (training's moves on by the time spent in validation).
+        elapsed: seconds from the start to the end of the latest batch.
+        batches, samples, tokens: counted since the start.
+        seen: batches over every run of the stage in this trainer call (the log step of an evaluation).
+    """
+
+    rates: Rates
+    start: float = 0.0
+    elapsed: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    seen: int = 0
+
+    def restart(self, now: float) -> None:
+        self.rates.reset()
+        self.start, self.elapsed, self.batches, self.samples, self.tokens = now, 0.0, 0, 0, 0
+
+    def add(self, now: float, samples: int, tokens: int | None, flops: float | None) -> None:
+        """One batch of ``samples`` (and ``tokens``, None when not counted) that took ``flops`` per device."""
+        self.batches, self.samples, self.seen = self.batches + 1, self.samples + samples, self.seen + 1
+        self.tokens += tokens or 0
+        self.elapsed = now - self.start
+        lengths = None if tokens is None else self.tokens
+        self.rates.update(time=self.elapsed, batches=self.batches, samples=self.samples, lengths=lengths, flops=flops)
+
+
+class Throughput(Callback):
     """Samples/s, tokens/s, FLOPs per sample and MFU of every fit, to TensorBoard and the progress bar.
 
     The task says whether its batches have tokens (``counts_tokens``), how many samples and tokens a
     batch holds (``batch_counts(batch) -> (samples, tokens or None)``) and its training loss on a
     given network (``training_loss(batch, network)``). Rates are logged once ``window_size`` batches
     have been seen, per device (``train/device/samples_per_sec``) and, with several devices, in
-    total (``train/samples_per_sec``). A task without these members (one written outside mmlight) is
-    run without throughput logs, with a warning that names what it lacks.
+    total (``train/samples_per_sec``), at the trainer's ``log_every_n_steps`` and the steps its
+    training loss is logged at. A task without these members (one written outside mmlight) is run
+    without throughput logs, with a warning that names what it lacks.
 
     Args:
-        window_size: batches averaged in each logged value.
+        window_size: batches averaged in each logged value (at least 2).
     """
-
-    def __init__(self, window_size: int = 10):
-        super().__init__(batch_size_fn=self._samples_in, length_fn=self._tokens_in, window_size=window_size)
-        self._module = None
-        self._first: tuple[float, int, int] | None = None  # (time, samples, tokens) after the first batch
-        self.flops_per_sample: float | None = None
-        self.disabled = False  # set by setup: the task lacks PROTOCOL
-
-    def _start(self, trainer) -> None:
-        if not self.disabled:
-            super()._start(trainer)
-
-    def _update(self, trainer, pl_module, batch, iter_num: int) -> None:
-        if not self.disabled:
-            super()._update(trainer, pl_module, batch, iter_num)
-
-    def _compute(self, trainer, iter_num: int | None = None) -> None:
-        if not self.disabled:
-            super()._compute(trainer, iter_num)
-
-    def on_validation_end(self, trainer, *args) -> None:
-        if not self.disabled:
-            super().on_validation_end(trainer, *args)
-
-    def _samples_in(self, batch) -> int:
-        return self._module.batch_counts(batch)[0]
-
-    def _tokens_in(self, batch) -> int:
-        return self._module.batch_counts(batch)[1]
 
     #: what a task must offer (mmlight's tasks do: tasks/classification.py, tasks/sequence.py)
     PROTOCOL = ("counts_tokens", "batch_counts", "training_loss")
 
+    def __init__(self, window_size: int = 10):
+        if window_size < 2:
+            raise ValueError(f"Throughput: window_size must be at least 2 (a rate needs two times), got {window_size}")
+        self.window_size = window_size
+        self.flops_per_sample: float | None = None
+        self.available_flops: float | None = None
+        self.disabled = False  # set by setup: the task lacks PROTOCOL
+        self.meters: dict[str, Meter] = {}
+        self.first: tuple[float, int, int] | None = None  # training's (time, samples, tokens) after its first batch
+        self.last: tuple[float, int, int] | None = None  # ... after its latest batch
+        self._counts_tokens = False
+        self._device = torch.device("cpu")
+        self._step: int | None = None  # the global step after the previous training batch
+
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.meters, self.first, self.last = {}, None, None  # each fit, validate, test or predict counts anew
         missing = [name for name in self.PROTOCOL if not hasattr(pl_module, name)]
         self.disabled = bool(missing)
         if missing:
@@ -106,66 +136,113 @@ class Throughput(ThroughputMonitor):
                 "(mmlight/callbacks/throughput.py), so this run logs no samples/s, tokens/s or MFU"
             )
             return
-        super().setup(trainer, pl_module, stage)
-        self._module = pl_module
-        if not pl_module.counts_tokens:
-            self.length_fn = None
-        self.available_flops = peak_flops(trainer.strategy.root_device)
-        for throughput in self._throughputs.values():
-            throughput.available_flops = self.available_flops
+        self._counts_tokens = bool(pl_module.counts_tokens)
+        self._device = trainer.strategy.root_device
+        self.available_flops = peak_flops(self._device)
+
+    def _meter(self, trainer, stage: str) -> Meter:
+        if stage not in self.meters:
+            rates = Rates(self.available_flops, world_size=trainer.world_size, window_size=self.window_size)
+            self.meters[stage] = Meter(rates)
+        return self.meters[stage]
+
+    def _start(self, trainer, stage: str) -> None:
+        if not self.disabled and not trainer.sanity_checking:
+            self._meter(trainer, stage).restart(clock(self._device))
+
+    def _add(self, trainer, pl_module, batch, stage: str) -> Meter | None:
+        """Counts ``batch`` into ``stage``'s meter (FLOPs for training only: the count is of a training step)."""
+        if self.disabled or trainer.sanity_checking:
+            return None
+        samples, tokens = pl_module.batch_counts(batch)
+        flops = self.flops_per_sample * samples if stage == "train" else None
+        meter = self._meter(trainer, stage)
+        meter.add(clock(self._device), samples, tokens if self._counts_tokens else None, flops)
+        return meter
+
+    def _log(self, trainer, meter: Meter, stage: str, step: int) -> dict[str, float]:
+        metrics = meter.rates.compute()
+        sep = meter.rates.separator
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{stage}{sep}{name}": value for name, value in metrics.items()}, step=step)
+        return metrics
+
+    # ------------------------------------------------------------------ training
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start(trainer, "train")
+        self._step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if self.disabled:
+        if self.disabled or self.flops_per_sample is not None:
             return
-        samples = pl_module.batch_counts(batch)[0]
-        if self.flops_per_sample is None:
-            self.flops_per_sample = training_step_flops(pl_module, batch) / samples
-            if trainer.logger is not None:
-                trainer.logger.log_metrics({"train/flops_per_sample": self.flops_per_sample}, step=0)
-        # read by ThroughputMonitor for this batch (a batch's size may vary: token budgets, the last batch)
-        pl_module.flops_per_batch = self.flops_per_sample * samples
+        self.flops_per_sample = training_step_flops(pl_module, batch) / pl_module.batch_counts(batch)[0]
+        for logger in trainer.loggers:
+            logger.log_metrics({"train/flops_per_sample": self.flops_per_sample}, step=0)
 
-    def on_validation_batch_start(self, trainer, pl_module, batch, *args) -> None:
-        if self.disabled:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        meter = self._add(trainer, pl_module, batch, "train")
+        if meter is None:
             return
-        # validation logs its samples/s, but no FLOPs: the count is of a training step (with backward)
-        pl_module.flops_per_batch = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
-        if self.disabled:
+        self.last = (meter.elapsed, meter.samples, meter.tokens)
+        self.first = self.first or self.last
+        # logged after an optimiser step only (the step's time included), when Lightning logs the
+        # training loss: at every log_every_n_steps-th step, under the count of steps taken before it
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        every = trainer.log_every_n_steps
+        if not stepped or not every or (trainer.global_step % every and not trainer.should_stop):
             return
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
-        stage = RunningStage.TRAINING
-        throughput = self._throughputs[stage]
-        if not throughput._time:  # ranks other than 0 measure nothing
-            return
-        now = (throughput._time[-1], self._samples[stage], self._lengths[stage])
-        if self._first is None:
-            self._first = now
-        rates = throughput.compute()
-        sep = throughput.separator
-        for name in ("samples", "items"):
+        rates = self._log(trainer, meter, "train", trainer.global_step - 1)
+        sep = meter.rates.separator
+        for name, shown in (("samples", "samples/s"), ("items", "tokens/s")):
             rate = rates.get(f"{name}_per_sec", rates.get(f"device{sep}{name}_per_sec"))
-            if rate is not None and (name == "samples" or self.length_fn is not None):
-                shown = "samples/s" if name == "samples" else "tokens/s"
+            if rate is not None:
                 pl_module.log(shown, rate, prog_bar=True, logger=False, rank_zero_only=True)
-        self._last = now
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.disabled:
-            return
-        if self._first is None or self._last[0] <= self._first[0]:
+        if self.disabled or self.first is None or self.last[0] <= self.first[0]:
             return
         # the mean after the first batch (compilation and the loader's start excluded), all devices
-        seconds = self._last[0] - self._first[0]
-        samples = (self._last[1] - self._first[1]) * trainer.world_size
+        seconds = self.last[0] - self.first[0]
+        samples = (self.last[1] - self.first[1]) * trainer.world_size
         line = f"mean throughput: {samples / seconds:.1f} samples/s on {trainer.world_size} device(s)"
-        if self.length_fn is not None:
-            line += f", {(self._last[2] - self._first[2]) * trainer.world_size / seconds:.1f} tokens/s"
+        if self._counts_tokens:
+            line += f", {(self.last[2] - self.first[2]) * trainer.world_size / seconds:.1f} tokens/s"
         line += f", {self.flops_per_sample:.4g} FLOPs per sample"
         if self.available_flops:
             mfu = samples * self.flops_per_sample / seconds / trainer.world_size / self.available_flops
             line += f", MFU {mfu:.1%}"
         else:
-            line += f" (no MFU: no bf16 peak known for {trainer.strategy.root_device})"
+            line += f" (no MFU: no bf16 peak known for {self._device})"
         rank_zero_info(line)
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_batch_end(self, trainer, pl_module, batch, stage: str) -> None:
+        meter = self._add(trainer, pl_module, batch, stage)
+        every = trainer.log_every_n_steps
+        if meter is not None and every and meter.batches % every == 0:
+            self._log(trainer, meter, stage, meter.seen)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._start(trainer, "validate")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
+        self._eval_batch_end(trainer, pl_module, batch, "validate")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        train, val = self.meters.get("train"), self.meters.get("validate")
+        if trainer.state.fn != "fit" or trainer.sanity_checking or train is None or val is None:
+            return
+        # the training rates leave out the time from training's latest batch to validation's last one
+        train.start += (val.start + val.elapsed) - (train.start + train.elapsed)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._start(trainer, "test")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
+        self._eval_batch_end(trainer, pl_module, batch, "test")
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._start(trainer, "predict")
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
+        self._eval_batch_end(trainer, pl_module, batch, "predict")

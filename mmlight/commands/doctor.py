@@ -13,7 +13,7 @@ Each kernel's output and gradients (inputs and the 8 MultiMax parameters) are co
 reference computed in fp32 from the same bf16 inputs, and each backend's forward + backward is
 timed (median of ``triton.testing.do_bench``). One table, then a verdict: whether ``backend: auto``
 will use the kernels on this machine, and which kernels the ``compile`` backend beats there. Exit
-status 1 if a kernel fails.
+status 1 if a kernel fails, or on a GPU if the ``reference`` or ``compile`` backend fails to run.
 
 Without a CUDA GPU it says so, and checks what it can: the same four computations at tiny shapes
 in fp32 under Triton's CPU interpreter (in a fresh process with ``TRITON_INTERPRET=1``), without
@@ -189,7 +189,15 @@ def run_check(check: Check, on_gpu: bool, timed: bool = True) -> dict:
         row["error"], row["ok"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}", False
     if on_gpu and timed:
         row["ms"] = {backend: _time(check, module, inputs, backend) for backend in BACKENDS}
+        # a backend that cannot run (``compile``: the fallback of ``auto``) fails the check as a kernel does
+        row["ok"] = row["ok"] and not failed_backends(row)
     return row
+
+
+def failed_backends(row: dict) -> list[str]:
+    """``backend: error`` of each backend besides the kernel's own (``triton``, whose error is the row's)
+    that raised when timed: its time is the error's name."""
+    return [f"{b}: {t}" for b, t in row.get("ms", {}).items() if b != "triton" and isinstance(t, str)]
 
 
 def _time(check: Check, module, inputs, backend) -> float | str:
@@ -231,7 +239,7 @@ def slower_than_compile(rows: list[dict]) -> list[str]:
 
 
 def verdict(rows: list[dict], on_gpu: bool) -> str:
-    failed = [r["check"] for r in rows if not r["ok"]]
+    failed = [" ".join([r["check"], *(f"({b})" for b in failed_backends(r))]) for r in rows if not r["ok"]]
     if on_gpu and not failed:
         slower = slower_than_compile(rows)
         if not slower:

@@ -10,6 +10,9 @@ from mmlight.reweighting.base import Reweighting
 from mmlight.reweighting.fused import SigmaKernels
 from mmlight.reweighting.registry import register
 
+#: the largest |log temperature| a learnable temperature takes effect with (e^60 * 1e12 < fp32's maximum)
+LOG_TEMPERATURE_BOUND = 60.0
+
 
 @register("softmax")
 class Softmax(Reweighting):
@@ -41,7 +44,13 @@ class Softmax(Reweighting):
         return self.log_temperature.exp() if self.learnable else torch.tensor(self.fixed_temperature)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
-        return x / (self.log_temperature.exp() if self.learnable else self.fixed_temperature)
+        if not self.learnable:
+            return x / self.fixed_temperature
+        # x * exp(-log T): at a temperature of e^100 the division x / exp(100) is x / inf in fp32, whose
+        # gradient in log T is 0 * inf = NaN. log T is held to +-LOG_TEMPERATURE_BOUND, where the weights
+        # are uniform or one-hot to fp32 precision anyway, so that scores up to 1e12 stay finite.
+        bound = LOG_TEMPERATURE_BOUND
+        return x * torch.exp(-self.log_temperature.clamp(-bound, bound)).to(x.dtype)
 
     def fused(self) -> SigmaKernels | None:
         return None if self.learnable else SigmaKernels(self.sdpa_scale, None, None)

@@ -37,11 +37,17 @@ def test_monitor_logs_parameters_curves_and_final_metrics(tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "runs" / "t" / "version_0"))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    for layer in ["blocks.0", "blocks.3", "output"]:
+    sites = model.model.reweighting_sites()  # blocks.0 ... blocks.3 and output, each a MultiMax
+    assert list(sites) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "output"]
+    for layer, module in sites.items():
         for i in range(4):
-            assert f"reweighting/{layer}/ranges_{i}" in scalars and f"reweighting/{layer}/ts_{i}" in scalars
-    logged = events.Scalars("reweighting/output/ts_0")[-1].value
-    assert abs(logged - model.model.output.ts[0].item()) < 1e-3  # the last logged step's value
+            for name in ("ranges", "ts"):
+                # the last logged step's value: the final weights, after the last step (fp32 to float in the event)
+                logged = events.Scalars(f"reweighting/{layer}/{name}_{i}")[-1].value
+                assert logged == pytest.approx(getattr(module, name)[i].item(), abs=1e-3), (layer, name, i)
+    assert {t for t in scalars if t.startswith("reweighting/")} == {
+        f"reweighting/{layer}/{name}_{i}" for layer in sites for name in ("ranges", "ts") for i in range(4)
+    }
     assert "multimax/sigma_curves" in events.Tags()["images"]
     out = capsys.readouterr().out
     printed = {line.split()[0]: float(line.split()[1]) for line in out.splitlines() if line.strip().startswith("val/")}

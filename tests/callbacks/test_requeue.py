@@ -62,10 +62,10 @@ def slurm_job(monkeypatch, tmp_path):
     return tmp_path / "scontrol.log"
 
 
-def fit(root, callbacks, ckpt_path=None, signal_inside_step=False) -> Regression:
+def fit(root, callbacks, ckpt_path=None, signal_inside_step=False, **trainer) -> Regression:
     L.seed_everything(0)
     model = Regression(signal_inside_step)
-    trainer = quiet_trainer(max_steps=STEPS, default_root_dir=root, callbacks=callbacks)
+    trainer = quiet_trainer(max_steps=STEPS, default_root_dir=root, callbacks=callbacks, **trainer)
     trainer.fit(model, ckpt_path=ckpt_path)
     return model
 
@@ -100,6 +100,23 @@ def test_outside_slurm_the_signal_is_left_alone(monkeypatch, tmp_path):
 
     fit(tmp_path, [callback, Probe()])
     assert seen[0] != callback._note and not list(tmp_path.rglob("hpc_ckpt_*.ckpt"))
+
+
+def test_with_lightnings_auto_requeue_off_nothing_is_saved_or_requeued(slurm_job, tmp_path):
+    """``SLURMEnvironment(auto_requeue=False)``: the callback installs no handler (the one in place gets the
+    signal), writes no checkpoint, runs no ``scontrol``, and the run goes on to its last step."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    received = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        callback = SlurmRequeue(every_n_steps=1)
+        model = fit(tmp_path, [callback], signal_inside_step=True, plugins=[SLURMEnvironment(auto_requeue=False)])
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert received == [signal.SIGUSR1] and callback.signalled is False  # the signal came, and not to the callback
+    assert model.trainer.global_step == STEPS and not slurm_job.exists()
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 def test_every_n_steps_is_checked():

@@ -6,6 +6,8 @@ The micro models come from ``tests/models/test_vit.py`` (``micro_vit``) and
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -78,32 +80,54 @@ def test_peaks_are_dense_bf16_and_the_cpu_has_none(monkeypatch):
     assert PEAK_BF16_DENSE["H200"] == PEAK_BF16_DENSE["H100"]
 
 
-def test_a_fit_logs_samples_per_second_flops_and_the_mean(tmp_path, caplog):
+def test_a_fit_logs_the_hand_counted_rates_and_flops_at_the_loss_steps(tmp_path, caplog, monkeypatch):
+    """A fit of 16 images per batch whose clock advances 0.25 s per reading: samples/s is 16 x 2 batches /
+    0.5 s = 64 over a window of 3, FLOPs/s that times the hand-counted FLOPs per sample, at the steps and the
+    log_every_n_steps of the training loss; the end of fit prints the mean of the batches after the first."""
+    import itertools
     import logging
 
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from mmlight.callbacks import Throughput
+    from mmlight.callbacks import throughput as module
     from mmlight.data import DigitsDataModule, write_digits_shards
     from tests.helpers.trainer import quiet_trainer
 
     write_digits_shards(tmp_path / "digits")
+    ticks = itertools.count()
+    monkeypatch.setattr(module, "perf_counter", lambda: 0.25 * next(ticks))  # read once at the start, once a batch
     task = ImageClassifier(micro_vit(drop_path_rate=0.0), lr_reference_batch=None)
     logger = TensorBoardLogger(tmp_path / "runs", name="t")
-    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, logger=logger, log_every_n_steps=1)
+    trainer = quiet_trainer(max_steps=6, limit_val_batches=0, logger=logger, log_every_n_steps=2)
     trainer.callbacks.append(Throughput(window_size=3))
     with caplog.at_level(logging.INFO):
         trainer.fit(task, DigitsDataModule(cache_dir=str(tmp_path / "digits"), batch_size=16))
     events = EventAccumulator(logger.log_dir)
     events.Reload()
+
+    def logged(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    flops = 19_681_024  # test_vit_flops_per_sample_are_the_hand_count
+    assert logged("train/flops_per_sample") == [(0, flops)]
+    # steps 2, 4, 6 under the loss's step numbers (1, 3, 5); the window of 3 is full from the third batch
+    assert [step for step, _ in logged("train/loss")] == [1, 3, 5]
+    assert logged("train/samples") == [(1, 32), (3, 64), (5, 96)]
+    assert logged("train/time") == [(1, 0.5), (3, 1.0), (5, 1.5)]
+    assert logged("train/device/samples_per_sec") == [(3, 64.0), (5, 64.0)]
+    assert logged("train/device/batches_per_sec") == [(3, 4.0), (5, 4.0)]
+    assert [(s, pytest.approx(v, rel=1e-6)) for s, v in logged("train/device/flops_per_sec")] == [
+        (3, 64 * flops),
+        (5, 64 * flops),
+    ]
     tags = set(events.Tags()["scalars"])
-    assert {"train/device/samples_per_sec", "train/device/flops_per_sec", "train/flops_per_sample"} <= tags
-    assert "train/device/mfu" not in tags  # the CPU has no peak
-    assert [e.value for e in events.Scalars("train/flops_per_sample")] == [19_681_024.0]
-    assert all(e.value > 0 for e in events.Scalars("train/device/samples_per_sec"))
-    assert "samples/s" in trainer.progress_bar_metrics
-    assert "mean throughput:" in caplog.text and "no MFU" in caplog.text
+    assert "train/device/mfu" not in tags and "train/samples_per_sec" not in tags  # the CPU: no peak; one device
+    assert "train/device/items_per_sec" not in tags  # images: no tokens
+    assert trainer.progress_bar_metrics["samples/s"] == 64.0 and "tokens/s" not in trainer.progress_bar_metrics
+    # after the first batch: 5 batches of 16 in 1.25 s
+    assert f"mean throughput: 64.0 samples/s on 1 device(s), {flops:.4g} FLOPs per sample (no MFU" in caplog.text
 
 
 def test_a_network_on_the_triton_backend_is_counted_by_its_reference():
@@ -135,9 +159,176 @@ def test_a_task_without_the_protocol_fits_without_throughput_and_a_warning_names
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = DataLoader(TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=4)
-    callback = Throughput(window_size=1)
+    callback = Throughput(window_size=2)
     trainer = quiet_trainer(max_steps=3, limit_val_batches=1, callbacks=[callback])
     with pytest.warns(UserWarning, match="Plain has no counts_tokens, batch_counts, training_loss"):
         trainer.fit(Plain(), data, data)
     assert trainer.global_step == 3
     assert callback.disabled and callback.flops_per_sample is None
+
+
+# ---------------------------------------------------------------------------- the hooks with stand-ins
+
+PER_SAMPLE = 1e12  # FLOPs per sample of the stand-in task: an MFU of a few percent on an H100
+
+
+class Recorder:
+    """A logger: what was logged, by step."""
+
+    def __init__(self):
+        self.logged: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+
+def stand_ins(monkeypatch, times, world_size=2, device="cuda", name="NVIDIA H100 80GB HBM3", tokens=True):
+    """A trainer on ``world_size`` devices named ``name``, a task of 4 samples (28 tokens) per batch and
+    :data:`PER_SAMPLE` FLOPs per sample, and a clock that reads ``times`` in turn; ``synced`` lists the
+    devices the clock waited for."""
+    from mmlight.callbacks import throughput as module
+
+    clock, synced = iter(times), []
+    monkeypatch.setattr(module, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(module, "training_step_flops", lambda task, batch: PER_SAMPLE * batch["n"])
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device(device, 0) if device == "cuda" else torch.device(device)),
+        world_size=world_size,
+        sanity_checking=False,
+        loggers=[Recorder()],
+        global_step=0,
+        log_every_n_steps=1,
+        should_stop=False,
+        state=SimpleNamespace(fn="fit"),
+    )
+    shown = {}
+    task = SimpleNamespace(
+        counts_tokens=tokens,
+        batch_counts=lambda batch: (batch["n"], batch["n"] * 7 if tokens else None),
+        training_loss=None,
+        log=lambda name, value, **options: shown.__setitem__(name, value),
+    )
+    return trainer, task, shown, synced
+
+
+def train_batches(callback, trainer, task, count, step=True):
+    for _ in range(count):
+        callback.on_train_batch_start(trainer, task, {"n": 4}, 0)
+        trainer.global_step += step
+        callback.on_train_batch_end(trainer, task, None, {"n": 4}, 0)
+
+
+def test_rates_and_mfu_on_two_devices_against_counts_by_hand(monkeypatch, caplog):
+    """Batches of 4 samples (28 tokens) every 0.5 s on each of 2 H100s: 8 samples/s and 56 tokens/s per device,
+    twice that in total, 8e12 FLOP/s per device and an MFU of 8e12 / 989e12 (the H100's dense bf16 peak)."""
+    from mmlight.callbacks import Throughput
+
+    trainer, task, shown, synced = stand_ins(monkeypatch, [10.0, 10.5, 11.0, 11.5, 12.0])
+    callback = Throughput(window_size=3)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 4)
+    logger = trainer.loggers[0]
+    assert [step for step, _ in logger.logged] == [0, 0, 1, 2, 3]  # FLOPs per sample, then each step's rates
+    assert logger.logged[0][1] == {"train/flops_per_sample": PER_SAMPLE}
+    assert logger.logged[1][1] == {"train/time": 0.5, "train/batches": 1, "train/samples": 4, "train/lengths": 28}
+    want = {
+        "train/time": 2.0,
+        "train/batches": 4,
+        "train/samples": 16,
+        "train/lengths": 112,
+        "train/device/batches_per_sec": 2.0,  # 2 batches in the window's 1 s
+        "train/batches_per_sec": 4.0,
+        "train/device/samples_per_sec": 8.0,
+        "train/samples_per_sec": 16.0,
+        "train/device/items_per_sec": 56.0,
+        "train/items_per_sec": 112.0,
+        "train/device/flops_per_sec": 8 * PER_SAMPLE,
+        "train/flops_per_sec": 16 * PER_SAMPLE,
+        "train/device/mfu": 8 * PER_SAMPLE / 989e12,
+    }
+    assert logger.logged[-1][1] == pytest.approx(want, rel=1e-12)
+    assert shown == {"samples/s": 16.0, "tokens/s": 112.0}  # the progress bar: all devices
+    assert synced == [torch.device("cuda", 0)] * 5  # every reading of the clock waited for the GPU
+    with caplog.at_level("INFO"):
+        callback.on_train_end(trainer, task)
+    # after the first batch: 3 batches x 4 samples x 2 devices in 1.5 s
+    assert "mean throughput: 16.0 samples/s on 2 device(s), 112.0 tokens/s, 1e+12 FLOPs per sample, MFU 0.8%" in (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H200", 989e12)])
+def test_mfu_is_against_the_peak_of_the_device_named(monkeypatch, name, peak):
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [0.0, 1.0, 2.0], world_size=1, name=name, tokens=False)
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 2)
+    metrics = trainer.loggers[0].logged[-1][1]
+    assert metrics["train/device/mfu"] == pytest.approx(4 * PER_SAMPLE / peak, rel=1e-12)
+    assert "train/lengths" not in metrics and "train/device/items_per_sec" not in metrics  # no tokens counted
+    assert "train/samples_per_sec" not in metrics  # one device: no totals
+
+
+def test_validation_time_is_left_out_of_training_and_logged_by_its_own_count(monkeypatch):
+    """Training's clock skips from its latest batch to validation's last one; validation logs its samples/s
+    (no FLOPs) at every log_every_n_steps-th batch, under the count of validation batches of the fit."""
+    from mmlight.callbacks import Throughput
+
+    times = [0.0, 1.0, 2.0, 50.0, 50.5, 51.0, 51.5, 3.0 + 49.5, 4.0 + 49.5]
+    trainer, task, _, _ = stand_ins(monkeypatch, times, world_size=1, device="cpu", tokens=False)
+    trainer.log_every_n_steps = 2
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 2)  # 1 s a batch
+    callback.on_validation_start(trainer, task)  # 48 s after training's latest batch
+    for _ in range(3):
+        callback.on_validation_batch_end(trainer, task, None, {"n": 4}, 0)  # 0.5 s a batch
+    callback.on_validation_end(trainer, task)
+    train_batches(callback, trainer, task, 2)  # 1 s a batch again, on the clock that went on
+    logged = trainer.loggers[0].logged
+    validation = [(step, m) for step, m in logged if "validate/samples" in m]
+    assert validation == [
+        (
+            2,
+            {
+                "validate/time": 1.0,
+                "validate/batches": 2,
+                "validate/samples": 8,
+                "validate/device/batches_per_sec": 2.0,
+                "validate/device/samples_per_sec": 8.0,
+            },
+        )
+    ]
+    train = [(step, m) for step, m in logged if "train/samples" in m]
+    assert [step for step, _ in train] == [1, 3]  # steps 2 and 4
+    assert train[-1][1]["train/time"] == pytest.approx(4.0) and train[-1][1]["train/device/samples_per_sec"] == 4.0
+
+
+def test_between_accumulated_batches_and_with_logging_off_nothing_is_logged(monkeypatch):
+    from mmlight.callbacks import Throughput
+
+    trainer, task, shown, _ = stand_ins(monkeypatch, [0.0, 1.0, 2.0, 3.0, 4.0], device="cpu")
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 2, step=False)  # accumulating: no optimiser step yet
+    assert [m for _, m in trainer.loggers[0].logged] == [{"train/flops_per_sample": PER_SAMPLE}] and shown == {}
+    trainer.log_every_n_steps = 0
+    train_batches(callback, trainer, task, 2)
+    assert len(trainer.loggers[0].logged) == 1 and shown == {}
+    assert callback.last == (4.0, 16, 112)  # counted all the same
+
+
+def test_window_size_is_checked():
+    from mmlight.callbacks import Throughput
+
+    with pytest.raises(ValueError, match="window_size must be at least 2 .*got 1"):
+        Throughput(window_size=1)
+    assert Throughput().window_size == 10

@@ -185,3 +185,37 @@ def test_python2_pickles_and_shards_of_at_most_5000_images(tmp_path):
     assert info["classes"] == [f"class{i}" for i in range(10)]
     assert [s["num_samples"] for s in info["splits"]["train"]["shards"]] == [1001]
     check_split(tmp_path / "out", "train", raw_images(batches, [f"data_batch_{i}" for i in range(1, 6)], b"labels"))
+
+
+def python3_repickle(content: dict) -> dict:
+    """What ``pickle.dump`` under Python 3 writes after ``pickle.load(f, encoding="latin1")`` of an official
+    file: every key and every name a ``str``, the arrays as they were."""
+
+    def text(value):
+        return value.decode("latin1") if isinstance(value, bytes) else value
+
+    return {text(k): [text(v) for v in v_] if isinstance(v_, list) else text(v_) for k, v_ in content.items()}
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_archives_re_pickled_under_python_3_with_str_keys(tmp_path, protocol):
+    """The same images and labels as from the official (bytes-keyed) pickles, for CIFAR-10 from the folder
+    and CIFAR-100 from the archive; the class names are the str ones."""
+    batches10 = write_cifar10(tmp_path / "raw10")
+    batches100 = write_cifar100(tmp_path / "extract" / "cifar-100-python")
+    for folder, batches in ((tmp_path / "raw10", batches10), (tmp_path / "extract" / "cifar-100-python", batches100)):
+        for name, content in batches.items():
+            repickled = python3_repickle(content)
+            assert all(isinstance(key, str) for key in repickled)
+            (folder / name).write_bytes(pickle.dumps(repickled, protocol=protocol))
+    info = prepare("cifar10", tmp_path / "raw10", tmp_path / "out10")
+    assert info["classes"] == [f"class{i}" for i in range(10)]
+    check_split(tmp_path / "out10", "train", raw_images(batches10, [f"data_batch_{i}" for i in range(1, 6)], b"labels"))
+    check_split(tmp_path / "out10", "test", raw_images(batches10, ["test_batch"], b"labels"))
+    (tmp_path / "download").mkdir()
+    with tarfile.open(tmp_path / "download" / "cifar-100-python.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "extract" / "cifar-100-python", arcname="cifar-100-python")
+    info = prepare("cifar100", tmp_path / "download", tmp_path / "out100")
+    assert info["classes"] == [f"fine{i}" for i in range(100)]
+    check_split(tmp_path / "out100", "train", raw_images(batches100, ["train"], b"fine_labels"))
+    check_split(tmp_path / "out100", "test", raw_images(batches100, ["test"], b"fine_labels"))

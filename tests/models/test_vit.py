@@ -179,7 +179,7 @@ def test_config_is_kept_and_the_output_multimax_is_a_named_site():
 
 
 def test_a_class_token_is_added_when_asked_and_token_pooling_refuses_to_go_without():
-    assert ReweightedViT(micro_vit(global_pool="avg", class_token=True)).vit.cls_token is not None
+    assert ReweightedViT(micro_vit(global_pool="avg", class_token=True)).vit.cls_token.shape == (1, 1, 64)
     assert ReweightedViT(micro_vit(global_pool="avg", class_token=False)).vit.cls_token is None
     with pytest.raises(ValueError) as refused:
         ReweightedViT(micro_vit(global_pool="token", class_token=False))

@@ -6,6 +6,7 @@ one new file in ``mmlight/reweighting/`` is covered without editing this file: i
 reference test of its own (like ``test_matches_reference_with_masks`` below).
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -279,3 +280,91 @@ def test_a_function_registered_in_one_place_runs_through_a_config(cube_power, tm
     w = torch.relu(scores + module.width.detach()) ** 3
     torch.testing.assert_close(module(scores).detach(), w / w.sum(-1, keepdim=True))
     assert module(scores)[0, 3] == 0  # 4 below the maximum with width ~3: outside the support
+
+
+# ---------------------------------------------------------------------------- extreme values, against float64
+
+#: learned parameters of the built-ins set far out: +-1e4, and values whose exp overflows fp32 (beyond ~88.7)
+EXTREME_PARAMETERS = (
+    [("sink", "sink_logit", value) for value in (1e4, -1e4, 200.0, -200.0)]
+    + [("softmax", "log_temperature", value) for value in (1e4, -1e4, 100.0, -100.0)]
+    + [("ssmax", "s", value) for value in (1e4, -1e4, 200.0)]
+    + [("alpha_entmax", "alpha_logit", value) for value in (1e4, -1e4, 200.0)]
+    + [("multimax", parameter, value) for parameter in ("ranges", "ts") for value in (1e4, -1e4)]
+)
+#: (dtype, tolerance): fp32 to a few ulps of the weights' size (1), bf16 to its 8 bits (2^-8 = 0.0039, and the
+#: output's rounding); a gradient to that fraction of its natural size (below)
+EXTREME_DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+def extreme_scores():
+    """(2, 3, 6) fp64 scores: rows with +-1e4, with scores beyond fp32's exp range (200, 150, 100, 90), a row
+    of -1e4 only, and ordinary ones; and a fixed upstream gradient."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 6, generator=g, dtype=torch.float64) * 2
+    x[0, 0] = torch.tensor([1e4, 1e4 - 64, -1e4, 0.0, 200.0, -200.0])
+    x[0, 1] = torch.tensor([-1e4, -1e4, -1e4, -1e4, -1e4, -1e4 + 64])
+    x[1, 0] = torch.tensor([200.0, 150.0, 100.0, 90.0, 89.0, -150.0])
+    return x, torch.randn(x.shape, generator=g, dtype=torch.float64)
+
+
+def weights_and_gradients(name, x, upstream, dtype, parameter=None, value=None):
+    """The weights of ``x`` in ``dtype`` (bf16 with fp32 parameters, as under bf16-mixed) and the gradients of
+    ``sum(w * upstream)`` in the scores and in every learned parameter, all as float64."""
+    torch.manual_seed(0)  # the same initial parameters in every dtype
+    module = reweighting.build(name, **({"learnable": True} if name == "softmax" else {}))
+    module = module.to(torch.float32 if dtype == torch.bfloat16 else dtype)
+    if parameter is not None:
+        with torch.no_grad():
+            getattr(module, parameter).fill_(value)
+    x = x.to(dtype).requires_grad_()
+    w = module(x)
+    (w.double() * upstream).sum().backward()
+    grads = {"scores": x.grad.double(), **{k: p.grad.double() for k, p in module.named_parameters()}}
+    return w.detach().double(), grads
+
+
+def extreme_cases():
+    return [(name, None, None) for name in NAMES] + EXTREME_PARAMETERS
+
+
+@pytest.mark.parametrize("dtype, tol", EXTREME_DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, parameter, value", extreme_cases())
+def test_extreme_scores_and_parameters_give_float64_weights_and_gradients(name, parameter, value, dtype, tol):
+    """Weights and gradients (scores and learned parameters) at scores of +-1e4 and beyond fp32's exp range,
+    and with each learned parameter at +-1e4 or past fp32's exp range, against float64 on the same (rounded)
+    scores: everything finite; weights within ``tol``; the scores' gradient within ``tol`` of its largest
+    entry (or of 1, the upstream gradient's size, when all are smaller: a saturated row's are ~0); a
+    parameter's within ``tol`` of its natural size, that times the largest |score| (a parameter's gradient
+    sums such terms, and fp32 rounds each of them)."""
+    x, upstream = extreme_scores()
+    x = x.to(dtype).double()  # what the module sees
+    w, grads = weights_and_gradients(name, x, upstream, dtype, parameter, value)
+    w64, grads64 = weights_and_gradients(name, x, upstream, torch.float64, parameter, value)
+    assert torch.isfinite(w64).all() and all(torch.isfinite(g).all() for g in grads64.values())
+    assert torch.isfinite(w).all() and all(torch.isfinite(g).all() for g in grads.values()), name
+    torch.testing.assert_close(w, w64, rtol=0, atol=tol)
+    scale = max(grads64["scores"].abs().max().item(), 1.0)
+    torch.testing.assert_close(grads["scores"], grads64["scores"], rtol=tol, atol=tol * scale)
+    for key in grads.keys() - {"scores"}:
+        size = scale * x.abs().max().item()
+        message = lambda m, k=key: f"{k}: {m}"  # noqa: E731
+        torch.testing.assert_close(grads[key], grads64[key], rtol=tol, atol=tol * size, msg=message)
+
+
+def test_a_learnable_temperature_far_out_gives_uniform_or_one_hot_weights_and_zero_gradients():
+    """log T = +-100 (exp overflows fp32): T = e^100 makes every row uniform, e^-100 every row one-hot, as in
+    float64, with finite zero gradients in log T (before, x / exp(100) gave NaN in fp32)."""
+    x = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    for log_t, want in ((100.0, torch.full((1, 4), 0.25)), (-100.0, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))):
+        module = reweighting.build("softmax", learnable=True)
+        with torch.no_grad():
+            module.log_temperature.fill_(log_t)
+        w = module(x)
+        torch.testing.assert_close(w, want, rtol=0, atol=1e-7)
+        (w * torch.arange(4.0)).sum().backward()
+        assert module.log_temperature.grad.item() == 0.0
+    module = reweighting.build("softmax", learnable=True)
+    with torch.no_grad():
+        module.log_temperature.fill_(math.log(0.5))  # inside the bound: the plain formula
+    torch.testing.assert_close(module(x), torch.softmax(x / 0.5, -1), rtol=1e-6, atol=0)

@@ -1,6 +1,8 @@
 """The learned sink (gpt-oss) against its published definition in float64, its gradient in the sink
 logit, and its place in attention and the models."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +159,46 @@ def test_bad_options_and_head_counts_are_named():
 @pytest.mark.slow
 def test_compile_backend_matches_reference():
     ref.check_compile_backend(sink(dtype=torch.float32), torch.randn(2, 3, 5, 5) * 3, torch.rand(2, 1, 5, 5) > 0.3)
+
+
+def test_tiny_weights_at_extreme_logits_are_exact_in_float64_and_not_zero():
+    """Weights of e^-390 and smaller are told apart from 0: float64 against the definition with a relative
+    tolerance only (no absolute one, under which 0 and e^-390 agree), and each one positive."""
+    scores = torch.tensor([[[300.0, 299.0, -90.0], [-400.0, -390.0, -395.0]]], dtype=torch.float64)
+    for b in (0.0, 299.5, -1000.0, 1e4):
+        got = sink([b])(scores).detach().numpy()
+        want = np.stack([gpt_oss_row(row, b) for row in scores[0].numpy()])[None]
+        positive = want > 0  # e^-10000 underflows float64 as well: those must be exact zeros
+        np.testing.assert_allclose(got[positive], want[positive], rtol=1e-12, atol=0)
+        assert (got[~positive] == 0).all() and (got[positive] > 0).all()
+    # b = 0 against [-400, -390, -395]: the sink takes all but ~e^-390 of the mass, which is still there
+    w = sink([0.0])(scores).detach()[0, 1]
+    assert w[1] == pytest.approx(math.exp(-390), rel=1e-12) and w[0] == pytest.approx(math.exp(-400), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b", [60.0, 200.0, 1e4, -1e4])
+def test_gradients_with_the_sink_logit_far_from_the_row_maximum_match_float64(dtype, rtol, b):
+    """A sink logit far above the row maximum (exp(b) overflows fp32 from b ~ 88.7, and exp(b - x) as well)
+    or far below it: the gradients in the scores and in the sink logit are finite and those of float64."""
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(1, 2, 3, 5, generator=g, dtype=torch.float64) * 3
+    scores[0, 1, 2] = torch.tensor([90.0, 89.0, -1e4, 1e4 - 1, 1e4])  # scores beyond the fp32 exp range too
+    upstream = torch.randn(scores.shape, generator=g, dtype=torch.float64)
+
+    def grads(x, dtype):  # the module's parameter in fp32 for bf16 scores, as in a bf16-mixed run
+        module = sink([b, b], dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+        x = x.to(dtype).requires_grad_()
+        (module(x).double() * upstream).sum().backward()
+        return x.grad.double(), module.sink_logit.grad.double()
+
+    # the reference in float64 from the same (rounded) scores: bf16 rounds 1e4 - 1 to 1e4
+    (x_got, b_got), (x_want, b_want) = grads(scores, dtype), grads(scores.to(dtype).double(), torch.float64)
+    for got, want in ((x_got, x_want), (b_got, b_want)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item() + 1e-30)
+    # d/db = -sum_rows null * sum_i g_i w_i, the null mass sigmoid(b - lse) taken without cancellation
+    x = scores.to(dtype).double()
+    w, null = sink([b, b])(x).detach(), torch.sigmoid(b - torch.logsumexp(x, -1))
+    expected = -(null * (upstream * w).sum(-1)).sum((0, 2))
+    torch.testing.assert_close(b_want, expected, rtol=1e-10, atol=1e-300)

@@ -75,6 +75,7 @@ def test_trained_compiled_continues_uncompiled_and_back_with_the_same_weights(di
     validated = quiet_trainer(limit_val_batches=1).validate(
         resumed, DigitsDataModule(cache_dir=str(digits), batch_size=16)
     )
+    # their values compiled and not: test_compiled_evaluation_of_the_ema_weights_equals_the_uncompiled_one
     assert {"val/top1", "val/ema_top1"} <= validated[0].keys()
     # ... and an uncompiled checkpoint resumes compiled, in bf16-mixed
     path2 = tmp_path / "eager.ckpt"
@@ -91,3 +92,34 @@ def test_a_compile_failure_names_the_method_and_the_functions(digits):
     )
     with pytest.raises(RuntimeError, match=message):
         fit(module, digits, 1)
+
+
+def test_compiled_evaluation_of_the_ema_weights_equals_the_uncompiled_one(digits):
+    """The EMA network evaluated compiled gives the uncompiled ``val/ema_top1`` and the value recomputed by hand.
+    The EMA's head answers class 3 for every image and the network's class 5, so each accuracy is the share
+    of that class among the labels: a compiled call that ran the network in place of its EMA would show."""
+    torch.manual_seed(0)
+    module = ImageClassifier(micro_vit(drop_path_rate=0.0), ema_decay=0.9, compile=COMPILED)
+    with torch.no_grad():
+        for network, answer in ((module.ema.module, 3), (module.model, 5)):
+            network.vit.head.weight.zero_()
+            network.vit.head.bias.copy_(torch.nn.functional.one_hot(torch.tensor(answer), 10).float())
+    data = DigitsDataModule(cache_dir=str(digits), batch_size=16)
+    compiled = quiet_trainer(limit_val_batches=2).validate(module, data, verbose=False)[0]
+    assert len(module.compiled._compiled) == 2  # the network's forward and the EMA's, each compiled
+    module.compiled = type(module.compiled)(False, module.model)  # the same weights, uncompiled
+    eager = quiet_trainer(limit_val_batches=2).validate(module, data, verbose=False)[0]
+    data.setup("validate")
+    labels = torch.cat([labels for _, (_, labels) in zip(range(2), data.val_dataloader())])
+    share = {c: (labels == c).float().mean().item() for c in (3, 5)}
+    assert len(labels) == 32 and share[3] != share[5]
+    assert compiled["val/ema_top1"] == eager["val/ema_top1"] == pytest.approx(share[3], abs=1e-6)
+    assert compiled["val/top1"] == eager["val/top1"] == pytest.approx(share[5], abs=1e-6)
+
+
+def test_compile_off_never_calls_torch_compile(digits, monkeypatch):
+    """``compile: false`` (the default): a fit with validation and an EMA runs without torch.compile."""
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called with compile off"))
+    module = ImageClassifier(micro_vit(drop_path_rate=0.0), ema_decay=0.9, lr_reference_batch=None)
+    assert module.compiled.kwargs is None
+    assert fit(module, digits, 2).global_step == 2 and module.compiled._compiled == {}
