@@ -373,7 +373,11 @@ def extrapolation_figure(results: dict[str, dict]):
     for label, result in results.items():
         points = [(m, e["ppl"]) for m, e in result["multiples"].items() if e["defined"] and e["ppl"]]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.set(title="whole window", xlabel="x training context", ylabel="perplexity", xscale="log", yscale="log")
+    multiples = sorted({m for result in results.values() for m in result["multiples"]})
+    ax.set(title="whole window", xlabel="x training context", ylabel="perplexity", yscale="log")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(multiples, [f"{m}x" for m in multiples])
+    ax.minorticks_off()
     ax.legend(fontsize=6)
     return fig
 
