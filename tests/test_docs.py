@@ -7,7 +7,8 @@ its program, and a program without a rule fails, so a new command cannot go unte
 * ``mmlight fit|validate|test|predict``: the config and the options on the line are parsed with
   ``--print_config`` (``--ckpt_path`` left out: running from a checkpoint is ``tests/test_cli.py``'s);
 * the other ``mmlight`` commands, ``python benchmarks/*.py``, ``python tools/*.py``, ``tensorboard``:
-  ``--help`` exits 0 and names every option the line uses (and the dataset of ``mmlight prepare``);
+  ``--help`` exits 0 and names every option the line uses (and the dataset of ``mmlight prepare``; the
+  help of ``mmlight export FORMAT`` is its format's);
 * ``sbatch``: the script exists and ``bash -n`` parses it; ``sbatch --test-only`` submits it where a
   SLURM cluster answers (``test_sbatch_test_only``, which skips otherwise);
 * ``docker``/``podman``/``apptainer``/``srun``: the Dockerfile exists and the ``mmlight`` command run in
@@ -170,8 +171,10 @@ def check_mmlight(tokens: list[str], command: str, capsys) -> None:
         assert code == 0, f"{command!r} does not parse:\n{out[-3000:]}"
         assert "class_path: mmlight.tasks." in out
         return
-    code, out = mmlight_exit([sub, "--help"], capsys)
-    assert code == 0, f"mmlight {sub} --help failed:\n{out[-3000:]}"
+    # `mmlight export FORMAT`: the format is a subcommand with its own options
+    help_args = [sub, args[0], "--help"] if sub == "export" else [sub, "--help"]
+    code, out = mmlight_exit(help_args, capsys)
+    assert code == 0, f"mmlight {' '.join(help_args)} failed:\n{out[-3000:]}"
     check_help_names(out, args, command)
     if sub == "prepare":
         dataset = next(a for a in args if not a.startswith("-"))

@@ -269,3 +269,16 @@ def test_llama_style_block_is_what_it_says():
         1.0,
     )
     assert set(LLAMA_STYLE) <= set(asdict(c))
+
+
+def test_the_documented_llama_block_is_llama_style():
+    """docs/llm.md's block to paste is LLAMA_STYLE, option for option."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "llm.md").read_text()
+    section = doc.split("## The Llama-style decoder", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    assert yaml.safe_load(block) == LLAMA_STYLE
