@@ -1,9 +1,9 @@
 """The ``mmlight`` command: its commands, each with ``--help``.
 
 ``fit``, ``validate``, ``test`` and ``predict`` are the LightningCLI of :mod:`mmlight.lightning_cli`;
-``prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor`` are the modules of :mod:`mmlight.commands`
-(:data:`TOOLS`), imported only when named. ``mmlight --help`` lists them all; a misspelt command stops
-with the nearest name, exit status 2, before anything runs.
+``prepare``, ``analyze``, ``sweep``, ``collect``, ``export`` and ``doctor`` are the modules of
+:mod:`mmlight.commands` (:data:`TOOLS`), imported only when named. ``mmlight --help`` lists them all; a
+misspelt command stops with the nearest name, exit status 2, before anything runs.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ TOOLS: dict[str, Tool] = {
     ),
     "sweep": Tool("mmlight.commands.sweep:main", "run the cells and seeds of an experiment table"),
     "collect": Tool("mmlight.commands.collect:main", "gather a table's final metrics into one results file"),
+    "export": Tool("mmlight.commands.export:main", "write a Llama-style LM checkpoint as a transformers model folder"),
     "doctor": Tool(
         "mmlight.commands.doctor:main", "check the GPU, the Triton kernels and the image decoder on this machine"
     ),

@@ -1,4 +1,4 @@
-"""The `mmlight` command without a cluster or a training run: the nine commands, their help and the
+"""The `mmlight` command without a cluster or a training run: the ten commands, their help and the
 nearest name for a misspelt one; which checkpoint ``--ckpt_path last`` resumes (files with set modification
 times), the SLURM run directory (SLURM's environment variables), the task-count check and the checkpoint
 defaults."""
@@ -599,7 +599,7 @@ def test_the_cli_keeps_the_command_line_it_parsed(parse_only, monkeypatch):
 
 
 #: the commands a user can type, in the order ``mmlight --help`` lists them
-NINE = ["fit", "validate", "test", "predict", "prepare", "analyze", "sweep", "collect", "doctor"]
+COMMANDS = ["fit", "validate", "test", "predict", "prepare", "analyze", "sweep", "collect", "export", "doctor"]
 
 
 def test_help_lists_every_command_with_one_line(capsys):
@@ -608,7 +608,7 @@ def test_help_lists_every_command_with_one_line(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     listed = text.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert [line.split()[0] for line in listed] == NINE
+    assert [line.split()[0] for line in listed] == COMMANDS
     assert all(len(line.split(maxsplit=1)[1]) > 10 for line in listed)  # a line saying what it does
     # the summaries start in one column, two spaces after the longest name ("validate")
     assert all(line.startswith(f"  {line.split()[0]:<8}  ") and line[12] != " " for line in listed)
@@ -636,10 +636,10 @@ def test_no_command_shows_the_list_and_fails(capsys):
         cli.main([])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert all(f"\n  {name} " in err for name in NINE)
+    assert all(f"\n  {name} " in err for name in COMMANDS)
 
 
-@pytest.mark.parametrize("command", NINE)
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_its_own_help(command, capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main([command, "--help"])

@@ -8,7 +8,7 @@ its program, and a program without a rule fails, so a new command cannot go unte
   ``--print_config`` (``--ckpt_path`` left out: running from a checkpoint is ``tests/test_cli.py``'s);
 * the other ``mmlight`` commands, ``python benchmarks/*.py``, ``python tools/*.py``, ``tensorboard``:
   ``--help`` exits 0 and names every option the line uses (``mmlight prepare <dataset> --help``, which
-  lists the dataset's own options);
+  lists the dataset's own options; the help of ``mmlight export FORMAT`` is its format's);
 * ``sbatch``: the script exists and ``bash -n`` parses it; ``sbatch --test-only`` submits it where a
   SLURM cluster answers (``test_sbatch_test_only``, which skips otherwise);
 * ``docker``/``podman``/``apptainer``/``srun``: the Dockerfile exists and the ``mmlight`` command run in
@@ -172,8 +172,10 @@ def check_mmlight(tokens: list[str], command: str, capsys) -> None:
         assert "class_path: mmlight.tasks." in out
         return
     dataset = next(a for a in args if not a.startswith("-")) if sub == "prepare" else None
-    code, out = mmlight_exit([sub, *([dataset] if dataset else []), "--help"], capsys)  # a dataset's own options
-    assert code == 0, f"mmlight {sub} {dataset or ''} --help failed:\n{out[-3000:]}"
+    # `mmlight prepare DATASET` and `mmlight export FORMAT`: the dataset's or format's own options
+    help_args = [sub, args[0], "--help"] if sub == "export" else [sub, *([dataset] if dataset else []), "--help"]
+    code, out = mmlight_exit(help_args, capsys)
+    assert code == 0, f"mmlight {' '.join(help_args)} failed:\n{out[-3000:]}"
     check_help_names(out, args, command)
     if sub == "prepare":
         assert re.search(rf"\b{dataset}\b", out), f"{command!r}: mmlight prepare does not know {dataset!r}"

@@ -29,12 +29,12 @@ LAYERS = (
     ("mmlight.reweighting",),  # the functions, their registry and backends
     ("mmlight.nn",),  # the attention entry point and its observation point
     ("mmlight.models", "mmlight.data"),  # networks; shards and DataModules
-    ("mmlight.tasks",),  # LightningModules
+    ("mmlight.tasks", "mmlight.export"),  # LightningModules; networks exported to other ecosystems
     ("mmlight.analysis",),  # statistics and interventions on observed attention
     ("mmlight.callbacks",),
     ("mmlight.ckpt_path", "mmlight.slurm", "mmlight.experiments"),  # run helpers; tables of runs
     ("mmlight.lightning_cli",),  # fit, validate, test and predict
-    ("mmlight.commands",),  # prepare, analyze, sweep, collect and doctor
+    ("mmlight.commands",),  # prepare, analyze, sweep, collect, export and doctor
     ("mmlight.cli",),  # the `mmlight` command
 )
 

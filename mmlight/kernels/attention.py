@@ -346,7 +346,7 @@ def _forward_kernel(
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_pb, stride_pn,
-    H, Tq, Tk, scale,
+    H, GROUP, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, MASK_FREE_INTERIOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -356,8 +356,8 @@ def _forward_kernel(
     h = bh % H
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
-    k_head = K + b * stride_kb + h * stride_kh
-    v_head = V + b * stride_vb + h * stride_vh
+    k_head = K + b * stride_kb + (h // GROUP) * stride_kh  # grouped-query: GROUP query heads share one
+    v_head = V + b * stride_vb + (h // GROUP) * stride_vh
     pad_row = PAD + b * stride_pb
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(PARAMS)
 
@@ -420,7 +420,7 @@ def _backward_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
     stride_pb, stride_pn,
-    H, Tq, Tk, scale,
+    H, GROUP, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PARAM_GRADS: tl.constexpr,
     PARAM_SUMS_PER_PROGRAM: tl.constexpr, DQ_PARTIALS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -441,8 +441,10 @@ def _backward_dkdv_kernel(
     pad_row = PAD + b * stride_pb
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(PARAMS)
 
-    k = _load_rows(K + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
+    # the key/value head of query head h; dK, dV are written per query head and summed over a group on the host
+    kv_h = h // GROUP
+    k = _load_rows(K + b * stride_kb + kv_h * stride_kh, offs_n, offs_d, stride_kt, stride_kd, Tk)  # (BLOCK_N, D)
+    v = _load_rows(V + b * stride_vb + kv_h * stride_vh, offs_n, offs_d, stride_vt, stride_vd, Tk)  # (BLOCK_N, D)
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     # per-program parameter partials, kept in registers (no atomics): per key, reduced over the keys
@@ -497,7 +499,7 @@ def _backward_dq_kernel(
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_pb, stride_pn,
-    H, Tq, Tk, scale,
+    H, GROUP, Tq, Tk, scale,
     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ORDER: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -507,8 +509,8 @@ def _backward_dq_kernel(
     h = bh % H
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
-    k_head = K + b * stride_kb + h * stride_kh
-    v_head = V + b * stride_vb + h * stride_vh
+    k_head = K + b * stride_kb + (h // GROUP) * stride_kh  # grouped-query: GROUP query heads share one
+    v_head = V + b * stride_vb + (h // GROUP) * stride_vh
     pad_row = PAD + b * stride_pb
     r0, r1, r2, r3, t0, t1, t2, t3 = load_sigma_params(PARAMS)
 
@@ -562,7 +564,7 @@ def _forward(q, k, v, params, order, scale, causal, key_padding):
         q, k, v, out, row_max, row_inv_sum, pad, params,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         stride_pb, stride_pn,
-        H, Tq, Tk, scale,
+        H, H // k.shape[1], Tq, Tk, scale,
         HEAD_D=D, ORDER=order, CAUSAL=causal, HAS_PAD=key_padding is not None,
         MASK_FREE_INTERIOR=MASK_FREE_INTERIOR, DOT_PRECISION=FP32_DOT_PRECISION, **_tile_args(cfg),
     )
@@ -602,9 +604,12 @@ def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ord
     dq = dk = dv = partials = None
     # one pass for short keys: the dK/dV kernel also writes dQ per key block (see DQ_PARTIALS)
     single_pass = SINGLE_PASS_BACKWARD and want_dq and (want_dkdv or want_params) and Tk <= SINGLE_PASS_MAX_KEYS
+    group = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
     if want_dkdv or want_params:
-        dk = torch.empty((B, H, Tk, D), dtype=k.dtype, device=q.device)
-        dv = torch.empty((B, H, Tk, D), dtype=v.dtype, device=q.device)
+        # per query head; a group's shares are summed below (fp32 for a group, so the sum rounds once)
+        dtype = k.dtype if group == 1 else torch.float32
+        dk = torch.empty((B, H, Tk, D), dtype=dtype, device=q.device)
+        dv = torch.empty((B, H, Tk, D), dtype=dtype, device=q.device)
         key_blocks = triton.cdiv(Tk, cfg_kv.block_n)
         programs = key_blocks * B * H
         # one row per program; a dummy when the parameters need no gradient
@@ -617,10 +622,13 @@ def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ord
         _backward_dkdv_kernel[(programs,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dk, dv, partials, dq_parts,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, scale, PARAM_GRADS=want_params,
+            stride_pb, stride_pn, H, group, Tq, Tk, scale, PARAM_GRADS=want_params,
             PARAM_SUMS_PER_PROGRAM=PARAM_SUMS_PER_PROGRAM, DQ_PARTIALS=single_pass, **common,
             **_tile_args(cfg_kv),
         )
+        if group > 1:  # (B, Hk, group, Tk, D) summed in a fixed order: deterministic
+            dk = dk.view(B, H // group, group, Tk, D).sum(dim=2).to(k.dtype)
+            dv = dv.view(B, H // group, group, Tk, D).sum(dim=2).to(v.dtype)
         if single_pass:
             dq = dq_parts.sum(dim=0).view(B, H, Tq, D).to(q.dtype)  # a fixed order: deterministic
     if want_dq and not single_pass:
@@ -628,7 +636,7 @@ def _backward(q, k, v, out, dout, row_max, row_inv_sum, params, key_padding, ord
         _backward_dq_kernel[(triton.cdiv(Tq, cfg_q.block_m) * B * H,)](
             q, k, v, dout, row_max, row_inv_sum, delta, pad, params, dq,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-            stride_pb, stride_pn, H, Tq, Tk, scale, **common,
+            stride_pb, stride_pn, H, group, Tq, Tk, scale, **common,
             **_tile_args(cfg_q),
         )
     return dq, dk, dv, (partials if want_params else None)
@@ -718,8 +726,9 @@ def _check_inputs(q, k, v, ranges, ts, key_padding) -> None:
     B, H, Tq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (B, H, Tk, D), got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[:2] != (B, H) or k.shape[3] != D:
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B, H or D")
+    if k.shape[0] != B or k.shape[1] < 1 or H % k.shape[1] or k.shape[3] != D:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B, D or heads "
+                         "(the key/value heads must divide the query heads)")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D={D} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
     if min(B, H, Tq, k.shape[2]) == 0:
@@ -775,8 +784,9 @@ def multimax_attention(
 
     Args:
         q: queries ``(B, H, Tq, D)``; D one of 16, 32, 64, 128; fp32, fp16 or bf16.
-        k: keys ``(B, H, Tk, D)``, same dtype and device as ``q``.
-        v: values ``(B, H, Tk, D)``.
+        k: keys ``(B, Hk, Tk, D)``, same dtype and device as ``q``; ``Hk`` divides ``H`` (grouped-query
+            attention: query head ``h`` reads key/value head ``h // (H // Hk)``, in the kernels' pointer math).
+        v: values ``(B, Hk, Tk, D)``.
         ranges: MultiMax ``ranges``, ``(2,)`` (first order) or ``(4,)`` (second order); None for
             plain softmax attention. See :func:`mmlight.reweighting.multimax.multimax_sigma`.
         ts: MultiMax ``ts``, same shape as ``ranges``; None together with ``ranges``.

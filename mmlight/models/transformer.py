@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 from mmlight import reweighting
 from mmlight.nn.attention import attention
 from mmlight.nn.gate import GateKind, output_gate
+from mmlight.nn.rope import RotaryEmbedding
 from mmlight.nn.sites import AttentionSite, Block, reweighting_modules, sites_by_name
 from mmlight.reweighting import ReweightingSpec
 from mmlight.reweighting.backend import Backend
@@ -26,6 +28,28 @@ from mmlight.safe_load import checkpoint_record
 
 # ----------------------------------------------------------------------------------------------
 # Config
+
+#: how token positions enter the network: added tables (``sinusoidal``, ``learned``), rotary positions on
+#: the queries and keys of self-attention (``rope``) or nothing (``none``, NoPE: a causal decoder still
+#: knows the order)
+PositionKind = Literal["sinusoidal", "learned", "rope", "none"]
+NormKind = Literal["layernorm", "rmsnorm"]
+FFNKind = Literal["relu", "gelu", "swiglu"]
+
+#: the options that make a Llama-style decoder (pre-norm RMSNorm, rotary positions, SwiGLU, no biases, no
+#: embedding scale, no dropout), to combine with a width, depth, heads (``n_kv_heads`` for grouped-query
+#: attention, ``qk_norm`` for Qwen3's QK-norm) and vocabulary; docs/llm.md shows them as a config block
+LLAMA_STYLE: dict = {
+    "pre_norm": True,
+    "positions": "rope",
+    "rope_theta": 10_000.0,
+    "norm": "rmsnorm",
+    "norm_eps": 1e-5,
+    "ffn": "swiglu",
+    "bias": False,
+    "embed_scale": 1.0,
+    "dropout": 0.0,
+}
 
 
 @checkpoint_record
@@ -44,14 +68,31 @@ class TransformerConfig:
         n_encoder_layers: encoder layers; 0 builds a decoder-only language model.
         dropout: dropout on embeddings and on each residual branch.
         attention_dropout: dropout on the attention weights.
-        activation_dropout: dropout after the feed-forward ReLU.
+        activation_dropout: dropout after the feed-forward activation.
         max_positions: longest sequence (source or target) the position embeddings cover.
-        pre_norm: LayerNorm before each sublayer plus a final LayerNorm (fairseq's
+        pre_norm: the norm before each sublayer plus a final norm (fairseq's
             ``--encoder/decoder-normalize-before``); False is the original post-norm Transformer.
         share_embeddings: one embedding table for encoder and decoder inputs (joint vocabulary).
         share_output_embedding: tie the output projection to the decoder input embedding.
-        sinusoidal_positions: fixed sinusoidal positions (fairseq's default); False = learned.
-        embed_scale: factor on the token embeddings; None = ``sqrt(d_model)`` as fairseq.
+        positions: ``sinusoidal`` (fairseq's fixed table, added to the embeddings), ``learned`` (a trained
+            table), ``rope`` (rotary positions on every self-attention's queries and keys, Llama's; no
+            table, so no ``max_positions`` limit; cross-attention gets none) or ``none`` (NoPE).
+        rope_theta: the base of the rotary frequencies (10,000 in Llama 2, 500,000 in Llama 3).
+        sinusoidal_positions: the earlier spelling of ``positions``: True = ``sinusoidal``, False =
+            ``learned``; None (the default) leaves ``positions`` as set.
+        norm: ``layernorm`` (fairseq) or ``rmsnorm`` (Llama: a learned scale, no mean subtraction, no
+            bias) for every sublayer norm and the final norm.
+        norm_eps: the epsilon of those norms (and of ``qk_norm``); LayerNorm's 1e-5 by default.
+        ffn: the feed-forward block: ``relu`` (fairseq), ``gelu`` (exact, erf-based) or ``swiglu``
+            (Llama: ``fc2(silu(x W_gate) * x W_up)``, with gate and up as the two halves of ``fc1``).
+        n_kv_heads: key/value heads of every attention layer: fewer than ``n_heads`` (and dividing it)
+            is grouped-query attention, 1 is multi-query attention; None = ``n_heads``. The KV cache
+            holds ``n_kv_heads`` heads.
+        qk_norm: an RMSNorm over the head dimension on each head's queries and keys, before the rotary
+            positions (Qwen3).
+        bias: biases in every linear layer (projections, feed-forward, gate) and in LayerNorm; Llama has none.
+        embed_scale: factor on the token embeddings; None = ``sqrt(d_model)`` as fairseq (a Llama-style
+            model sets 1.0).
         pad_id: padding token: its embedding row is zero, padded keys are masked, and it is the
             default ``ignore_index`` of :meth:`TransformerLM.loss`.
         attention: reweighting function of every self- and cross-attention layer (one instance each).
@@ -78,7 +119,15 @@ class TransformerConfig:
     pre_norm: bool = False
     share_embeddings: bool = False
     share_output_embedding: bool = True
-    sinusoidal_positions: bool = True
+    positions: PositionKind = "sinusoidal"
+    rope_theta: float = 10_000.0
+    sinusoidal_positions: bool | None = None
+    norm: NormKind = "layernorm"
+    norm_eps: float = 1e-5
+    ffn: FFNKind = "relu"
+    n_kv_heads: int | None = None
+    qk_norm: bool = False
+    bias: bool = True
     embed_scale: float | None = None
     pad_id: int = 1
     attention: ReweightingSpec = field(default_factory=ReweightingSpec)
@@ -88,14 +137,43 @@ class TransformerConfig:
     backend: Backend = "auto"
 
     def __post_init__(self):
+        if self.sinusoidal_positions is not None:  # the earlier spelling, resolved into `positions`
+            spelt = "sinusoidal" if self.sinusoidal_positions else "learned"
+            if self.positions not in ("sinusoidal", spelt):
+                raise ValueError(
+                    f"sinusoidal_positions={self.sinusoidal_positions} contradicts positions={self.positions!r}; "
+                    "set positions only"
+                )
+            self.positions, self.sinusoidal_positions = spelt, None
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}")
         if self.share_embeddings and self.src_vocab_size not in (None, self.vocab_size):
             raise ValueError("share_embeddings needs one joint vocabulary (src_vocab_size == vocab_size)")
+        choices = {"positions": PositionKind, "norm": NormKind, "ffn": FFNKind}
+        for name, kind in choices.items():
+            if getattr(self, name) not in kind.__args__:
+                raise ValueError(f"{name} must be one of {kind.__args__}, got {getattr(self, name)!r}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta} and {self.norm_eps}")
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (a checkpoint's hyperparameters): a config saved before ``positions`` existed holds
+        ``sinusoidal_positions`` only, resolved here as when the config is built."""
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per attention layer (``n_kv_heads``, or ``n_heads`` when None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @classmethod
     def transformer_lm_wikitext103(cls, vocab_size: int = 267_744, **overrides) -> TransformerConfig:
@@ -157,8 +235,9 @@ class KVCache:
     output and reuses it.
 
     Args:
-        k: keys ``(B, nh, Tk, hs)``, None while empty.
-        v: values ``(B, nh, Tk, hs)``, None while empty.
+        k: keys ``(B, nkv, Tk, hs)`` (``n_kv_heads`` heads, after the QK-norm and rotated at each token's
+            absolute position), None while empty.
+        v: values ``(B, nkv, Tk, hs)``, None while empty.
         keep: ``(B, Tk)`` bool key-padding mask (True = attend); None = every key is kept.
     """
 
@@ -170,11 +249,11 @@ class KVCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None):
-        """Add new keys/values ``(B, nh, T, hs)`` with their ``(B, T)`` mask (or None); return the
+        """Add new keys/values ``(B, nkv, T, hs)`` with their ``(B, T)`` mask (or None); return the
         whole ``(k, v, keep)``."""
         if self.k is not None:
             keep = _cat_keep(self.keep, keep, self.k.shape[2], k.shape[2], k.shape[0], k.device)
-            k = torch.cat([self.k, k], dim=2)  # (B, nh, Tk + T, hs)
+            k = torch.cat([self.k, k], dim=2)  # (B, nkv, Tk + T, hs)
             v = torch.cat([self.v, v], dim=2)
         self.k, self.v, self.keep = k, v, keep
         return k, v, keep
@@ -253,17 +332,32 @@ def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
     return F.pad(table, (0, dim - 2 * half))  # (P, dim): a zero column when dim is odd
 
 
+def norm_layer(config: TransformerConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over ``dim`` channels (``d_model`` by default): LayerNorm (with a bias when
+    ``config.bias``) or RMSNorm, with ``config.norm_eps``."""
+    dim = config.d_model if dim is None else dim
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (self or cross) through :func:`mmlight.nn.attention`.
 
     Args:
         d_model: input and output width.
-        n_heads: number of heads.
+        n_heads: number of query heads.
         reweight: the reweighting module applied to the scores.
         dropout: dropout on the attention weights (training only).
         cross: keys/values come from the encoder output (cached once) instead of the input
             (appended to the cache each step).
         gate: ``none``, ``headwise`` or ``elementwise``: the output gate (:mod:`mmlight.nn.gate`).
+        n_kv_heads: key/value heads (grouped-query attention when fewer than ``n_heads``); None = ``n_heads``.
+        bias: biases in the four projections (and the gate).
+        qk_norm_eps: an RMSNorm over each head's queries and keys with this epsilon (Qwen3's QK-norm);
+            None = no norm.
+        rope: rotary positions applied to the queries and keys after the QK-norm (self-attention only);
+            None = no rotation.
     """
 
     def __init__(
@@ -274,14 +368,25 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         cross: bool = False,
         gate: GateKind = "none",
+        n_kv_heads: int | None = None,
+        bias: bool = True,
+        qk_norm_eps: float | None = None,
+        rope: RotaryEmbedding | None = None,
     ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
-        self.gate = output_gate(gate, d_model, n_heads, self.head_dim)
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        kv_dim = self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_dim, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.gate = output_gate(gate, d_model, n_heads, self.head_dim, bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=qk_norm_eps)
+        self.rope = rope
         self.reweight = reweight
         self.dropout = dropout
         self.reset_parameters()
@@ -292,28 +397,38 @@ class MultiHeadAttention(nn.Module):
         released code computes the gate as extra rows of ``q_proj``), and its bias is zero."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.xavier_uniform_(proj.weight, gain=1.0 if proj is self.out_proj else 2**-0.5)
-            nn.init.zeros_(proj.bias)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
         if self.gate is not None:
             bound = 2**-0.5 * math.sqrt(6 / sum(self.q_proj.weight.shape))  # xavier_uniform_'s bound for q_proj
             nn.init.uniform_(self.gate.weight, -bound, bound)
-            nn.init.zeros_(self.gate.bias)
+            if self.gate.bias is not None:
+                nn.init.zeros_(self.gate.bias)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, n_heads: int | None = None) -> torch.Tensor:
+        """``(B, T, heads * hs)`` -> ``(B, heads, T, hs)``, ``heads`` = ``n_heads`` or the query heads."""
         B, T, _ = x.shape
-        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        return x.view(B, T, n_heads or self.n_heads, self.head_dim).transpose(1, 2)
 
-    def _keys_values(self, x, memory, keep, cache):
-        """Keys, values and their ``(B, Tk)`` mask, through the cache when there is one."""
+    def _position(self, x: torch.Tensor, norm: nn.Module | None, start: int) -> torch.Tensor:
+        """Queries or keys ``(B, heads, T, hs)`` after the QK-norm and the rotary positions (if any)."""
+        x = x if norm is None else norm(x)
+        return x if self.rope is None else self.rope(x, start)
+
+    def _keys_values(self, x, memory, keep, cache, start):
+        """Keys, values ``(B, nkv, Tk, hs)`` and their ``(B, Tk)`` mask, through the cache when there is one."""
         if self.cross:
             if cache is not None and cache.k is not None:
                 return cache.k, cache.v, keep  # encoder keys/values computed on the first step
-            k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))  # (B, nh, S, hs)
+            k = self._position(self._heads(self.k_proj(memory), self.n_kv_heads), self.k_norm, 0)  # (B, nkv, S, hs)
+            v = self._heads(self.v_proj(memory), self.n_kv_heads)
             if cache is not None:
                 cache.k, cache.v = k, v
             return k, v, keep
-        k, v = self._heads(self.k_proj(x)), self._heads(self.v_proj(x))  # (B, nh, T, hs)
+        k = self._position(self._heads(self.k_proj(x), self.n_kv_heads), self.k_norm, start)  # (B, nkv, T, hs)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
-            return cache.append(k, v, keep)
+            return cache.append(k, v, keep)  # keys enter the cache rotated at their absolute positions
         return k, v, keep
 
     def forward(
@@ -335,8 +450,9 @@ class MultiHeadAttention(nn.Module):
             cache: this layer's :class:`KVCache` during incremental decoding.
         """
         B, T, C = x.shape
-        q = self._heads(self.q_proj(x))  # (B, nh, T, hs)
-        k, v, keep = self._keys_values(x, memory, keep, cache)  # (B, nh, Tk, hs), (B, Tk)
+        start = 0 if cache is None or self.cross else len(cache)  # position of x's first token
+        q = self._position(self._heads(self.q_proj(x)), self.q_norm, start)  # (B, nh, T, hs)
+        k, v, keep = self._keys_values(x, memory, keep, cache, start)  # (B, nkv, Tk, hs), (B, Tk)
         mask = None if keep is None else keep[:, None, None, :]  # (B, 1, 1, Tk)
         y = attention(
             q, k, v, self.reweight, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0
@@ -348,39 +464,53 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise ``fc2(dropout(relu(fc1(x))))``.
+    """Position-wise ``fc2(dropout(act(fc1(x))))``; for SwiGLU ``fc1`` holds the gate and up projections
+    as the two halves of its output, and ``act(a, b) = silu(a) * b``.
 
     Args:
         d_model: input and output width.
         ffn_dim: inner width.
-        activation_dropout: dropout after the ReLU.
+        activation_dropout: dropout after the activation.
+        kind: ``relu``, ``gelu`` or ``swiglu``.
+        bias: biases in ``fc1`` and ``fc2``.
     """
 
-    def __init__(self, d_model: int, ffn_dim: int, activation_dropout: float = 0.0):
+    def __init__(
+        self, d_model: int, ffn_dim: int, activation_dropout: float = 0.0, kind: FFNKind = "relu", bias: bool = True
+    ):
         super().__init__()
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.kind = kind
+        self.fc1 = nn.Linear(d_model, 2 * ffn_dim if kind == "swiglu" else ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(ffn_dim, d_model, bias=bias)
         self.activation_dropout = nn.Dropout(activation_dropout)
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
-            nn.init.zeros_(fc.bias)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.activation_dropout(F.relu(self.fc1(x))))  # (B, T, d)
+        h = self.fc1(x)  # (B, T, ffn) or (B, T, 2 ffn)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.relu(h) if self.kind == "relu" else F.gelu(h)
+        return self.fc2(self.activation_dropout(h))  # (B, T, d)
 
 
 class Residual(nn.Module):
-    """A sublayer with dropout, residual connection and LayerNorm before (pre-norm) or after it.
+    """A sublayer with dropout, residual connection and a norm before (pre-norm) or after it.
 
     Args:
-        d_model: width of the LayerNorm.
+        d_model: width of the norm.
         dropout: dropout on the sublayer's output.
         pre_norm: normalise the sublayer's input instead of the sum.
+        norm: the norm module; None = ``nn.LayerNorm(d_model)``.
     """
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool, norm: nn.Module | None = None):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = nn.LayerNorm(d_model) if norm is None else norm
         self.dropout = nn.Dropout(dropout)
         self.pre_norm = pre_norm
 
@@ -390,21 +520,45 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
+def attention_layer(
+    config: TransformerConfig, causal: bool, site: str, cross: bool = False, rope: RotaryEmbedding | None = None
+) -> MultiHeadAttention:
+    """One attention layer of ``config``: its reweighting (built for ``site``), heads, gate, norm and positions."""
+    c = config
+    return MultiHeadAttention(
+        c.d_model,
+        c.n_heads,
+        c.attention.build(c.backend, c.n_heads, causal=causal, site=site),
+        c.attention_dropout,
+        cross=cross,
+        gate=c.gate,
+        n_kv_heads=c.n_kv_heads,
+        bias=c.bias,
+        qk_norm_eps=c.norm_eps if c.qk_norm else None,
+        rope=None if cross else rope,
+    )
+
+
+def rotary(config: TransformerConfig) -> RotaryEmbedding | None:
+    """The rotary positions that a stack's self-attention layers share, None unless ``positions`` is ``rope``."""
+    return RotaryEmbedding(config.head_dim, config.rope_theta) if config.positions == "rope" else None
+
+
 class EncoderLayer(nn.Module):
     """Self-attention over the source, then feed-forward.
 
     Args:
         config: the architecture (width, heads, dropouts, norm placement, reweighting, backend).
+        rope: the stack's rotary positions (None without).
     """
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, rope: RotaryEmbedding | None = None):
         super().__init__()
         c = config
-        reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="encoder self-attention")
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, gate=c.gate)
-        self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
-        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
-        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)
+        self.self_attn = attention_layer(c, causal=False, site="encoder self-attention", rope=rope)
+        self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout, c.ffn, c.bias)
+        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(B, S, d)`` with source mask ``keep`` ``(B, S)`` -> ``(B, S, d)``."""
@@ -418,23 +572,20 @@ class DecoderLayer(nn.Module):
     Args:
         config: the architecture.
         cross: include the cross-attention sublayer (encoder-decoder) or not (language model).
+        rope: the stack's rotary positions (None without); cross-attention gets none.
     """
 
-    def __init__(self, config: TransformerConfig, cross: bool):
+    def __init__(self, config: TransformerConfig, cross: bool, rope: RotaryEmbedding | None = None):
         super().__init__()
         c = config
-        reweight = c.attention.build(c.backend, c.n_heads, causal=True, site="decoder self-attention")
-        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, reweight, c.attention_dropout, gate=c.gate)
-        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm)
+        self.self_attn = attention_layer(c, causal=True, site="decoder self-attention", rope=rope)
+        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
         self.cross_attn = self.cross_block = None
         if cross:
-            reweight = c.attention.build(c.backend, c.n_heads, causal=False, site="cross-attention")
-            self.cross_attn = MultiHeadAttention(
-                c.d_model, c.n_heads, reweight, c.attention_dropout, cross=True, gate=c.gate
-            )
-            self.cross_block = Residual(c.d_model, c.dropout, c.pre_norm)
-        self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout)
-        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm)
+            self.cross_attn = attention_layer(c, causal=False, site="cross-attention", cross=True)
+            self.cross_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+        self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout, c.ffn, c.bias)
+        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
 
     def forward(
         self,
@@ -465,7 +616,7 @@ class DecoderLayer(nn.Module):
 
 
 class TokenPositionEmbedding(nn.Module):
-    """Scaled token embedding plus positions, then dropout.
+    """Scaled token embedding plus a position table (``sinusoidal`` or ``learned`` positions), then dropout.
 
     Args:
         tokens: the token table (possibly shared with other stacks and the output projection).
@@ -477,12 +628,13 @@ class TokenPositionEmbedding(nn.Module):
         self.tokens = tokens
         self.scale = math.sqrt(config.d_model) if config.embed_scale is None else config.embed_scale
         self.max_positions = config.max_positions
-        if config.sinusoidal_positions:
+        self.kind = config.positions
+        self.sinusoid = self.positions = None
+        if config.positions == "sinusoidal":
             # A plain attribute, not a buffer: DDP broadcasts buffers before every forward, also in
             # evaluation, which deadlocks when ranks run different numbers of evaluation batches.
             self.sinusoid = sinusoidal_table(config.max_positions, config.d_model)
-            self.positions = None
-        else:
+        elif config.positions == "learned":
             self.positions = nn.Embedding(config.max_positions, config.d_model)
             nn.init.normal_(self.positions.weight, std=config.d_model**-0.5)
         self.dropout = nn.Dropout(config.dropout)
@@ -490,15 +642,17 @@ class TokenPositionEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``tokens`` ``(B, T)`` at positions ``start .. start + T - 1`` -> ``(B, T, d)``."""
         T = tokens.shape[1]
-        if start + T > self.max_positions:
-            raise ValueError(f"positions up to {start + T} exceed max_positions={self.max_positions}")
-        pos = torch.arange(start, start + T, device=tokens.device)  # (T,)
-        if self.positions is None:
-            self.sinusoid = self.sinusoid.to(tokens.device)  # a no-op once it is there
-            table = self.sinusoid
-        else:
-            table = self.positions.weight
-        x = self.scale * self.tokens(tokens) + table[pos].to(self.tokens.weight.dtype)  # (B, T, d)
+        x = self.scale * self.tokens(tokens)  # (B, T, d)
+        if self.kind in ("sinusoidal", "learned"):
+            if start + T > self.max_positions:
+                raise ValueError(f"positions up to {start + T} exceed max_positions={self.max_positions}")
+            pos = torch.arange(start, start + T, device=tokens.device)  # (T,)
+            if self.positions is None:
+                self.sinusoid = self.sinusoid.to(tokens.device)  # a no-op once it is there
+                table = self.sinusoid
+            else:
+                table = self.positions.weight
+            x = x + table[pos].to(self.tokens.weight.dtype)
         return self.dropout(x)
 
 
@@ -512,7 +666,7 @@ def token_embedding(vocab_size: int, d_model: int, pad_id: int) -> nn.Embedding:
 
 
 class Encoder(nn.Module):
-    """Embedding, ``n_encoder_layers`` encoder layers, final LayerNorm when pre-norm.
+    """Embedding, ``n_encoder_layers`` encoder layers, final norm when pre-norm.
 
     Args:
         tokens: the source token table.
@@ -522,8 +676,9 @@ class Encoder(nn.Module):
     def __init__(self, tokens: nn.Embedding, config: TransformerConfig):
         super().__init__()
         self.embed = TokenPositionEmbedding(tokens, config)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
-        self.norm = nn.LayerNorm(config.d_model) if config.pre_norm else None
+        rope = rotary(config)
+        self.layers = nn.ModuleList(EncoderLayer(config, rope) for _ in range(config.n_encoder_layers))
+        self.norm = norm_layer(config) if config.pre_norm else None
 
     def forward(self, src: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """``src`` ``(B, S)`` with mask ``(B, S)`` (or None) -> memory ``(B, S, d)``."""
@@ -534,7 +689,7 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, ``n_layers`` decoder layers, final LayerNorm when pre-norm.
+    """Embedding, ``n_layers`` decoder layers, final norm when pre-norm.
 
     Args:
         tokens: the target token table.
@@ -545,8 +700,9 @@ class Decoder(nn.Module):
     def __init__(self, tokens: nn.Embedding, config: TransformerConfig, cross: bool):
         super().__init__()
         self.embed = TokenPositionEmbedding(tokens, config)
-        self.layers = nn.ModuleList(DecoderLayer(config, cross) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.d_model) if config.pre_norm else None
+        rope = rotary(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, cross, rope) for _ in range(config.n_layers))
+        self.norm = norm_layer(config) if config.pre_norm else None
         self.cross = cross
 
     def new_cache(self) -> DecoderCache:

@@ -35,6 +35,16 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> t
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Keys or values ``(B, nkv, T, hs)`` of grouped-query attention as ``(B, n_heads, T, hs)``: query head
+    ``h`` reads key/value head ``h // (n_heads // nkv)`` (the grouping of Llama and ``transformers``).
+    ``x`` itself when ``nkv == n_heads``."""
+    B, n_kv, T, hs = x.shape
+    if n_kv == n_heads:
+        return x
+    return x[:, :, None].expand(B, n_kv, n_heads // n_kv, T, hs).reshape(B, n_heads, T, hs)
+
+
 def key_padding_of(mask: torch.Tensor | None, batch: int, k_len: int) -> torch.Tensor | None:
     """``mask`` as a ``(B, Tk)`` key-padding mask when it is one, i.e. the same for every head and
     query: shape ``(B|1, 1, 1, Tk)`` after broadcasting's left-padding (so also ``(Tk,)``); else None."""
@@ -193,8 +203,9 @@ def attention(
 
     Args:
         q: queries ``(B, nh, Tq, hs)``.
-        k: keys ``(B, nh, Tk, hs)``.
-        v: values ``(B, nh, Tk, hv)``.
+        k: keys ``(B, nkv, Tk, hs)``; ``nkv`` divides ``nh`` (grouped-query attention when smaller: query
+            head ``h`` reads key head ``h // (nh // nkv)``, see :func:`repeat_kv`).
+        v: values ``(B, nkv, Tk, hv)``.
         reweight: the reweighting module applied to the scores.
         mask: optional boolean mask broadcastable to ``(B, nh, Tq, Tk)``, True = attend.
         is_causal: also mask future keys (bottom-right aligned, see :func:`causal_mask`); required by
@@ -209,6 +220,11 @@ def attention(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_len, k_len = q.shape[-2], k.shape[-2]
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"key/value heads must be equal and divide the query heads, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     backend = check_backend(backend or reweight.backend)
     if reweight.causal_only and not is_causal:
         raise ValueError(
@@ -219,6 +235,7 @@ def attention(
     observed = None if torch.compiler.is_compiling() else _OBSERVED.get()
     if observed is not None and id(reweight) in observed[0]:
         site, observer = observed[0][id(reweight)], observed[1]
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # observers see one key per query head
         return _observed_attention(site, observer, q, k, v, reweight, mask, is_causal, dropout_p, scale, backend)
 
     fused = reweight.fused()
@@ -243,6 +260,8 @@ def attention(
             if y is not None:
                 return y
 
+    # the fused kernel above reads each key head once for its group; SDPA takes grouped keys too
+    # (enable_gqa); the explicit path needs one key per query head
     softmax_of_scaled = reweight.sdpa_scale is not None or reweight.scales_queries
     if is_causal and (mask is not None or q_len != k_len or not softmax_of_scaled):
         mask = with_causal(mask, q_len, k_len, q.device)
@@ -256,18 +275,21 @@ def attention(
         q_scale = reweight.query_scale(keys_seen(mask, is_causal, q_len, k_len, q.device))  # (B|1, nh|1, Tq, 1)
         return _sdpa(q * q_scale.to(q.dtype), k, v, mask, is_causal, dropout_p, scale)
 
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, nh, Tk, hs)
     probs = explicit_weights(q, k, reweight, mask, scale, backend)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
     return probs @ v  # (B, nh, Tq, hv)
 
 
 def _sdpa(q, k, v, mask, is_causal, dropout_p, scale) -> torch.Tensor:
-    """PyTorch's fused SDPA, with a zero output (not NaN) for a query that sees no key."""
+    """PyTorch's fused SDPA (grouped keys/values allowed), with a zero output (not NaN) for a query that
+    sees no key."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # the plain call otherwise
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa)
     # SDPA returns NaN for a query with no key: let such rows see every key, then zero them.
     has_key = mask.any(dim=-1, keepdim=True)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p, scale=scale)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p, scale=scale, **gqa)
     return y * has_key
 
 

@@ -406,3 +406,34 @@ def test_robustness_rows_evaluate_at_the_keep_ratios_asked_for():
     assert [(name, level) for name, level, _, _ in rows] == [("none", 0)] + [
         ("sink_masking", k) for k in SINK_LEVELS
     ] + [(f"kv_{method}", 0.5) for method in ("l2", "streaming", "expected_attention", "oracle", "random")]
+
+
+@pytest.mark.parametrize("method", ["l2", "streaming"])
+def test_kv_eviction_through_the_cache_of_a_rotary_grouped_query_lm_equals_teacher_forcing(method):
+    """A Llama-style LM (rotary positions, 4 query heads over 2 key/value heads): evicting keys while decoding
+    token by token through the KV cache (keys rotated at their absolute positions when cached) gives the
+    log-probabilities of the teacher-forced forward under the same eviction; query heads that share a key
+    head keep the same keys."""
+    from mmlight.models.transformer import LLAMA_STYLE, TransformerLM
+    from mmlight.nn.attention import AttentionRecorder
+    from tests.helpers.models import tiny
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(**LLAMA_STYLE, n_heads=4, n_kv_heads=2, max_positions=8)).eval()
+    x = torch.randint(2, 23, (2, 12))  # longer than max_positions: rotary positions have no table
+
+    class Recording(KVEviction, AttentionRecorder):
+        def __init__(self):
+            KVEviction.__init__(self, 0.5, method, skip_layers=0)
+            AttentionRecorder.__init__(self)
+
+    with observe_attention(model, Recording()) as full_run:
+        full = model.logits(model(x)).log_softmax(-1)  # (B, T, V)
+    with observe_attention(model, Recording()):
+        cache = model.new_cache()
+        steps = [model.logits(model(x[:, t : t + 1], cache=cache)).log_softmax(-1) for t in range(12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
+    keep = full_run["decoder.layers.1.self_attn"][0].keep  # (B, nh, T, T)
+    assert torch.equal(keep[:, 0], keep[:, 1]) and torch.equal(keep[:, 2], keep[:, 3])
+    assert keep[:, :, -1].sum(-1).tolist() == [[7] * 4] * 2  # own key + ceil(0.5 * 11) past keys

@@ -56,6 +56,8 @@ def make_padding(B, Tk, seed=1):
 def reference(q, k, v, ranges=None, ts=None, scale=None, causal=False, key_padding=None):
     """Plain float64 attention with the full score matrix; a row without keys gives 0."""
     q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]  # grouped-query attention: query head h reads key head h // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     Tq, Tk = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     x = q @ k.transpose(-2, -1) * scale  # (B, H, Tq, Tk)
@@ -127,6 +129,44 @@ def test_matches_reference(monkeypatch, Tq, Tk, causal, padded, order, scale, bl
     inputs = make_inputs(Tq=Tq, Tk=Tk, order=order)
     pad = make_padding(2, Tk) if padded else None
     check_against_reference(inputs, 1e-5, 2e-5, scale=scale, causal=causal, key_padding=pad)
+
+
+@pytest.mark.parametrize("kv_heads, causal, order", [(1, True, 2), (2, True, None), (2, False, 1)])
+def test_grouped_key_value_heads_match_reference(small_blocks, kv_heads, causal, order):
+    """4 query heads over 1 or 2 key/value heads, read through the kernels' pointer math (no copy): output
+    and gradients (dK, dV summed over each group) against the float64 reference with expanded heads."""
+    q, k, v, ranges, ts = make_inputs(H=4, Tq=19, Tk=37, order=order)
+    k = k.detach()[:, :kv_heads].clone().requires_grad_()
+    v = v.detach()[:, :kv_heads].clone().requires_grad_()
+    check_against_reference((q, k, v, ranges, ts), 1e-5, 2e-5, causal=causal, key_padding=make_padding(2, 37))
+
+
+def test_a_llama_style_network_runs_the_kernel_with_rotary_positions_and_grouped_heads():
+    """MultiMax in a Llama-style LM (rotary q/k, 4 query heads over 2 key/value heads, QK-norm): the triton
+    backend (the fused kernel) gives the reference backend's loss and gradients."""
+    from mmlight.models.transformer import LLAMA_STYLE, TransformerConfig, TransformerLM
+    from mmlight.reweighting import ReweightingSpec
+
+    fields = dict(vocab_size=29, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=64, n_layers=1, qk_norm=True)
+    x = torch.randint(2, 29, (2, 20), generator=torch.Generator().manual_seed(0))
+    results = []
+    for backend in ("reference", "triton"):
+        torch.manual_seed(0)
+        config = TransformerConfig(**fields, **LLAMA_STYLE, attention=ReweightingSpec("multimax"), backend=backend)
+        model = TransformerLM(config)
+        calls = []
+        original = kernel._attention
+        kernel_calls = lambda *a: calls.append(a[1].shape) or original(*a)  # noqa: E731
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernel, "_attention", kernel_calls)
+            loss, _ = model.loss(x, torch.roll(x, -1, 1))
+            loss.backward()
+        assert calls == ([] if backend == "reference" else [(2, 2, 20, 16)])  # the kernel got 2 key heads
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_fully_padded_batch_row_gives_zeros(small_blocks):
@@ -296,6 +336,7 @@ def _bad(**changes):
     [
         (_bad(q=torch.zeros(2, 5, 16)), "4-D"),
         (_bad(k=torch.zeros(3, 2, 7, 16), v=torch.zeros(3, 2, 7, 16)), "does not match"),
+        (_bad(q=torch.zeros(2, 3, 5, 16)), "key/value heads must divide the query heads"),
         (_bad(v=torch.zeros(2, 2, 6, 16)), "same shape"),
         (_bad(q=torch.zeros(2, 2, 5, 48), k=torch.zeros(2, 2, 7, 48), v=torch.zeros(2, 2, 7, 48)), "head dim D=48"),
         (_bad(v=torch.zeros(2, 2, 7, 16, dtype=torch.float16)), "share a dtype"),

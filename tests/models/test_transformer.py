@@ -54,7 +54,7 @@ def expected_params(c: TransformerConfig, mm_per_layer: int = 0) -> int:
         n += 2 * ln if c.pre_norm else 0
     else:
         n += c.n_layers * (attn + ffn + 2 * ln) + (ln if c.pre_norm else 0)
-    if not c.sinusoidal_positions:  # a learned table per stack
+    if c.positions == "learned":  # a learned table per stack
         n += c.max_positions * d * (2 if c.n_encoder_layers else 1)
     if c.output_multimax:
         n += 2 * c.output_multimax_order * 2
@@ -94,7 +94,7 @@ def test_presets_set_every_field_of_their_recipe():
         0,
     )
     assert (lm.dropout, lm.attention_dropout, lm.activation_dropout, lm.max_positions) == (0.1, 0.0, 0.0, 512)
-    assert lm.pre_norm is False and lm.share_output_embedding is True and lm.sinusoidal_positions is True
+    assert lm.pre_norm is False and lm.share_output_embedding is True and lm.positions == "sinusoidal"
     mt = TransformerConfig.transformer_iwslt_de_en()
     assert (mt.vocab_size, mt.d_model, mt.n_heads, mt.ffn_dim, mt.n_layers, mt.n_encoder_layers) == (
         10_000,
@@ -116,7 +116,7 @@ def test_presets_set_every_field_of_their_recipe():
     "kwargs",
     [
         {"pre_norm": True, "share_output_embedding": False, "output_multimax": True},
-        {"share_embeddings": False, "src_vocab_size": 23, "sinusoidal_positions": False, "pre_norm": True},
+        {"share_embeddings": False, "src_vocab_size": 23, "positions": "learned", "pre_norm": True},
     ],
 )
 def test_parameter_formula_variants(kwargs):

@@ -65,7 +65,7 @@ def test_token_embedding_scale_and_positions(scale):
 
 
 def test_learned_positions():
-    c = config(sinusoidal_positions=False)
+    c = config(positions="learned")
     tokens = token_embedding(c.vocab_size, c.d_model, PAD)
     embed = TokenPositionEmbedding(tokens, c)
     ids = torch.tensor([[3, 4, 6]])
@@ -229,7 +229,7 @@ def test_fairseq_initialisation():
             n_layers=1,
             share_output_embedding=False,
             max_positions=300,
-            sinusoidal_positions=False,
+            positions="learned",
         )
     )
     attn = model.decoder.layers[0].self_attn

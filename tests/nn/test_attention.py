@@ -441,3 +441,41 @@ def test_sdpa_gets_is_causal_where_it_aligns_and_a_mask_otherwise(monkeypatch, n
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool) if padded else None
     attention(q, k, v, reweighting.build(name).double(), mask=mask, is_causal=True)
     assert seen == [(as_is_causal, as_is_causal)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped-query attention
+
+
+@pytest.mark.parametrize("name", reweighting.available())
+@pytest.mark.parametrize("n_kv", [1, 2])
+def test_grouped_keys_equal_each_query_head_with_its_group_s_key_head(name, n_kv):
+    """Each query head ``h`` of 4 against key/value head ``h // (4 // n_kv)``, computed one head at a time
+    (every path: SDPA for softmax and ssmax, explicit scores for the others; causal, with a padded key)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    k, v = torch.randn(2, n_kv, 5, 8, dtype=torch.float64), torch.randn(2, n_kv, 5, 8, dtype=torch.float64)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., 1] = False
+    module = reweighting.build(name, num_heads=4) if name == "sink" else reweighting.build(name)
+    module = module.double()
+    if name == "sink":
+        with torch.no_grad():
+            module.sink_logit.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))  # one per query head, all different
+    got = attention(q, k, v, module, mask=mask, is_causal=True)
+    group = 4 // n_kv
+    for h in range(4):
+        one = reweighting.build(name, num_heads=1) if name == "sink" else module
+        if name == "sink":
+            one = one.double()
+            with torch.no_grad():
+                one.load_state_dict({key: val[h : h + 1] for key, val in module.state_dict().items()})
+        kh, vh = k[:, h // group : h // group + 1], v[:, h // group : h // group + 1]
+        want = attention(q[:, h : h + 1], kh, vh, one, mask=mask, is_causal=True)
+        torch.testing.assert_close(got[:, h : h + 1], want, rtol=1e-10, atol=1e-10)
+
+
+def test_key_heads_that_do_not_divide_the_query_heads_are_refused():
+    q, k, v = torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="key/value heads must be equal and divide the query heads"):
+        attention(q, k, v, reweighting.build("softmax"))

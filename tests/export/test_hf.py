@@ -1,0 +1,200 @@
+"""The Llama-style network against Hugging Face transformers (an independent implementation): with the
+same weights copied across, mmlight's logits equal ``LlamaForCausalLM``'s (``Qwen3ForCausalLM``'s with
+QK-norm) in float32 on the CPU; ``mmlight export hf`` writes a folder that ``from_pretrained`` loads with
+equal logits, for softmax and, through the registered ``mmlight`` attention, for other functions."""
+
+import json
+
+import lightning
+import pytest
+import torch
+
+from mmlight.cli import main as mmlight
+from mmlight.export.hf import NotExportable, export, hf_state_dict, to_hf
+from mmlight.models.transformer import LLAMA_STYLE, TransformerConfig, TransformerLM
+from mmlight.reweighting import MultiMax, ReweightingSpec
+from mmlight.tasks import LanguageModel
+
+transformers = pytest.importorskip("transformers")
+from mmlight.export import hf_attention  # noqa: E402  (needs transformers)
+
+V = 61
+
+
+def llama(name="softmax", **fields) -> TransformerLM:
+    """A random 2-layer Llama-style LM, d 32, 4 heads (2 key/value heads), FFN 48, float32, evaluation mode;
+    MultiMax and sink parameters moved off their initial values."""
+    torch.manual_seed(0)
+    base = {"vocab_size": V, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48, "n_layers": 2}
+    config = TransformerConfig(**{**base, **LLAMA_STYLE, **fields, "attention": ReweightingSpec(name)})
+    model = TransformerLM(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MultiMax):
+                m.ts.uniform_(-0.5, 0.5)
+                m.ranges.uniform_(-1.0, 1.0)
+            elif hasattr(m, "sink_logit"):
+                m.sink_logit.uniform_(-1.0, 1.0)
+            elif isinstance(m, torch.nn.RMSNorm):  # learned scales off 1, so that a misplaced one shows
+                m.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def transformers_model(model: TransformerLM):
+    """transformers' own Llama (Qwen3 with qk_norm), eager attention, from a config written here by hand,
+    with mmlight's weights loaded under transformers' names."""
+    c = model.config
+    fields = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=c.kv_heads,
+        head_dim=8,  # Qwen3Config's default is 128, not hidden_size / heads
+        rms_norm_eps=c.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.share_output_embedding,
+        attention_bias=c.bias,
+    )
+    if c.qk_norm:
+        reference = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, attn_implementation="eager"))
+    else:
+        config = transformers.LlamaConfig(**fields, mlp_bias=c.bias, attn_implementation="eager")
+        reference = transformers.LlamaForCausalLM(config)
+    missing, unexpected = reference.load_state_dict(hf_state_dict(model), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return reference.eval()
+
+
+def tokens(B=2, T=11, seed=1):
+    return torch.randint(2, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def mmlight_logits(model, x):
+    with torch.no_grad():
+        return model.logits(model(x))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},  # tied embeddings, grouped-query attention
+        {"share_output_embedding": False, "n_kv_heads": 1, "rope_theta": 500_000.0, "norm_eps": 1e-6},
+        {"bias": True, "n_kv_heads": None},
+        {"qk_norm": True},  # Qwen3
+    ],
+    ids=["gqa_tied", "mqa_untied_theta5e5", "bias_mha", "qwen3_qk_norm"],
+)
+def test_softmax_network_equals_transformers_with_the_same_weights(fields):
+    model = llama(**fields)
+    reference = transformers_model(model)
+    assert type(reference).__name__ == ("Qwen3ForCausalLM" if fields.get("qk_norm") else "LlamaForCausalLM")
+    x = tokens()
+    with torch.no_grad():
+        want = reference(x).logits  # (B, T, V)
+    torch.testing.assert_close(mmlight_logits(model, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_right_padding_is_masked_as_transformers_masks_it():
+    model = llama()
+    x = tokens()
+    x[1, 7:] = model.config.pad_id
+    with torch.no_grad():
+        want = transformers_model(model)(x, attention_mask=(x != model.config.pad_id).long()).logits
+    torch.testing.assert_close(mmlight_logits(model, x)[1, :7], want[1, :7], rtol=1e-5, atol=1e-5)
+
+
+def test_an_exported_softmax_folder_loads_with_from_pretrained(tmp_path):
+    model = llama(share_output_embedding=False)
+    export(model, tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} >= {"config.json", "model.safetensors"}
+    assert "mmlight_attention" not in json.loads((tmp_path / "config.json").read_text())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+
+
+def greedy(model: TransformerLM, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """mmlight's greedy continuation, one full forward per token (no cache)."""
+    seq = prompt
+    for _ in range(steps):
+        seq = torch.cat([seq, mmlight_logits(model, seq)[:, -1:].argmax(-1)], dim=1)
+    return seq
+
+
+@pytest.mark.parametrize("name", ["multimax", "softmax1", "sink", "stickbreaking", "ssmax"])
+def test_an_exported_function_runs_as_itself_in_transformers(name, tmp_path):
+    """Loaded with the registered ``mmlight`` implementation: equal logits, and greedy generation through
+    transformers' KV cache (its mask function at work on every step) equals mmlight's tokens."""
+    model = llama(name)
+    export(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["attn_implementation"] == "mmlight" and config["mmlight_attention"]["name"] == name
+    loaded = hf_attention.from_pretrained(tmp_path).eval()
+    x = tokens()
+    with torch.no_grad():
+        got = loaded(x).logits
+        generated = loaded.generate(x[:, :4], max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(got, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(generated, greedy(model, x[:, :4], 6))
+    # the function matters: transformers' own softmax on the same weights gives other logits
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert (plain(x).logits - got).abs().max() > 1e-3
+
+
+def test_causal_masking_is_not_dropped():
+    """Changing the last token leaves every earlier position's logits as they were."""
+    loaded = to_hf(llama("multimax"))
+    x = tokens()
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % V
+    with torch.no_grad():
+        a, b = loaded(x).logits, loaded(y).logits
+    assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        ({"gate": "headwise"}, "gate='headwise': the gate reads the layer's input"),
+        ({"output_multimax": True}, "output_multimax=True: a transformers LM head has no output modulation"),
+        ({"positions": "sinusoidal"}, "positions='sinusoidal': a Llama has 'rope'"),
+        ({"embed_scale": None, "norm": "layernorm"}, "norm='layernorm': a Llama has 'rmsnorm'; embed_scale=None"),
+        ({"qk_norm": True, "bias": True}, "qk_norm with bias=True: Qwen3's feed-forward has no biases"),
+    ],
+)
+def test_what_transformers_cannot_express_is_refused_with_the_reason(fields, reason):
+    with pytest.raises(NotExportable, match="cannot be a transformers Llama: .*" + reason.replace("(", r"\(")):
+        to_hf(llama(**fields))
+
+
+def write_checkpoint(task, path):
+    """The parts of a Lightning checkpoint that ``load_from_checkpoint`` reads."""
+    state = {"state_dict": task.state_dict(), "hyper_parameters": dict(task.hparams)}
+    torch.save({**state, "pytorch-lightning_version": lightning.__version__}, path)
+
+
+def test_the_export_command_writes_a_folder_transformers_loads(tmp_path, capsys):
+    model = llama("multimax")
+    task = LanguageModel(model.config)
+    task.model.load_state_dict(model.state_dict())
+    write_checkpoint(task, tmp_path / "llm.ckpt")
+    mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "llm.ckpt"), "--out", str(tmp_path / "hf")])
+    assert f"wrote {tmp_path / 'hf' / 'config.json'}" in capsys.readouterr().out
+    loaded = hf_attention.from_pretrained(tmp_path / "hf").eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_export_command_names_what_stops_it(tmp_path):
+    with pytest.raises(SystemExit, match="checkpoint .*missing.ckpt does not exist"):
+        mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "hf")])
+    task = LanguageModel(TransformerConfig(vocab_size=V, d_model=32, n_heads=4, ffn_dim=48, n_layers=1))
+    write_checkpoint(task, tmp_path / "fairseq.ckpt")
+    with pytest.raises(SystemExit, match="fairseq.ckpt: this network cannot be a transformers Llama: pre_norm=False"):
+        mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "fairseq.ckpt"), "--out", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
