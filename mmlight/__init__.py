@@ -21,7 +21,7 @@ Package map, bottom layer first (a module imports only its own package and the l
                   directory and task-count check; table files of runs
     lightning_cli.py  the LightningCLI of fit, validate, test and predict
     commands/     ``mmlight prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor``
-    cli.py        the ``mmlight`` command: its nine commands and their help
+    cli.py        the ``mmlight`` command: its commands and their help
 
 The layers and what each may import: docs/architecture.md, "Layers".
 """

@@ -1,4 +1,4 @@
-"""The `mmlight` command without a cluster or a training run: the ten commands, their help and the
+"""The `mmlight` command without a cluster or a training run: the commands, their help and the
 nearest name for a misspelt one; which checkpoint ``--ckpt_path last`` resumes (files with set modification
 times), the SLURM run directory (SLURM's environment variables), the task-count check and the checkpoint
 defaults."""
