@@ -332,3 +332,44 @@ def test_window_size_is_checked():
     with pytest.raises(ValueError, match="window_size must be at least 2 .*got 1"):
         Throughput(window_size=1)
     assert Throughput().window_size == 10
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_test_and_predict_log_their_rates_by_their_own_batch_count(monkeypatch, stage):
+    """``mmlight test`` and ``predict``: samples/s (no FLOPs: the count is of a training step) under the stage's
+    name at every log_every_n_steps-th batch, the step being the batches seen; a second call counts anew."""
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [5.0, 5.5, 6.0, 6.5, 7.0, 7.5], world_size=1, device="cpu")
+    trainer.state.fn, trainer.log_every_n_steps = stage, 2
+    callback = Throughput(window_size=3)
+    for _ in range(2):
+        callback.setup(trainer, task, stage)
+        getattr(callback, f"on_{stage}_start")(trainer, task)
+        for _ in range(2):
+            getattr(callback, f"on_{stage}_batch_end")(trainer, task, None, {"n": 4}, 0)
+    assert (
+        trainer.loggers[0].logged
+        == [(2, {f"{stage}/time": 1.0, f"{stage}/batches": 2, f"{stage}/samples": 8, f"{stage}/lengths": 56})] * 2
+    )  # the window of 3 is not full after 2 batches: no rate yet
+    assert callback.flops_per_sample is None
+
+
+def test_sanity_checking_and_a_task_without_the_protocol_count_nothing(monkeypatch):
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [], world_size=1, device="cpu")  # the clock is never read
+    trainer.sanity_checking = True
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_validation_start(trainer, task)
+    callback.on_validation_batch_end(trainer, task, None, {"n": 4}, 0)
+    callback.on_validation_end(trainer, task)
+    assert callback.meters == {} and trainer.loggers[0].logged == []
+    trainer.sanity_checking = False
+    with pytest.warns(UserWarning, match="SimpleNamespace has no batch_counts"):
+        callback.setup(trainer, SimpleNamespace(counts_tokens=False, training_loss=None), "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 2)
+    callback.on_train_end(trainer, task)
+    assert callback.disabled and callback.meters == {} and trainer.loggers[0].logged == []
