@@ -280,7 +280,7 @@ def test_validation_time_is_left_out_of_training_and_logged_by_its_own_count(mon
     (no FLOPs) at every log_every_n_steps-th batch, under the count of validation batches of the fit."""
     from mmlight.callbacks import Throughput
 
-    times = [0.0, 1.0, 2.0, 50.0, 50.5, 51.0, 51.5, 3.0 + 49.5, 4.0 + 49.5]
+    times = [10.0, 11.0, 12.0, 60.0, 60.5, 61.0, 61.5, 13.0 + 49.5, 14.0 + 49.5]
     trainer, task, _, _ = stand_ins(monkeypatch, times, world_size=1, device="cpu", tokens=False)
     trainer.log_every_n_steps = 2
     callback = Throughput(window_size=2)
@@ -334,10 +334,11 @@ def test_window_size_is_checked():
     assert Throughput().window_size == 10
 
 
-@pytest.mark.parametrize("stage", ["test", "predict"])
-def test_test_and_predict_log_their_rates_by_their_own_batch_count(monkeypatch, stage):
-    """``mmlight test`` and ``predict``: samples/s (no FLOPs: the count is of a training step) under the stage's
-    name at every log_every_n_steps-th batch, the step being the batches seen; a second call counts anew."""
+@pytest.mark.parametrize("stage, hook", [("validate", "validation"), ("test", "test"), ("predict", "predict")])
+def test_evaluations_log_their_rates_by_their_own_batch_count(monkeypatch, stage, hook):
+    """``mmlight validate``, ``test`` and ``predict``: samples/s (no FLOPs: the count is of a training step)
+    under the stage's name at every log_every_n_steps-th batch, the step being the batches seen; a second call
+    counts anew."""
     from mmlight.callbacks import Throughput
 
     trainer, task, _, _ = stand_ins(monkeypatch, [5.0, 5.5, 6.0, 6.5, 7.0, 7.5], world_size=1, device="cpu")
@@ -345,9 +346,10 @@ def test_test_and_predict_log_their_rates_by_their_own_batch_count(monkeypatch, 
     callback = Throughput(window_size=3)
     for _ in range(2):
         callback.setup(trainer, task, stage)
-        getattr(callback, f"on_{stage}_start")(trainer, task)
+        getattr(callback, f"on_{hook}_start")(trainer, task)
         for _ in range(2):
-            getattr(callback, f"on_{stage}_batch_end")(trainer, task, None, {"n": 4}, 0)
+            getattr(callback, f"on_{hook}_batch_end")(trainer, task, None, {"n": 4}, 0)
+        getattr(callback, f"on_{hook}_end", lambda *args: None)(trainer, task)  # no training to shift
     assert (
         trainer.loggers[0].logged
         == [(2, {f"{stage}/time": 1.0, f"{stage}/batches": 2, f"{stage}/samples": 8, f"{stage}/lengths": 56})] * 2
