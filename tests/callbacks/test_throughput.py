@@ -375,3 +375,18 @@ def test_sanity_checking_and_a_task_without_the_protocol_count_nothing(monkeypat
     train_batches(callback, trainer, task, 2)
     callback.on_train_end(trainer, task)
     assert callback.disabled and callback.meters == {} and trainer.loggers[0].logged == []
+
+
+def test_a_validation_without_batches_shifts_training_by_the_time_to_its_start(monkeypatch):
+    """No validation batch: training's clock skips from its latest batch to the validation's start."""
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [10.0, 11.0, 30.0, 32.0], world_size=1, device="cpu", tokens=False)
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 1)  # ends at 1 s
+    callback.on_validation_start(trainer, task)  # at 30: 19 s after it, and no batch
+    callback.on_validation_end(trainer, task)
+    train_batches(callback, trainer, task, 1)  # at 32: 2 s after the validation started
+    assert callback.meters["train"].elapsed == 3.0 and callback.last == (3.0, 8, 0)
