@@ -24,7 +24,9 @@ to ``build/mutation/<name>/report.md``; a survivor already judged in ``tools/mut
 ``--changed [BASE]`` reads ``git diff BASE`` (default: the merge base with ``main``; the working tree,
 uncommitted changes included), finds the top-level functions and methods whose lines it touches, and
 runs mutmut on their mutants only, in the module of :data:`MODULES` that holds each file; the report
-(``report-changed.md``) lists those mutants alone. A changed file that no module covers is an error.
+(``report-changed.md``) lists those mutants alone, each survivor not judged equivalent is printed as
+``SURVIVED <name>``, and the exit status is 1 if one of them is not judged at all. A changed file that no
+module covers is an error. ``tools/hooks/pre-commit`` runs ``--changed HEAD`` before each commit.
 """
 
 from __future__ import annotations
@@ -648,7 +650,22 @@ def run_changed(base: str, max_children: int) -> int:
         (workdir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
         failed |= run(name, workdir, max_children, only) != 0
         report(name, workdir, only, file="report-changed.md")
+        for key, judged in uncaught(statuses(workdir), only, verdicts()):
+            print(f"SURVIVED {key}" + (f" (judged left: {judged})" if judged else ""), flush=True)
+            failed |= not judged
     return int(failed)
+
+
+def uncaught(found: dict[str, str], only: list[str], judged: dict) -> list[tuple[str, str]]:
+    """``(mutant, reason it is left or "")`` of the mutants of ``found`` (name -> status) matching the patterns
+    ``only`` that no test caught and that are not judged equivalent in ``judged`` (:func:`verdicts`)."""
+    return [
+        (key, judged[key].reason if key in judged else "")
+        for key, status in sorted(found.items())
+        if any(fnmatch.fnmatch(key, pattern) for pattern in only)
+        and status not in ("killed", "timeout", "not checked")
+        and not (key in judged and judged[key].kind == "equivalent")
+    ]
 
 
 if __name__ == "__main__":

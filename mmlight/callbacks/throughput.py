@@ -229,8 +229,9 @@ class Throughput(Callback):
         self._eval_batch_end(trainer, pl_module, batch, "validate")
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        # both exist in a fit only (setup starts each trainer call without meters), after the sanity check
         train, val = self.meters.get("train"), self.meters.get("validate")
-        if trainer.state.fn != "fit" or trainer.sanity_checking or train is None or val is None:
+        if train is None or val is None:
             return
         # the training rates leave out the time from training's latest batch to validation's last one
         train.start += (val.start + val.elapsed) - (train.start + train.elapsed)

@@ -280,7 +280,7 @@ def test_validation_time_is_left_out_of_training_and_logged_by_its_own_count(mon
     (no FLOPs) at every log_every_n_steps-th batch, under the count of validation batches of the fit."""
     from mmlight.callbacks import Throughput
 
-    times = [0.0, 1.0, 2.0, 50.0, 50.5, 51.0, 51.5, 3.0 + 49.5, 4.0 + 49.5]
+    times = [10.0, 11.0, 12.0, 60.0, 60.5, 61.0, 61.5, 13.0 + 49.5, 14.0 + 49.5]
     trainer, task, _, _ = stand_ins(monkeypatch, times, world_size=1, device="cpu", tokens=False)
     trainer.log_every_n_steps = 2
     callback = Throughput(window_size=2)
@@ -332,3 +332,61 @@ def test_window_size_is_checked():
     with pytest.raises(ValueError, match="window_size must be at least 2 .*got 1"):
         Throughput(window_size=1)
     assert Throughput().window_size == 10
+
+
+@pytest.mark.parametrize("stage, hook", [("validate", "validation"), ("test", "test"), ("predict", "predict")])
+def test_evaluations_log_their_rates_by_their_own_batch_count(monkeypatch, stage, hook):
+    """``mmlight validate``, ``test`` and ``predict``: samples/s (no FLOPs: the count is of a training step)
+    under the stage's name at every log_every_n_steps-th batch, the step being the batches seen; a second call
+    counts anew."""
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [5.0, 5.5, 6.0, 6.5, 7.0, 7.5], world_size=1, device="cpu")
+    trainer.state.fn, trainer.log_every_n_steps = stage, 2
+    callback = Throughput(window_size=3)
+    for _ in range(2):
+        callback.setup(trainer, task, stage)
+        getattr(callback, f"on_{hook}_start")(trainer, task)
+        for _ in range(2):
+            getattr(callback, f"on_{hook}_batch_end")(trainer, task, None, {"n": 4}, 0)
+        getattr(callback, f"on_{hook}_end", lambda *args: None)(trainer, task)  # no training to shift
+    assert (
+        trainer.loggers[0].logged
+        == [(2, {f"{stage}/time": 1.0, f"{stage}/batches": 2, f"{stage}/samples": 8, f"{stage}/lengths": 56})] * 2
+    )  # the window of 3 is not full after 2 batches: no rate yet
+    assert callback.flops_per_sample is None
+
+
+def test_sanity_checking_and_a_task_without_the_protocol_count_nothing(monkeypatch):
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [], world_size=1, device="cpu")  # the clock is never read
+    trainer.sanity_checking = True
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_validation_start(trainer, task)
+    callback.on_validation_batch_end(trainer, task, None, {"n": 4}, 0)
+    callback.on_validation_end(trainer, task)
+    assert callback.meters == {} and trainer.loggers[0].logged == []
+    trainer.sanity_checking = False
+    with pytest.warns(UserWarning, match="SimpleNamespace has no batch_counts"):
+        callback.setup(trainer, SimpleNamespace(counts_tokens=False, training_loss=None), "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 2)
+    callback.on_train_end(trainer, task)
+    assert callback.disabled and callback.meters == {} and trainer.loggers[0].logged == []
+
+
+def test_a_validation_without_batches_shifts_training_by_the_time_to_its_start(monkeypatch):
+    """No validation batch: training's clock skips from its latest batch to the validation's start."""
+    from mmlight.callbacks import Throughput
+
+    trainer, task, _, _ = stand_ins(monkeypatch, [10.0, 11.0, 30.0, 32.0], world_size=1, device="cpu", tokens=False)
+    callback = Throughput(window_size=2)
+    callback.setup(trainer, task, "fit")
+    callback.on_train_start(trainer, task)
+    train_batches(callback, trainer, task, 1)  # ends at 1 s
+    callback.on_validation_start(trainer, task)  # at 30: 19 s after it, and no batch
+    callback.on_validation_end(trainer, task)
+    train_batches(callback, trainer, task, 1)  # at 32: 2 s after the validation started
+    assert callback.meters["train"].elapsed == 3.0 and callback.last == (3.0, 8, 0)

@@ -129,6 +129,10 @@ def test_top5_counts_ranks_one_to_five_exactly():
 def test_no_ema_metric_without_ema():
     module = ImageClassifier(micro_vit(num_classes=4))
     assert module.ema is None and sorted(module.eval_metrics["val"]) == ["loss", "top1", "top5"]
+    # off: no averaged copy in the checkpoint either (with it, its weights are there under ema.module.)
+    assert not [k for k in module.state_dict() if k.startswith("ema.")]
+    with_ema = ImageClassifier(micro_vit(num_classes=4), ema_decay=0.9).state_dict()
+    assert torch.equal(with_ema["ema.module.vit.head.weight"], with_ema["model.vit.head.weight"])
 
 
 def test_classifier_predict_step_returns_softmax_and_argmax():

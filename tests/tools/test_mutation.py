@@ -155,3 +155,35 @@ def test_only_refuses_a_file_outside_the_set_or_several_sets():
         mutation.file_patterns(["mmlight/tasks/protocol.py"], ["tasks", "vit"])
     with pytest.raises(SystemExit, match="name exactly one set"):
         mutation.file_patterns(["mmlight/tasks/protocol.py"], [])
+
+
+def test_uncaught_names_the_survivors_of_the_changed_functions_not_judged_equivalent():
+    """What ``--changed`` prints as ``SURVIVED``: survivors and untested mutants of the patterns, with the reason
+    of a ``left`` verdict; killed, timed-out, unchecked, equivalent or other functions' mutants are not."""
+    from types import SimpleNamespace
+
+    found = {
+        "m.x_f__mutmut_1": "survived",
+        "m.x_f__mutmut_2": "killed",
+        "m.x_f__mutmut_3": "no tests",
+        "m.x_f__mutmut_4": "survived",
+        "m.x_f__mutmut_5": "survived",
+        "m.x_f__mutmut_6": "timeout",
+        "m.x_f__mutmut_7": "not checked",
+        "m.x_g__mutmut_1": "survived",
+    }
+    judged = {
+        "m.x_f__mutmut_4": SimpleNamespace(kind="equivalent", reason="same value"),
+        "m.x_f__mutmut_5": SimpleNamespace(kind="left", reason="needs a GPU"),
+    }
+    assert mutation.uncaught(found, ["m.x_f__mutmut_*"], judged) == [
+        ("m.x_f__mutmut_1", ""),
+        ("m.x_f__mutmut_3", ""),
+        ("m.x_f__mutmut_5", "needs a GPU"),
+    ]
+
+
+def test_the_pre_commit_hook_runs_the_changed_functions_only():
+    hook = ROOT / "tools" / "hooks" / "pre-commit"
+    assert hook.stat().st_mode & 0o111  # executable, as git requires
+    assert hook.read_text().rstrip().endswith("tools/mutation.py --changed HEAD")
