@@ -10,7 +10,7 @@ import yaml
 
 from mmlight.cli import main
 from mmlight.lightning_cli import build_cli
-from tests.text_fixtures import FIXTURE_BATCHES, vocab_size, write_text_shard_sets
+from tests.helpers.text_fixtures import FIXTURE_BATCHES, vocab_size, write_text_shard_sets
 
 pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
 

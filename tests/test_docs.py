@@ -1,4 +1,5 @@
-"""The docs stay true: every fenced shell command of README.md, docs/*.md and BENCHMARKS.md is covered.
+"""The docs stay true: every fenced shell command of README.md, docs/**/*.md and BENCHMARKS.md is covered,
+and every relative link and anchor of theirs resolves.
 
 A fenced block with no language (or ``sh``, ``bash``, ``shell``, ``console``) holds shell commands; other
 blocks name their language (``text``, ``yaml``, ``python``, ...). Each command is checked by the rule of
@@ -39,7 +40,7 @@ from mmlight.safe_load import CONVERT_COMMAND
 pytestmark = pytest.mark.usefixtures("plain_argv")  # LightningCLI reads sys.argv
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "BENCHMARKS.md"]
 SHELL = {"", "sh", "bash", "shell", "console"}
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```", re.S | re.M)
 TRAINER_COMMANDS = {"fit", "validate", "test", "predict"}
@@ -485,3 +486,108 @@ def test_every_function_list_names_the_whole_registry(doc):
 
     named = set(re.findall(r"`+(\w+)`+", (ROOT / doc).read_text(encoding="utf-8")))
     assert sorted(set(available()) - named) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Links: every relative Markdown link (and image) names a file git knows, and its anchor a heading there
+
+#: ``[text](target)`` or ``![alt](target "title")``; the text may hold one level of brackets
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+#: inline code, where brackets are code and not links
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def markdown_text(path: Path) -> str:
+    """The prose of a Markdown file: fenced blocks and inline code removed."""
+    return CODE_SPAN.sub("", FENCE.sub("", path.read_text(encoding="utf-8")))
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: the text of links and code kept, lower case, every character
+    that is neither a letter, a digit, ``_``, ``-`` nor a space dropped, spaces made ``-``."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, a repeated one numbered ``-1``, ``-2``, ... as GitHub does."""
+    found: set[str] = set()
+    for heading in HEADING.findall(FENCE.sub("", path.read_text(encoding="utf-8"))):
+        anchor, n = heading_anchor(heading), 0
+        while (anchor if n == 0 else f"{anchor}-{n}") in found:
+            n += 1
+        found.add(anchor if n == 0 else f"{anchor}-{n}")
+    return found
+
+
+@functools.cache
+def git_paths() -> frozenset[str]:
+    """Every file git knows (tracked, or new and not ignored) and every folder above one, relative to
+    the repository."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    folders = {"/".join(f.split("/")[:i]) for f in listed for i in range(1, f.count("/") + 1)}
+    return frozenset(listed) | folders
+
+
+def broken_links(doc: Path, root: Path = ROOT, known: frozenset[str] | None = None) -> list[str]:
+    """The relative links of ``doc`` whose file git does not know, or whose anchor no heading of the
+    target (``#anchor`` alone: of ``doc``) gives."""
+    known = git_paths() if known is None else known
+    broken = []
+    for target in LINK.findall(markdown_text(doc)):
+        if re.match(r"[a-z][a-z+.-]*:", target):  # https:, mailto:: not the repository's
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc.resolve()
+        try:
+            relative = file.relative_to(root.resolve()).as_posix()
+        except ValueError:
+            broken.append(f"{target} (outside the repository)")
+            continue
+        if relative not in known:
+            broken.append(f"{target} (no such file in git)")
+        elif anchor and (file.suffix != ".md" or anchor not in anchors(file)):
+            broken.append(f"{target} (no heading #{anchor} in {relative})")
+    return broken
+
+
+def test_heading_anchors_are_githubs():
+    """Anchors as GitHub renders them for headings of these docs (read off the rendered pages)."""
+    assert heading_anchor("Image classification: digits") == "image-classification-digits"
+    assert heading_anchor("During training: `AttentionStats`") == "during-training-attentionstats"
+    assert heading_anchor("Robustness (`--robustness`)") == "robustness---robustness"
+    assert heading_anchor("The CPU comparison: `configs/tables/cpu_reweighting.yaml`") == (
+        "the-cpu-comparison-configstablescpu_reweightingyaml"
+    )
+    assert heading_anchor("α-entmax & [the sink](x.md)") == "α-entmax--the-sink"
+
+
+def test_broken_links_finds_a_missing_file_a_missing_anchor_and_passes_the_rest(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Twice\n\n## Twice\n")
+    doc = tmp_path / "docs" / "b.md"
+    doc.write_text(
+        "# B: `c`\n\n[ok](a.md#twice-1) [self](#b-c) ![img](../x.png) [web](https://x.org/#y) `[code](no.md)`\n"
+        "[gone](c.md) [anchor](a.md#thrice) [out](../../elsewhere.md)\n\n```\n[fenced](no.md)\n```\n"
+    )
+    known = frozenset({"docs", "docs/a.md", "docs/b.md", "x.png"})
+    assert broken_links(doc, tmp_path, known) == [
+        "c.md (no such file in git)",
+        "a.md#thrice (no heading #thrice in docs/a.md)",
+        "../../elsewhere.md (outside the repository)",
+    ]
+
+
+LINKED_DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", LINKED_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_and_anchor_resolves(doc):
+    assert broken_links(doc) == [], f"{doc.relative_to(ROOT)}: broken links"

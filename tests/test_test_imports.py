@@ -18,6 +18,12 @@ def is_test_module(name: str) -> bool:
     return last.startswith("test_") or last == "conftest"
 
 
+def is_shared_module(name: str) -> bool:
+    """A module that neither holds tests nor marks a package: code the tests share."""
+    last = name.rsplit(".", 1)[-1]
+    return not is_test_module(name) and last != "__init__"
+
+
 def loads_code_by_path(source: str) -> list[str]:
     """The calls of ``source`` that put code within reach outside the import system: ``sys.path`` edits and
     ``importlib.util.spec_from_file_location``."""
@@ -52,7 +58,9 @@ spec = importlib.util.spec_from_file_location("m", "m.py")
         "tests.data.test_iwslt",
         "tests.models.test_vit",
     ]
-    assert not is_test_module("tests.helpers.models") and not is_test_module("tests.data.image_fixtures")
+    assert not is_test_module("tests.helpers.models") and not is_test_module("tests.helpers.image_fixtures")
+    assert is_shared_module("tests.helpers.models") and not is_shared_module("tests.data.test_iwslt")
+    assert is_shared_module("tests.data.image_fixtures") and not is_shared_module("tests.data.conftest")
     assert loads_code_by_path(source) == ["sys.path.insert", "importlib.util.spec_from_file_location"]
 
 
@@ -62,6 +70,13 @@ def test_no_test_module_imports_another_test_module():
         imported = imported_names(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
         found[name] = sorted(n for n in imported if is_test_module(n))
     assert {name: imports for name, imports in found.items() if imports} == {}
+
+
+def test_shared_code_lives_in_tests_helpers():
+    """What several test modules share is in ``tests/helpers/`` (or a conftest's fixtures), where a reader
+    looks for it, not beside the tests of one folder (docs/testing.md, "Layout")."""
+    strays = sorted(n for n in python_files() if is_shared_module(n) and not n.startswith("tests.helpers."))
+    assert strays == [], "move them to tests/helpers/ (git mv) and import them from there"
 
 
 def test_no_test_reaches_code_through_sys_path_or_a_file_path():

@@ -22,8 +22,8 @@ ALLOWED = {
     "test_benchmarks.py": "the benchmark scripts' smoke runs",
     "test_benchmark_attention_stats.py": "the attention-statistics benchmarks' smoke runs",
     "benchmarks/test_results_files.py": "benchmarks/results/ and BENCHMARKS.md's rendered tables",
-    "benchmarks/test_gpu_faults.py": "benchmarks/gpu/, the GPU run under injected faults (missing package, hang, kill)",
-    "benchmarks/test_gpu_wheels.py": "benchmarks/gpu_wheels.sh and the GPU run's documented command lines",
+    "benchmarks/test_gpu_faults.py": "the GPU run's control flow (the benchmarks/gpu/ package) under injected faults",
+    "benchmarks/test_gpu_wheels.py": "benchmarks/gpu_wheels.sh, a shell script, and the documented offline install",
     "experiments/test_slurm_sweep.py": "slurm/sweep.sh submitting a table's runs",
     # behaviour that spans the modules of one package
     "reweighting/test_functions.py": "every registered function, parametrised by the registry",

@@ -185,6 +185,17 @@ def targets() -> str:
     return table(["target", "bound"], rows)
 
 
+def experiment_tables() -> str:
+    """The table files of ``configs/tables/``: the runs each holds (cells × seeds) and its title."""
+    from mmlight.experiments.table import load_table
+
+    rows = []
+    for path in sorted((ROOT / "configs" / "tables").glob("*.yaml")):
+        parsed = load_table(path)
+        rows.append([f"`{path.name}`", str(len(parsed.runs())), one_line(parsed.title)])
+    return table(["table", "runs", "title"], rows)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "reweightings": reweightings,
     "null-mass": null_mass,
@@ -194,6 +205,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "default-callbacks": default_callbacks,
     "task-members": task_members,
     "targets": targets,
+    "experiment-tables": experiment_tables,
 }
 
 

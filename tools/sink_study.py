@@ -1,5 +1,5 @@
-"""The sink study of docs/analysis.md: ``mmlight analyze --robustness`` of every run of a table, then
-one table and one figure over functions and seeds (not part of CI; the runs come from ``mmlight sweep``).
+"""The sink study (docs/studies/cpu-sinks.md): ``mmlight analyze --robustness`` of every run of a table,
+then one table and one figure over functions and seeds (not part of CI; the runs come from ``mmlight sweep``).
 
     mmlight sweep configs/tables/cpu_sinks.yaml --parallel 2
     python tools/sink_study.py analyze configs/tables/cpu_sinks.yaml --parallel 2

@@ -11,7 +11,7 @@ import torch
 from mmlight.commands.prepare import main
 from mmlight.data import ImageAugment, ImageShardDataModule
 from mmlight.data.prepare import prepare
-from tests.data.shard_contents import pixels, split_samples
+from tests.helpers.shard_contents import pixels, split_samples
 
 PER_BATCH = 4
 

@@ -68,7 +68,7 @@ def run_probed(args, probe_dir, tmp_path, timeout):
         ),
         "--trainer.logger.init_args.save_dir",
         str(tmp_path / "runs"),
-        "--trainer.callbacks+=tests.data.ddp_probe.Probe",
+        "--trainer.callbacks+=tests.helpers.ddp_probe.Probe",
     ]
     result = run_mmlight(*args[:1], *common, *args[1:], cwd=tmp_path, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]

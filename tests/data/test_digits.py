@@ -106,7 +106,7 @@ def test_a_subset_of_digits_is_relabelled_in_list_order(tmp_path):
 
 
 def split_labels(root, split):
-    from tests.data.shard_contents import split_samples
+    from tests.helpers.shard_contents import split_samples
 
     return {key: int(sample["cls"]) for key, sample in split_samples(root, split).items()}
 
@@ -202,7 +202,7 @@ def test_written_samples_are_greyscale_pngs_of_the_digits_in_shards_of_300(tmp_p
     each split's summary line is labelled with it."""
     from PIL import Image
 
-    from tests.data.shard_contents import split_samples
+    from tests.helpers.shard_contents import split_samples
 
     with caplog.at_level(logging.INFO, logger="mmlight.data.shard_writer"):
         info = write_digits_shards(tmp_path)

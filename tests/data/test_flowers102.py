@@ -7,7 +7,7 @@ from scipy.io import savemat
 
 from mmlight.commands.prepare import main
 from mmlight.data.prepare import prepare
-from tests.data.shard_contents import encoded, image_bytes, split_samples
+from tests.helpers.shard_contents import encoded, image_bytes, split_samples
 
 LABELS = [3, 1, 2, 3, 1, 2, 2, 3, 1, 1]  # 1-based classes of images 1..10
 SETID = {"trnid": [2, 5, 9], "valid": [1, 6, 7], "tstid": [3, 4, 8, 10]}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mmlight.data.prepare import prepare
-from tests.data.shard_contents import encoded, image_bytes, split_samples
+from tests.helpers.shard_contents import encoded, image_bytes, split_samples
 
 CLASSES = ["apple_pie", "baby_back_ribs", "baklava"]
 LISTS = {

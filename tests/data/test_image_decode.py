@@ -19,7 +19,7 @@ from mmlight.data.image_decode import (
     crop_box,
     draft_scale,
 )
-from tests.data.image_fixtures import AWKWARD, check_formats, rgb_to_grey
+from tests.helpers.image_fixtures import AWKWARD, check_formats, rgb_to_grey
 from tests.helpers.images import DEIT_16, seeded, smooth_jpeg
 
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from mmlight.data.prepare import prepare
-from tests.data.shard_contents import encoded, image_bytes, pixels, split_samples
+from tests.helpers.shard_contents import encoded, image_bytes, pixels, split_samples
 
 
 def rgb(seed, size=(8, 10)):

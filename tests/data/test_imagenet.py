@@ -224,7 +224,7 @@ def test_copy_groups_cover_every_row_once_and_split_a_straddling_image():
 def test_the_awkward_real_formats_are_kept_as_they_are_and_stream_in_their_colours(tmp_path):
     """ImageNet's greyscale, CMYK and progressive JPEGs and its PNG and GIF named .JPEG: all kept (none
     skipped), stored byte for byte, labelled by their folder, and streamed as RGB rows of their colour."""
-    from tests.data.image_fixtures import AWKWARD
+    from tests.helpers.image_fixtures import AWKWARD
 
     names = list(AWKWARD)
     wnids = [f"n0000000{i}" for i in range(len(names))]

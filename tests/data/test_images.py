@@ -12,7 +12,7 @@ from PIL import Image
 
 from mmlight.data import ImageAugment
 from mmlight.data.images import eval_images
-from tests.data.image_fixtures import AWKWARD
+from tests.helpers.image_fixtures import AWKWARD
 
 
 def photo(mode: str, seed: int, size=(13, 11)) -> Image.Image:

@@ -307,7 +307,7 @@ def recall_loader(seed, monkeypatch, num_workers=0):
 
 @pytest.fixture(scope="module")
 def wikitext_shards(tmp_path_factory):
-    from tests.text_fixtures import write_text_shard_sets
+    from tests.helpers.text_fixtures import write_text_shard_sets
 
     return write_text_shard_sets(tmp_path_factory.mktemp("text"))
 

@@ -11,8 +11,8 @@ from mmlight.kernels import rowwise
 from mmlight.kernels.rowwise import multimax_softmax
 from mmlight.reweighting import MultiMax, Softmax, build
 from mmlight.reweighting.backend import resolve_backend
-from tests.reweighting.references import apply_masked
-from tests.reweighting.references import softmax as np_softmax
+from tests.helpers.reweighting_references import apply_masked
+from tests.helpers.reweighting_references import softmax as np_softmax
 
 # Values that bend sigma visibly (the 0.02 init would hide mistakes in the derivative terms).
 RANGES = {1: [-0.5, 0.6], 2: [-0.5, 0.6, -1.0, 1.2]}

@@ -6,7 +6,7 @@ import torch
 
 from mmlight import reweighting
 from mmlight.callbacks.reweighting_monitor import monitored_scalars
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 ALPHAS = [1.2, 1.5, 1.9]  # one per head
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mmlight import reweighting
 from mmlight.reweighting.registry import _REGISTRY
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 #: Every registered function, built-ins and any added file alike.
 NAMES = reweighting.available()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmlight.reweighting import MultiMax, multimax_sigma, multimodality, sparsity
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 
 def set_params(module, ranges, ts):

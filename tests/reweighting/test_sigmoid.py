@@ -6,7 +6,7 @@ import torch
 
 from mmlight import reweighting
 from mmlight.nn import causal_mask
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 
 def sigmoid_formula(z, bias=None):

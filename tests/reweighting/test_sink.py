@@ -14,7 +14,7 @@ from mmlight.callbacks.reweighting_monitor import monitored_scalars
 from mmlight.models.transformer import TransformerConfig, TransformerLM
 from mmlight.nn import attention, causal_mask
 from mmlight.reweighting import ReweightingSpec
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 B = [0.0, 1.5, -2.0]  # one sink logit per head
 

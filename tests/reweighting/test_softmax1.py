@@ -6,7 +6,7 @@ import torch
 from scipy.special import softmax as scipy_softmax
 
 from mmlight import reweighting
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 
 def softmax1_formula(z):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmlight import reweighting
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 EPS = 1e-6
 

@@ -10,7 +10,7 @@ from mmlight.models.transformer import TransformerConfig, TransformerLM, Transfo
 from mmlight.models.vit import ReweightedViT, ViTConfig
 from mmlight.nn import attention, causal_mask
 from mmlight.reweighting import ReweightingSpec
-from tests.reweighting import references as ref
+from tests.helpers import reweighting_references as ref
 
 
 def stickbreaking_formula(scores, keep):

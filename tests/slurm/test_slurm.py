@@ -192,7 +192,7 @@ def test_time_limit_signal_requeues_and_resumes(cluster, uninterrupted, tmp_path
 
 @pytest.fixture(scope="module")
 def text_shards(tmp_path_factory):
-    from tests.text_fixtures import write_text_shard_sets
+    from tests.helpers.text_fixtures import write_text_shard_sets
 
     return write_text_shard_sets(tmp_path_factory.mktemp("text"))
 
@@ -204,7 +204,7 @@ def text_shards(tmp_path_factory):
 def test_lm_and_nmt_scripts_run_their_paper_config(cluster, text_shards, tmp_path, script, run_name):
     """slurm/wikitext103.sh and slurm/iwslt14.sh, unchanged, as a 2-task CPU job on fixture shards
     (DATA=...), with the model narrowed so that the test is quick."""
-    from tests.text_fixtures import FIXTURE_BATCHES, vocab_size
+    from tests.helpers.text_fixtures import FIXTURE_BATCHES, vocab_size
 
     dataset = script.removesuffix(".sh")
     data = text_shards[dataset]

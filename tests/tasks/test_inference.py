@@ -23,7 +23,7 @@ from mmlight.models import TransformerConfig
 from mmlight.models.beam_search import BeamSearchConfig
 from mmlight.tasks import ImageClassifier, LanguageModel, Translator
 from mmlight.tasks.inference import CHECKPOINT_KEY
-from tests.text_fixtures import FIXTURE_BATCHES
+from tests.helpers.text_fixtures import FIXTURE_BATCHES
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart"

@@ -18,7 +18,7 @@ def mmlight(args: list[str], probe_dir: Path, cwd: Path) -> dict:
     probe_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    result = run_mmlight(*args, "--trainer.callbacks+=tests.data.ddp_probe.Probe", cwd=cwd, env=env, timeout=400)
+    result = run_mmlight(*args, "--trainer.callbacks+=tests.helpers.ddp_probe.Probe", cwd=cwd, env=env, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((probe_dir / f"rank0-{args[0]}.json").read_text())
 

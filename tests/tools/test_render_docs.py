@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -122,15 +120,12 @@ def test_the_preparers_and_commands_are_what_mmlight_help_lists(capsys):
 
 
 def test_the_switches_are_the_gpu_runs_and_their_defaults_the_modules_values():
-    """The kernel switches listed are the ones the GPU run (``benchmarks/gpu/``) sweeps, each at its module's value."""
-    code = (
-        "from benchmarks.gpu.common import ATTENTION_SWITCHES, CE_SWITCHES, ROWWISE_SWITCHES\n"
-        "for module, name, _ in ATTENTION_SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES:\n"
-        "    print(module.rsplit('.', 1)[1] + '.' + name)"
-    )
-    folder = render_docs.ROOT  # the GPU run's package, as `python -m benchmarks.gpu` imports it
-    swept = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, check=True)
-    swept_names = sorted(swept.stdout.split())
+    """The kernel switches listed are the ones the GPU run (``benchmarks/gpu/common.py``) sweeps, each at
+    its module's value."""
+    from benchmarks.gpu.common import ATTENTION_SWITCHES, CE_SWITCHES, ROWWISE_SWITCHES
+
+    swept = ATTENTION_SWITCHES + CE_SWITCHES + ROWWISE_SWITCHES
+    swept_names = sorted(module.rsplit(".", 1)[1] + "." + name for module, name, _ in swept)
     table = {name.strip("`"): default for name, default, _ in rows(render_docs.kernel_switches())}
     assert sorted(table) == swept_names
     for qualified, default in table.items():
@@ -166,3 +161,17 @@ def test_the_task_members_are_what_every_task_has():
 
     task = tiny_translator(vocab_size=12)
     assert isinstance(task, TrainedTask) and isinstance(task, AnalysedTask)
+
+
+def test_the_experiment_tables_count_cells_times_seeds_of_each_file():
+    """Every file of configs/tables/ is listed once, with its cells (keys of ``cells``) times its seeds read
+    from the YAML directly, and its title."""
+    import yaml
+
+    files = sorted((render_docs.ROOT / "configs" / "tables").glob("*.yaml"))
+    listed = {name.strip("`"): (runs, title) for name, runs, title in rows(render_docs.experiment_tables())}
+    assert sorted(listed) == [path.name for path in files]
+    for path in files:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        assert listed[path.name] == (str(len(spec["cells"]) * len(spec["seeds"])), spec["title"]), path.name
+    assert listed["cpu_reweighting.yaml"][0] == "90"  # 6 functions x 3 tasks x 5 seeds
