@@ -412,7 +412,8 @@ class ExpectedAttention(EvictionMethod):
             if past is None or key not in self._keys:
                 self._hidden[key] = x.detach()
             else:  # incremental decoding: the cache may have been reordered (beam search) since
-                rows = follow_rows(past, self._keys[key])
+                before = self._keys[key]  # as the attention received them: grouped KV heads may be repeated
+                rows = follow_rows(past.repeat_interleave(before.shape[1] // past.shape[1], dim=1), before)
                 self._hidden[key] = torch.cat([self._hidden[key][rows], x.detach()], dim=1)
 
         return hook
