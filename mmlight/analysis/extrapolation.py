@@ -12,7 +12,9 @@ positions ``[i * s, min((i + 1) * s, m * L))``.
 A model whose positions are a learned table cannot embed a position past it: a multiple whose window
 is longer is reported as not defined, with the reason. Sinusoidal positions are a function of the
 position, and are evaluated past the model's table as fairseq's sinusoidal embedding does (the table
-is extended for the evaluation and put back after it).
+is extended for the evaluation and put back after it). Rotary positions (``rope``) and no positions
+(``none``, NoPE) have no table at all: every multiple is evaluated. The rule that applied is stated in
+the result (``position_rule``).
 """
 
 from __future__ import annotations
@@ -93,13 +95,25 @@ def position_limit(network: nn.Module) -> int | None:
     return min(tables) if tables else None
 
 
+def position_rule(network: nn.Module) -> str:
+    """How ``network``'s positions bound the evaluated windows, one sentence per kind of position it has."""
+    rules = {
+        "learned": "learned position table of {n} positions: a longer window is not defined",
+        "sinusoidal": "sinusoidal positions: the table is extended to the window, every multiple evaluated",
+        "rope": "rotary positions (no table): every multiple evaluated",
+        "none": "no position embedding (NoPE): every multiple evaluated",
+    }
+    kinds = {m.kind: m.max_positions for m in position_embeddings(network)}
+    return "; ".join(rules[kind].format(n=n) for kind, n in kinds.items())
+
+
 @contextmanager
 def positions_up_to(network: nn.Module, length: int) -> Iterator[None]:
     """Sinusoidal position tables of ``network`` extended to ``length`` positions for the block (the
     same function of the position, further out), and put back after it."""
     saved = []
     for module in position_embeddings(network):
-        if module.positions is None and module.max_positions < length:
+        if module.kind == "sinusoidal" and module.max_positions < length:
             saved.append((module, module.sinusoid, module.max_positions))
             module.sinusoid = sinusoidal_table(length, module.sinusoid.shape[1]).to(module.sinusoid.device)
             module.max_positions = length
@@ -183,7 +197,9 @@ def length_extrapolation(
         progress: optional callable ``progress(windows_done)``.
 
     Returns:
-        ``{"context", "bucket", "positions", "scored", "limit", "multiples": {m: {...}}}``; each multiple
+        ``{"context", "bucket", "positions", "scored", "limit", "position_rule", "multiples": {m: {...}}}``
+        (``limit`` the longest window the positions allow, None for no limit; ``position_rule`` the
+        rule that applied, :func:`position_rule`); each multiple
         has ``length``, ``defined`` and ``reason`` (why not, or None), and where defined ``nll``,
         ``count``, ``ppl`` and ``buckets`` (each ``start``, ``stop``, ``nll``, ``count``, ``ppl``).
     """
@@ -207,6 +223,7 @@ def length_extrapolation(
         "positions": used,
         "scored": int(part.scored.sum()),
         "limit": limit,
+        "position_rule": position_rule(network),
         "multiples": {},
     }
     widest = context * max(defined) if defined else 0

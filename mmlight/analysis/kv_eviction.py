@@ -330,20 +330,27 @@ class QFilters(EvictionMethod):
 
 def attention_parts(module) -> dict:
     """What Expected Attention reads from an attention module: ``W_Q`` (``q_proj``), ``W_O``
-    (``out_proj``), ``v_proj``, the head counts and the **positions kind**: the module's ``positions``
-    attribute (``"additive"`` when it has none, as mmlight's sinusoidal/learned-position models) or
-    ``"rotary"`` with its ``rope_theta``."""
+    (``out_proj``), ``v_proj``, the head counts, the query norm (``q_norm``, Qwen3's QK-norm, None
+    without) and the **positions kind**: ``"rotary"`` with its base ``theta`` when the module rotates its
+    queries and keys (mmlight's ``rope``, a :class:`~mmlight.nn.rope.RotaryEmbedding`, or a ``positions``
+    attribute ``"rotary"`` with ``rope_theta``), else ``"additive"`` (positions added to the embeddings,
+    or none at all: the identity rotation)."""
     n_heads = module.n_heads
-    positions = getattr(module, "positions", "additive")
+    rope = getattr(module, "rope", None)
+    positions = "rotary" if rope is not None else getattr(module, "positions", "additive")
     if positions not in ("additive", "rotary"):
         raise ValueError(f"{type(module).__name__}.positions must be 'additive' or 'rotary', got {positions!r}")
+    theta = None
+    if positions == "rotary":
+        theta = float(rope.theta if rope is not None else module.rope_theta)
     return {
         "q_proj": module.q_proj,
+        "q_norm": getattr(module, "q_norm", None),
         "v_proj": module.v_proj,
         "w_o": module.out_proj.weight,
         "n_heads": n_heads,
         "n_kv_heads": getattr(module, "n_kv_heads", n_heads),
-        "theta": float(module.rope_theta) if positions == "rotary" else None,
+        "theta": theta,
     }
 
 
@@ -355,17 +362,28 @@ class ExpectedAttention(EvictionMethod):
     ``n_sink .. i`` give the Gaussian of the queries through ``W_Q`` (:func:`query_statistics`); with
     rotary positions its mean and covariance are rotated by the rotary matrix averaged over the
     ``future`` positions after ``i`` (:func:`rotary_average`, the identity for additive positions).
-    The first ``n_sink`` keys are always kept (kvpress's ``n_sink``).
+    The first ``n_sink`` keys are always kept (kvpress's ``n_sink``). The expected attention is a
+    softmax over every key a future query sees (the query's own key included, the sinks left out).
+
+    The statistics are the mean and covariance of the queries as the layer forms them before the
+    rotation. Without QK-norm these equal the thesis's ``W_Q mu_h``, ``W_Q Sigma_h W_Q^T``; with
+    QK-norm (``q_norm``, applied before the rotation) the queries are no longer a linear image of the
+    hidden states, and the Gaussian is moment-matched to the normed queries instead (kvpress's
+    ``ExpectedAttentionPress`` does the same for Qwen3).
 
     Args:
         future: ``T``, the future positions the rotary matrix is averaged over (kvpress: 512).
         n_sink: leading keys kept, and left out of the statistics.
+        value_norm: ``"out"``, ``||W_O^h v||`` per query head (thesis Eq. 4.11), or ``"value"``,
+            ``||v||`` (kvpress's ``use_vnorm``).
     """
 
     name = "expected_attention"
 
-    def __init__(self, future: int = 512, n_sink: int = N_SINK):
-        self.future, self.n_sink = future, n_sink
+    def __init__(self, future: int = 512, n_sink: int = N_SINK, value_norm: str = "out"):
+        if value_norm not in ("out", "value"):
+            raise ValueError(f"value_norm must be 'out' or 'value', got {value_norm!r}")
+        self.future, self.n_sink, self.value_norm = future, n_sink, value_norm
         self._parts: dict[int, dict] = {}  # id(reweight module) -> attention_parts
         self._hidden: dict[int, torch.Tensor] = {}  # id(reweight module) -> (B, Tk, d) layer inputs
         self._keys: dict[int, torch.Tensor] = {}  # the keys of the last call, to follow beam reorders
@@ -394,7 +412,8 @@ class ExpectedAttention(EvictionMethod):
             if past is None or key not in self._keys:
                 self._hidden[key] = x.detach()
             else:  # incremental decoding: the cache may have been reordered (beam search) since
-                rows = follow_rows(past, self._keys[key])
+                before = self._keys[key]  # as the attention received them: grouped KV heads may be repeated
+                rows = follow_rows(past.repeat_interleave(before.shape[1] // past.shape[1], dim=1), before)
                 self._hidden[key] = torch.cat([self._hidden[key][rows], x.detach()], dim=1)
 
         return hook
@@ -405,7 +424,9 @@ class ExpectedAttention(EvictionMethod):
         self._keys[key] = call.k.detach()
         B, nh, Tq, hs = call.q.shape
         Tk = call.k.shape[2]
-        q_pre = parts["q_proj"](hidden).double().view(B, Tk, nh, hs).transpose(1, 2)  # (B, nh, Tk, hs)
+        q_pre = parts["q_proj"](hidden).view(B, Tk, nh, hs).transpose(1, 2)  # (B, nh, Tk, hs), before rotation
+        if parts["q_norm"] is not None:
+            q_pre = parts["q_norm"](q_pre)
         k = call.k.repeat_interleave(nh // call.k.shape[1], dim=1)
         logits = torch.cat(
             [
@@ -415,9 +436,12 @@ class ExpectedAttention(EvictionMethod):
             dim=2,
         )  # (B, nh, Tq, Tk)
         values = parts["v_proj"](hidden).view(B, Tk, parts["n_kv_heads"], hs).transpose(1, 2)
-        norms = out_value_norms(values, parts["w_o"], nh)  # (B, nh, Tk)
+        if self.value_norm == "out":
+            norms = out_value_norms(values, parts["w_o"], nh)  # (B, nh, Tk)
+        else:
+            norms = values.double().norm(dim=-1).repeat_interleave(nh // values.shape[1], dim=1)
         sinks = first_keys(call.past, self.n_sink)  # (B, nh, Tq, Tk)
-        scores = expected_attention_scores(logits, call.past & ~sinks, norms, parts["n_kv_heads"])
+        scores = expected_attention_scores(logits, call.keys & ~sinks, norms, parts["n_kv_heads"])
         return torch.where(sinks[:, :1], math.inf, scores)
 
     def _rotated(self, mu, sigma, ends, theta, hs):

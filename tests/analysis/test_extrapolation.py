@@ -19,7 +19,7 @@ from mmlight.analysis.extrapolation import (
 )
 from mmlight.data import RecallDataModule
 from mmlight.data.text import EvalWindows
-from mmlight.models.transformer import TransformerLM
+from mmlight.models.transformer import LLAMA_STYLE, TransformerLM
 from mmlight.tasks import LanguageModel
 from tests.helpers.models import tiny_transformer
 
@@ -65,7 +65,7 @@ def test_rows_without_a_start_follow_one_another_without_their_padding():
 def reference_nll(model: TransformerLM, stream: Stream, length: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-position NLL and scored count summed by hand over the windows, from a float64 copy of ``model``
     (with sinusoidal positions, built with a table of ``length`` positions from the start)."""
-    config = replace(model.config, max_positions=length) if model.config.sinusoidal_positions else model.config
+    config = replace(model.config, max_positions=length) if model.config.positions == "sinusoidal" else model.config
     double = TransformerLM(config).double().eval()
     double.load_state_dict(model.state_dict())
     nll, count = np.zeros(length), np.zeros(length, dtype=int)
@@ -98,6 +98,11 @@ def test_perplexities_equal_float64_token_nlls_summed_by_hand(sinusoidal):
     result = length_extrapolation(task, stream, context, multiples=(1, 2, 4), bucket=4)
     assert result["positions"] == 48 and result["scored"] == int(stream.scored[:48].sum())
     assert result["limit"] == (None if sinusoidal else 2 * context)
+    assert result["position_rule"] == (
+        "sinusoidal positions: the table is extended to the window, every multiple evaluated"
+        if sinusoidal
+        else "learned position table of 12 positions: a longer window is not defined"
+    )
     used = Stream(stream.inputs[:48], stream.targets[:48], stream.scored[:48])
     for m in (1, 2, 4):
         entry = result["multiples"][m]
@@ -118,6 +123,30 @@ def test_perplexities_equal_float64_token_nlls_summed_by_hand(sinusoidal):
     with pytest.raises(ValueError, match="exceed max_positions"):
         task.model(stream.inputs[None, : 4 * context])
     assert task.training  # the mode is put back
+
+
+@pytest.mark.parametrize("positions", ["rope", "none"])
+def test_a_llama_style_lm_without_a_position_table_is_evaluated_at_every_multiple(positions):
+    """Rotary (grouped-query, 4 heads over 2) and position-free Llama-style LMs with ``max_positions`` the
+    training context: every multiple is defined, and equals float64 token NLLs summed by hand."""
+    torch.manual_seed(0)
+    context = 6
+    config = tiny_transformer(**{**LLAMA_STYLE, "positions": positions}, n_heads=4, n_kv_heads=2, max_positions=context)
+    task = LanguageModel(config)
+    stream = random_stream(4 * context + 3, config.vocab_size, seed=1)
+    result = length_extrapolation(task, stream, context, multiples=(1, 2, 4), bucket=5)
+    assert result["limit"] is None and result["positions"] == 24
+    rule = {"rope": "rotary positions (no table)", "none": "no position embedding (NoPE)"}[positions]
+    assert result["position_rule"] == f"{rule}: every multiple evaluated"
+    used = Stream(stream.inputs[:24], stream.targets[:24], stream.scored[:24])
+    for m in (1, 2, 4):
+        entry = result["multiples"][m]
+        nll, count = reference_nll(task.model, used, m * context)
+        assert entry["defined"] and entry["reason"] is None and entry["count"] == count.sum()
+        assert entry["ppl"] == pytest.approx(math.exp(nll.sum() / count.sum()), rel=1e-5)
+        for bucket, (start, stop) in zip(entry["buckets"], bucket_bounds(m * context, 5)):
+            assert bucket["nll"] == pytest.approx(nll[start:stop].sum(), rel=1e-5)
+    assert task.model.config.max_positions == context and task.training
 
 
 def test_rows_list_each_window_and_bucket_and_the_undefined_multiples():

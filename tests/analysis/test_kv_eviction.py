@@ -189,3 +189,41 @@ def test_translator_beam_search_runs_under_every_method():
                 beam_search(net, src, None, config, **ids)
             seen = [m[:, :, -1].sum(-1) for m in evict.masks]  # (B, nh) keys seen at each step
             assert len(seen) >= 7 and all((s == 1 + kv.budget(torch.tensor(t), 0.3)).all() for t, s in enumerate(seen))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
+def test_expected_attention_through_the_cache_of_a_rotary_grouped_query_lm_equals_teacher_forcing(qk_norm):
+    """A Llama-style LM (rotary positions, 4 query heads over 2 key/value heads, with and without QK-norm)
+    decoded token by token through its KV cache under Expected Attention gives the teacher-forced
+    log-probabilities under the same eviction (float64, past ``max_positions``); the method reads the
+    layer's rotary base and query norm."""
+    from mmlight.models.transformer import LLAMA_STYLE, TransformerLM
+    from mmlight.nn.attention import observe_attention
+    from tests.helpers.models import tiny
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        config = tiny(**{**LLAMA_STYLE, "rope_theta": 100.0}, n_heads=4, n_kv_heads=2, max_positions=8, qk_norm=qk_norm)
+        model = TransformerLM(config).eval()
+        x = torch.randint(2, 23, (2, 12))
+        attn = model.decoder.layers[1].self_attn
+        parts = kv.attention_parts(attn)
+        assert parts["theta"] == 100.0 and parts["n_kv_heads"] == 2 and parts["q_norm"] is attn.q_norm
+
+        def observer():
+            return Recording(0.5, kv.method("expected_attention", n_sink=2, future=16), skip_layers=0)
+
+        full = observer()
+        with torch.no_grad(), observe_attention(model, full):
+            want = model.logits(model(x)).log_softmax(-1)  # (B, T, V)
+        step = observer()
+        with torch.no_grad(), observe_attention(model, step):
+            cache = model.new_cache()
+            got = torch.cat([model.logits(model(x[:, t : t + 1], cache=cache)).log_softmax(-1) for t in range(12)], 1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    keep = full.masks[1]  # layer 1, (B, nh, T, T)
+    assert torch.equal(keep[:, 0], keep[:, 1]) and torch.equal(keep[:, 2], keep[:, 3])
+    assert keep[:, :, -1].sum(-1).tolist() == [[7] * 4] * 2  # own key + ceil(0.5 * 11) past keys

@@ -1,6 +1,7 @@
 """mmlight's KV scoring functions against kvpress's presses on a tiny random transformers Llama (4 query
 heads, 2 KV heads, rotary positions): at compression ratio 0.5 (keep ratio 0.5) each keeps the same
-key positions per layer and KV head."""
+key positions per layer and KV head. The same on an mmlight Llama-style LM exported to transformers, with
+mmlight's methods run on the mmlight model itself."""
 
 from __future__ import annotations
 
@@ -130,3 +131,91 @@ def test_expected_attention_keeps_what_kvpress_keeps_under_its_conventions(llama
         thesis = kv.expected_attention_scores(logits, ~sinks, wo, 2).masked_fill(sinks, torch.inf)
         differs += int((kept_from(thesis) != want).any())
     assert differs > 0  # ||W_O v|| and ||v|| rank the keys differently
+
+
+# ----------------------------------------------------------------------------------------------
+# An mmlight Llama-style LM exported to transformers: kvpress's presses on the export keep what mmlight's
+# methods keep on the mmlight model itself (through its attention modules and observer).
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """An mmlight LLAMA_STYLE LM (4 query heads over 2 KV heads, rotary positions), its transformers export,
+    T distinct tokens and, per layer of a full prefill of the export, ``(None, keys, values)``."""
+    from mmlight.export.hf import to_hf
+    from mmlight.models.transformer import LLAMA_STYLE, TransformerLM
+    from tests.helpers.models import tiny_transformer
+
+    torch.manual_seed(0)
+    config = tiny_transformer(
+        **LLAMA_STYLE, vocab_size=100, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, max_positions=T
+    )
+    model = TransformerLM(config).eval()
+    hf = to_hf(model)
+    # distinct tokens, none the padding id (1): a repeated token has keys of equal norm in layer 0 (a tie)
+    tokens = 2 + torch.randperm(98)[:T][None]
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(tokens, past_key_values=cache, use_cache=True)
+    return model, hf, tokens, [(None, cache.layers[i].keys, cache.layers[i].values) for i in range(2)]
+
+
+class LastRow(kv.EvictionMethod):
+    """Wraps a method and records, per layer, its scores for the last query over every key (the query's
+    own included), one row per KV head ``(B, n_kv, T)``."""
+
+    def __init__(self, inner: kv.EvictionMethod, n_kv: int):
+        self.inner, self.n_kv, self.rows = inner, n_kv, {}
+
+    def attached(self, network):
+        return self.inner.attached(network)
+
+    def scores(self, call):
+        s = torch.as_tensor(self.inner.scores(call)).double()
+        s = s.expand(s.shape[0], s.shape[1], *call.keys.shape[2:])[:, :, -1]  # (B, h, Tk)
+        self.rows[call.site.layer] = s[:, :: s.shape[1] // self.n_kv]  # heads of a KV group score alike
+        return s[:, :, None]
+
+
+def kept_by_mmlight(model, tokens, method: kv.EvictionMethod) -> list[torch.Tensor]:
+    """Per layer, the positions mmlight's ``method`` keeps at RATIO among all T keys, scored by the last
+    query in a teacher-forced pass (keep ratio 1.0: the pass is the full one, as kvpress's prefill)."""
+    from mmlight.nn.attention import observe_attention
+
+    recorder = LastRow(method, model.config.kv_heads)
+    with torch.no_grad(), observe_attention(model, kv.KVEviction(1.0, recorder, skip_layers=0)):
+        model(tokens)
+    return [kept_from(recorder.rows[layer]) for layer in sorted(recorder.rows)]
+
+
+def test_an_exported_mmlight_llama_keeps_under_kvpress_what_mmlight_keeps(exported):
+    """Key norm, StreamingLLM, Expected Attention with kvpress's ||v|| (``value_norm="value"``) and
+    Q-Filters calibrated by mmlight on the mmlight model (given to kvpress with the opposite sign): the
+    same key positions per layer and KV head at compression ratio 0.5. Expected Attention with
+    ``||W_O v||`` (mmlight's default, thesis Eq. 4.11) keeps other keys, which the test shows."""
+    from mmlight.tasks import LanguageModel
+
+    model, hf, tokens, layers = exported
+    cr = kv.compression_ratio(RATIO)
+    task = LanguageModel(model.config)
+    task.model.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    calibration = torch.randint(2, 100, (6, T), generator=g)
+    batch = {"input": calibration, "target": calibration.roll(-1, 1), "loss_mask": torch.ones_like(calibration) > 0}
+    filters = kv.calibrate_qfilters(task, [batch])["filters"]  # (L, n_kv, hs), from the rotated queries
+    given = GivenFilters(compression_ratio=cr)
+    given.q_filters = -filters
+    pairs = [
+        (kvpress.KnormPress(compression_ratio=cr), kv.L2Norm()),
+        (kvpress.StreamingLLMPress(compression_ratio=cr), kv.Streaming()),
+        (kvpress.ExpectedAttentionPress(compression_ratio=cr), kv.ExpectedAttention(value_norm="value")),
+        (given, kv.QFilters(filters)),
+    ]
+    for press, method in pairs:
+        want = kept_by(press, hf, tokens, layers)
+        got = kept_by_mmlight(model, tokens, method)
+        for layer, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_, w_), (type(press).__name__, layer)
+    want = kept_by(kvpress.ExpectedAttentionPress(compression_ratio=cr), hf, tokens, layers)
+    thesis = kept_by_mmlight(model, tokens, kv.ExpectedAttention())
+    assert any(not torch.equal(a, b) for a, b in zip(thesis, want))  # ||W_O v|| and ||v|| rank keys differently

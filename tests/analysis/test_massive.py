@@ -7,15 +7,20 @@ import pytest
 import torch
 
 from mmlight.analysis.massive import MassiveSettings, massive_activations, massive_rows
+from mmlight.models.transformer import LLAMA_STYLE
 from mmlight.tasks import LanguageModel
 from tests.helpers.models import tiny_transformer
 
 PAD = 1
 
 
-def tiny_lm() -> LanguageModel:
+#: a Llama-style decoder (rotary positions, RMSNorm, SwiGLU, 4 query heads over 2 key/value heads)
+LLAMA = {**LLAMA_STYLE, "n_heads": 4, "n_kv_heads": 2}
+
+
+def tiny_lm(**fields) -> LanguageModel:
     torch.manual_seed(0)
-    return LanguageModel(tiny_transformer(pre_norm=True))
+    return LanguageModel(tiny_transformer(**{"pre_norm": True, **fields}))
 
 
 def batches(seed: int = 0) -> list[dict]:
@@ -62,8 +67,9 @@ def lower_median(x: np.ndarray) -> float:
     return float(flat[(flat.size - 1) // 2])
 
 
-def test_a_planted_activation_is_found_where_it_was_put_with_its_ratio():
-    task, data = tiny_lm(), batches()
+@pytest.mark.parametrize("fields", [{}, LLAMA], ids=["fairseq-pre-norm", "llama-style"])
+def test_a_planted_activation_is_found_where_it_was_put_with_its_ratio(fields):
+    task, data = tiny_lm(**fields), batches()
     # in the test's own pass over the second batch (call 0), then in the analysis' (call 2, after the first batch)
     handle = plant(task.model.decoder.layers[1], sample=2, position=5, dim=7, value=-5000.0, calls={0, 2})
     outputs = block_outputs(task, data[1])  # sample 2 of the second batch is sample 5 overall
