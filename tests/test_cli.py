@@ -30,8 +30,9 @@ def test_configs_exist():
     }
     expected |= {f"nmt_iwslt14_{name}.yaml" for name in ("softmax", "multimax", "sparsemax", "entmax15", "evsoftmax")}
     expected |= {
-        f"quickstart/{task}_{name}.yaml" for task in ("digits", "lm", "nmt") for name in ("softmax", "multimax")
+        f"quickstart/{task}_{name}.yaml" for task in ("digits", "lm", "llm", "nmt") for name in ("softmax", "multimax")
     }
+    expected |= {f"llm/llama_{size}_softmax.yaml" for size in ("124m", "350m")}
     assert expected <= names
 
 
@@ -110,10 +111,25 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="module")
+def python_docs(tmp_path_factory):
+    """A python-docs shard set (the llm quick starts' data) of the pydoc help topics and one module."""
+    from mmlight.data.prepare import python_docs
+
+    root = tmp_path_factory.mktemp("python-docs")
+    (root / "stdlib").mkdir()
+    (root / "stdlib" / "mod.py").write_text('"""A module."""\n', encoding="utf-8")
+    python_docs.prepare(None, root / "shards", 1, stdlib=root / "stdlib", vocab_size=300, valid_fraction=0.1)
+    return root / "shards"
+
+
 @pytest.mark.parametrize("config", ALL_QUICKSTARTS, ids=lambda p: p.name)
-def test_quickstart_fast_dev_run(config, cache_dir, tmp_path):
+def test_quickstart_fast_dev_run(config, cache_dir, tmp_path, request):
     task = config.stem.split("_")[0]
-    cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
+    if task == "llm":  # prepared text: the shard set replaces data/python-docs
+        data = ["--data.init_args.root", str(request.getfixturevalue("python_docs"))]
+    else:  # recall is generated in memory, the other quick starts write a cache
+        data = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]
     cli = build_cli(
         [
             "fit",
@@ -125,12 +141,12 @@ def test_quickstart_fast_dev_run(config, cache_dir, tmp_path):
             str(tmp_path),
             "--data.init_args.num_workers",
             "0",
-            *cache,
+            *data,
         ]
     )
     assert cli.trainer.global_step == 2
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
-    if cache:
+    if task not in ("lm", "llm"):
         assert (cache_dir / task / "_info.json").is_file()
 
 

@@ -173,6 +173,75 @@ class LanguageModel(SequenceTask):
                 )
         return [TextScore(float(lp), len(x)) for lp, x in zip(log_probs, ids)]
 
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> list[str]:
+        """Continue each prompt by up to ``max_new_tokens`` tokens and return the continuations as text
+        (the prompt not repeated). Decoding is incremental: the prompt goes through the network once,
+        filling the KV cache (:meth:`~mmlight.models.TransformerLM.new_cache`), then each new token
+        alone. A prompt starts after ``</s>``, as :meth:`score` scores a text, and its continuation
+        ends early at ``</s>`` (not returned). ``<pad>`` is never chosen (it is never a target).
+
+        Each prompt is decoded on its own (batch of one), so its text does not depend on the others.
+
+        Args:
+            prompts: the texts to continue (a list of strings).
+            max_new_tokens: the most tokens generated per prompt (0 gives empty strings).
+            temperature: 0 is greedy (the most probable token each step); above 0, tokens are sampled
+                from ``softmax(logits / temperature)``.
+            top_k: with sampling, draw only from the ``top_k`` most probable tokens; None: from all.
+            seed: seed of the sampling generator, so a call is repeatable; None draws a fresh one.
+        """
+        vocab = self.require_vocab()
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a list of prompts; wrap a single one in a list")
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(
+                f"need max_new_tokens >= 0, temperature >= 0 and top_k >= 1 or None, got {max_new_tokens}, "
+                f"{temperature} and {top_k}"
+            )
+        ids = [[vocab.eos_id, *vocab.encode(prompt)] for prompt in prompts]
+        longest = max((len(x) for x in ids), default=0) + max_new_tokens - 1
+        if self.config.positions in ("learned", "sinusoidal") and longest > self.config.max_positions:
+            raise ValueError(
+                f"a prompt and its continuation need {longest} positions, over the model's "
+                f"max_positions={self.config.max_positions}: shorten the prompt or lower max_new_tokens"
+            )
+        device = device_of(self)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(torch.seed() if seed is None else seed)
+        with evaluating(self):
+            new = [self._continue(x, max_new_tokens, temperature, top_k, generator, device) for x in ids]
+        return [vocab.decode(x) for x in new]
+
+    def _continue(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> list[int]:
+        """Up to ``max_new_tokens`` ids after ``ids`` (stopping before ``</s>``), decoded through the cache."""
+        cache = self.model.new_cache()
+        step = torch.tensor([ids], device=device)  # (1, T): the prompt, then one new token a step
+        new: list[int] = []
+        while len(new) < max_new_tokens:
+            logits = self.model.logits(self.model(step, cache=cache)[:, -1]).float()  # (1, V)
+            logits[:, self.vocab.pad_id] = -torch.inf
+            token = int(next_token(logits, temperature, top_k, generator))
+            if token == self.vocab.eos_id:
+                break
+            new.append(token)
+            step = torch.tensor([[token]], device=device)
+        return new
+
     def _score_stream(
         self,
         texts: list[list[int]],
@@ -195,3 +264,15 @@ class LanguageModel(SequenceTask):
             logits = self.model.logits(hidden[scored.to(device)]).float()  # (N, V)
             nll = F.cross_entropy(logits, batch["target"][scored].to(device), reduction="none")  # (N,)
             log_probs.index_add_(0, owner[positions], -nll.double().cpu())
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> torch.Tensor:
+    """The next token ``(B,)`` from ``logits`` ``(B, V)``: the argmax at ``temperature`` 0, else a draw
+    from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (all when None)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1): the k-th largest logit
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

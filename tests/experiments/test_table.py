@@ -29,6 +29,7 @@ EXPECTED_RUNS = {
     "iwslt14_sinks": 24,
     "wikitext103_sinks": 9,
     "finetune_cifar100": 12,
+    "llm_124m": 16,
 }
 
 

@@ -10,6 +10,7 @@ from mmlight.data.prepare.wikitext import prepare
 from mmlight.data.text import WikiTextDataModule
 from mmlight.data.vocab import load_vocab
 from mmlight.models import ReweightingSpec
+from mmlight.models.transformer import LLAMA_STYLE
 from mmlight.tasks import LanguageModel
 from tests.helpers.models import tiny_transformer
 from tests.helpers.trainer import quiet_trainer
@@ -134,3 +135,113 @@ def test_robustness_metric_is_accuracy_when_the_task_reports_it():
 
     assert tiny_lm(32, accuracy=True).task_metric == TaskMetric("acc", higher_is_better=True)
     assert tiny_lm(32).task_metric == TaskMetric("ppl", higher_is_better=False)
+
+
+# -- generate ------------------------------------------------------------------------------------
+GENERATE_DOCS = [
+    "The cache keeps the keys and values of every earlier token.",
+    "A decoder predicts the next token from the tokens before it.",
+    "Rotary positions turn each query and key by its position.",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def bpe_text(tmp_path_factory):
+    """A byte-level BPE shard set (``mmlight prepare text``) of a few English sentences."""
+    from mmlight.data.prepare.text import prepare as prepare_text
+
+    root = tmp_path_factory.mktemp("bpe")
+    for i, doc in enumerate(GENERATE_DOCS):
+        (root / "raw").mkdir(exist_ok=True)
+        (root / "raw" / f"{i:02d}.txt").write_text(f"{doc} ({i})", encoding="utf-8")
+    prepare_text([root / "raw"], root / "shards", vocab_size=300, valid_fraction=0.2)
+    return root / "shards"
+
+
+def llama_lm(vocab_size: int) -> LanguageModel:
+    config = tiny_transformer(
+        vocab_size=vocab_size, max_positions=8, n_heads=4, n_kv_heads=2, qk_norm=True, **LLAMA_STYLE
+    )
+    return LanguageModel(config)
+
+
+def greedy_by_full_forward(model: LanguageModel, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding written from its definition: the whole sequence through the network at every
+    step, no cache; the argmax of the last position's logits (``<pad>`` excluded), stopping at ``</s>``."""
+    vocab = model.vocab
+    seq = [vocab.eos_id, *vocab.encode(prompt)]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([seq]))[0, -1]  # (V,)
+            logits[vocab.pad_id] = -math.inf
+            token = int(logits.argmax())
+            if token == vocab.eos_id:
+                break
+            seq.append(token)
+            new.append(token)
+    assert len(new) >= 3, "the reference stopped too early to compare anything"
+    return vocab.decode(new)
+
+
+def test_greedy_generation_through_the_cache_is_the_full_forward_argmax(bpe_text):
+    data = WikiTextDataModule(str(bpe_text), block_size=8, batch_size=2, num_workers=0)
+    torch.manual_seed(0)
+    model = llama_lm(data.vocab_size).double().eval()  # float64: no near-ties decided by rounding
+    model.use_data(data)
+    prompts = ["The cache keeps", ""]
+    # 12 new tokens: past max_positions (8), which rotary positions do not limit
+    expected = [greedy_by_full_forward(model, p, 12) for p in prompts]
+    assert model.generate(prompts, max_new_tokens=12) == expected
+    assert model.generate(prompts, max_new_tokens=12, temperature=0.7, top_k=1, seed=3) == expected  # top-1 draw
+    sampled = model.generate(prompts, max_new_tokens=12, temperature=1.0, seed=5)
+    assert model.generate(prompts, max_new_tokens=12, temperature=1.0, seed=5) == sampled  # seeded: repeatable
+    assert model.generate(prompts, max_new_tokens=0) == ["", ""]
+
+
+def test_next_token_samples_from_the_tempered_top_k_distribution():
+    from mmlight.tasks.language_model import next_token
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    generator = torch.Generator().manual_seed(0)
+    drawn = next_token(logits, temperature=2.0, top_k=3, generator=generator)
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0]) / 2.0, dim=0)  # the fourth token is cut
+    frequencies = torch.bincount(drawn, minlength=4).double() / len(drawn)
+    assert frequencies[3] == 0
+    assert torch.allclose(frequencies[:3], expected.double(), atol=0.015)  # ~4.5 standard errors at 20k draws
+
+
+def test_generate_decodes_from_the_checkpoint_without_the_data(bpe_text, tmp_path):
+    import shutil
+
+    data_root = tmp_path / "data"
+    shutil.copytree(bpe_text, data_root)
+    data = WikiTextDataModule(str(data_root), block_size=8, batch_size=2, num_workers=0)
+    torch.manual_seed(1)
+    model = llama_lm(data.vocab_size)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "lm.ckpt")
+    expected = model.generate(["A decoder predicts"], max_new_tokens=6)
+    shutil.rmtree(data_root)
+    loaded = LanguageModel.load_from_checkpoint(tmp_path / "lm.ckpt", map_location="cpu")
+    assert loaded.generate(["A decoder predicts"], max_new_tokens=6) == expected
+    assert loaded.vocab.decode(loaded.vocab.encode("A decoder predicts")) == "A decoder predicts"
+
+
+def test_bad_generate_arguments_are_named(bpe_text):
+    data = WikiTextDataModule(str(bpe_text), block_size=8, batch_size=2, num_workers=0)
+    model = llama_lm(data.vocab_size)
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        model.generate(["x"], 2)
+    model.use_data(data)
+    with pytest.raises(TypeError, match="list of prompts"):
+        model.generate("x", 2)
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        model.generate(["x"], 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        model.generate(["x"], 2, temperature=1.0, top_k=0)
+    learned = LanguageModel(tiny_transformer(vocab_size=data.vocab_size, max_positions=8, positions="learned"))
+    learned.use_data(data)
+    with pytest.raises(ValueError, match="max_positions=8"):
+        learned.generate(["x"], 8)
