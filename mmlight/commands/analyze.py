@@ -8,7 +8,9 @@
 The config and its ``--data.*``/``--trainer.*`` overrides are parsed by the same LightningCLI as
 ``fit``; each checkpoint is rebuilt from its own hyperparameters with the config's task class, so
 twins with different reweighting functions compare directly. Writes ``DIR/stats.csv``,
-``DIR/stats.json``, ``DIR/*.png``, ``DIR/summary.md`` and, with ``--robustness``, ``DIR/robustness.csv``.
+``DIR/stats.json``, ``DIR/*.png``, ``DIR/summary.md``, for a causal decoder ``DIR/key_norm_attention.csv``
+and, with ``--robustness``, ``DIR/robustness.csv``, ``DIR/robustness.json`` and (KV eviction)
+``DIR/kv_attention_loss.csv``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from mmlight.analysis import figures
+from mmlight.analysis import figures, kv_eviction
 from mmlight.analysis.batches import first_samples
+from mmlight.analysis.key_norms import key_norm_attention
 from mmlight.analysis.kv_eviction import METHODS, calibrate_qfilters, compression_ratio
 from mmlight.analysis.robustness import KEEP_RATIOS, KV_METHODS, robustness_rows, robustness_runs
 from mmlight.analysis.stats import (
@@ -226,14 +229,16 @@ def analyze(argv: list[str]) -> None:
     if args.robustness:
         runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios, args.kv_methods, options[0]))
     total = len(tasks) * (args.num_samples + runs)
-    results, robustness, example_files = {}, [], []
+    results, robustness, losses, key_norms, example_files = {}, [], [], {}, []
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
         for label, task, kv in zip(labels, tasks, options):
             bar.set_postfix_str(label)
             task.to(trainer.strategy.root_device)
             results[label] = collect_statistics(task, batches, settings, progress=bar.update)
             example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
+            key_norms[label] = key_norm_attention(task, batches)
             if args.robustness:
+                kv_losses = []
                 rows = robustness_rows(
                     trainer,
                     task,
@@ -244,8 +249,10 @@ def analyze(argv: list[str]) -> None:
                     args.keep_ratios,
                     args.kv_methods,
                     kv,
+                    kv_losses,
                 )
                 robustness += [(label, *row) for row in rows]
+                losses += [(label, kind, r, compression_ratio(r), *rest) for kind, r, *rest in kv_losses]
             task.cpu()
 
     meta = {
@@ -262,10 +269,18 @@ def analyze(argv: list[str]) -> None:
     if calibration:
         (out / "qfilters.json").write_text(json.dumps(calibration, indent=1) + "\n")
     written = figures.comparisons(results, out) + example_files
+    correlations = key_norm_rows(key_norms)
+    if correlations:
+        write_csv(out / "key_norm_attention.csv", KEY_NORM_COLUMNS, correlations)
+        written.append(figures.key_norm_attention({k: v for k, v in key_norms.items() if v}, out))
     if robustness:
-        write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
+        write_csv(out / "robustness.csv", ROBUSTNESS_COLUMNS, robustness)
+        write_robustness_json(out, meta, robustness, losses)
         written.append(figures.robustness(robustness, out))
-    write_summary(out, results, meta, written, robustness)
+    if losses:
+        write_csv(out / "kv_attention_loss.csv", LOSS_COLUMNS, losses)
+        written.append(figures.attention_loss(losses, out))
+    write_summary(out, results, meta, written, robustness, losses, correlations)
     print(f"mmlight analyze: {len(tasks)} checkpoint(s), {args.num_samples} {args.split} samples -> {out}/summary.md")
 
 
@@ -348,6 +363,40 @@ def check_query_patch(query_patch: int | None, grid: tuple[int, int] | None) -> 
         raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {query_patch}")
 
 
+ROBUSTNESS_COLUMNS = ("checkpoint", "intervention", "level", "metric", "value")
+#: ``kv_attention_loss.csv``: per checkpoint, KV eviction run and evicted layer (then ``all``, pooled over
+#: them), the counted query rows, and the mean share of a row's attention mass on the dropped pairs
+#: (Devoto thesis, Eq. 4.5) by the method and by the oracle at the same budget on the same calls.
+LOSS_COLUMNS = ("checkpoint", "intervention", "keep_ratio", "compression_ratio", *kv_eviction.LOSS_COLUMNS)
+#: ``key_norm_attention.csv``: per checkpoint and causal decoder layer, the (key, head, sample) pairs and
+#: the correlations of key L2 norm with the mean attention received from later queries.
+KEY_NORM_COLUMNS = ("checkpoint", "layer", "pairs", "pearson", "spearman")
+
+
+def key_norm_rows(key_norms: dict[str, dict[str, dict]]) -> list[tuple]:
+    """``KEY_NORM_COLUMNS`` rows of checkpoint -> site -> :func:`key_norm_attention` (NaN as None)."""
+    return [
+        (label, site, e["pairs"], *(None if math.isnan(e[k]) else e[k] for k in ("pearson", "spearman")))
+        for label, sites in key_norms.items()
+        for site, e in sites.items()
+    ]
+
+
+def write_robustness_json(out: Path, meta: dict, robustness: list, losses: list) -> None:
+    """``robustness.json``: the rows of ``robustness.csv`` and ``kv_attention_loss.csv`` with the split,
+    the skipped layers and both ratio conventions."""
+    keys = ("split", "kv_skip_layers", "keep_ratios", "compression_ratios", "kv_methods")
+    payload = {
+        **{k: meta[k] for k in keys},
+        "attention_loss": "per counted query row, the share of its full attention mass on the past keys "
+        "the method dropped (Devoto thesis, Eq. 4.5), averaged over rows; oracle_loss: the same for the "
+        "keys the row itself weighs least, at the same budget on the same calls (the least possible)",
+        "rows": [dict(zip(ROBUSTNESS_COLUMNS, r)) for r in robustness],
+        "attention_losses": [dict(zip(LOSS_COLUMNS, r)) for r in losses],
+    }
+    (out / "robustness.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
 def write_csv(path: Path, header: tuple, rows: list) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -394,8 +443,18 @@ def layer_means(stats: dict, extra: tuple[str, ...] = ()) -> dict[str, float]:
     return means
 
 
-def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list) -> None:
-    """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the figures."""
+def write_summary(
+    out: Path,
+    results: dict,
+    meta: dict,
+    figure_files: list[str],
+    robustness: list,
+    losses: list = (),
+    key_norms: list = (),
+) -> None:
+    """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the robustness
+    rows, the attention loss pooled over layers (``losses`` as ``kv_attention_loss.csv``), the key norm
+    correlations (``key_norms`` as ``key_norm_attention.csv``), and the figures."""
     columns = HEAD_METRICS + LAYER_METRICS + gate_columns(results)
     lines = [
         f"# Attention analysis: {meta['num_samples']} {meta['split']} samples",
@@ -425,5 +484,38 @@ def write_summary(out: Path, results: dict, meta: dict, figure_files: list[str],
             "|---|---|---|---|---|",
         ]
         lines += [f"| {c} | {i} | {lv} | {m} | {v:.4g} |" for c, i, lv, m, v in robustness]
+    pooled = [r for r in losses if r[4] == "all"]
+    if pooled:
+        lines += [
+            "",
+            "## KV eviction: attention loss (whole split, pooled over the evicted layers)",
+            "",
+            "Keep ratio r; compression ratio 1 - r (the fraction dropped). Attention loss: the mean share of a "
+            "query row's attention mass on the pairs dropped; oracle: the least possible at the same budget on "
+            "the same calls. Each layer's values: kv_attention_loss.csv.",
+            "",
+            "| checkpoint | method | keep ratio | compression ratio | attention loss | oracle |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c} | {i.removeprefix('kv_')} | {r:g} | {cr:g} | {fmt(loss)} | {fmt(best)} |"
+            for c, i, r, cr, _, _, loss, best in pooled
+        ]
+    if key_norms:
+        lines += [
+            "",
+            f"## Key norm against received attention ({meta['num_samples']} {meta['split']} samples)",
+            "",
+            "Pairs (key L2 norm, mean attention from the later queries that see the key) over samples and heads.",
+            "",
+            "| checkpoint | layer | pairs | Pearson | Spearman |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [f"| {c} | {site} | {n} | {fmt(r)} | {fmt(rho)} |" for c, site, n, r, rho in key_norms]
     lines += ["", "## Figures", ""] + [f"- [{name}]({name})" for name in figure_files]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def fmt(value: float | None) -> str:
+    """``value`` to 4 significant digits, or an em dash for None."""
+    return "—" if value is None else f"{value:.4g}"
