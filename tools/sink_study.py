@@ -44,7 +44,7 @@ def cell_checkpoints(table: Table, cell: Cell, runs_root: Path) -> dict[int, Pat
     found = {}
     for run in table.runs(runs_root):
         ckpt = run.directory / "fit" / "checkpoints" / "last.ckpt"
-        if run.cell is cell and ckpt.is_file():
+        if run.cell is cell and run.fit_done() and ckpt.is_file():  # not a run still training
             found[run.seed] = ckpt
     return found
 
@@ -58,16 +58,21 @@ def analyzed_seeds(out: Path) -> set[int]:
         return {int(row["checkpoint"].removeprefix("seed")) for row in csv.DictReader(f)}
 
 
-def analyze_cell(cell: Cell, ckpts: dict[int, Path], out: Path, threads: int) -> str:
-    """``mmlight analyze --robustness`` of ``ckpts`` into ``out``; returns a line for the log."""
+def analyze_cell(
+    cell: Cell, ckpts: dict[int, Path], out: Path, threads: int, options: tuple[str, ...] | None = None
+) -> str:
+    """``mmlight analyze --robustness`` of ``ckpts`` into ``out`` with ``options`` (default: this
+    study's keep ratios, :data:`KEEP_RATIOS` but 1); returns a line for the log."""
     if not ckpts:
         return f"{cell.name}: no finished run"
     if analyzed_seeds(out) >= set(ckpts):
         return f"{cell.name}: done, skipped"
+    if options is None:
+        options = ("--keep_ratios", *(f"{r:g}" for r in KEEP_RATIOS[1:]))  # r = 1 is the plain run (tested)
     command = [
         *(sys.executable, "-m", "mmlight.cli", "analyze", "--config", str(cell.config)),
         *("--robustness", "--kv_skip_layers", "0", "--num_samples", "256", "--out", str(out)),
-        *("--keep_ratios", *(f"{r:g}" for r in KEEP_RATIOS[1:])),  # r = 1 is the plain run (tested)
+        *options,
         *("--ckpt_path", *(str(ckpts[seed]) for seed in sorted(ckpts))),
     ]
     out.mkdir(parents=True, exist_ok=True)
@@ -79,16 +84,21 @@ def analyze_cell(cell: Cell, ckpts: dict[int, Path], out: Path, threads: int) ->
     return f"{cell.name}: done"
 
 
-def analyze(table: Table, runs_root: Path, parallel: int, only: list[str], seeds: list[int] | None) -> None:
+def analyze(
+    table: Table, runs_root: Path, parallel: int, only: list[str], seeds: list[int] | None, options_of=None
+) -> None:
+    """:func:`analyze_cell` of each cell (``only`` those, if given) over its finished ``seeds`` (all if
+    None), ``parallel`` at a time, with ``options_of(cell)`` as its options (None: the default)."""
     threads = max(1, (os.cpu_count() or 1) // parallel)
     jobs = []
     for cell in table.cells:
         if only and cell.name not in only:
             continue
         ckpts = {s: c for s, c in cell_checkpoints(table, cell, runs_root).items() if seeds is None or s in seeds}
-        jobs.append((cell, ckpts, ANALYSIS_ROOT / table.name / cell.name))
+        options = None if options_of is None else options_of(cell)
+        jobs.append((cell, ckpts, ANALYSIS_ROOT / table.name / cell.name, threads, options))
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for line in pool.map(lambda job: analyze_cell(*job, threads), jobs):
+        for line in pool.map(lambda job: analyze_cell(*job), jobs):
             print(line, flush=True)
 
 

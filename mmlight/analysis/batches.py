@@ -38,3 +38,23 @@ def first_samples(loader, num_samples: int, split: str) -> list:
         if seen == num_samples:
             return taken
     raise ValueError(f"--num_samples {num_samples} is larger than the {split} split, which has {seen} samples")
+
+
+def teacher_forced_pass(task, batches: list, observer) -> None:
+    """Run ``task`` teacher-forced on ``batches`` (CPU batches, moved to the task's device one at a
+    time) under the :class:`~mmlight.nn.attention.AttentionObserver` ``observer``, in eval mode and
+    without gradients (the network's mode is restored after). Before each batch, ``observer.query_keep``
+    is set to the task's per-stack mask of the query positions that count (``task.query_keep``)."""
+    from mmlight.nn.attention import network_of, observe_attention
+
+    network = network_of(task)
+    was_training = network.training
+    network.eval()
+    try:
+        with torch.no_grad(), observe_attention(task, observer):
+            for batch in batches:
+                batch = map_batch(batch, lambda t: t.to(task.device))
+                observer.query_keep = task.query_keep(batch)
+                task.teacher_forced(batch)
+    finally:
+        network.train(was_training)

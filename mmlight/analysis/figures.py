@@ -1,9 +1,11 @@
 """Figures of the attention analysis (matplotlib, Agg): comparisons of several checkpoints in the
 style of the paper's Figures 4, 5, 8 and 9, per-example attention maps (Figure 7), Grad-CAM
-(Figure 6), text heat maps and the robustness curves.
+(Figure 6), text heat maps, the robustness curves, the KV eviction's attention loss and the key norm
+against received attention (Devoto thesis, Fig. 4.2).
 
 Every ``*_figure`` function returns a matplotlib figure (the callback sends them to TensorBoard);
-:func:`comparisons`, :func:`examples` and :func:`robustness` write PNGs and return their names.
+:func:`comparisons`, :func:`examples`, :func:`robustness`, :func:`attention_loss` and
+:func:`key_norm_attention` write PNGs and return their names.
 """
 
 from __future__ import annotations
@@ -216,6 +218,59 @@ def robustness(rows: list[tuple], out: Path) -> str:
         ax.set(title=title, xlabel="k" if family == "sink_masking" else "r", ylabel=rows[0][3])
         ax.legend(fontsize=6)
     return save(fig, out, "robustness.png")
+
+
+def attention_loss(rows: list[tuple], out: Path) -> str:
+    """The attention loss pooled over the evicted layers against the keep ratio, one panel per
+    checkpoint: a solid line per method, and dotted in the same colour the oracle's at the same
+    budget on the same calls (its lower bound); the top axis is kvpress's compression ratio, 1 - r.
+
+    Args:
+        rows: ``(checkpoint, intervention, keep_ratio, compression_ratio, layer, rows,
+            attention_loss, oracle_loss)`` as ``kv_attention_loss.csv``; those of layer ``all`` are drawn.
+    """
+    pooled = [r for r in rows if r[4] == "all" and r[6] is not None]
+    labels = list(dict.fromkeys(r[0] for r in pooled))
+    fig, axes = grid(len(labels), cols=3, size=(4.5, 3.4))
+    for ax, label in zip(axes, labels):
+        methods = list(dict.fromkeys(r[1] for r in pooled if r[0] == label))
+        for i, method in enumerate(methods):
+            pts = sorted((r[2], r[6], r[7]) for r in pooled if r[0] == label and r[1] == method)
+            x = [p[0] for p in pts]
+            ax.plot(x, [p[1] for p in pts], marker="o", color=f"C{i % 10}", label=method.removeprefix("kv_"))
+            ax.plot(x, [p[2] for p in pts], linestyle=":", color=f"C{i % 10}", alpha=0.8)
+        ax.set(title=f"{label}\n(dotted: oracle at the same budget)", xlabel="keep ratio r", ylabel="attention loss")
+        ax.title.set_fontsize(8)
+        ax.invert_xaxis()
+        top = ax.secondary_xaxis("top", functions=(lambda r: 1 - r, lambda c: 1 - c))
+        top.set_xlabel("compression ratio 1 - r", fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    return save(fig, out, "kv_attention_loss.png")
+
+
+def key_norm_attention(results: dict[str, dict[str, dict]], out: Path, points: int = 3000) -> str:
+    """Key L2 norm against the mean attention the key receives from later queries (Devoto thesis,
+    Fig. 4.2), one row of panels per checkpoint, one panel per causal decoder layer, with Pearson's r
+    and Spearman's rho in the title; at most ``points`` pairs drawn per panel (a fixed random subset).
+
+    Args:
+        results: checkpoint -> site -> :func:`~mmlight.analysis.key_norms.key_norm_attention`'s entry.
+    """
+    panels = [(label, site, entry) for label, sites in results.items() for site, entry in sites.items()]
+    cols = max(len(sites) for sites in results.values())
+    fig, axes = grid(len(panels), cols=cols, size=(3.6, 3.0))
+    generator = torch.Generator().manual_seed(0)
+    for ax, (label, site, entry) in zip(axes, panels):
+        norm, received = torch.tensor(entry["norm"]), torch.tensor(entry["received"])
+        if len(norm) > points:
+            pick = torch.randperm(len(norm), generator=generator)[:points]
+            norm, received = norm[pick], received[pick]
+        ax.scatter(norm.numpy(), received.numpy(), s=3, alpha=0.4)
+        r, rho = (entry[k] for k in ("pearson", "spearman"))
+        ax.set_title(f"{label} {site}\nr = {r:.2f}, rho = {rho:.2f}, n = {entry['pairs']}", fontsize=7)
+        ax.set(xlabel="key L2 norm", ylabel="mean attention received")
+    return save(fig, out, "key_norm_attention.png")
 
 
 # ------------------------------------------------------------------ single examples

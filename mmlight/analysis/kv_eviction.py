@@ -505,15 +505,30 @@ def method(name: str, **options) -> EvictionMethod:
 # The observer
 
 
+@dataclass
+class LossSums:
+    """Running sums of one layer's attention loss (:func:`attention_loss`) over its counted query rows:
+    the method's, and the oracle's at the same budget on the same calls (never above the method's)."""
+
+    method: float = 0.0
+    oracle: float = 0.0
+    rows: int = 0
+
+
+#: The columns of :meth:`KVEviction.loss_rows`.
+LOSS_COLUMNS = ("layer", "rows", "attention_loss", "oracle_loss")
+
+
 class KVEviction(AttentionObserver):
     """Evict past keys in causal decoder self-attention (see the module docstring), and sum the
-    attention loss of each layer (:attr:`loss`: layer -> ``[sum of shares, rows]``).
+    attention loss of each layer (:attr:`loss`: layer -> :class:`LossSums`).
 
     Args:
         ratio: keep ratio ``r`` of the past keys (kvpress's compression ratio is ``1 - r``).
         method: a name of :data:`METHODS` or an :class:`EvictionMethod`.
         skip_layers: layers ``0 .. skip_layers - 1`` keep every key.
-        measure_loss: also compute each call's full attention and the attention loss.
+        measure_loss: also compute each call's full attention, and the attention loss of the method
+            and of the oracle at the same budget.
     """
 
     def __init__(
@@ -523,7 +538,7 @@ class KVEviction(AttentionObserver):
             raise ValueError(f"keep ratio must be in (0, 1], got {ratio}")
         self.method = globals()["method"](method) if isinstance(method, str) else method
         self.ratio, self.skip_layers, self.measure_loss = ratio, skip_layers, measure_loss
-        self.loss: dict[int, list] = {}
+        self.loss: dict[int, LossSums] = {}
 
     def attached(self, network):
         return self.method.attached(network)
@@ -537,10 +552,41 @@ class KVEviction(AttentionObserver):
         call = KVCall(site, q, k, keys, keys & ~own)
         kept = keep_top(self.method.scores(call), call.past, self.ratio)
         if self.measure_loss:
-            total, rows = attention_loss(call.weights(), call.past & ~kept)
-            acc = self.loss.setdefault(site.layer, [0.0, 0])
-            acc[0], acc[1] = acc[0] + float(total), acc[1] + int(rows)
+            self._add_loss(site.layer, call, kept)
         return (keys & own) | kept
+
+    def _add_loss(self, layer: int, call: KVCall, kept: torch.Tensor) -> None:
+        weights = call.weights()
+        total, rows = attention_loss(weights, call.past & ~kept)
+        best, _ = attention_loss(weights, call.past & ~keep_top(weights, call.past, self.ratio))
+        sums = self.loss.setdefault(layer, LossSums())
+        sums.method, sums.oracle, sums.rows = (
+            sums.method + float(total),
+            sums.oracle + float(best),
+            sums.rows + int(rows),
+        )
+
+    def loss_rows(self) -> list[tuple]:
+        """``(layer, rows, attention_loss, oracle_loss)`` per evicted layer, then ``("all", ...)`` pooled
+        over them: the mean share of a counted query row's attention mass on the pairs the method dropped,
+        and the oracle's at the same budget on the same calls (None for a layer without a counted row)."""
+        pooled = LossSums()
+        out = []
+        for layer, sums in sorted(self.loss.items()):
+            out.append((layer, *loss_means(sums)))
+            pooled.method, pooled.oracle, pooled.rows = (
+                pooled.method + sums.method,
+                pooled.oracle + sums.oracle,
+                pooled.rows + sums.rows,
+            )
+        return out + [("all", *loss_means(pooled))] if out else []
+
+
+def loss_means(sums: LossSums) -> tuple[int, float | None, float | None]:
+    """``(rows, method mean, oracle mean)`` of ``sums`` (None for the means over no row)."""
+    if sums.rows == 0:
+        return 0, None, None
+    return sums.rows, sums.method / sums.rows, sums.oracle / sums.rows
 
 
 def keep_top(scores: torch.Tensor, past: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -580,13 +626,14 @@ class QueryCollector(AttentionObserver):
 
     def __init__(self):
         self.queries: dict[int, list[torch.Tensor]] = {}
-        self.query_keep: torch.Tensor | None = None  # (B, T) of the current batch
+        self.query_keep: dict[str, torch.Tensor | None] = {}  # the task's query_keep of the current batch
 
     def edit_mask(self, site, q, k, mask):
         if site.kind == "decoder_self":
             rows = q.transpose(1, 2)  # (B, Tq, nh, hs)
-            if self.query_keep is not None:
-                rows = rows[self.query_keep]
+            keep = self.query_keep.get(site.stack)  # (B, T) or None
+            if keep is not None:
+                rows = rows[keep]
             self.queries.setdefault(site.layer, []).append(rows.reshape(-1, q.shape[1], q.shape[3]).detach().cpu())
         return mask
 
@@ -610,8 +657,7 @@ def calibrate_qfilters(task, batches: list) -> dict:
     Returns:
         ``{"filters": (L, n_kv, hs), "cosine": (L, n_kv), "num_sequences": N}``.
     """
-    from mmlight.analysis.batches import batch_size, map_batch
-    from mmlight.nn.attention import observe_attention
+    from mmlight.analysis.batches import batch_size, teacher_forced_pass
 
     n = sum(batch_size(b) for b in batches)
     if n < 2:
@@ -624,19 +670,10 @@ def calibrate_qfilters(task, batches: list) -> dict:
         if s.kind == "decoder_self" and getattr(m, "reweight", None) is s.module
     }
     halves = []
-    was_training = network.training
-    network.eval()
-    try:
-        for part in split_samples(batches, n // 2):
-            collector = QueryCollector()
-            with torch.no_grad(), observe_attention(task, collector):
-                for batch in part:
-                    batch = map_batch(batch, lambda t: t.to(task.device))
-                    collector.query_keep = task.query_keep(batch).get("decoder")
-                    task.teacher_forced(batch)
-            halves.append({layer: torch.cat(q) for layer, q in collector.queries.items()})
-    finally:
-        network.train(was_training)
+    for part in split_samples(batches, n // 2):
+        collector = QueryCollector()
+        teacher_forced_pass(task, part, collector)
+        halves.append({layer: torch.cat(q) for layer, q in collector.queries.items()})
     first, second = layer_filters(halves[0], kv_heads), layer_filters(halves[1], kv_heads)
     both = layer_filters({layer: torch.cat([halves[0][layer], halves[1][layer]]) for layer in halves[0]}, kv_heads)
     return {

@@ -78,6 +78,7 @@ def robustness_rows(
     keep_ratios=KEEP_RATIOS,
     kv_methods=KV_METHODS,
     method_options=None,
+    attention_losses: list | None = None,
 ) -> list[tuple]:
     """``(intervention, level, metric, value)`` rows of every intervention that applies to ``task``.
 
@@ -86,7 +87,10 @@ def robustness_rows(
     ``method_options[method]``) at each of ``keep_ratios`` (the level; the fraction dropped, kvpress's
     compression ratio, is ``1 - level``).
     The metric is the task's ``task_metric``, evaluated inside its ``metric_evaluation`` (whose files go
-    to a scratch folder that is deleted afterwards).
+    to a scratch folder that is deleted afterwards). Each KV eviction run also measures the attention
+    loss of its method and of the oracle at the same budget, over the same evaluation: with
+    ``attention_losses`` given, ``(intervention, level, *row)`` is appended to it for each row of
+    :meth:`~mmlight.analysis.kv_eviction.KVEviction.loss_rows`.
     """
     name = task.task_metric.name
     metric = f"{split}/{name}"
@@ -101,6 +105,8 @@ def robustness_rows(
             if metric not in results:
                 raise RuntimeError(f"the {split} run logged no {metric} (it logged {sorted(results)})")
             rows.append((intervention, level, name, results[metric]))
+            if attention_losses is not None and isinstance(observer, KVEviction):
+                attention_losses += [(intervention, level, *row) for row in observer.loss_rows()]
             if progress is not None:
                 progress(1)
     return rows
@@ -126,7 +132,7 @@ def robustness_runs(
         options = method_options or {}
         for name in kv_methods:
             runs += [
-                (f"kv_{name}", r, KVEviction(r, method(name, **options.get(name, {})), skip_layers))
+                (f"kv_{name}", r, KVEviction(r, method(name, **options.get(name, {})), skip_layers, measure_loss=True))
                 for r in keep_ratios
             ]
     return runs

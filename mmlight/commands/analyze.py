@@ -8,9 +8,10 @@
 The config and its ``--data.*``/``--trainer.*`` overrides are parsed by the same LightningCLI as
 ``fit``; each checkpoint is rebuilt from its own hyperparameters with the config's task class, so
 twins with different reweighting functions compare directly. Writes ``DIR/stats.csv``,
-``DIR/stats.json``, ``DIR/massive_activations.csv``, ``DIR/*.png``, ``DIR/summary.md``, with
-``--robustness`` ``DIR/robustness.csv`` and, for a language model with ``--extrapolation``,
-``DIR/extrapolation.csv``.
+``DIR/stats.json``, ``DIR/massive_activations.csv``, ``DIR/*.png``, ``DIR/summary.md``, for a causal
+decoder ``DIR/key_norm_attention.csv``, with ``--robustness`` ``DIR/robustness.csv``,
+``DIR/robustness.json`` and (KV eviction) ``DIR/kv_attention_loss.csv``, and, for a language model
+with ``--extrapolation``, ``DIR/extrapolation.csv``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from mmlight.analysis import figures
+from mmlight.analysis import figures, kv_eviction
 from mmlight.analysis.batches import first_samples
 from mmlight.analysis.extrapolation import (
     MULTIPLES,
@@ -35,6 +36,7 @@ from mmlight.analysis.extrapolation import (
     position_limit,
     stream_from_batches,
 )
+from mmlight.analysis.key_norms import key_norm_attention
 from mmlight.analysis.kv_eviction import METHODS, calibrate_qfilters, compression_ratio
 from mmlight.analysis.massive import MassiveSettings, massive_activations, massive_rows
 from mmlight.analysis.robustness import KEEP_RATIOS, KV_METHODS, robustness_rows, robustness_runs
@@ -285,7 +287,8 @@ def analyze(argv: list[str]) -> None:
         runs = len(robustness_runs(tasks[0], args.kv_skip_layers, args.keep_ratios, args.kv_methods, options[0]))
     windows = 0 if stream is None else sum(extrapolation_windows(args, t, len(stream), context) for t in tasks)
     total = len(tasks) * (args.num_samples + runs) + windows
-    results, robustness, example_files, massive, extrapolation = {}, [], [], {}, {}
+    results, robustness, losses, key_norms, example_files = {}, [], [], {}, []
+    massive, extrapolation = {}, {}
     with tqdm(total=total, desc="mmlight analyze", unit="sample") as bar:
         for label, task, kv in zip(labels, tasks, options):
             bar.set_postfix_str(label)
@@ -293,7 +296,9 @@ def analyze(argv: list[str]) -> None:
             results[label] = collect_statistics(task, batches, settings, progress=bar.update)
             massive[label] = with_token_text(massive_activations(task, batches, massive_settings), vocab)
             example_files += figures.examples(task, batches[0], label, out, args.query_patch, vocab)
+            key_norms[label] = key_norm_attention(task, batches)
             if args.robustness:
+                kv_losses = []
                 rows = robustness_rows(
                     trainer,
                     task,
@@ -304,8 +309,10 @@ def analyze(argv: list[str]) -> None:
                     args.keep_ratios,
                     args.kv_methods,
                     kv,
+                    kv_losses,
                 )
                 robustness += [(label, *row) for row in rows]
+                losses += [(label, kind, r, compression_ratio(r), *rest) for kind, r, *rest in kv_losses]
             if stream is not None:
                 extrapolation[label] = length_extrapolation(
                     task, stream, context, args.multiples, args.position_bucket, bar.update
@@ -327,11 +334,19 @@ def analyze(argv: list[str]) -> None:
     if calibration:
         (out / "qfilters.json").write_text(json.dumps(calibration, indent=1) + "\n")
     written = figures.comparisons(results, out) + example_files
+    correlations = key_norm_rows(key_norms)
+    if correlations:
+        write_csv(out / "key_norm_attention.csv", KEY_NORM_COLUMNS, correlations)
+        written.append(figures.key_norm_attention({k: v for k, v in key_norms.items() if v}, out))
     if robustness:
-        write_csv(out / "robustness.csv", ("checkpoint", "intervention", "level", "metric", "value"), robustness)
+        write_csv(out / "robustness.csv", ROBUSTNESS_COLUMNS, robustness)
+        write_robustness_json(out, meta, robustness, losses)
         written.append(figures.robustness(robustness, out))
+    if losses:
+        write_csv(out / "kv_attention_loss.csv", LOSS_COLUMNS, losses)
+        written.append(figures.attention_loss(losses, out))
     written += write_lm_analyses(out, massive, extrapolation)
-    write_summary(out, results, meta, written, robustness, lm)
+    write_summary(out, results, meta, written, robustness, losses, correlations, lm)
     for label, result in extrapolation.items():
         for line in undefined_multiples(result):
             print(f"mmlight analyze: {label}: {line}")
@@ -486,6 +501,40 @@ def check_query_patch(query_patch: int | None, grid: tuple[int, int] | None) -> 
         raise AnalyzeError(f"--query_patch must be in [0, {grid[0] * grid[1]}), got {query_patch}")
 
 
+ROBUSTNESS_COLUMNS = ("checkpoint", "intervention", "level", "metric", "value")
+#: ``kv_attention_loss.csv``: per checkpoint, KV eviction run and evicted layer (then ``all``, pooled over
+#: them), the counted query rows, and the mean share of a row's attention mass on the dropped pairs
+#: (Devoto thesis, Eq. 4.5) by the method and by the oracle at the same budget on the same calls.
+LOSS_COLUMNS = ("checkpoint", "intervention", "keep_ratio", "compression_ratio", *kv_eviction.LOSS_COLUMNS)
+#: ``key_norm_attention.csv``: per checkpoint and causal decoder layer, the (key, head, sample) pairs and
+#: the correlations of key L2 norm with the mean attention received from later queries.
+KEY_NORM_COLUMNS = ("checkpoint", "layer", "pairs", "pearson", "spearman")
+
+
+def key_norm_rows(key_norms: dict[str, dict[str, dict]]) -> list[tuple]:
+    """``KEY_NORM_COLUMNS`` rows of checkpoint -> site -> :func:`key_norm_attention` (NaN as None)."""
+    return [
+        (label, site, e["pairs"], *(None if math.isnan(e[k]) else e[k] for k in ("pearson", "spearman")))
+        for label, sites in key_norms.items()
+        for site, e in sites.items()
+    ]
+
+
+def write_robustness_json(out: Path, meta: dict, robustness: list, losses: list) -> None:
+    """``robustness.json``: the rows of ``robustness.csv`` and ``kv_attention_loss.csv`` with the split,
+    the skipped layers and both ratio conventions."""
+    keys = ("split", "kv_skip_layers", "keep_ratios", "compression_ratios", "kv_methods")
+    payload = {
+        **{k: meta[k] for k in keys},
+        "attention_loss": "per counted query row, the share of its full attention mass on the past keys "
+        "the method dropped (Devoto thesis, Eq. 4.5), averaged over rows; oracle_loss: the same for the "
+        "keys the row itself weighs least, at the same budget on the same calls (the least possible)",
+        "rows": [dict(zip(ROBUSTNESS_COLUMNS, r)) for r in robustness],
+        "attention_losses": [dict(zip(LOSS_COLUMNS, r)) for r in losses],
+    }
+    (out / "robustness.json").write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
 def write_csv(path: Path, header: tuple, rows: list) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -535,10 +584,19 @@ def layer_means(stats: dict, extra: tuple[str, ...] = ()) -> dict[str, float]:
 
 
 def write_summary(
-    out: Path, results: dict, meta: dict, figure_files: list[str], robustness: list, lm: dict | None = None
+    out: Path,
+    results: dict,
+    meta: dict,
+    figure_files: list[str],
+    robustness: list,
+    losses: list = (),
+    key_norms: list = (),
+    lm: dict | None = None,
 ) -> None:
     """``summary.md``: one row per checkpoint, one column per metric (mean over layers), the robustness
-    rows, the ``lm`` analyses (see :func:`write_stats`), the figures."""
+    rows, the attention loss pooled over layers (``losses`` as ``kv_attention_loss.csv``), the key norm
+    correlations (``key_norms`` as ``key_norm_attention.csv``), the ``lm`` analyses (see
+    :func:`write_stats`), and the figures."""
     columns = HEAD_METRICS + LAYER_METRICS + gate_columns(results)
     lines = [
         f"# Attention analysis: {meta['num_samples']} {meta['split']} samples",
@@ -568,13 +626,42 @@ def write_summary(
             "|---|---|---|---|---|",
         ]
         lines += [f"| {c} | {i} | {lv} | {m} | {v:.4g} |" for c, i, lv, m, v in robustness]
+    pooled = [r for r in losses if r[4] == "all"]
+    if pooled:
+        lines += [
+            "",
+            "## KV eviction: attention loss (whole split, pooled over the evicted layers)",
+            "",
+            "Keep ratio r; compression ratio 1 - r (the fraction dropped). Attention loss: the mean share of a "
+            "query row's attention mass on the pairs dropped; oracle: the least possible at the same budget on "
+            "the same calls. Each layer's values: kv_attention_loss.csv.",
+            "",
+            "| checkpoint | method | keep ratio | compression ratio | attention loss | oracle |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c} | {i.removeprefix('kv_')} | {r:g} | {cr:g} | {fmt(loss)} | {fmt(best)} |"
+            for c, i, r, cr, _, _, loss, best in pooled
+        ]
+    if key_norms:
+        lines += [
+            "",
+            f"## Key norm against received attention ({meta['num_samples']} {meta['split']} samples)",
+            "",
+            "Pairs (key L2 norm, mean attention from the later queries that see the key) over samples and heads.",
+            "",
+            "| checkpoint | layer | pairs | Pearson | Spearman |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [f"| {c} | {site} | {n} | {fmt(r)} | {fmt(rho)} |" for c, site, n, r, rho in key_norms]
     lines += lm_summary(lm or {})
     lines += ["", "## Figures", ""] + [f"- [{name}]({name})" for name in figure_files]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
-def number(value) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def fmt(value: float | None) -> str:
+    """``value`` to 4 significant digits, or an em dash for None."""
+    return "—" if value is None else f"{value:.4g}"
 
 
 def lm_summary(lm: dict) -> list[str]:
@@ -603,7 +690,7 @@ def lm_summary(lm: dict) -> list[str]:
             )
             top1 = entry["top_mean"][0] if entry["top_mean"] else None
             lines.append(
-                f"| {label} | {name} | {number(entry['median'])} | {number(top1)} | {number(entry['ratio'])} | "
+                f"| {label} | {name} | {fmt(entry['median'])} | {fmt(top1)} | {fmt(entry['ratio'])} | "
                 f"{entry['massive']} | {where} |"
             )
     extrapolation = lm.get("extrapolation", {})
@@ -615,12 +702,12 @@ def lm_summary(lm: dict) -> list[str]:
             f"## Length extrapolation ({first['positions']} positions, training context {first['context']})",
             "",
             "Perplexity over the same scored tokens, cut into windows of each multiple of the training context "
-            "(-: past the model's learned position table).",
+            "(—: past the model's learned position table).",
             "",
             "| checkpoint | " + " | ".join(f"{m}x" for m in multiples) + " |",
             "|---" * (len(multiples) + 1) + "|",
         ]
         for label, result in extrapolation.items():
-            values = [number(e.get("ppl")) for e in result["multiples"].values()]
+            values = [fmt(e.get("ppl")) for e in result["multiples"].values()]
             lines.append(f"| {label} | " + " | ".join(values) + " |")
     return lines

@@ -463,11 +463,59 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
             assert torch.allclose(f.abs(), vh[0].abs(), atol=1e-5) and (q[:, h].double() @ f).mean() > 0
     assert {r["metric"] for r in robust} == {"acc"}
 
+    # the attention loss of each KV eviction run (layer 1, the only one evicted, then pooled): none at
+    # r = 1; at r = 0.5 more than nothing and never below the oracle's at the same budget
+    losses = read_csv(out / "kv_attention_loss.csv")
+    assert list(losses[0]) == [
+        "checkpoint",
+        "intervention",
+        "keep_ratio",
+        "compression_ratio",
+        "layer",
+        "rows",
+        "attention_loss",
+        "oracle_loss",
+    ]
+    assert [(r["checkpoint"], r["intervention"], r["keep_ratio"], r["layer"]) for r in losses] == [
+        (label, f"kv_{m}", ratio, layer)
+        for label in ("lm_softmax", "lm_seed1")
+        for m in ("l2", "streaming", "qfilters")
+        for ratio in ("1.0", "0.5")
+        for layer in ("1", "all")
+    ]
+    for r in losses:
+        keep, loss, oracle = float(r["keep_ratio"]), float(r["attention_loss"]), float(r["oracle_loss"])
+        assert float(r["compression_ratio"]) == pytest.approx(1 - keep)
+        assert int(r["rows"]) == 8 * 2 * batch["input"].shape[1]  # every query of the 8 sequences, 2 heads
+        assert (loss, oracle) == (0.0, 0.0) if keep == 1.0 else loss >= oracle > 0
+    saved = json.loads((out / "robustness.json").read_text())
+    assert saved["compression_ratios"] == [0.0, 0.5] and len(saved["rows"]) == len(robust)
+    assert [{**row, "layer": str(row["layer"])} for row in saved["attention_losses"]] == [
+        {c: r[c] if c in ("checkpoint", "intervention", "layer") else float(r[c]) for c in r} for r in losses
+    ]
+
+    # key norm against received attention, per layer: what key_norm_attention gives on the same samples
+    from mmlight.analysis.key_norms import key_norm_attention
+
+    correlations = read_csv(out / "key_norm_attention.csv")
+    assert [(r["checkpoint"], r["layer"]) for r in correlations] == [
+        (label, f"decoder.layers.{n}.self_attn") for label in ("lm_softmax", "lm_seed1") for n in (0, 1)
+    ]
+    for label, ckpt in (("lm_softmax", first), ("lm_seed1", second)):
+        task = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu")
+        for site, entry in key_norm_attention(task, [batch]).items():
+            (row,) = [r for r in correlations if (r["checkpoint"], r["layer"]) == (label, site)]
+            assert int(row["pairs"]) == entry["pairs"]
+            assert float(row["spearman"]) == pytest.approx(entry["spearman"], rel=1e-9)
+            assert float(row["pearson"]) == pytest.approx(entry["pearson"], rel=1e-9)
+
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# Attention analysis: 6 val samples\n")
     assert "sinks above 1.1 x the uniform share" in summary
     assert "| lm_softmax | " in summary and "| lm_seed1 | " in summary and "## Robustness (whole split)" in summary
     assert "| lm_seed1 | kv_l2 | 0.5 | acc | " in summary
+    assert "| lm_seed1 | qfilters | 0.5 | 0.5 | " in summary  # method, keep ratio, compression ratio
+    assert "| lm_softmax | decoder.layers.1.self_attn | " in summary  # its key norm correlations
     figures = sorted(p.name for p in out.glob("*.png"))
     assert "robustness.png" in figures and "attention_heatmap_decoder_self_lm_seed1.png" in figures
     assert [line for line in summary.splitlines() if line.startswith("- [")] == [

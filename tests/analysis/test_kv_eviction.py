@@ -1,6 +1,6 @@
-"""KV eviction methods: each scoring function against a brute-force or float64 computation, the oracle's
-attention loss against exhaustive search, incremental decoding against teacher forcing, and the
-methods against kvpress's presses on a tiny transformers Llama."""
+"""KV eviction: the kept keys of l2 and streaming against brute force, each scoring function against a
+brute-force or float64 computation, the attention loss of every method against loops and the oracle's
+against exhaustive search, incremental decoding against teacher forcing (kvpress: test_kv_eviction_kvpress.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,138 @@ from mmlight.reweighting import Softmax
 from tests.helpers.models import tiny_transformer
 
 
-def site(layer=0, module=None):
-    return AttentionSite("decoder.layers.0.self_attn", "decoder_self", "decoder", layer, module or Softmax())
+def site(layer=0, kind="decoder_self", module=None):
+    """The site of a decoder layer's self- or cross-attention (a softmax by default)."""
+    name = f"decoder.layers.{layer}.{'cross_attn' if kind == 'cross' else 'self_attn'}"
+    key_stack = "encoder" if kind == "cross" else None
+    return AttentionSite(name, kind, "decoder", layer, module or Softmax(), key_stack=key_stack)
+
+
+SITE = site(3)
 
 
 def test_every_method_is_registered_and_unknown_names_are_refused():
     assert list(kv.METHODS) == ["l2", "streaming", "oracle", "random", "qfilters", "expected_attention"]
     with pytest.raises(ValueError, match="qfilters needs calibrated filters"):
         kv.method("qfilters")
+
+
+def brute_force_l2(k, keep, ratio):
+    """Each query's kept keys by a loop: itself, and the ceil(r n) lowest-norm of its n past keys."""
+    B, H, T, _ = k.shape
+    out = torch.zeros(B, H, T, T, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for q in range(T):
+                past = [j for j in range(T) if keep[b, q, j] and j != q]
+                n_keep = math.ceil(round(ratio * len(past), 9))
+                kept = sorted(past, key=lambda j: (float(k[b, h, j].norm()), j))[:n_keep]
+                for j in kept + ([q] if keep[b, q, q] else []):
+                    out[b, h, q, j] = True
+    return out
+
+
+def brute_force_streaming(keep, ratio, heads):
+    B, T, _ = keep.shape
+    out = torch.zeros(B, heads, T, T, dtype=torch.bool)
+    for b in range(B):
+        for q in range(T):
+            past = [j for j in range(T) if keep[b, q, j] and j != q]
+            n_keep = math.ceil(round(ratio * len(past), 9))
+            start = past[: min(4, n_keep)]
+            recent = past[len(past) - (n_keep - len(start)) :] if n_keep > len(start) else []
+            for j in set(start + recent + ([q] if keep[b, q, q] else [])):
+                out[b, :, q, j] = True
+    return out
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.9, 0.7, 0.5, 0.3, 0.1])
+def test_l2_and_streaming_eviction_against_brute_force(ratio):
+    torch.manual_seed(0)
+    B, H, T = 2, 2, 12
+    q, k = torch.randn(B, H, T, 4), torch.randn(B, H, T, 4)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, 9:] = False
+    keep = causal_mask(T, T)[None] & real[:, None, :]  # (B, T, T)
+    mask = keep[:, None]  # (B, 1, T, T) as attention passes it
+    got = kv.KVEviction(ratio, "l2", skip_layers=2).edit_mask(SITE, q, k, mask)
+    assert torch.equal(got, brute_force_l2(k, keep, ratio))
+    got = kv.KVEviction(ratio, "streaming", skip_layers=2).edit_mask(SITE, q, k, mask)
+    assert torch.equal(got, brute_force_streaming(keep, ratio, H))
+    if ratio == 1.0:
+        assert torch.equal(got, mask.expand(B, H, T, T))
+
+
+def test_eviction_skips_the_first_layers_and_other_kinds():
+    q = k = torch.randn(1, 1, 5, 4)
+    mask = causal_mask(5, 5)
+    evict = kv.KVEviction(0.1, "l2", skip_layers=2)
+    assert evict.edit_mask(site(1), q, k, mask) is mask
+    assert evict.edit_mask(site(0, "cross"), q, k, mask) is mask
+    assert evict.edit_mask(site(2), q, k, mask).sum() < mask.sum()
+
+
+def test_bad_eviction_arguments():
+    with pytest.raises(ValueError, match="keep ratio"):
+        kv.KVEviction(0.0)
+    with pytest.raises(ValueError, match="unknown KV eviction method 'lru'; known: l2, streaming"):
+        kv.KVEviction(0.5, "lru")
+
+
+def test_eviction_of_a_decoding_step_with_a_cache():
+    """Two queries at positions 4 and 5 of 6 keys (bottom-right causal): query 4 has past keys 0..3 and
+    keeps ceil(0.5 * 4) = 2, query 5 has 0..4 and keeps 3; by hand, with key norms 5, 1, 4, 2, 3, 0.5."""
+    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5])
+    k = torch.zeros(1, 1, 6, 4)
+    k[0, 0, :, 0] = norms
+    q = torch.randn(1, 1, 2, 4)
+    mask = causal_mask(2, 6)
+    l2 = kv.KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, mask)
+    assert l2[0, 0].nonzero().tolist() == [[0, 1], [0, 3], [0, 4], [1, 1], [1, 3], [1, 4], [1, 5]]
+    streaming = kv.KVEviction(0.5, "streaming", skip_layers=0).edit_mask(SITE, q, k, mask)
+    assert streaming[0, 0].nonzero().tolist() == [[0, 0], [0, 1], [0, 4], [1, 0], [1, 1], [1, 2], [1, 5]]
+
+
+def test_streaming_keeps_the_first_4_and_the_most_recent():
+    """One query with 10 past keys at r = 0.7: 7 kept, the first 4 (attention sinks) and the 3 newest."""
+    q, k = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 11, 4)
+    got = kv.KVEviction(0.7, "streaming", skip_layers=0).edit_mask(SITE, q, k, None)
+    assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 7, 8, 9, 10]
+
+
+def test_eviction_defaults_and_the_ratio_bounds():
+    """Defaults: l2 from layer 2 on (docs/analysis.md); ratio 1 is allowed, anything above is not."""
+    evict = kv.KVEviction(0.5)
+    assert (evict.method.name, evict.skip_layers) == ("l2", 2)
+    assert kv.KVEviction(1.0).ratio == 1.0
+    with pytest.raises(ValueError, match=r"keep ratio must be in \(0, 1\], got 1.5"):
+        kv.KVEviction(1.5)
+    with pytest.raises(ValueError, match=r"unknown KV eviction method 'lfu'"):
+        kv.KVEviction(0.5, "lfu")
+
+
+def test_budget_rounds_up():
+    """ceil(r n): 0.5 * 3 = 1.5 -> 2, 0.3 * 10 = 3 (exactly, despite float noise) -> 3, 0.31 * 10 -> 4,
+    0.7 * 10 -> 7 and 0.1 * 10 -> 1 (no float noise), 0.1 * 0 -> 0."""
+    assert kv.budget(torch.tensor([3, 10, 10, 0]), 0.5).tolist() == [2, 5, 5, 0]
+    assert kv.budget(torch.tensor([10]), 0.3).item() == 3 and kv.budget(torch.tensor([10]), 0.31).item() == 4
+    assert kv.budget(torch.tensor([10]), 0.9).item() == 9 and kv.budget(torch.tensor([1]), 0.1).item() == 1
+    assert kv.budget(torch.tensor([10]), 0.7).item() == 7 and kv.budget(torch.tensor([10]), 0.1).item() == 1
+
+
+def test_full_mask_expands_or_fills():
+    q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 5, 8)
+    assert kv.full_mask(q, k, None).shape == (2, 3, 4, 5) and kv.full_mask(q, k, None).all()
+    mask = causal_mask(4, 5)
+    assert torch.equal(kv.full_mask(q, k, mask), mask.expand(2, 3, 4, 5))
+
+
+def test_l2_eviction_breaks_norm_ties_by_keeping_the_older_key():
+    """40 keys of equal norm (long enough for an unstable sort to reorder them): the query at position 39
+    keeps ceil(0.5 * 39) = 20 past keys, the first 20, as brute_force_l2's (norm, position) order says."""
+    q, k = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 40, 4)
+    got = kv.KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, None)
+    assert got[0, 0, 0].nonzero().flatten().tolist() == list(range(20)) + [39]
 
 
 def test_oracle_loses_least_attention_exhaustively():
@@ -39,7 +163,7 @@ def test_oracle_loses_least_attention_exhaustively():
         for name in ("l2", "streaming", "oracle", "random"):
             evict = kv.KVEviction(ratio, name, skip_layers=0, measure_loss=True)
             evict.edit_mask(site(), q, k, mask)
-            losses[name] = evict.loss[0][0] / evict.loss[0][1]
+            losses[name] = evict.loss[0].method / evict.loss[0].rows
         best = 0.0
         for h, i in itertools.product(range(2), range(1, 5)):
             n = int(kv.budget(torch.tensor(i), ratio))
@@ -129,14 +253,18 @@ def test_a_setting_that_evicts_nothing_is_refused_naming_the_layers():
 
 
 class Recording(kv.KVEviction):
+    """Records each evicted decoder call: the mask it returned (:attr:`masks`) and ``(layer, q, k, the
+    mask it saw, the mask it returned)`` (:attr:`calls`)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.masks = []
+        self.masks, self.calls = [], []
 
     def edit_mask(self, site, q, k, mask):
         out = super().edit_mask(site, q, k, mask)
         if site.kind == "decoder_self" and site.layer >= self.skip_layers:
             self.masks.append(out)
+            self.calls.append((site.layer, q.double(), k.double(), kv.full_mask(q, k, mask), out))
         return out
 
 
@@ -227,3 +355,73 @@ def test_expected_attention_through_the_cache_of_a_rotary_grouped_query_lm_equal
     keep = full.masks[1]  # layer 1, (B, nh, T, T)
     assert torch.equal(keep[:, 0], keep[:, 1]) and torch.equal(keep[:, 2], keep[:, 3])
     assert keep[:, :, -1].sum(-1).tolist() == [[7] * 4] * 2  # own key + ceil(0.5 * 11) past keys
+
+
+def brute_force_losses(calls, ratio, sink):
+    """Per layer ``[method, oracle, rows]`` sums by loops: each row's weights from the scores
+    (``exp(s) / (sink + sum exp(s))``), the share of the row's mass on its past keys that the returned
+    mask dropped, and the least share any ``ceil(r n)`` of its ``n`` past keys can leave out."""
+    sums = {}
+    for layer, q, k, keys, kept in calls:
+        B, H, Tq, hs = q.shape
+        Tk = k.shape[2]
+        q, k, keys, kept = q.tolist(), k.tolist(), keys.tolist(), kept.tolist()  # plain Python from here
+        acc = sums.setdefault(layer, [0.0, 0.0, 0])
+        for b, h, i in itertools.product(range(B), range(H), range(Tq)):
+            seen = [j for j in range(Tk) if keys[b][h][i][j]]
+            dot = {j: sum(x * y for x, y in zip(q[b][h][i], k[b][h][j])) for j in seen}
+            e = {j: math.exp(dot[j] / math.sqrt(hs)) for j in seen}
+            w = {j: v / (sink + sum(e.values())) for j, v in e.items()}
+            total = sum(w.values())
+            past = [j for j in seen if j != Tk - Tq + i]
+            n_keep = math.ceil(round(ratio * len(past), 9))
+            dropped = sum(w[j] for j in past if not kept[b][h][i][j])
+            least = sum(sorted(w[j] for j in past)[: len(past) - n_keep])
+            acc[0], acc[1], acc[2] = acc[0] + dropped / total, acc[1] + least / total, acc[2] + 1
+    return sums
+
+
+@pytest.mark.parametrize("function", ["softmax", "softmax1"])
+def test_attention_loss_of_every_method_against_brute_force_and_never_below_the_oracle(function):
+    """A 2-layer LM on 3 sequences, every layer evicted at r = 0.5 and 0.3 by each method: each layer's
+    loss (and the pooled one) is the loops' recomputation from the recorded calls, softmax1's rows (mass
+    below 1) normalised by their own mass; no method loses less than the oracle at its budget, and the
+    oracle method loses exactly that."""
+    from mmlight.models.transformer import TransformerLM
+    from mmlight.nn.attention import observe_attention
+    from tests.helpers.models import tiny
+
+    torch.manual_seed(7)
+    net = TransformerLM(tiny(name=function, dropout=0.0)).eval()
+    tokens = torch.randint(2, 23, (3, 10))
+    filters = torch.randn(2, 2, 16)
+    for ratio in (0.5, 0.3):
+        for name in kv.METHODS:
+            options = (
+                {"filters": filters} if name == "qfilters" else {"n_sink": 2} if name == "expected_attention" else {}
+            )
+            evict = Recording(ratio, kv.method(name, **options), skip_layers=0, measure_loss=True)
+            with torch.no_grad(), observe_attention(net, evict):
+                net(tokens)
+            want = brute_force_losses(evict.calls, ratio, sink=1.0 if function == "softmax1" else 0.0)
+            rows = evict.loss_rows()
+            assert [r[0] for r in rows] == [0, 1, "all"]
+            for layer, n, loss, oracle in rows[:2]:
+                assert n == want[layer][2] == 3 * 2 * 10
+                assert loss == pytest.approx(want[layer][0] / n, abs=1e-6), (name, ratio, layer)
+                assert oracle == pytest.approx(want[layer][1] / n, abs=1e-6), (name, ratio, layer)
+                assert loss >= oracle - 1e-12
+                if name == "oracle":
+                    assert loss == pytest.approx(oracle, abs=1e-12)
+            assert rows[2][1:] == pytest.approx(
+                (120, sum(r[2] for r in rows[:2]) / 2, sum(r[3] for r in rows[:2]) / 2), abs=1e-12
+            )
+            assert rows[2][2] > 0 and (name == "oracle" or rows[2][2] > rows[2][3])
+
+
+def test_ratio_1_loses_nothing_and_no_call_measures_nothing():
+    evict = kv.KVEviction(1.0, "l2", skip_layers=0, measure_loss=True)
+    assert evict.loss_rows() == []
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    evict.edit_mask(site(), q, k, causal_mask(5, 5))
+    assert evict.loss_rows() == [(0, 10, 0.0, 0.0), ("all", 10, 0.0, 0.0)]

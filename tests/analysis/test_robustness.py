@@ -1,11 +1,12 @@
-"""The interventions' masks against brute force on small cases, and their effect through a model."""
+"""The interventions' runs and sink masking against brute force on small cases, and their effect through a model
+(the KV eviction masks themselves: tests/analysis/test_kv_eviction.py)."""
 
 import math
 
 import pytest
 import torch
 
-from mmlight.analysis.robustness import KVEviction, SinkMasking, budget
+from mmlight.analysis.robustness import KVEviction, SinkMasking
 from mmlight.nn.attention import causal_mask, observe_attention
 from mmlight.nn.sites import AttentionSite
 from mmlight.reweighting import Softmax
@@ -23,74 +24,6 @@ def decoder_site(layer: int, kind: str = "decoder_self") -> AttentionSite:
     """The site of a decoder layer's self- or cross-attention."""
     name = f"decoder.layers.{layer}.{'cross_attn' if kind == 'cross' else 'self_attn'}"
     return AttentionSite(name, kind, "decoder", layer, Softmax(), key_stack="encoder" if kind == "cross" else None)
-
-
-def brute_force_l2(k, keep, ratio):
-    """Each query's kept keys by a loop: itself, and the ceil(r n) lowest-norm of its n past keys."""
-    B, H, T, _ = k.shape
-    out = torch.zeros(B, H, T, T, dtype=torch.bool)
-    for b in range(B):
-        for h in range(H):
-            for q in range(T):
-                past = [j for j in range(T) if keep[b, q, j] and j != q]
-                n_keep = math.ceil(round(ratio * len(past), 9))
-                kept = sorted(past, key=lambda j: (float(k[b, h, j].norm()), j))[:n_keep]
-                for j in kept + ([q] if keep[b, q, q] else []):
-                    out[b, h, q, j] = True
-    return out
-
-
-def brute_force_streaming(keep, ratio, heads):
-    B, T, _ = keep.shape
-    out = torch.zeros(B, heads, T, T, dtype=torch.bool)
-    for b in range(B):
-        for q in range(T):
-            past = [j for j in range(T) if keep[b, q, j] and j != q]
-            n_keep = math.ceil(round(ratio * len(past), 9))
-            start = past[: min(4, n_keep)]
-            recent = past[len(past) - (n_keep - len(start)) :] if n_keep > len(start) else []
-            for j in set(start + recent + ([q] if keep[b, q, q] else [])):
-                out[b, :, q, j] = True
-    return out
-
-
-@pytest.mark.parametrize("ratio", [1.0, 0.9, 0.7, 0.5, 0.3, 0.1])
-def test_l2_and_streaming_eviction_against_brute_force(ratio):
-    torch.manual_seed(0)
-    B, H, T = 2, 2, 12
-    q, k = torch.randn(B, H, T, 4), torch.randn(B, H, T, 4)
-    real = torch.ones(B, T, dtype=torch.bool)
-    real[1, 9:] = False
-    keep = causal_mask(T, T)[None] & real[:, None, :]  # (B, T, T)
-    mask = keep[:, None]  # (B, 1, T, T) as attention passes it
-    got = KVEviction(ratio, "l2", skip_layers=2).edit_mask(SITE, q, k, mask)
-    assert torch.equal(got, brute_force_l2(k, keep, ratio))
-    got = KVEviction(ratio, "streaming", skip_layers=2).edit_mask(SITE, q, k, mask)
-    assert torch.equal(got, brute_force_streaming(keep, ratio, H))
-    if ratio == 1.0:
-        assert torch.equal(got, mask.expand(B, H, T, T))
-
-
-def test_eviction_skips_the_first_layers_and_other_kinds():
-    q = k = torch.randn(1, 1, 5, 4)
-    mask = causal_mask(5, 5)
-    evict = KVEviction(0.1, "l2", skip_layers=2)
-    assert evict.edit_mask(decoder_site(1), q, k, mask) is mask
-    assert evict.edit_mask(decoder_site(0, "cross"), q, k, mask) is mask
-    assert evict.edit_mask(decoder_site(2), q, k, mask).sum() < mask.sum()
-
-
-def test_budget_has_no_float_noise():
-    assert budget(torch.tensor([10]), 0.7).item() == 7
-    assert budget(torch.tensor([10]), 0.1).item() == 1
-    assert budget(torch.tensor([3]), 0.5).item() == 2
-
-
-def test_bad_eviction_arguments():
-    with pytest.raises(ValueError, match="keep ratio"):
-        KVEviction(0.0)
-    with pytest.raises(ValueError, match="unknown KV eviction method 'lru'; known: l2, streaming"):
-        KVEviction(0.5, "lru")
 
 
 def test_sink_masking_masks_a_hand_built_sink():
@@ -267,55 +200,6 @@ def test_sink_masking_of_more_keys_than_there_are_masks_every_key():
     assert got.shape == (1, 2, 4, 4) and not got.any()
 
 
-def test_eviction_of_a_decoding_step_with_a_cache():
-    """Two queries at positions 4 and 5 of 6 keys (bottom-right causal): query 4 has past keys 0..3 and
-    keeps ceil(0.5 * 4) = 2, query 5 has 0..4 and keeps 3; by hand, with key norms 5, 1, 4, 2, 3, 0.5."""
-    norms = torch.tensor([5.0, 1.0, 4.0, 2.0, 3.0, 0.5])
-    k = torch.zeros(1, 1, 6, 4)
-    k[0, 0, :, 0] = norms
-    q = torch.randn(1, 1, 2, 4)
-    mask = causal_mask(2, 6)
-    l2 = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, mask)
-    assert l2[0, 0].nonzero().tolist() == [[0, 1], [0, 3], [0, 4], [1, 1], [1, 3], [1, 4], [1, 5]]
-    streaming = KVEviction(0.5, "streaming", skip_layers=0).edit_mask(SITE, q, k, mask)
-    assert streaming[0, 0].nonzero().tolist() == [[0, 0], [0, 1], [0, 4], [1, 0], [1, 1], [1, 2], [1, 5]]
-
-
-def test_streaming_keeps_the_first_4_and_the_most_recent():
-    """One query with 10 past keys at r = 0.7: 7 kept, the first 4 (attention sinks) and the 3 newest."""
-    q, k = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 11, 4)
-    got = KVEviction(0.7, "streaming", skip_layers=0).edit_mask(SITE, q, k, None)
-    assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 7, 8, 9, 10]
-
-
-def test_eviction_defaults_and_the_ratio_bounds():
-    """Defaults: l2 from layer 2 on (docs/analysis.md); ratio 1 is allowed, anything above is not."""
-    evict = KVEviction(0.5)
-    assert (evict.method.name, evict.skip_layers) == ("l2", 2)
-    assert KVEviction(1.0).ratio == 1.0
-    with pytest.raises(ValueError, match=r"keep ratio must be in \(0, 1\], got 1.5"):
-        KVEviction(1.5)
-    with pytest.raises(ValueError, match=r"unknown KV eviction method 'lfu'"):
-        KVEviction(0.5, "lfu")
-
-
-def test_budget_rounds_up():
-    """ceil(r n): 0.5 * 3 = 1.5 -> 2, 0.3 * 10 = 3 (exactly, despite float noise) -> 3, 0.31 * 10 -> 4,
-    0.1 * 0 -> 0."""
-    assert budget(torch.tensor([3, 10, 10, 0]), 0.5).tolist() == [2, 5, 5, 0]
-    assert budget(torch.tensor([10]), 0.3).item() == 3 and budget(torch.tensor([10]), 0.31).item() == 4
-    assert budget(torch.tensor([10]), 0.9).item() == 9 and budget(torch.tensor([1]), 0.1).item() == 1
-
-
-def test_full_mask_expands_or_fills():
-    from mmlight.analysis.robustness import full_mask
-
-    q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 5, 8)
-    assert full_mask(q, k, None).shape == (2, 3, 4, 5) and full_mask(q, k, None).all()
-    mask = causal_mask(4, 5)
-    assert torch.equal(full_mask(q, k, mask), mask.expand(2, 3, 4, 5))
-
-
 def test_robustness_rows_evict_from_layer_2_by_default():
     from mmlight.analysis.robustness import robustness_rows
     from mmlight.tasks import LanguageModel
@@ -355,14 +239,6 @@ def test_sink_masking_computes_weights_with_the_site_backend():
     q = k = torch.randn(1, 2, 4, 8)
     SinkMasking(k=1).edit_mask(vit_site(spy), q, k, None)
     assert spy.asked == ["compile"]
-
-
-def test_l2_eviction_breaks_norm_ties_by_keeping_the_older_key():
-    """40 keys of equal norm (long enough for an unstable sort to reorder them): the query at position 39
-    keeps ceil(0.5 * 39) = 20 past keys, the first 20, as brute_force_l2's (norm, position) order says."""
-    q, k = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 40, 4)
-    got = KVEviction(0.5, "l2", skip_layers=0).edit_mask(SITE, q, k, None)
-    assert got[0, 0, 0].nonzero().flatten().tolist() == list(range(20)) + [39]
 
 
 def test_robustness_runs_skip_two_layers_by_default_and_name_unknown_interventions():

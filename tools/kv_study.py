@@ -1,0 +1,244 @@
+"""The KV eviction study of docs/studies/kv_eviction.md: every eviction method at every keep ratio on
+the runs of a table (one reweighting function per cell), then tables and figures over functions,
+methods and seeds (not part of CI). The steps reuse ``tools/sink_study.py``'s runner and helpers:
+
+    mmlight sweep configs/tables/cpu_kv_eviction.yaml --parallel 1
+    python tools/kv_study.py analyze configs/tables/cpu_kv_eviction.yaml
+    python tools/kv_study.py report configs/tables/cpu_kv_eviction.yaml --out docs/studies/kv_eviction
+
+``analyze`` runs one ``mmlight analyze --robustness --kv_skip_layers 0 --kv_calibrate`` per cell over
+the final checkpoints of its seeds (``runs/analysis/<table>/<cell>/``) with every method of
+:data:`METHODS` at :data:`KEEP_RATIOS` but 1 (r = 1 evicts nothing: the plain run). ``--val_batches``,
+``--nmt_val_batches`` and ``--nmt_max_tokens`` cut the robustness runs to the first validation
+batches: 30 evictions per checkpoint, each computing the full attention for the attention loss, are
+the cost of the study.
+``report`` writes ``kv_study.md`` (the tables), ``kv_study.json`` (every seed's numbers), and
+``kv_quality.png`` / ``kv_attention_loss.png`` (the metric and the attention loss against the keep
+ratio, one panel per task and method, one line per function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mmlight.experiments.table import Cell, Table, load_table  # noqa: E402
+from tools.sink_study import ANALYSIS_ROOT, SOLVED_ACC, analyze, fmt, mean_std, read_rows  # noqa: E402
+
+METHODS = ("l2", "streaming", "qfilters", "expected_attention", "oracle", "random")
+KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)
+
+
+def cell_options(
+    cell: Cell, val_batches: int | None, nmt_val_batches: int | None, nmt_max_tokens: int | None = None
+) -> tuple[str, ...]:
+    """The ``mmlight analyze`` options of a cell (besides sink_study's): every method, every ratio but
+    1, Q-filters calibrated on the 256 samples; the robustness runs on the first validation batches
+    (``nmt_val_batches`` for NMT cells, ``val_batches`` for the others; None: the whole split), NMT
+    batches of at most ``nmt_max_tokens`` tokens (None: the config's)."""
+    options = ("--kv_calibrate", "--kv_methods", *METHODS, "--keep_ratios", *(f"{r:g}" for r in KEEP_RATIOS[1:]))
+    nmt = cell.name.startswith("nmt")
+    batches = nmt_val_batches if nmt else val_batches
+    if batches is not None:
+        options += ("--trainer.limit_val_batches", str(batches))
+    if nmt and nmt_max_tokens is not None:
+        options += ("--data.init_args.max_tokens", str(nmt_max_tokens))
+    return options
+
+
+def seed_of(label: str) -> int:
+    return int(label.removeprefix("seed"))
+
+
+def seed_numbers(cell: Cell, folder: Path) -> dict[int, dict]:
+    """Per seed: ``metric`` (``none`` and ``<method>@<r>``, scaled as the table shows it), ``loss`` and
+    ``oracle`` (``<method>@<r>``, pooled over the evicted layers), ``pearson``/``spearman`` (per layer)
+    and ``qfilter_cosine`` (the mean cosine between the two halves' filters)."""
+    found: dict[int, dict] = {}
+
+    def entry(label):
+        return found.setdefault(seed_of(label), {k: {} for k in ("metric", "loss", "oracle", "pearson", "spearman")})
+
+    for row in read_rows(folder / "robustness.csv"):
+        if row["intervention"] == "none" or row["intervention"].startswith("kv_"):
+            key = "none" if row["intervention"] == "none" else f"{row['intervention'][3:]}@{float(row['level']):g}"
+            entry(row["checkpoint"])["metric"][key] = float(row["value"]) * cell.scale
+    for row in read_rows(folder / "kv_attention_loss.csv"):
+        if row["layer"] == "all" and row["attention_loss"] != "":
+            key = f"{row['intervention'][3:]}@{float(row['keep_ratio']):g}"
+            entry(row["checkpoint"])["loss"][key] = float(row["attention_loss"])
+            entry(row["checkpoint"])["oracle"][key] = float(row["oracle_loss"])
+    for row in read_rows(folder / "key_norm_attention.csv"):
+        for k in ("pearson", "spearman"):
+            if row[k] != "":
+                entry(row["checkpoint"])[k][row["layer"]] = float(row[k])
+    calibration = json.loads((folder / "qfilters.json").read_text())
+    for label, stats in calibration.items():
+        entry(label)["qfilter_cosine"] = stats["cosine_mean"]
+    return found
+
+
+def summarise(cell: Cell, results: dict[int, float], seeds: dict[int, dict]) -> dict:
+    """Mean ± std over seeds of every number; recall's metric under eviction over the solved runs only."""
+    recall = cell.name.startswith("recall")
+    solved = sorted(s for s, v in results.items() if v >= SOLVED_ACC) if recall else sorted(results)
+    over = [s for s in sorted(seeds) if s in solved]
+
+    def spread(part, seeds_used):
+        keys = list(dict.fromkeys(k for s in seeds_used for k in seeds[s][part]))
+        return {k: mean_std([seeds[s][part][k] for s in seeds_used if k in seeds[s][part]]) for k in keys}
+
+    every = sorted(seeds)
+    return {
+        "row": cell.row,
+        "seeds": sorted(results),
+        "metric": mean_std(list(results.values())),
+        "solved": solved if recall else None,
+        "quality_over": over,
+        "quality": spread("metric", over) if over else {},
+        "loss": spread("loss", every),
+        "oracle": spread("oracle", every),
+        "pearson": spread("pearson", every),
+        "spearman": spread("spearman", every),
+        "qfilter_cosine": mean_std([seeds[s]["qfilter_cosine"] for s in every]),
+    }
+
+
+def ratio_table(summaries: dict[str, dict], part: str, digits: int) -> list[str]:
+    """Rows function x method, columns the keep ratios (r = 1: the plain run for the metric, 0 loss)."""
+    head = ["function", "method", *(f"r={r:g} (c={1 - r:.1g})" for r in KEEP_RATIOS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries.values():
+        for method in METHODS:
+            values = s[part]
+            cells = [fmt(values.get("none" if r == 1.0 else f"{method}@{r:g}"), digits) for r in KEEP_RATIOS]
+            if part != "quality":
+                cells[0] = "0"
+            if any(c != "—" for c in cells[1:]):
+                lines.append(f"| {s['row']} | {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(task: str, summaries: dict[str, dict]) -> list[str]:
+    """One task's tables: runs and key-norm correlations, the metric, the attention loss and the excess
+    over the oracle, each over keep ratios."""
+    recall = next(iter(summaries.values()))["solved"] is not None
+    lines = [f"### {task}", "", "| function | seeds | metric | " + ("solved | " if recall else "")]
+    lines[-1] += "Q-filter cosine (halves) | Pearson L0 / L1 | Spearman L0 / L1 |"
+    lines.append("|---" * (6 if recall else 5) + "|")
+    for s in summaries.values():
+        layers = sorted(s["spearman"])
+        cells = [s["row"], str(len(s["seeds"])), fmt(s["metric"])]
+        cells += [f"{len(s['solved'])}/{len(s['seeds'])}"] if recall else []
+        cells += [fmt(s["qfilter_cosine"], 3)]
+        cells += [" / ".join(fmt(s[k][layer], 2) for layer in layers) for k in ("pearson", "spearman")]
+        lines.append("| " + " | ".join(cells) + " |")
+    over = "the solved runs" if recall else "every seed"
+    lines += ["", f"Metric under eviction (over {over}; r = 1 is the plain run):", ""]
+    lines += ratio_table(summaries, "quality", 1)
+    lines += ["", "Attention loss, pooled over both decoder layers (every seed):", ""]
+    lines += ratio_table(summaries, "loss", 3)
+    for s in summaries.values():  # the excess over the oracle at the same budget, per method
+        s["excess"] = {k: (m - s["oracle"][k][0], sd) for k, (m, sd) in s["loss"].items()}
+    lines += [
+        "",
+        "Excess attention loss over the oracle's at the same budget on the same calls (± the loss's std):",
+        "",
+    ]
+    lines += ratio_table(summaries, "excess", 3)
+    return lines + [""]
+
+
+def figure(tasks: dict[str, dict[str, dict]], part: str, ylabel: str, path: Path) -> None:
+    """``part`` against the keep ratio, one panel per (task, method), one line per function."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(s["row"] for summaries in tasks.values() for s in summaries.values()))
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}
+    fig, axes = plt.subplots(len(tasks), len(METHODS), figsize=(3.3 * len(METHODS), 3.0 * len(tasks)), squeeze=False)
+    for row, (task, summaries) in enumerate(tasks.items()):
+        for col, method in enumerate(METHODS):
+            ax = axes[row][col]
+            for s in summaries.values():
+                pts = [
+                    (r, s[part].get("none" if r == 1.0 and part == "quality" else f"{method}@{r:g}"))
+                    for r in KEEP_RATIOS
+                ]
+                pts = [(r, v) for r, v in pts if v is not None]
+                if pts:
+                    ax.errorbar(
+                        *zip(*[(r, m) for r, (m, _) in pts]),
+                        yerr=[sd for _, (_, sd) in pts],
+                        marker="o",
+                        capsize=2,
+                        color=colour[s["row"]],
+                        label=s["row"],
+                        markersize=3,
+                    )
+            ax.set_title(f"{task}: {method}", fontsize=8)
+            ax.set_xlabel("keep ratio r (compression 1 - r)", fontsize=7)
+            ax.set_ylabel(ylabel, fontsize=7)
+            ax.invert_xaxis()
+            ax.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(table: Table, runs_root: Path, out: Path) -> None:
+    tasks: dict[str, dict[str, dict]] = {}
+    numbers = {}
+    for cell in table.cells:
+        folder = ANALYSIS_ROOT / table.name / cell.name
+        if not (folder / "kv_attention_loss.csv").is_file():
+            print(f"{cell.name}: not analysed yet, left out", flush=True)
+            continue
+        seeds = seed_numbers(cell, folder)
+        results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell and run.seed in seeds}
+        results = {seed: value for seed, value in results.items() if value is not None}
+        numbers[cell.name] = {"results": results, "analysed": seeds}
+        tasks.setdefault(cell.column, {})[cell.name] = summarise(cell, results, seeds)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"## {table.title}", "", f"Written by `python tools/kv_study.py report {table.path}`.", ""]
+    for task, summaries in tasks.items():
+        lines += markdown(task, summaries)
+    (out / "kv_study.md").write_text("\n".join(lines))
+    (out / "kv_study.json").write_text(json.dumps({"per_seed": numbers, "summary": tasks}, indent=1))
+    figure(tasks, "quality", "task metric", out / "kv_quality.png")
+    figure(tasks, "loss", "attention loss", out / "kv_attention_loss.png")
+    print(f"wrote {out / 'kv_study.md'}, kv_study.json, kv_quality.png and kv_attention_loss.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=("analyze", "report"))
+    parser.add_argument("table", help="a table file whose runs `mmlight sweep` made")
+    parser.add_argument("--runs", default="runs/tables", help="root of the sweep's run directories")
+    parser.add_argument("--parallel", type=int, default=1, help="analyze: analyses at the same time")
+    parser.add_argument("--only", nargs="+", default=[], metavar="CELL", help="analyze: only these cells")
+    parser.add_argument("--seeds", nargs="+", type=int, help="analyze: only these seeds (default: every seed)")
+    parser.add_argument("--val_batches", type=int, help="analyze: validation batches of the LM cells (default all)")
+    parser.add_argument(
+        "--nmt_val_batches", type=int, help="analyze: validation batches of the NMT cells (default all)"
+    )
+    parser.add_argument("--nmt_max_tokens", type=int, help="analyze: tokens per NMT batch (default: the config's)")
+    parser.add_argument("--out", default="docs/studies/kv_eviction", help="report: output folder")
+    args = parser.parse_args(argv)
+    table = load_table(args.table)
+    if args.step == "analyze":
+        options = lambda cell: cell_options(cell, args.val_batches, args.nmt_val_batches, args.nmt_max_tokens)  # noqa: E731
+        analyze(table, Path(args.runs), args.parallel, args.only, args.seeds, options)
+    else:
+        report(table, Path(args.runs), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
