@@ -77,13 +77,20 @@ RESUMED_RUN = [
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory) -> dict:
-    """The final ``last.ckpt`` of a job run with :data:`RESUMED_RUN` without a break."""
+def uninterrupted_job(cluster, tmp_path_factory) -> tuple[Path, str]:
+    """A 2-task DDP job run with :data:`RESUMED_RUN` without a break: its run directory and log."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     job, result = submit(folder, *RESUMED_RUN, wait=True)
-    assert result.returncode == 0 and job_state(job) == "COMPLETED", result.stderr
-    path = folder / "runs" / "digits_multimax" / f"slurm-{job}" / "checkpoints" / "last.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=False)
+    log = (folder / f"job-{job}.out").read_text() if job > 0 else ""
+    assert result.returncode == 0 and job_state(job) == "COMPLETED", result.stderr + log[-3000:]
+    return folder / "runs" / "digits_multimax" / f"slurm-{job}", log
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_job) -> dict:
+    """The final ``last.ckpt`` of :func:`uninterrupted_job`."""
+    run_dir, _ = uninterrupted_job
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
 
 
 def assert_same_training_state(final: dict, reference: dict) -> None:
@@ -92,15 +99,13 @@ def assert_same_training_state(final: dict, reference: dict) -> None:
 
 
 @pytest.mark.slow
-def test_submit_two_task_ddp_job(cluster, tmp_path):
-    job, result = submit(tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "3", wait=True)
-    log = (tmp_path / f"job-{job}.out").read_text() if job > 0 else ""
-    assert result.returncode == 0, result.stderr + log[-3000:]
-    assert job_state(job) == "COMPLETED"
-    run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
+def test_submit_two_task_ddp_job(uninterrupted_job, uninterrupted):
+    """The 2-task DDP job that the preemption tests below take as their reference (one job, not one more of
+    its own): completed (the fixture checks), each epoch's steps split over both tasks, metrics logged."""
+    run_dir, log = uninterrupted_job
     steps_per_epoch = 1438 // (32 * 2)  # 2 tasks of batch 32
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == steps_per_epoch
+    epochs = int(RESUMED_RUN[RESUMED_RUN.index("--trainer.max_epochs") + 1])
+    assert uninterrupted["global_step"] == epochs * steps_per_epoch
     assert scalar_steps(run_dir, "val/top1") and scalar_steps(run_dir, "train/loss")
     assert "Final validation metrics" in log
 
