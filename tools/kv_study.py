@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -93,7 +94,23 @@ def summarise(cell: Cell, results: dict[int, float], seeds: dict[int, dict]) -> 
         return {k: mean_std([seeds[s][part][k] for s in seeds_used if k in seeds[s][part]]) for k in keys}
 
     every = sorted(seeds)
+
+    def over_ratios(part, seeds_used):  # per method, each seed's mean over the evicting ratios
+        out = {}
+        for method in METHODS:
+            keys = [f"{method}@{r:g}" for r in KEEP_RATIOS[1:]]
+            per_seed = [
+                statistics.fmean(seeds[s][part][k] for k in keys)
+                for s in seeds_used
+                if all(k in seeds[s][part] for k in keys)
+            ]
+            if per_seed:
+                out[method] = mean_std(per_seed)
+        return out
+
     return {
+        "loss_over_ratios": over_ratios("loss", every),
+        "quality_over_ratios": over_ratios("metric", over),
         "row": cell.row,
         "seeds": sorted(results),
         "metric": mean_std(list(results.values())),
@@ -129,7 +146,7 @@ def markdown(task: str, summaries: dict[str, dict]) -> list[str]:
     recall = next(iter(summaries.values()))["solved"] is not None
     lines = [f"### {task}", "", "| function | seeds | metric | " + ("solved | " if recall else "")]
     lines[-1] += "Q-filter cosine (halves) | Pearson L0 / L1 | Spearman L0 / L1 |"
-    lines.append("|---" * (6 if recall else 5) + "|")
+    lines.append("|---" * (7 if recall else 6) + "|")
     for s in summaries.values():
         layers = sorted(s["spearman"])
         cells = [s["row"], str(len(s["seeds"])), fmt(s["metric"])]
@@ -138,6 +155,25 @@ def markdown(task: str, summaries: dict[str, dict]) -> list[str]:
         cells += [" / ".join(fmt(s[k][layer], 2) for layer in layers) for k in ("pearson", "spearman")]
         lines.append("| " + " | ".join(cells) + " |")
     over = "the solved runs" if recall else "every seed"
+    lines += [
+        "",
+        "Mean over the keep ratios 0.9, 0.7, 0.5, 0.3, 0.1 of each seed, then mean ± std over seeds: "
+        f"the attention loss (every seed) and the metric (over {over}):",
+        "",
+    ]
+    lines += [
+        "| function | "
+        + " | ".join(f"loss {m}" for m in METHODS)
+        + " | "
+        + " | ".join(f"metric {m}" for m in METHODS)
+        + " |"
+    ]
+    lines.append("|---" * (1 + 2 * len(METHODS)) + "|")
+    for s in summaries.values():
+        cells = [fmt(s["loss_over_ratios"].get(m), 3) for m in METHODS] + [
+            fmt(s["quality_over_ratios"].get(m), 1) for m in METHODS
+        ]
+        lines.append(f"| {s['row']} | " + " | ".join(cells) + " |")
     lines += ["", f"Metric under eviction (over {over}; r = 1 is the plain run):", ""]
     lines += ratio_table(summaries, "quality", 1)
     lines += ["", "Attention loss, pooled over both decoder layers (every seed):", ""]

@@ -65,3 +65,28 @@ def test_seed_numbers_and_their_spread_against_numpy(tmp_path):
     assert summary["qfilter_cosine"] == pytest.approx((0.91, np.std([0.9, 0.91, 0.92])))
     nmt = Cell("nmt_softmax", "softmax", "nmt", Path("x.yaml"), "val/bleu", 1.0)
     assert kv_study.summarise(nmt, {0: 100.0, 1: 80.0, 2: 20.0}, seeds)["quality_over"] == [0, 1, 2]
+
+
+def test_each_methods_mean_over_the_keep_ratios_against_numpy():
+    """A method's summary over the ratios: each seed's mean over r = 0.9 ... 0.1, then mean ± std over
+    seeds; a method without every ratio has none."""
+    cell = Cell("recall_ssmax", "ssmax", "recall", Path("x.yaml"), "val/acc", 100.0)
+    ratios = kv_study.KEEP_RATIOS[1:]
+    losses = {0: [0.1, 0.2, 0.3, 0.4, 0.5], 1: [0.2, 0.2, 0.4, 0.6, 0.9]}
+    seeds = {
+        s: {
+            "metric": {"none": 100.0, **{f"qfilters@{r:g}": 100.0 * (1 - v) for r, v in zip(ratios, values)}},
+            "loss": {f"qfilters@{r:g}": v for r, v in zip(ratios, values)} | {"l2@0.5": 0.7},
+            "oracle": {},
+            "pearson": {},
+            "spearman": {},
+            "qfilter_cosine": 1.0,
+        }
+        for s, values in losses.items()
+    }
+    summary = kv_study.summarise(cell, {0: 100.0, 1: 100.0}, seeds)
+    per_seed = np.array([np.mean(v) for v in losses.values()])
+    assert summary["loss_over_ratios"] == {"qfilters": pytest.approx((per_seed.mean(), per_seed.std()))}
+    assert summary["quality_over_ratios"]["qfilters"] == pytest.approx(
+        (100 * (1 - per_seed.mean()), 100 * per_seed.std())
+    )
