@@ -591,3 +591,9 @@ LINKED_DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs
 @pytest.mark.parametrize("doc", LINKED_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_relative_link_and_anchor_resolves(doc):
     assert broken_links(doc) == [], f"{doc.relative_to(ROOT)}: broken links"
+
+
+def test_the_readme_stays_within_260_lines():
+    """The README is the front page: detail belongs in docs/, which it links to."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 260, f"README.md has {len(lines)} lines; move detail to docs/"
