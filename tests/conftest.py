@@ -15,6 +15,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """In an xdist worker, torch computes on the worker's share of the cores (one thread each under
+    ``-n auto``), and so do the processes the tests start: the workers already keep every core busy, and
+    torch's default of one thread per core in each of them makes OpenMP's threads spin on cores that
+    another worker holds (the seven full-size ``test_paper_text_config_fast_dev_run`` cases under ``-n 2``
+    on a loaded 2-core machine: 92 s of CPU time with one thread per worker, 257 s with torch's default of two)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile`` (pyproject.toml's addopts), a worker takes a whole test file at a time, so a
