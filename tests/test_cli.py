@@ -113,14 +113,10 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def python_docs(tmp_path_factory):
-    """A python-docs shard set (the llm quick starts' data) of the pydoc help topics and one module."""
-    from mmlight.data.prepare import python_docs
+    """A python-docs shard set (the llm quick starts' data)."""
+    from tests.helpers.text_fixtures import python_docs_shards
 
-    root = tmp_path_factory.mktemp("python-docs")
-    (root / "stdlib").mkdir()
-    (root / "stdlib" / "mod.py").write_text('"""A module."""\n', encoding="utf-8")
-    python_docs.prepare(None, root / "shards", 1, stdlib=root / "stdlib", vocab_size=300, valid_fraction=0.1)
-    return root / "shards"
+    return python_docs_shards(tmp_path_factory.mktemp("python-docs"))
 
 
 #: A smaller generated corpus for the translation quick start's runs here (same lexicon, so the same 114-token

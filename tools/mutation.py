@@ -173,13 +173,25 @@ MODULES: dict[str, Module] = {
     ),
     # new code is held to the fast-test standard: the attention statistics and the robustness interventions
     "analysis": Module(
-        ("mmlight/analysis/stats.py", "mmlight/analysis/robustness.py"),
+        (
+            "mmlight/analysis/stats.py",
+            "mmlight/analysis/robustness.py",
+            "mmlight/analysis/kv_eviction.py",
+            "mmlight/analysis/key_norms.py",
+            "mmlight/analysis/extrapolation.py",
+            "mmlight/analysis/massive.py",
+        ),
         (
             "tests/analysis/test_metrics.py",
             "tests/analysis/test_stats.py",
             "tests/analysis/test_robustness.py",
             "tests/analysis/test_analyze.py",
             "tests/analysis/test_gate_and_sink_stats.py",
+            "tests/analysis/test_kv_eviction.py",
+            "tests/analysis/test_kv_eviction_kvpress.py",
+            "tests/analysis/test_key_norms.py",
+            "tests/analysis/test_extrapolation.py",
+            "tests/analysis/test_massive.py",
         ),
     ),
     # new code is held to the fast-test standard: table files, sweeps and collection (the slow end-to-end sweep
@@ -235,6 +247,7 @@ MODULES: dict[str, Module] = {
             "tests/data/test_recall.py",
             "tests/data/test_vocab.py",
             "tests/data/test_shard_datamodule.py",
+            "tests/data/test_text.py",  # prepared text streamed by text.py's DataModule
         ),
     ),
     "translation_data": Module(
@@ -264,6 +277,8 @@ MODULES: dict[str, Module] = {
             "tests/data/test_cifar.py",
             "tests/data/test_flowers102.py",
             "tests/data/test_food101.py",
+            "tests/data/test_text.py",
+            "tests/data/test_python_docs.py",
         ),
     ),
     "reweighting": Module(
@@ -277,6 +292,7 @@ MODULES: dict[str, Module] = {
             "tests/reweighting/test_fallback.py",
             "tests/reweighting/test_base.py",
             "tests/reweighting/test_spec.py",
+            "tests/reweighting/test_entmax_ops.py",
             *(
                 f"tests/reweighting/test_{name}.py"
                 for name in ("softmax1", "sink", "softpick", "sigmoid", "ssmax", "alpha_entmax", "stickbreaking")
@@ -293,6 +309,7 @@ MODULES: dict[str, Module] = {
             "tests/nn/test_observation.py",
             "tests/nn/test_sites.py",
             "tests/nn/test_gate.py",
+            "tests/nn/test_rope.py",
             "tests/reweighting/test_ssmax.py",
             "tests/reweighting/test_stickbreaking.py",
             "tests/reweighting/test_fallback.py",
@@ -311,6 +328,11 @@ MODULES: dict[str, Module] = {
             "tests/analysis/test_stats.py",
             "tests/analysis/test_gate_and_sink_stats.py",
         ),
+    ),
+    # the export to transformers: its tests build a transformers model beside each mmlight one
+    "export": Module(
+        ("mmlight/export/*", "mmlight/commands/export.py"),
+        ("tests/export/test_hf.py",),
     ),
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU
     # and GPU branches with stand-ins

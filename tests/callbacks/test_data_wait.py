@@ -225,7 +225,12 @@ def test_no_loader_warning_on_the_quick_starts_as_shipped(config, cache_dir, tmp
     it, so only the rule for in-process loading on the CPU keeps the run quiet. Validation is left out."""
     monkeypatch.setattr(sys, "argv", ["mmlight"])
     task = config.stem.split("_")[0]
-    cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]  # recall is in memory
+    if task == "llm":  # prepared text: a small python-docs shard set replaces data/python-docs
+        from tests.helpers.text_fixtures import python_docs_shards
+
+        cache = ["--data.init_args.root", str(python_docs_shards(tmp_path / "python-docs"))]
+    else:  # recall is generated in memory, the other quick starts write a cache
+        cache = [] if task == "lm" else ["--data.init_args.cache_dir", str(cache_dir / task)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = build_cli(

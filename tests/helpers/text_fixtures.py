@@ -36,3 +36,14 @@ FIXTURE_BATCHES = {
     ],
     "iwslt14": ["--data.init_args.max_tokens", "64"],
 }
+
+
+def python_docs_shards(root: Path) -> Path:
+    """A small python-docs shard set (the llm quick starts' data) under ``root``: the pydoc help topics and
+    one made-up module, a 300-token BPE; returns the shard folder."""
+    from mmlight.data.prepare import python_docs
+
+    (root / "stdlib").mkdir(parents=True)
+    (root / "stdlib" / "mod.py").write_text('"""A module."""\n', encoding="utf-8")
+    python_docs.prepare(None, root / "shards", 1, stdlib=root / "stdlib", vocab_size=300, valid_fraction=0.1)
+    return root / "shards"
