@@ -34,6 +34,9 @@ CONFIGS = sorted(
     ]
 )
 VOCAB = 40
+#: the torch the values were pinned with: its initialisation draws the weights; another release may draw
+#: other ones from the same seed (torch 2.9.1 does), so the check runs under this release only
+PINNED_TORCH = "2.14.1"
 SAMPLED = 16  # logits recorded one by one (the rest are in the hash)
 
 
@@ -90,6 +93,8 @@ def test_every_config_is_pinned():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_forward_is_bit_for_bit_the_pinned_one(path):
+    if torch.__version__.split("+")[0] != PINNED_TORCH:
+        pytest.skip(f"pinned with torch {PINNED_TORCH}, whose seeded initialisation draws these weights")
     want, got = pinned()[str(path.relative_to(ROOT))], forward(path)
     assert got["parameters"] == want["parameters"], "parameter names or shapes changed"
     # the sampled values first: on a mismatch they show how far off the logits are
