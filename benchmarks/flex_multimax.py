@@ -40,7 +40,7 @@ def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor, frozen: bool = Fa
         ranges: ``(2,)`` (first order) or ``(4,)`` (second order), see
             :func:`mmlight.reweighting.multimax.multimax_sigma`.
         ts: same shape as ``ranges``.
-        frozen: capture the parameters as Python floats (constants of the compiled kernel, no gradient):
+        frozen: capture the parameters detached (no gradient):
             the forward that any torch's FlexAttention runs (before 2.14 it cannot differentiate
             captured tensors).
     """
@@ -48,12 +48,10 @@ def multimax_score_mod(ranges: torch.Tensor, ts: torch.Tensor, frozen: bool = Fa
         raise ValueError(
             f"ranges and ts must both have shape (2,) or (4,), got {tuple(ranges.shape)} and {tuple(ts.shape)}"
         )
-    if frozen:
-        r0, r1, *r_quadratic = ranges.tolist()
-        t0, t1, *t_quadratic = ts.tolist()
-    else:
-        r0, r1, *r_quadratic = ranges.unbind(0)  # separate 0-D tensors (see the module docstring)
-        t0, t1, *t_quadratic = ts.unbind(0)
+    if frozen:  # detached 0-D tensors: no gradient to take (Python floats become SymFloats, refused by torch 2.15)
+        ranges, ts = ranges.detach(), ts.detach()
+    r0, r1, *r_quadratic = ranges.unbind(0)  # separate 0-D tensors (see the module docstring)
+    t0, t1, *t_quadratic = ts.unbind(0)
 
     def first_order(score, b, h, q_idx, kv_idx):
         return score + t0 * torch.relu(r0 - score) + t1 * torch.relu(score - r1)
