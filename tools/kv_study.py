@@ -19,7 +19,6 @@ ratio, one panel per task and method, one line per function).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,7 +27,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mmlight.experiments.table import Cell, Table, load_table  # noqa: E402
-from tools.sink_study import ANALYSIS_ROOT, SOLVED_ACC, analyze, fmt, mean_std, read_rows  # noqa: E402
+from tools.sink_study import (  # noqa: E402
+    ANALYSIS_ROOT,
+    SOLVED_ACC,
+    analyze,
+    fmt,
+    mean_std,
+    read_rows,
+    study_parser,
+)
 
 METHODS = ("l2", "streaming", "qfilters", "expected_attention", "oracle", "random")
 KEEP_RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)
@@ -254,19 +261,12 @@ def report(table: Table, runs_root: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=("analyze", "report"))
-    parser.add_argument("table", help="a table file whose runs `mmlight sweep` made")
-    parser.add_argument("--runs", default="runs/tables", help="root of the sweep's run directories")
-    parser.add_argument("--parallel", type=int, default=1, help="analyze: analyses at the same time")
-    parser.add_argument("--only", nargs="+", default=[], metavar="CELL", help="analyze: only these cells")
-    parser.add_argument("--seeds", nargs="+", type=int, help="analyze: only these seeds (default: every seed)")
+    parser = study_parser(__doc__, "docs/studies/kv_eviction")
     parser.add_argument("--val_batches", type=int, help="analyze: validation batches of the LM cells (default all)")
     parser.add_argument(
         "--nmt_val_batches", type=int, help="analyze: validation batches of the NMT cells (default all)"
     )
     parser.add_argument("--nmt_max_tokens", type=int, help="analyze: tokens per NMT batch (default: the config's)")
-    parser.add_argument("--out", default="docs/studies/kv_eviction", help="report: output folder")
     args = parser.parse_args(argv)
     table = load_table(args.table)
     if args.step == "analyze":

@@ -284,16 +284,21 @@ def report(table: Table, runs_root: Path, out: Path) -> None:
     print(f"wrote {out / 'sink_study.md'}, sink_study.json and kv_eviction.png")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def study_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The options of a study over a table's runs: its two steps, the runs, and the report's folder ``out``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=("analyze", "report"))
     parser.add_argument("table", help="a table file whose runs `mmlight sweep` made")
     parser.add_argument("--runs", default="runs/tables", help="root of the sweep's run directories")
-    parser.add_argument("--parallel", type=int, default=1, help="analyses at the same time")
+    parser.add_argument("--parallel", type=int, default=1, help="analyze: analyses at the same time")
     parser.add_argument("--only", nargs="+", default=[], metavar="CELL", help="analyze: only these cells")
     parser.add_argument("--seeds", nargs="+", type=int, help="analyze: only these seeds (default: every seed)")
-    parser.add_argument("--out", default="docs/analysis/cpu_sinks", help="report: output folder")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=out, help="report: output folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = study_parser(__doc__, "docs/analysis/cpu_sinks").parse_args(argv)
     table = load_table(args.table)
     if args.step == "analyze":
         analyze(table, Path(args.runs), args.parallel, args.only, args.seeds)
