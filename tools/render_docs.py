@@ -132,7 +132,7 @@ def default_callbacks() -> str:
 
     rows = []
     for callback in trainer_defaults()["callbacks"]:
-        cls = type(callback).__bases__[-1]  # lazy_instance's class derives from the class it defers
+        cls = type(callback)
         rows.append([f"`{public_name(cls)}`", one_line(cls.__doc__, sentence=True)])
     return table(["callback", "what it does"], rows)
 

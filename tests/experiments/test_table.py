@@ -62,7 +62,6 @@ def parsed_config(args: list[str]):
         return build_cli(args, run=False).config
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", TABLES, ids=lambda p: p.stem)
 def test_each_cell_parses_and_builds_its_reweighting(path, tmp_path):
     """Each cell's overrides are valid config keys and values, and its reweighting options are
