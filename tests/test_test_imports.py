@@ -98,3 +98,31 @@ def test_the_shared_scopes_name_tests_that_exist():
     assert scope("tests/slurm/test_slurm.py::test_ddp_job") == scope("tests/test_docs.py::test_sbatch_test_only[a]")
     assert scope("tests/test_docs.py::test_readme_python_runs") == "tests/test_docs.py"
     assert scope("tests/models/test_vit.py::TestX::test_y") == "tests/models/test_vit.py"
+
+
+def test_the_long_scopes_are_handed_out_first_in_their_order():
+    """``LONG_FIRST`` names scopes of the suite (files that exist, or a shared scope), and the scheduler
+    hands them out before the scopes xdist put first."""
+    from collections import OrderedDict
+
+    from tests.helpers.xdist import LONG_FIRST, SHARED_SCOPES, SharedScopes
+
+    for scope in LONG_FIRST:
+        assert scope in SHARED_SCOPES.values() or (TESTS.parent / scope).is_file(), scope
+    scheduler = object.__new__(SharedScopes)
+    scheduler.workqueue = OrderedDict(
+        (name, {}) for name in ["tests/a.py", "tests/test_resume.py", "slurm", "tests/b.py"]
+    )
+    handed = []
+    scheduler.assigned_work, scheduler.registered_collections = {}, {}
+
+    class Node:
+        def send_runtest_some(self, indexes):
+            pass
+
+    for _ in range(4):
+        node = Node()
+        scheduler.registered_collections[node] = []
+        scheduler._assign_work_unit(node)
+        handed += list(scheduler.assigned_work[node])
+    assert handed == ["slurm", "tests/test_resume.py", "tests/a.py", "tests/b.py"]

@@ -13,9 +13,28 @@ SHARED_SCOPES = {
 }
 
 
+#: scopes that take minutes (``pytest --durations``), handed out first, in this order: xdist orders the
+#: rest by their number of tests, which would leave these few-test scopes to the end of the run, each on
+#: one worker while the others stand idle
+LONG_FIRST = (
+    "slurm",
+    "tests/test_docker_image.py",
+    "tests/benchmarks/test_gpu_run.py",
+    "tests/experiments/test_sweep.py",
+    "tests/models/test_compiled_network.py",
+    "tests/test_resume.py",
+)
+
+
 class SharedScopes(LoadFileScheduling):
     """xdist's ``loadfile`` scheduling (a worker takes a whole test file at a time) with the scopes of
-    :data:`SHARED_SCOPES` in place of their files."""
+    :data:`SHARED_SCOPES` in place of their files, and those of :data:`LONG_FIRST` first."""
+
+    def _assign_work_unit(self, node) -> None:
+        for scope in reversed(LONG_FIRST):
+            if scope in self.workqueue:
+                self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
 
     def _split_scope(self, nodeid: str) -> str:
         shared = (scope for prefix, scope in SHARED_SCOPES.items() if nodeid.startswith(prefix))
