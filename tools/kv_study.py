@@ -241,8 +241,8 @@ def report(table: Table, runs_root: Path, out: Path) -> None:
     numbers = {}
     for cell in table.cells:
         folder = ANALYSIS_ROOT / table.name / cell.name
-        if not (folder / "kv_attention_loss.csv").is_file():
-            print(f"{cell.name}: not analysed yet, left out", flush=True)
+        if not (folder / "kv_attention_loss.csv").is_file() or not (folder / "qfilters.json").is_file():
+            print(f"{cell.name}: not analysed with every method (analyze), left out", flush=True)
             continue
         seeds = seed_numbers(cell, folder)
         results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell and run.seed in seeds}

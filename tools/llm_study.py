@@ -7,7 +7,8 @@ over functions, gates and seeds (not part of CI; the runs come from ``mmlight sw
     python tools/llm_study.py report configs/tables/cpu_llm.yaml --out docs/studies/cpu_llm
 
 ``analyze`` runs one ``mmlight analyze --robustness --extrapolation`` per cell over the final checkpoints
-of its seeds (``runs/analysis/<table>/<cell>/``, the folders ``tools/sink_study.py`` uses), with
+of its seeds (``runs/analysis/<table>/<cell>/``, the folders ``tools/sink_study.py`` uses), statistics
+over 128 validation windows, perplexity by length over 16 windows of 8x the training context, with
 ``tools/kv_study.py``'s eviction options, so that ``python tools/kv_study.py report`` reads the same
 analyses. ``report`` writes ``llm_study.md`` and ``llm_study.json`` (every seed's numbers).
 """
@@ -101,10 +102,22 @@ def report(table: Table, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = study_parser(__doc__, "docs/studies/cpu_llm")
     parser.add_argument("--val_batches", type=int, help="analyze: validation batches of the robustness runs")
+    parser.add_argument(
+        "--no_kv",
+        action="store_true",
+        help="analyze: robustness cut to sink masking and L2 eviction at r = 0.5, for cells the KV study does not read",
+    )
     args = parser.parse_args(argv)
     table = load_table(args.table)
     if args.step == "analyze":
-        options = lambda cell: (*kv_options(cell, args.val_batches, None), "--extrapolation")  # noqa: E731
+        # 128 of the 188 validation windows of the Python-docs text for the statistics (sink_study's 256 would not fit)
+        # 16 windows of 8x the context (8,192 of its 12,028 tokens) for the perplexity at each length
+        extra = ("--extrapolation", "--extrapolation_windows", "16", "--num_samples", "128")
+        if args.no_kv:
+            batches = () if args.val_batches is None else ("--trainer.limit_val_batches", str(args.val_batches))
+            options = lambda cell: ("--kv_methods", "l2", "--keep_ratios", "0.5", *batches, *extra)  # noqa: E731
+        else:
+            options = lambda cell: (*kv_options(cell, args.val_batches, None), *extra)  # noqa: E731
         analyze(table, Path(args.runs), args.parallel, args.only, args.seeds, options)
     else:
         report(table, Path(args.out))

@@ -31,7 +31,7 @@ EXPECTED_RUNS = {
     "finetune_cifar100": 12,
     "llm_124m": 16,
     "cpu_kv_eviction": 22,
-    "cpu_llm": 32,
+    "cpu_llm": 80,
 }
 
 
