@@ -10,6 +10,7 @@ by hand, docs/testing.md).
     python tools/mutation.py --survivors tasks  # after adding tests: test again what survived
     python tools/mutation.py --changed          # only the functions this branch changed (vs main)
     python tools/mutation.py --changed HEAD     # only the functions changed and not yet committed
+    python tools/mutation.py doctor cli --changed 7590573  # changed since a commit, in these sets only
     python tools/mutation.py tasks --only mmlight/tasks/protocol.py  # some of a set's files
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
@@ -616,11 +617,11 @@ def main(argv: list[str] | None = None) -> int:
         help="mutate only the functions changed since BASE (default: the merge base with main)",
     )
     args = parser.parse_args(argv)
-    if args.changed is not None:
-        return run_changed(args.changed or merge_base(), args.max_children)
     unknown = set(args.modules) - MODULES.keys()
     if unknown:
         parser.error(f"unknown module(s) {sorted(unknown)}; choose from {', '.join(MODULES)}")
+    if args.changed is not None:
+        return run_changed(args.changed or merge_base(), args.max_children, args.modules)
     only = file_patterns(args.only, args.modules)
     failed = 0
     for name in args.modules or list(MODULES):
@@ -660,9 +661,10 @@ def file_patterns(paths: list[str], modules: list[str]) -> list[str]:
     return patterns
 
 
-def run_changed(base: str, max_children: int) -> int:
-    """``--changed``: each module's changed functions, their mutants only, and a report of those."""
-    patterns = changed_mutants(base)
+def run_changed(base: str, max_children: int, sets: list[str] | None = None) -> int:
+    """``--changed``: each module's changed functions (of the modules ``sets`` only, where given), their
+    mutants only, and a report of those."""
+    patterns = {name: only for name, only in changed_mutants(base).items() if not sets or name in sets}
     if not patterns:
         print(f"== no function under mmlight/ (kernels/ aside) changed since {base}")
     failed = 0

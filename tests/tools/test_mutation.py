@@ -187,3 +187,20 @@ def test_the_pre_commit_hook_runs_the_changed_functions_only():
     hook = ROOT / "tools" / "hooks" / "pre-commit"
     assert hook.stat().st_mode & 0o111  # executable, as git requires
     assert hook.read_text().rstrip().endswith("tools/mutation.py --changed HEAD")
+
+
+def test_changed_keeps_to_the_named_sets(monkeypatch):
+    """``doctor cli --changed BASE`` runs those sets' changed functions only; with no set named, every set's."""
+    ran = []
+    monkeypatch.setattr(
+        mutation, "changed_mutants", lambda base: {"doctor": ["d.x_f__mutmut_*"], "cli": ["c.*"], "vit": ["v.*"]}
+    )
+    monkeypatch.setattr(mutation, "write_workdir", lambda name, module, fresh: Path("/nonexistent") / name)
+    monkeypatch.setattr(mutation, "run", lambda name, workdir, children, only: ran.append((name, only)) or 0)
+    monkeypatch.setattr(mutation, "report", lambda *args, **kwargs: None)
+    monkeypatch.setattr(mutation, "statuses", lambda workdir: {})
+    assert mutation.main(["doctor", "vit", "--changed", "BASE"]) == 0
+    assert ran == [("doctor", ["d.x_f__mutmut_*"]), ("vit", ["v.*"])]
+    ran.clear()
+    assert mutation.main(["--changed", "BASE"]) == 0
+    assert [name for name, _ in ran] == ["doctor", "cli", "vit"]
