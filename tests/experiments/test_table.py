@@ -412,3 +412,59 @@ def test_read_metrics_and_status(tmp_path):
     (tmp_path / "final_metrics.json").write_text("{")
     with pytest.raises(TableError, match=re.escape(f"{tmp_path / 'final_metrics.json'} is not valid JSON (")):
         read_metrics(tmp_path)
+
+
+def recipe_network(args: list[str], vocab_size: int):
+    """The network ``mmlight fit ARGS`` builds for a vocabulary of ``vocab_size`` tokens, on the meta device."""
+    import torch
+
+    from mmlight.models.transformer import TransformerConfig, TransformerLM
+
+    fields = parsed_config(args).model.init_args.model.as_dict()
+    fields["vocab_size"] = vocab_size  # linked from the prepared data's tokenizer at fit time
+    attention = fields.pop("attention")
+    fields["attention"] = ReweightingSpec(attention["name"], attention.get("options") or {})
+    with torch.device("meta"):
+        return TransformerLM(TransformerConfig(**fields))
+
+
+def parameters(network) -> int:
+    return sum(p.numel() for p in network.parameters())
+
+
+def llama_parameters(layers: int, d: int, ffn: int, vocab: int) -> int:
+    """A Llama-style decoder with tied embeddings, counted by hand: per layer the q, k, v and output
+    projections (4 d^2, no biases), SwiGLU's three (3 d ffn) and two RMSNorm weights; the embedding
+    and the final RMSNorm."""
+    return layers * (4 * d * d + 3 * d * ffn + 2 * d) + vocab * d + d
+
+
+@pytest.mark.parametrize(
+    "config, layers, d, ffn",
+    [("configs/llm/llama_124m_softmax.yaml", 12, 768, 2048), ("configs/llm/llama_350m_softmax.yaml", 24, 1024, 2816)],
+)
+def test_llm_recipes_have_the_sizes_their_docs_state(config, layers, d, ffn):
+    """docs/llm.md's parameter counts (32,768 tokens) against a count by hand and the network the config builds."""
+    count = parameters(recipe_network(["--config", str(ROOT / config)], 32_768))
+    assert count == llama_parameters(layers, d, ffn, 32_768)
+    row = next(line for line in (ROOT / "docs/llm.md").read_text().splitlines() if line.startswith(f"| `{config}`"))
+    assert f"| {count:,} |" in row
+    assert f"{count:,} parameters" in (ROOT / config).read_text()
+
+
+def test_every_cell_of_the_124m_table_builds_its_network_with_the_learned_parameters_of_its_function():
+    """Each llm_124m cell on the meta device: the softmax cell's size, plus one sink logit per head and layer
+    for the learned sink, one scale per head and layer for SSMax, the headwise gate's d x heads projection
+    per layer (no bias: the recipe has none) and MultiMax's 8 parameters per layer (order 2)."""
+    table = load_table(ROOT / "configs/tables/llm_124m.yaml")
+    base = llama_parameters(12, 768, 2048, 32_768)
+    learned = {"sink": 12, "ssmax": 12, "multimax": 8}
+    for run in table.runs(ROOT / "runs"):
+        network = recipe_network(run.fit_args()[1:-2], 32_768)
+        name = run.cell.overrides["model.init_args.model.attention"]["name"]
+        gated = run.cell.overrides["model.init_args.model.gate"] == "headwise"
+        assert (
+            network.config.attention.name == name
+            and network.config.gate == run.cell.overrides["model.init_args.model.gate"]
+        )
+        assert parameters(network) == base + 12 * (learned.get(name, 0) + gated * 768 * 12), run.cell.name
