@@ -69,6 +69,8 @@ def mmlight_attention(module, query, key, value, attention_mask, scaling=None, d
     :func:`mmlight_mask` (True = attend). Returns ``(output (B, Tq, nh, hs), None)``: the weights are not
     materialised for the caller."""
     reweight = reweighting_of(module).to(query.device)
+    if reweight.causal_only:
+        key, value, attention_mask = _without_unfilled_slots(key, value, attention_mask)
     y = attention(
         query,
         key,
@@ -82,6 +84,19 @@ def mmlight_attention(module, query, key, value, attention_mask, scaling=None, d
         scale=scaling,
     )  # (B, nh, Tq, hs)
     return y.transpose(1, 2).contiguous(), None
+
+
+def _without_unfilled_slots(key, value, mask):
+    """``key``, ``value`` and ``mask`` without the trailing keys that no query attends to: the unfilled
+    slots of a static cache, which holds ``max_cache_len`` keys from the first step. A causal-only function
+    (stick-breaking) places query ``i`` at key ``Tk - Tq + i``, which holds once they are gone (the last
+    query attends to its own key, the last one kept). Other functions are left as they are: the slots are
+    masked, and a data-dependent length would break a compiled static-cache graph."""
+    attended = mask.reshape(-1, mask.shape[-1]).any(0)  # (Tk,)
+    if not attended.any():
+        return key, value, mask
+    n = int(attended.nonzero().max()) + 1
+    return key[..., :n, :], value[..., :n, :], mask[..., :n]
 
 
 def mmlight_mask(*args, **kwargs) -> torch.Tensor:

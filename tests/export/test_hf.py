@@ -124,10 +124,11 @@ def greedy(model: TransformerLM, prompt: torch.Tensor, steps: int) -> torch.Tens
     return seq
 
 
-@pytest.mark.parametrize("name", ["multimax", "softmax1", "sink", "stickbreaking", "ssmax"])
+@pytest.mark.parametrize("name", ["multimax", "softmax1", "sink", "stickbreaking", "ssmax", "sigmoid", "softpick"])
 def test_an_exported_function_runs_as_itself_in_transformers(name, tmp_path):
     """Loaded with the registered ``mmlight`` implementation: equal logits, and greedy generation through
-    transformers' KV cache (its mask function at work on every step) equals mmlight's tokens."""
+    transformers' KV cache (its mask function at work on every step), dynamic and static (every slot of
+    ``max_cache_len`` there from the first step, the unfilled ones masked), equals mmlight's tokens."""
     model = llama(name)
     export(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -137,8 +138,9 @@ def test_an_exported_function_runs_as_itself_in_transformers(name, tmp_path):
     with torch.no_grad():
         got = loaded(x).logits
         generated = loaded.generate(x[:, :4], max_new_tokens=6, do_sample=False)
+        static = loaded.generate(x[:, :4], max_new_tokens=6, do_sample=False, cache_implementation="static")
     torch.testing.assert_close(got, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
-    assert torch.equal(generated, greedy(model, x[:, :4], 6))
+    assert torch.equal(generated, greedy(model, x[:, :4], 6)) and torch.equal(static, generated)
     # the function matters: transformers' own softmax on the same weights gives other logits
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
