@@ -28,6 +28,7 @@ from mmlight.models import BeamSearchConfig, ReweightedViT, ReweightingSpec, Tra
 from mmlight.models.pretrained import read_pretrained
 from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint
 from mmlight.tasks import ImageClassifier
+from tests.helpers import py2_pickle
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUSED = "holds objects mmlight does not load"
@@ -222,6 +223,29 @@ def test_the_plain_unpickler_reads_arrays_under_numpy_1_and_2_names_and_refuses_
     with pytest.raises(RefusedFile) as refused:
         PlainUnpickler(pickle.dumps(np.save, protocol=2), "batch").load()
     assert str(refused.value).startswith(f"batch {REFUSED}: numpy.save.")
+
+
+def test_the_plain_unpickler_reads_python_2_strings_as_bytes_and_arrays_whose_memory_is_not_ascii():
+    """The official CIFAR pickles, as Python 2 wrote them: keys, names and each array's memory are Python 2
+    strings, read as bytes (Python 3's default, ASCII, fails on the memory; latin1 would make the keys str)."""
+    array = (np.arange(24, dtype=np.uint8) * 11).reshape(2, 12)  # bytes up to 253: not ASCII
+    data = py2_pickle.dumps({b"data": array, b"labels": [3, 0], b"filenames": [b"a.png", b"b.png"]})
+    with pytest.raises(UnicodeDecodeError):
+        pickle.loads(data)  # what an unpickler without encoding="bytes" does with it
+    loaded = PlainUnpickler(data, "data_batch_1").load()
+    assert loaded.keys() == {b"data", b"labels", b"filenames"} and loaded[b"filenames"] == [b"a.png", b"b.png"]
+    assert loaded[b"labels"] == [3, 0] and np.array_equal(loaded[b"data"], array)
+    text = PlainUnpickler(data, "data_batch_1", encoding="latin1").load()  # the encoding argument is used
+    assert text.keys() == {"data", "labels", "filenames"} and np.array_equal(text["data"], array)
+
+
+def test_the_refusal_says_what_a_plain_file_holds_and_what_to_do():
+    with pytest.raises(RefusedFile) as refused:
+        PlainUnpickler(pickle.dumps(os.system, protocol=2), "data_batch_1").load()
+    assert str(refused.value) == (
+        "data_batch_1 holds objects mmlight does not load: posix.system. The file should hold only dicts, lists, "
+        "strings, bytes, numbers and NumPy arrays; it may have been altered: get it again from its official source"
+    )
 
 
 def test_the_plain_unpickler_reads_python_3_protocol_5_arrays_with_str_keys():

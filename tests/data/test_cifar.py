@@ -11,6 +11,7 @@ import torch
 from mmlight.commands.prepare import main
 from mmlight.data import ImageAugment, ImageShardDataModule
 from mmlight.data.prepare import prepare
+from tests.helpers import py2_pickle
 from tests.helpers.shard_contents import pixels, split_samples
 
 PER_BATCH = 4
@@ -150,27 +151,6 @@ def test_names_as_str_a_wrong_data_shape_and_the_missing_files_message(tmp_path)
     )
 
 
-def py2_pickle(content: dict) -> bytes:
-    """``content`` pickled as Python 2 wrote the official files: keys and class names as Python 2 ``str``
-    (``SHORT_BINSTRING``, which Python 3 must read with ``encoding="bytes"``), arrays as NumPy pickles them."""
-    as_text = {
-        key.decode(): [v.decode() for v in value]
-        if isinstance(value, list) and value and isinstance(value[0], bytes)
-        else value
-        for key, value in content.items()
-    }
-    data = pickle.dumps(as_text, protocol=2)
-    names = list(as_text) + [
-        v for value in as_text.values() if isinstance(value, list) for v in value if isinstance(v, str)
-    ]
-    for name in names:
-        raw = name.encode()
-        unicode_op, str_op = b"X" + len(raw).to_bytes(4, "little") + raw, b"U" + bytes([len(raw)]) + raw
-        assert data.count(unicode_op) == 1
-        data = data.replace(unicode_op, str_op)
-    return data
-
-
 def test_python2_pickles_and_shards_of_at_most_5000_images(tmp_path):
     """The official pickles hold Python 2 strings (read as bytes, then decoded); a split of 1,001 images is one
     shard (5,000 images to a shard)."""
@@ -178,9 +158,11 @@ def test_python2_pickles_and_shards_of_at_most_5000_images(tmp_path):
     batches = write_cifar10(folder)
     batches["data_batch_2"] = batch(2, 1001 - 4 * PER_BATCH, b"labels", 10)
     for name, content in batches.items():
-        (folder / name).write_bytes(py2_pickle(content))
-    raw = (folder / "data_batch_1").read_bytes()  # Python 2 strings: str by default, bytes on request
-    assert b"labels" in pickle.loads(raw, encoding="bytes") and "labels" in pickle.loads(raw)
+        (folder / name).write_bytes(py2_pickle.dumps(content))
+    raw = (folder / "data_batch_1").read_bytes()  # Python 2 strings: bytes on request; the pixels are not ASCII
+    assert b"labels" in pickle.loads(raw, encoding="bytes")
+    with pytest.raises(UnicodeDecodeError):
+        pickle.loads(raw)
     info = prepare("cifar10", folder, tmp_path / "out")
     assert info["classes"] == [f"class{i}" for i in range(10)]
     assert [s["num_samples"] for s in info["splits"]["train"]["shards"]] == [1001]
