@@ -67,8 +67,15 @@ def micro_checkpoint(path: Path, **extra) -> Path:
 
 
 def check_refused(refused: pytest.ExceptionInfo, path, marker: Path, named: str = "posix.system") -> None:
-    message = str(refused.value)
-    assert f"{path} {REFUSED}" in message and named in message
+    """The whole refusal: what the file holds, why nothing else is loaded, and the command that converts it."""
+    path = Path(path)
+    converted = path.with_name(f"{path.stem}-weights{path.suffix}")
+    assert str(refused.value) == (
+        f"{path} {REFUSED}: {named}. mmlight reads weights and checkpoints as data only, so that no file can "
+        "run code when it is loaded. Only if you trust the file (a checkpoint of your own, from an earlier mmlight "
+        "or with other objects in its hyperparameters), convert it once to plain weights (docs/finetuning.md): "
+        f"{CONVERT_COMMAND} {shlex.quote(str(path))} {shlex.quote(str(converted))}"
+    )
     assert not marker.exists()
 
 
