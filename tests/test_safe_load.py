@@ -246,6 +246,15 @@ def test_the_plain_unpickler_reads_python_2_strings_as_bytes_and_arrays_whose_me
     assert text.keys() == {"data", "labels", "filenames"} and np.array_equal(text["data"], array)
 
 
+def test_a_persistent_id_is_refused_by_name():
+    """A pickle that asks its unpickler for an object by persistent id (how torch's zip files reference
+    storages) gets nothing: the plain unpickler knows no such objects."""
+    data = py2_pickle.PROTO + b"U\x07storageQ" + py2_pickle.STOP  # BINPERSID of the Python 2 string 'storage'
+    with pytest.raises(RefusedFile) as refused:
+        PlainUnpickler(data, "data_batch_1").load()
+    assert str(refused.value) == "data_batch_1 holds objects mmlight does not load: a persistent id b'storage'"
+
+
 def test_the_refusal_says_what_a_plain_file_holds_and_what_to_do():
     with pytest.raises(RefusedFile) as refused:
         PlainUnpickler(pickle.dumps(os.system, protocol=2), "data_batch_1").load()
