@@ -108,6 +108,25 @@ def test_a_code_running_pth_is_refused_by_timm_s_reader_naming_the_file(tmp_path
     check_refused(refused, path, marker)
 
 
+class NotData:
+    """A class of the tests' own: pickled by reference, which ``weights_only`` refuses."""
+
+
+def test_a_checkpoint_with_several_objects_names_them_all_and_a_legacy_file_names_its_first(tmp_path, marker):
+    """A zip checkpoint: every global torch's allow-list lacks, sorted (torch lists them); a file in torch's
+    legacy (non-zip) format: the global torch's refusal names (it stops at the first)."""
+    several = tmp_path / "several.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "a": CreatesMarker(marker), "b": NotData()}, several)
+    with pytest.raises(RefusedFile) as refused:
+        load_checkpoint(several)
+    check_refused(refused, several, marker, named=f"posix.system, {__name__}.NotData")
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"w": torch.zeros(2), "a": CreatesMarker(marker)}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(RefusedFile) as refused:
+        load_checkpoint(legacy)
+    check_refused(refused, legacy, marker)
+
+
 def test_load_from_checkpoint_refuses_a_code_running_checkpoint(tmp_path, marker):
     path = micro_checkpoint(tmp_path / "task.ckpt", loops={"payload": CreatesMarker(marker)})
     with pytest.raises(RefusedFile) as refused:
