@@ -236,17 +236,36 @@ def figure(tasks: dict[str, dict[str, dict]], part: str, ylabel: str, path: Path
     plt.close(fig)
 
 
-def report(table: Table, runs_root: Path, out: Path) -> None:
+def earlier_numbers(path: Path | None) -> dict[str, dict]:
+    """The per-seed numbers of an earlier report's ``kv_study.json`` (``{cell: {"results", "analysed"}}``,
+    seeds as ints again), or none."""
+    if path is None:
+        return {}
+    cells = json.loads(path.read_text())["per_seed"]
+    return {
+        name: {part: {int(seed): v for seed, v in entry[part].items()} for part in ("results", "analysed")}
+        for name, entry in cells.items()
+    }
+
+
+def report(table: Table, runs_root: Path, out: Path, earlier: Path | None = None) -> None:
+    """The tables and figures of every cell analysed with every method; a cell without such an analysis
+    keeps the per-seed numbers of the ``earlier`` report's ``kv_study.json``, where it has them."""
     tasks: dict[str, dict[str, dict]] = {}
     numbers = {}
+    kept = earlier_numbers(earlier)
     for cell in table.cells:
         folder = ANALYSIS_ROOT / table.name / cell.name
-        if not (folder / "kv_attention_loss.csv").is_file() or not (folder / "qfilters.json").is_file():
+        if (folder / "kv_attention_loss.csv").is_file() and (folder / "qfilters.json").is_file():
+            seeds = seed_numbers(cell, folder)
+            results = {r.seed: r.result() for r in table.runs(runs_root) if r.cell is cell and r.seed in seeds}
+            results = {seed: value for seed, value in results.items() if value is not None}
+        elif cell.name in kept:
+            print(f"{cell.name}: the numbers of {earlier}", flush=True)
+            seeds, results = kept[cell.name]["analysed"], kept[cell.name]["results"]
+        else:
             print(f"{cell.name}: not analysed with every method (analyze), left out", flush=True)
             continue
-        seeds = seed_numbers(cell, folder)
-        results = {run.seed: run.result() for run in table.runs(runs_root) if run.cell is cell and run.seed in seeds}
-        results = {seed: value for seed, value in results.items() if value is not None}
         numbers[cell.name] = {"results": results, "analysed": seeds}
         tasks.setdefault(cell.column, {})[cell.name] = summarise(cell, results, seeds)
     out.mkdir(parents=True, exist_ok=True)
@@ -267,13 +286,18 @@ def main(argv: list[str] | None = None) -> None:
         "--nmt_val_batches", type=int, help="analyze: validation batches of the NMT cells (default all)"
     )
     parser.add_argument("--nmt_max_tokens", type=int, help="analyze: tokens per NMT batch (default: the config's)")
+    parser.add_argument(
+        "--earlier",
+        type=Path,
+        help="report: an earlier report's kv_study.json, whose per-seed numbers stand for the cells not analysed now",
+    )
     args = parser.parse_args(argv)
     table = load_table(args.table)
     if args.step == "analyze":
         options = lambda cell: cell_options(cell, args.val_batches, args.nmt_val_batches, args.nmt_max_tokens)  # noqa: E731
         analyze(table, Path(args.runs), args.parallel, args.only, args.seeds, options)
     else:
-        report(table, Path(args.runs), Path(args.out))
+        report(table, Path(args.runs), Path(args.out), args.earlier)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,27 @@ def test_each_methods_mean_over_the_keep_ratios_against_numpy():
     assert summary["quality_over_ratios"]["qfilters"] == pytest.approx(
         (100 * (1 - per_seed.mean()), 100 * per_seed.std())
     )
+
+
+def test_a_report_from_an_earlier_reports_numbers_equals_the_report_from_the_analysis(tmp_path, monkeypatch):
+    """``report --earlier``: a cell whose analysis folder is gone keeps the per-seed numbers of the earlier
+    ``kv_study.json`` (seeds read back as ints), so its tables and summary are the ones the analysis gave;
+    a cell in neither is left out."""
+    from types import SimpleNamespace
+
+    analysed = Cell("recall_softmax", "softmax", "recall", Path("x.yaml"), "val/acc", 100.0)
+    never = Cell("recall_ssmax", "ssmax", "recall", Path("x.yaml"), "val/acc", 100.0)
+    analysis_folder(tmp_path / "runs" / "analysis" / "t" / analysed.name, {0: 1.0, 1: 0.95}, {0: 0.3, 1: 0.5})
+    runs = [SimpleNamespace(cell=analysed, seed=s, result=lambda v=v: v) for s, v in ((0, 100.0), (1, 95.0))]
+    table = SimpleNamespace(name="t", title="T", path="t.yaml", cells=[analysed, never], runs=lambda root: runs)
+    monkeypatch.chdir(tmp_path)
+    kv_study.report(table, tmp_path / "runs", tmp_path / "first")
+    (tmp_path / "runs" / "analysis" / "t" / analysed.name / "qfilters.json").unlink()  # not analysed any more
+    kv_study.report(table, tmp_path / "runs", tmp_path / "again", tmp_path / "first" / "kv_study.json")
+    first, again = (json.loads((tmp_path / d / "kv_study.json").read_text()) for d in ("first", "again"))
+    assert again == first and set(first["per_seed"]) == {"recall_softmax"}
+    assert (tmp_path / "again" / "kv_study.md").read_text() == (tmp_path / "first" / "kv_study.md").read_text()
+    assert kv_study.earlier_numbers(tmp_path / "first" / "kv_study.json")["recall_softmax"]["results"] == {
+        0: 100.0,
+        1: 95.0,
+    }
