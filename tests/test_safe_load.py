@@ -127,6 +127,19 @@ def test_a_checkpoint_with_several_objects_names_them_all_and_a_legacy_file_name
     check_refused(refused, legacy, marker)
 
 
+def test_a_refusal_that_names_no_object_gives_torchs_reason(tmp_path, marker):
+    """A protocol-4 pickle (one ``FRAME`` opcode, which torch's ``weights_only`` reader does not take) holds no
+    global to name: the refusal says what the file is not, with torch's reason."""
+    path = tmp_path / "protocol4.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, path, pickle_protocol=4)
+    with pytest.raises(RefusedFile) as refused:
+        load_checkpoint(path)
+    reason = f"Unsupported operand {pickle.FRAME[0]}"
+    check_refused(
+        refused, path, marker, named=f"objects other than tensors, numbers, strings and containers ({reason})"
+    )
+
+
 def test_load_from_checkpoint_refuses_a_code_running_checkpoint(tmp_path, marker):
     path = micro_checkpoint(tmp_path / "task.ckpt", loops={"payload": CreatesMarker(marker)})
     with pytest.raises(RefusedFile) as refused:
