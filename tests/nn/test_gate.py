@@ -31,6 +31,16 @@ def test_none_adds_nothing_and_a_wrong_kind_is_named():
         OutputGate(6, 3, 4, "channelwise")
 
 
+@pytest.mark.parametrize("bias", [None, True, False])
+def test_the_gate_has_a_bias_unless_told_otherwise(bias):
+    """A bias per output by default (as the paper's ``X W_g + b_g``); ``bias=False`` for bias-free models."""
+    kwargs = {} if bias is None else {"bias": bias}
+    for gate in (OutputGate(6, 3, 4, "headwise", **kwargs), output_gate("elementwise", 6, 3, 4, **kwargs)):
+        outputs = gate.weight.shape[0]
+        assert outputs == (3 if gate.kind == "headwise" else 12)
+        assert sum(p.numel() for p in gate.parameters()) == 6 * outputs + (outputs if bias is not False else 0)
+
+
 def paper_timm_layer(layer, x, gate):
     """The gated layer written out in float64 NumPy from its weights: per head ``Y_h = softmax(Q_h K_h^T /
     sqrt(hs)) V_h``, then ``Y'_h = Y_h * sigmoid(X W_g + b_g)_h`` (one value per head or per channel),
