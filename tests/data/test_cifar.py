@@ -201,3 +201,28 @@ def test_archives_re_pickled_under_python_3_with_str_keys(tmp_path, protocol):
     assert info["classes"] == [f"fine{i}" for i in range(100)]
     check_split(tmp_path / "out100", "train", raw_images(batches100, ["train"], b"fine_labels"))
     check_split(tmp_path / "out100", "test", raw_images(batches100, ["test"], b"fine_labels"))
+
+
+def test_a_pickle_that_is_not_a_dict_or_holds_code_is_named_by_its_file_and_archive_member(tmp_path):
+    """The error names the file (extracted folder) or ``archive:member`` (the .tar.gz) it came from."""
+    import os
+
+    from mmlight.safe_load import RefusedFile
+
+    folder = tmp_path / "raw" / "cifar-10-batches-py"
+    write_cifar10(folder)
+    (folder / "data_batch_2").write_bytes(pickle.dumps([1, 2], protocol=2))
+    with pytest.raises(ValueError) as error:
+        prepare("cifar10", tmp_path / "raw", tmp_path / "out")
+    assert str(error.value) == f"{folder / 'data_batch_2'} holds a list, not the dict of a CIFAR pickle"
+
+    (folder / "data_batch_2").write_bytes(pickle.dumps({b"data": os.system}, protocol=2))
+    (tmp_path / "download").mkdir()
+    archive = tmp_path / "download" / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-10-batches-py")
+    with pytest.raises(RefusedFile) as refused:
+        prepare("cifar10", tmp_path / "download", tmp_path / "out2")
+    assert str(refused.value).startswith(
+        f"{archive}:cifar-10-batches-py/data_batch_2 holds objects mmlight does not load: posix.system. "
+    )
