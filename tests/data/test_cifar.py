@@ -226,3 +226,16 @@ def test_a_pickle_that_is_not_a_dict_or_holds_code_is_named_by_its_file_and_arch
     assert str(refused.value).startswith(
         f"{archive}:cifar-10-batches-py/data_batch_2 holds objects mmlight does not load: posix.system. "
     )
+
+
+def test_pixels_held_as_a_wider_integer_array_become_the_same_bytes(tmp_path):
+    """A batch whose pixels a re-pickling tool widened (an int64 array of 0-255, or a list of lists) gives
+    the images of the uint8 original."""
+    folder = tmp_path / "raw"
+    batches = write_cifar10(folder)
+    wide = {**batches["data_batch_1"], b"data": batches["data_batch_1"][b"data"].astype(np.int64)}
+    listed = {**batches["data_batch_2"], b"data": batches["data_batch_2"][b"data"].tolist()}
+    (folder / "data_batch_1").write_bytes(pickle.dumps(wide, protocol=2))
+    (folder / "data_batch_2").write_bytes(pickle.dumps(listed, protocol=2))
+    prepare("cifar10", folder, tmp_path / "out")
+    check_split(tmp_path / "out", "train", raw_images(batches, [f"data_batch_{i}" for i in range(1, 6)], b"labels"))
