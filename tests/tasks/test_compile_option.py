@@ -123,3 +123,25 @@ def test_compile_off_never_calls_torch_compile(digits, monkeypatch):
     module = ImageClassifier(micro_vit(drop_path_rate=0.0), ema_decay=0.9, lr_reference_batch=None)
     assert module.compiled.kwargs is None
     assert fit(module, digits, 2).global_step == 2 and module.compiled._compiled == {}
+
+
+def test_describe_names_each_kind_of_reweighting_once_and_a_copy_compiles_anew():
+    """``describe`` (the text a compile failure quotes) lists each function and backend once, sorted; a copy
+    (the EMA network's deepcopy, a pickle) starts with no compiled callables and keeps the option."""
+    import copy
+    import pickle
+    from types import SimpleNamespace
+
+    from mmlight.reweighting import MultiMax, Softmax
+    from mmlight.tasks.compiling import CompiledCalls
+
+    sites = {"a": MultiMax(backend="reference"), "b": Softmax(), "c": MultiMax(backend="reference")}
+    calls = CompiledCalls(COMPILED, SimpleNamespace(reweighting_sites=lambda: sites))
+    assert calls.describe() == "reweighting: MultiMax (backend reference), Softmax (backend auto)"
+    plain = CompiledCalls(COMPILED, torch.nn.Linear(2, 2))  # picklable, as a checkpointed task's is
+    for original in (calls, plain):
+        original._compiled[(1, "forward")] = print  # what a first call leaves; a copy must not share it
+    for copied in (copy.deepcopy(calls), pickle.loads(pickle.dumps(plain))):
+        assert set(vars(copied)) == {"kwargs", "network", "_compiled"} and copied._compiled == {}
+        assert copied.kwargs == {"fullgraph": True, "backend": "aot_eager"}
+    assert calls._compiled == plain._compiled == {(1, "forward"): print}
