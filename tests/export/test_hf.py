@@ -111,9 +111,13 @@ def test_an_exported_softmax_folder_loads_with_from_pretrained(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} >= {"config.json", "model.safetensors"}
     assert "mmlight_attention" not in json.loads((tmp_path / "config.json").read_text())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    # mmlight's loader too: a folder without the entry loads with transformers' own attention
+    ours = hf_attention.from_pretrained(tmp_path).eval()
+    assert ours.config._attn_implementation != hf_attention.IMPLEMENTATION
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(x).logits, loaded(x).logits, rtol=0, atol=0)
 
 
 def greedy(model: TransformerLM, prompt: torch.Tensor, steps: int) -> torch.Tensor:
@@ -145,6 +149,18 @@ def test_an_exported_function_runs_as_itself_in_transformers(name, tmp_path):
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert (plain(x).logits - got).abs().max() > 1e-3
+
+
+def test_register_puts_the_implementation_and_its_mask_function_under_one_name(monkeypatch):
+    """``register`` (run on import) maps ``mmlight`` to the attention function in transformers' attention
+    interface and to the mask function in its mask interface; checked from interfaces without it."""
+    for interface in (transformers.AttentionInterface, transformers.AttentionMaskInterface):
+        without = {k: v for k, v in interface._global_mapping.items() if k != hf_attention.IMPLEMENTATION}
+        monkeypatch.setattr(interface, "_global_mapping", without)
+    hf_attention.register()
+    assert transformers.AttentionInterface()["mmlight"] is hf_attention.mmlight_attention
+    assert transformers.AttentionMaskInterface()["mmlight"] is hf_attention.mmlight_mask
+    assert None not in transformers.AttentionInterface._global_mapping
 
 
 def test_causal_masking_is_not_dropped():
