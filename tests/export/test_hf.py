@@ -21,12 +21,12 @@ from mmlight.export import hf_attention  # noqa: E402  (needs transformers)
 V = 61
 
 
-def llama(name="softmax", **fields) -> TransformerLM:
+def llama(name="softmax", options: dict | None = None, **fields) -> TransformerLM:
     """A random 2-layer Llama-style LM, d 32, 4 heads (2 key/value heads), FFN 48, float32, evaluation mode;
     MultiMax and sink parameters moved off their initial values."""
     torch.manual_seed(0)
     base = {"vocab_size": V, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48, "n_layers": 2}
-    config = TransformerConfig(**{**base, **LLAMA_STYLE, **fields, "attention": ReweightingSpec(name)})
+    config = TransformerConfig(**{**base, **LLAMA_STYLE, **fields, "attention": ReweightingSpec(name, options or {})})
     model = TransformerLM(config).eval()
     with torch.no_grad():
         for m in model.modules():
@@ -161,6 +161,35 @@ def test_register_puts_the_implementation_and_its_mask_function_under_one_name(m
     assert transformers.AttentionInterface()["mmlight"] is hf_attention.mmlight_attention
     assert transformers.AttentionMaskInterface()["mmlight"] is hf_attention.mmlight_mask
     assert None not in transformers.AttentionInterface._global_mapping
+
+
+def test_an_exported_functions_options_and_attention_dropout_reach_transformers(tmp_path):
+    """The function is rebuilt with its exported options (first-order MultiMax, whose parameters have
+    another shape than the default's); transformers' attention dropout applies in training only."""
+    model = llama("multimax", {"order": 1})
+    export(model, tmp_path)
+    loaded = hf_attention.from_pretrained(tmp_path, attention_dropout=0.5).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+        loaded.train()
+        torch.manual_seed(0)
+        first = loaded(x).logits
+        torch.manual_seed(1)
+        assert (loaded(x).logits - first).abs().max() > 1e-3  # dropped weights differ between the draws
+
+
+def test_the_mmlight_implementation_without_its_config_entry_is_named():
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    config._attn_implementation = hf_attention.IMPLEMENTATION
+    with pytest.raises(ValueError) as error, torch.no_grad():
+        transformers.LlamaForCausalLM(config)(tokens())
+    assert str(error.value) == (
+        "attn_implementation='mmlight' needs the config entry 'mmlight_attention' that `mmlight export hf` "
+        "writes; this model has none"
+    )
 
 
 def test_causal_masking_is_not_dropped():
