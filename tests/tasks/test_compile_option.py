@@ -145,3 +145,36 @@ def test_describe_names_each_kind_of_reweighting_once_and_a_copy_compiles_anew()
         assert set(vars(copied)) == {"kwargs", "network", "_compiled"} and copied._compiled == {}
         assert copied.kwargs == {"fullgraph": True, "backend": "aot_eager"}
     assert calls._compiled == plain._compiled == {(1, "forward"): print}
+
+
+@pytest.mark.parametrize(
+    "message, first",
+    [("Unsupported: guard on shape X.\nfrom user code: ...", "Unsupported: guard on shape X"), ("  ", None)],
+    ids=["first_line", "empty"],
+)
+def test_a_compile_failure_quotes_the_first_line_of_dynamos_error(monkeypatch, message, first):
+    """The error: the method, the functions, Dynamo's first line without its full stop (its class name when it
+    has no message), and Dynamo's error as the cause."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.exc import TorchDynamoException
+
+    from mmlight.reweighting import Softmax
+    from mmlight.tasks.compiling import CompiledCalls
+
+    error = TorchDynamoException(message)
+
+    def failing(*args, **kwargs):
+        raise error
+
+    calls = CompiledCalls(COMPILED, SimpleNamespace(reweighting_sites=lambda: {"a": Softmax()}))
+    monkeypatch.setattr(torch, "compile", lambda method, **kwargs: failing)  # after the options are checked
+    network = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as raised:
+        calls(network.forward, torch.zeros(1, 2))
+    assert str(raised.value) == (
+        f"torch.compile of Linear.forward (reweighting: Softmax (backend auto)) failed: "
+        f"{first or 'TorchDynamoException'}. The cause below names the function and line; set compile: false to "
+        "run uncompiled."
+    )
+    assert raised.value.__cause__ is error
