@@ -45,6 +45,11 @@ def test_compile_kwargs():
     assert compile_kwargs({"fullgraph": False}) == {"fullgraph": False}
     with pytest.raises(ValueError, match=r"unknown torch.compile option\(s\) \['modes'\]"):
         compile_kwargs({"modes": "max-autotune"})
+    # the network is torch.compile's first argument, never an option; the message lists what is accepted
+    with pytest.raises(ValueError) as refused:
+        compile_kwargs({"model": None})
+    assert str(refused.value).startswith("compile: unknown torch.compile option(s) ['model']; it accepts [")
+    assert "'mode'" in str(refused.value) and "'model'" not in str(refused.value).split("accepts")[1]
     with pytest.raises(TypeError, match="compile must be true, false or a dict"):
         compile_kwargs("yes")
 
