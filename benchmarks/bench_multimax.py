@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> Path:
         "jsonl",
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    reps = 2 if args.smoke else args.reps
+    reps = 1 if args.smoke else args.reps  # --smoke: one timed call after the warm-up (fields, not figures)
     todo = plan(args.smoke)
     with out.open("a") as sink:
 

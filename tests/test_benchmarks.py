@@ -61,13 +61,16 @@ def test_smoke_run_writes_side_by_side_records(tmp_path):
     assert "multimax/triton" in report and "torch" in report
 
 
-def test_refuses_to_run_without_a_gpu_unless_smoke():
+def test_refuses_to_run_without_a_gpu_unless_smoke(monkeypatch, capsys):
+    """``main`` in this process (the script's own start, ``__main__``, runs in the smoke test above)."""
     if __import__("torch").cuda.is_available():
         pytest.skip("a GPU is present: the full benchmark would run")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_multimax.py")], capture_output=True, text=True, cwd=ROOT
-    )
-    assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script imports its neighbours by name
+    from benchmarks import bench_multimax
+
+    with pytest.raises(SystemExit) as stop:
+        bench_multimax.main([])
+    assert stop.value.code != 0 and "need a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -204,23 +207,22 @@ def test_reweighting_step_time_records_each_round_and_the_median_ratio(tmp_path)
     assert record["median_ratio_to_softmax"]["sigmoid"] == pytest.approx(want, rel=1e-12)
 
 
-def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path):
+def test_fit_shards_cycle_the_generated_images_in_imagenet_layout(tmp_path, monkeypatch):
     """``fit_shards.py`` writes ``mmlight prepare imagenet``'s layout (a ``train`` split of ``jpg``/``cls``
-    samples, 1,000 classes) whose samples cycle the generated pool; read back with ``tarfile``."""
+    samples, 1,000 classes) whose samples cycle the generated pool; read back with ``tarfile``. Its
+    ``main`` runs in this process (benchmarks/gpu_run.py's smoke test, tests/benchmarks/test_gpu_run.py,
+    runs the script as a process of its own)."""
     import tarfile
 
     from PIL import Image
 
     from mmlight.data.shards import read_info
 
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script imports bench_loader by name
+    from benchmarks import fit_shards
+
     out = tmp_path / "shards"
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fit_shards.py"), "--out", str(out), "--samples", "5"]
-        + ["--distinct", "2", "--workers", "1"],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    fit_shards.main(["--out", str(out), "--samples", "5", "--distinct", "2", "--workers", "1"])
     info = read_info(out)
     assert len(info["classes"]) == 1000 and info["splits"]["train"]["num_samples"] == 5
     (shard,) = info["splits"]["train"]["shards"]

@@ -6,8 +6,9 @@ through the real loader with the config's workers.
 The images/s the Throughput callback logs to TensorBoard, averaged past the warm-up, are set beside the
 compiled step's of the same variant: the difference is the data pipeline and Lightning's overhead.
 Each fit's output ends in ``fit.log``. Every process runs under a timeout from the time left, and
-Lightning's ``max_time`` stops the fit before it. ``--smoke`` trains the micro ViT at 16 px for 20
-steps, uncompiled, with one loader worker.
+Lightning's ``max_time`` stops the fit before it. ``--smoke`` trains the micro ViT at 16 px for 14
+steps at batch 2, logged every 7 (the last log, step 13, is past the warm-up), uncompiled, with one
+loader worker.
 """
 
 from __future__ import annotations
@@ -55,12 +56,30 @@ FIT_RUNS = [
 
 
 def setup(run: Run) -> dict:
-    """Steps, batch, loader workers (None: the config's), ``compile``, distinct images, overrides."""
+    """Steps, batch, steps between logs, loader workers (None: the config's), ``compile``, distinct images,
+    overrides."""
     if run.smoke:
         micro = ["--model.init_args.model.variant", "vit_micro", "--model.init_args.model.img_size", "16"]
         micro += ["--model.init_args.model.patch_size", "4", "--data.init_args.augment.image_size", "16"]
-        return {"steps": 20, "batch": 4, "workers": 1, "compile": False, "distinct": 4, "overrides": micro}
-    return {"steps": 300, "batch": 256, "workers": None, "compile": True, "distinct": 256, "overrides": []}
+        # logged at steps 6 and 13 (0-based): 13 is past the warm-up of one worker, 2 + 10 steps
+        return {
+            "steps": 14,
+            "batch": 2,
+            "log_every": 7,
+            "workers": 1,
+            "compile": False,
+            "distinct": 4,
+            "overrides": micro,
+        }
+    return {
+        "steps": 300,
+        "batch": 256,
+        "log_every": 10,
+        "workers": None,
+        "compile": True,
+        "distinct": 256,
+        "overrides": [],
+    }
 
 
 def duration(seconds: float) -> str:
@@ -71,7 +90,8 @@ def duration(seconds: float) -> str:
 
 def command(run: Run, fit: FitRun, s: dict, shards: Path, logs: Path, seconds: float) -> list[str]:
     """The fit's command line: the shards, ``s``'s steps, batch and ``compile``, no validation or
-    checkpoint, TensorBoard logs every 10 steps under ``logs/fit/<name>``, stopped after ``seconds``."""
+    checkpoint, TensorBoard logs every ``s``'s ``log_every`` steps (10 on a GPU) under ``logs/fit/<name>``,
+    stopped after ``seconds``."""
     import torch
 
     options = {
@@ -82,7 +102,7 @@ def command(run: Run, fit: FitRun, s: dict, shards: Path, logs: Path, seconds: f
         "--trainer.max_time": duration(seconds),
         "--trainer.limit_val_batches": "0",
         "--trainer.num_sanity_val_steps": "0",
-        "--trainer.log_every_n_steps": "10",
+        "--trainer.log_every_n_steps": str(s["log_every"]),
         "--trainer.default_root_dir": str(logs),
         "--trainer.logger.init_args.save_dir": str(logs),
         "--trainer.logger.init_args.name": "fit",
