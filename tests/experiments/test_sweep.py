@@ -3,8 +3,11 @@ shrunken associative-recall quick start): run directories, skip and resume on a 
 table against the values computed here from the runs' metrics files and TensorBoard logs, and
 missing and failed runs marked."""
 
+import contextlib
 import csv
+import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -15,7 +18,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mmlight.commands import collect, sweep
 from mmlight.experiments.table import load_table
-from tests.helpers.cli import run_mmlight
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tables" / "tiny.yaml"
@@ -28,13 +30,28 @@ def logged_last(run_dir: Path, tag: str) -> float:
     return acc.Scalars(tag)[-1].value
 
 
+def sweep_in_process(*args: str, cwd: Path) -> str:
+    """``mmlight sweep ARGS`` run by :func:`mmlight.commands.sweep.main` in this process (each run's fit
+    is still a subprocess), from ``cwd``: its output. The command line's own dispatch to it is the
+    SLURM array test's (slurm/sweep.sh calls ``mmlight sweep``); a subprocess here would only import
+    Lightning once more."""
+    out, here = io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            sweep.main(list(args))
+    except SystemExit as err:
+        pytest.fail(f"mmlight sweep exited with {err.code}:\n{out.getvalue()[-3000:]}")
+    finally:
+        os.chdir(here)
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     """The tiny table swept once, two runs at a time."""
     out = tmp_path_factory.mktemp("sweep") / "runs"
-    result = run_mmlight("sweep", str(TINY), "--parallel", "2", "--out", str(out), *FAST, cwd=out.parent)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout
+    return out, sweep_in_process(str(TINY), "--parallel", "2", "--out", str(out), *FAST, cwd=out.parent)
 
 
 @pytest.mark.slow
@@ -107,9 +124,8 @@ def test_rerun_skips_finished_runs_and_resumes_an_unfinished_one(swept, tmp_path
     (run.directory / "fit" / "final_metrics.json").unlink()
     (run.directory / "sweep_status.json").unlink()
     assert run.status() == "unfinished"
-    result = run_mmlight("sweep", str(TINY), "--out", str(copy), *FAST, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert result.stdout.count("done, skipped") == 3
+    stdout = sweep_in_process(str(TINY), "--out", str(copy), *FAST, cwd=tmp_path)
+    assert stdout.count("done, skipped") == 3
     log = (run.directory / "sweep.log").read_text()
     assert f"--ckpt_path last -> {run.directory / 'fit' / 'checkpoints' / 'last.ckpt'}" in log
     record = json.loads((run.directory / "validate" / "final_metrics.json").read_text())
@@ -122,7 +138,6 @@ def test_rerun_skips_finished_runs_and_resumes_an_unfinished_one(swept, tmp_path
 # Fast tests of the sweep's logic: mmlight itself is replaced by stand-ins (``sweep.execute`` or
 # ``subprocess.run``) that write the metrics files FinalMetrics would; no training, no subprocess.
 
-import os  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
 import types  # noqa: E402

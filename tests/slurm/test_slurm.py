@@ -65,7 +65,7 @@ def scalar_steps(run_dir: Path, tag: str) -> list[list[int]]:
     return steps
 
 
-#: the preemption tests' options; their reference is one job run with them without a break
+#: the preemption test's options; its reference is one job run with them without a break
 RESUMED_RUN = [
     "--trainer.max_epochs",
     "3",
@@ -100,7 +100,7 @@ def assert_same_training_state(final: dict, reference: dict) -> None:
 
 @pytest.mark.slow
 def test_submit_two_task_ddp_job(uninterrupted_job, uninterrupted):
-    """The 2-task DDP job that the preemption tests below take as their reference (one job, not one more of
+    """The 2-task DDP job that the preemption test below takes as its reference (one job, not one more of
     its own): completed (the fixture checks), each epoch's steps split over both tasks, metrics logged."""
     run_dir, log = uninterrupted_job
     steps_per_epoch = 1438 // (32 * 2)  # 2 tasks of batch 32
@@ -108,47 +108,6 @@ def test_submit_two_task_ddp_job(uninterrupted_job, uninterrupted):
     assert uninterrupted["global_step"] == epochs * steps_per_epoch
     assert scalar_steps(run_dir, "val/top1") and scalar_steps(run_dir, "train/loss")
     assert "Final validation metrics" in log
-
-
-@pytest.mark.slow
-def test_preempted_job_comes_back_and_resumes(cluster, uninterrupted, tmp_path):
-    """A job requeued mid-run comes back, resumes from its checkpoint and ends with the weights,
-    optimiser and schedule of the same job run without a break (2-task DDP, bitwise)."""
-    epochs = 3
-    job, result = submit(tmp_path, *RESUMED_RUN)
-    assert result.returncode == 0, result.stderr
-    run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
-    last = run_dir / "checkpoints" / "last.ckpt"
-
-    def saved_step():
-        try:
-            step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
-        except (FileNotFoundError, EOFError, RuntimeError):
-            return None
-        return step if step >= 10 else None
-
-    saved = wait_for(saved_step, 300, "a checkpoint at step >= 10")
-    subprocess.run(["scontrol", "requeue", str(job)], check=True)
-    # a requeued job waits ~2 minutes (BeginTime) before it may start again; release it now
-    wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED") or None, 60, "the job to be requeued")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
-    wait_for(
-        lambda: job_state(job) == "COMPLETED" or job_state(job) in ("FAILED", "CANCELLED"),
-        600,
-        "the requeued job to finish",
-    )
-    log = (tmp_path / f"job-{job}.out").read_text()
-    assert job_state(job) == "COMPLETED", log[-3000:]
-    assert "restart 0" in log and "restart 1" in log  # the same job ran twice
-    assert re.search(r"--ckpt_path last -> \S*last\.ckpt", log)
-
-    final = torch.load(last, map_location="cpu", weights_only=False)
-    assert final["global_step"] == epochs * (1438 // (32 * 2))  # the interrupted epoch completed too
-    assert final["epoch"] == epochs - 1
-    first_run, *later = scalar_steps(run_dir, "train/loss")
-    assert later, "the resumed run logged nothing"
-    assert min(later[-1]) > saved - 5  # it continued from the checkpoint, not from step 0
-    assert_same_training_state(final, uninterrupted)
 
 
 @pytest.mark.slow
@@ -168,30 +127,73 @@ def test_cluster_scripts_parse():
         subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The global step of the checkpoint at ``path``, or None while it is missing or half-written."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+    except (FileNotFoundError, EOFError, RuntimeError):
+        return None
+
+
 @pytest.mark.slow
-def test_time_limit_signal_requeues_and_resumes(cluster, uninterrupted, tmp_path, monkeypatch):
-    """The signal SLURM sends before the time limit (sent by hand to the batch shell, as
-    --signal=B:USR1 does): the shell forwards it to the tasks, the job is requeued (by Lightning's
-    handler, or by the script's fallback where that handler does not requeue), comes back,
-    resumes from the newest checkpoint and ends with an uninterrupted job's weights."""
+def test_job_signalled_then_preempted_comes_back_twice_and_resumes(cluster, uninterrupted, tmp_path, monkeypatch):
+    """One 2-task DDP job interrupted twice, each time coming back and resuming, that ends with the
+    weights, optimiser and schedule of the same job run without a break (bitwise):
+
+    1. the signal SLURM sends before the time limit (sent by hand to the batch shell, as
+       --signal=B:USR1 does): the shell forwards it to the tasks, the job is requeued (by Lightning's
+       handler, or by the script's fallback where that handler does not requeue) and resumes from
+       the newest checkpoint;
+    2. then, once the resumed run has saved a periodic checkpoint of its own, a hard requeue
+       (``scontrol requeue``, as a preemption does): it comes back and resumes from that
+       ``last.ckpt``, not from step 0.
+    """
     monkeypatch.setenv("MMLIGHT_REQUEUE_GRACE", "20")  # exported to the batch script by sbatch
     epochs = 3
     job, result = submit(tmp_path, *RESUMED_RUN)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "digits_multimax" / f"slurm-{job}"
-    wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), 300, "a first checkpoint")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    out = tmp_path / f"job-{job}.out"
+
+    def requeue_and_release(what: str) -> int:
+        """Wait until the job is requeued, then release it; the step of the newest checkpoint while it waits."""
+        wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED") or None, 120, what)
+        newest = max(checkpoint_step(path) or 0 for path in run_dir.rglob("*.ckpt"))
+        # a requeued job waits ~2 minutes (BeginTime) before it may start again; release it now
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+        return newest
+
+    # 1. the time-limit signal
+    wait_for(lambda: last.is_file(), 300, "a first checkpoint")
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True)
-    wait_for(lambda: job_state(job) in ("PENDING", "REQUEUED") or None, 120, "the job to be requeued")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+    resume_step = requeue_and_release("the job to be requeued after the signal")
+
+    # 2. a hard requeue once the resumed run has saved a periodic checkpoint beyond its resume point
+
+    def resumed_and_saved():
+        step = checkpoint_step(last) if "restart 1" in out.read_text() else None
+        return step if step is not None and step > resume_step else None
+
+    saved = wait_for(resumed_and_saved, 300, "a checkpoint saved by the resumed run")
+    subprocess.run(["scontrol", "requeue", str(job)], check=True)
+    requeue_and_release("the job to be requeued by scontrol")
     wait_for(lambda: job_state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the requeued job to finish")
-    log = (tmp_path / f"job-{job}.out").read_text()
+
+    log = out.read_text()
     assert job_state(job) == "COMPLETED", log[-3000:]
-    assert "forwarding it to the training tasks" in log and "restart 1" in log
+    assert "forwarding it to the training tasks" in log
+    assert "restart 0" in log and "restart 1" in log and "restart 2" in log  # the same job ran three times
     resumed_from = re.findall(r"--ckpt_path last -> (\S+\.ckpt)", log)
     assert resumed_from, "the requeued run did not resume from a checkpoint"
-    assert torch.load(resumed_from[-1], map_location="cpu", weights_only=False)["global_step"] > 0
-    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert final["global_step"] == epochs * (1438 // (32 * 2))
+    assert checkpoint_step(resumed_from[0]) > 0  # after the signal
+    assert resumed_from[-1].endswith("last.ckpt")  # after the hard requeue: the periodic checkpoint
+
+    final = torch.load(last, map_location="cpu", weights_only=False)
+    assert final["global_step"] == epochs * (1438 // (32 * 2))  # the interrupted epochs completed too
+    assert final["epoch"] == epochs - 1
+    *_, later = scalar_steps(run_dir, "train/loss")
+    assert min(later) > saved - 5  # the last run continued from its checkpoint, not from step 0
     assert_same_training_state(final, uninterrupted)
 
 
