@@ -4,31 +4,33 @@
 ``prepare``, ``analyze``, ``sweep``, ``collect``, ``export`` and ``doctor`` are the modules of
 :mod:`mmlight.commands` (:data:`TOOLS`), imported only when named. ``mmlight --help`` lists them all; a
 misspelt command stops with the nearest name, exit status 2, before anything runs.
+
+Lightning (and, through torchmetrics, whatever it finds installed: transformers, scipy) is imported only
+for the trainer commands and the help: ``mmlight sweep --print`` or ``mmlight collect`` starts in a
+fraction of a second instead of the several seconds of CPU that importing Lightning takes.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
-from lightning.pytorch.cli import ArgsType
-
-from mmlight.data.prepare import DATASETS
-from mmlight.lightning_cli import TRAINER_COMMANDS, build_cli
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import ArgsType
 
 
 class Tool(NamedTuple):
     """A command outside LightningCLI."""
 
     target: str  #: ``module:function``, called with the rest of the command line
-    summary: str  #: the line ``mmlight --help`` shows
+    summary: str  #: the line ``mmlight --help`` shows (``{datasets}``: the names ``mmlight prepare`` takes)
 
 
 TOOLS: dict[str, Tool] = {
     "prepare": Tool(
         "mmlight.commands.prepare:main",
-        f"write a dataset's raw files as webdataset shards ({', '.join(DATASETS)})",
+        "write a dataset's raw files as webdataset shards ({datasets})",
     ),
     "analyze": Tool(
         "mmlight.commands.analyze:main",
@@ -45,7 +47,19 @@ TOOLS: dict[str, Tool] = {
 
 def commands() -> dict[str, str]:
     """Every command, in the order ``mmlight --help`` lists them -> its one line."""
-    return {**TRAINER_COMMANDS, **{name: tool.summary for name, tool in TOOLS.items()}}
+    from mmlight.data.prepare import DATASETS
+    from mmlight.lightning_cli import TRAINER_COMMANDS
+
+    datasets = ", ".join(DATASETS)
+    return {**TRAINER_COMMANDS, **{name: tool.summary.format(datasets=datasets) for name, tool in TOOLS.items()}}
+
+
+def build_cli(args: ArgsType) -> None:
+    """The LightningCLI of ``fit``, ``validate``, ``test`` and ``predict`` (:mod:`mmlight.lightning_cli`),
+    imported here so that the other commands do not pay for importing Lightning."""
+    from mmlight.lightning_cli import build_cli as build
+
+    build(args)
 
 
 def overview() -> str:
@@ -107,7 +121,7 @@ def main(args: ArgsType = None) -> None:
     if is_list and not argv:
         print(overview(), file=sys.stderr)
         raise SystemExit(2)
-    if command and not command.startswith("-") and command not in TRAINER_COMMANDS:
+    if command and not command.startswith("-") and command not in commands():
         unknown_command(command)  # options first (-c CONFIG fit) are LightningCLI's to read
     build_cli(args)
     close_process_group()

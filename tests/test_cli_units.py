@@ -6,6 +6,7 @@ defaults."""
 import functools
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -735,3 +736,18 @@ def test_edit_distance_is_levenshteins():
         for b in words[:20]:
             assert cli.edit_distance(a, b) == levenshtein(a, b), (a, b)
     assert cli.edit_distance("kitten", "sitting") == 3
+
+
+def test_the_table_commands_start_without_lightning(tmp_path):
+    """``mmlight sweep`` and ``mmlight collect`` (run once per SLURM array task, and by hand between
+    runs) import neither Lightning nor torch: the command table and the two commands' modules are light."""
+    probe = (
+        "import sys\n"
+        "from mmlight import cli\n"
+        "for name in ('sweep', 'collect'):\n"
+        "    module, _ = cli.TOOLS[name].target.split(':')\n"
+        "    __import__(module)\n"
+        "print(sorted(m for m in ('lightning', 'torch', 'torchmetrics') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert result.stdout.strip() == "[]"
