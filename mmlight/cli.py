@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 if TYPE_CHECKING:
-    from lightning.pytorch.cli import ArgsType
+    from lightning.pytorch.cli import ArgsType, LightningCLI
 
 
 class Tool(NamedTuple):
@@ -54,12 +54,12 @@ def commands() -> dict[str, str]:
     return {**TRAINER_COMMANDS, **{name: tool.summary.format(datasets=datasets) for name, tool in TOOLS.items()}}
 
 
-def build_cli(args: ArgsType) -> None:
-    """The LightningCLI of ``fit``, ``validate``, ``test`` and ``predict`` (:mod:`mmlight.lightning_cli`),
-    imported here so that the other commands do not pay for importing Lightning."""
+def build_cli(args: ArgsType, **options) -> LightningCLI:
+    """The LightningCLI of ``fit``, ``validate``, ``test`` and ``predict``: :func:`mmlight.lightning_cli.build_cli`
+    with the same arguments, imported here so that the other commands do not pay for importing Lightning."""
     from mmlight.lightning_cli import build_cli as build
 
-    build(args)
+    return build(args, **options)
 
 
 def overview() -> str:
