@@ -140,15 +140,14 @@ class Throughput(Callback):
         self._device = trainer.strategy.root_device
         self.available_flops = peak_flops(self._device)
 
-    def _meter(self, trainer, stage: str) -> Meter:
+    def _start(self, trainer, stage: str) -> None:
+        """Starts ``stage``'s count (its meter made at its first start in this trainer call)."""
+        if self.disabled or trainer.sanity_checking:
+            return
         if stage not in self.meters:
             rates = Rates(self.available_flops, world_size=trainer.world_size, window_size=self.window_size)
             self.meters[stage] = Meter(rates)
-        return self.meters[stage]
-
-    def _start(self, trainer, stage: str) -> None:
-        if not self.disabled and not trainer.sanity_checking:
-            self._meter(trainer, stage).restart(clock(self._device))
+        self.meters[stage].restart(clock(self._device))
 
     def _add(self, trainer, pl_module, batch, stage: str) -> Meter | None:
         """Counts ``batch`` into ``stage``'s meter (FLOPs for training only: the count is of a training step)."""
@@ -156,7 +155,7 @@ class Throughput(Callback):
             return None
         samples, tokens = pl_module.batch_counts(batch)
         flops = self.flops_per_sample * samples if stage == "train" else None
-        meter = self._meter(trainer, stage)
+        meter = self.meters[stage]  # made by the stage's start, which Lightning calls before its batches
         meter.add(clock(self._device), samples, tokens if self._counts_tokens else None, flops)
         return meter
 
@@ -196,7 +195,7 @@ class Throughput(Callback):
         for name, shown in (("samples", "samples/s"), ("items", "tokens/s")):
             rate = rates.get(f"{name}_per_sec", rates.get(f"device{sep}{name}_per_sec"))
             if rate is not None:
-                pl_module.log(shown, rate, prog_bar=True, logger=False, rank_zero_only=True)
+                pl_module.log(shown, rate, prog_bar=True, logger=False)  # every rank holds the same totals
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.disabled or self.first is None or self.last[0] <= self.first[0]:

@@ -6,6 +6,7 @@ The micro models come from ``tests/models/test_vit.py`` (``micro_vit``) and
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +72,9 @@ def test_transformer_lm_flops_per_sample_are_the_hand_count(name):
 
 def test_peaks_are_dense_bf16_and_the_cpu_has_none(monkeypatch):
     assert peak_flops(torch.device("cpu")) is None
+    names = {torch.device("cuda", 0): "NVIDIA GeForce RTX 4090", torch.device("cuda", 1): "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[device])
+    assert peak_flops(torch.device("cuda", 1)) == 989e12  # the device asked about, not the current one
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert peak_flops(torch.device("cuda", 0)) == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
@@ -125,6 +129,7 @@ def test_a_fit_logs_the_hand_counted_rates_and_flops_at_the_loss_steps(tmp_path,
     tags = set(events.Tags()["scalars"])
     assert "train/device/mfu" not in tags and "train/samples_per_sec" not in tags  # the CPU: no peak; one device
     assert "train/device/items_per_sec" not in tags  # images: no tokens
+    assert not {"samples/s", "tokens/s"} & tags  # the progress bar's figures are not logged twice
     assert trainer.progress_bar_metrics["samples/s"] == 64.0 and "tokens/s" not in trainer.progress_bar_metrics
     # after the first batch: 5 batches of 16 in 1.25 s
     assert f"mean throughput: 64.0 samples/s on 1 device(s), {flops:.4g} FLOPs per sample (no MFU" in caplog.text
@@ -161,7 +166,11 @@ def test_a_task_without_the_protocol_fits_without_throughput_and_a_warning_names
     data = DataLoader(TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=4)
     callback = Throughput(window_size=2)
     trainer = quiet_trainer(max_steps=3, limit_val_batches=1, callbacks=[callback])
-    with pytest.warns(UserWarning, match="Plain has no counts_tokens, batch_counts, training_loss"):
+    warning = (
+        "Throughput: Plain has no counts_tokens, batch_counts, training_loss (mmlight/callbacks/throughput.py), "
+        "so this run logs no samples/s, tokens/s or MFU"
+    )
+    with pytest.warns(UserWarning, match=f"^{re.escape(warning)}$"):
         trainer.fit(Plain(), data, data)
     assert trainer.global_step == 3
     assert callback.disabled and callback.flops_per_sample is None
@@ -183,9 +192,9 @@ class Recorder:
 
 
 def stand_ins(monkeypatch, times, world_size=2, device="cuda", name="NVIDIA H100 80GB HBM3", tokens=True):
-    """A trainer on ``world_size`` devices named ``name``, a task of 4 samples (28 tokens) per batch and
-    :data:`PER_SAMPLE` FLOPs per sample, and a clock that reads ``times`` in turn; ``synced`` lists the
-    devices the clock waited for."""
+    """A trainer on ``world_size`` devices named ``name``, a task of 4 samples (28 tokens, counted where
+    ``tokens``) per batch and :data:`PER_SAMPLE` FLOPs per sample, and a clock that reads ``times`` in turn;
+    ``synced`` lists the devices the clock waited for."""
     from mmlight.callbacks import throughput as module
 
     clock, synced = iter(times), []
@@ -204,9 +213,9 @@ def stand_ins(monkeypatch, times, world_size=2, device="cuda", name="NVIDIA H100
         state=SimpleNamespace(fn="fit"),
     )
     shown = {}
-    task = SimpleNamespace(
+    task = SimpleNamespace(  # its batches hold 7 tokens a sample, counted only where counts_tokens says so
         counts_tokens=tokens,
-        batch_counts=lambda batch: (batch["n"], batch["n"] * 7 if tokens else None),
+        batch_counts=lambda batch: (batch["n"], batch["n"] * 7),
         training_loss=None,
         log=lambda name, value, **options: shown.__setitem__(name, value),
     )
@@ -324,6 +333,23 @@ def test_between_accumulated_batches_and_with_logging_off_nothing_is_logged(monk
     train_batches(callback, trainer, task, 2)
     assert len(trainer.loggers[0].logged) == 1 and shown == {}
     assert callback.last == (4.0, 16, 112)  # counted all the same
+
+
+def test_a_fit_of_no_batch_or_one_batch_prints_no_mean(monkeypatch, caplog):
+    """The end-of-fit mean is over the batches after the first: a fit that trained no batch (resumed at its
+    end) or one batch has no time to divide by, and prints nothing."""
+    from mmlight.callbacks import Throughput
+
+    for batches in (0, 1):
+        trainer, task, _, _ = stand_ins(monkeypatch, [0.0, 1.0], world_size=1, device="cpu")
+        callback = Throughput(window_size=2)
+        callback.setup(trainer, task, "fit")
+        callback.on_train_start(trainer, task)
+        train_batches(callback, trainer, task, batches)
+        with caplog.at_level("INFO"):
+            callback.on_train_end(trainer, task)
+        assert "mean throughput" not in caplog.text
+        assert callback.last == (None if batches == 0 else (1.0, 4, 28))
 
 
 def test_window_size_is_checked():
