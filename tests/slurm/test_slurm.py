@@ -118,7 +118,9 @@ def test_task_count_mismatch_fails_fast(cluster, tmp_path):
     log = (tmp_path / f"job-{job}.out").read_text()
     assert result.returncode != 0 and job_state(job) == "FAILED"
     assert "SLURM started 2 task(s) on 1 node(s), but the trainer expects devices=1 x num_nodes=1" in log
-    assert time.time() - start < 120  # no wait at "initializing distributed"
+    # no wait at "initializing distributed", whose timeout is 30 minutes; the job's start-up (two Python
+    # processes importing Lightning) took 103-109 s on 2 loaded cores, so the bound leaves room for that
+    assert time.time() - start < 300
 
 
 def test_cluster_scripts_parse():
