@@ -670,6 +670,20 @@ def test_a_config_without_data_stops_at_parse_time(tmp_path, capsys):
     assert "the following arguments are required: data" in capsys.readouterr().err
 
 
+def test_build_cli_passes_its_arguments_and_options_to_lightning_s_and_returns_what_it_builds(monkeypatch):
+    """``cli.build_cli`` defers importing Lightning: it is :func:`mmlight.lightning_cli.build_cli` with the same
+    command line and options (``run=False`` in the Python API and the benchmarks) and the same result."""
+    calls = []
+
+    def recorder(args, **options):
+        calls.append((args, options))
+        return "the LightningCLI"
+
+    monkeypatch.setattr(lightning_cli, "build_cli", recorder)
+    assert cli.build_cli(["fit", "--config", "c.yaml"], run=False, save_config_callback=None) == "the LightningCLI"
+    assert calls == [(["fit", "--config", "c.yaml"], {"run": False, "save_config_callback": None})]
+
+
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Every command replaced by a recorder: what a test lets through is in the returned list."""

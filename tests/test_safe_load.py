@@ -26,7 +26,7 @@ import torch
 from mmlight.commands.prepare import main as prepare_main
 from mmlight.models import BeamSearchConfig, ReweightedViT, ReweightingSpec, TransformerConfig, ViTConfig
 from mmlight.models.pretrained import read_pretrained
-from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint
+from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint, refusing_code
 from mmlight.tasks import ImageClassifier
 from tests.helpers import py2_pickle
 
@@ -138,6 +138,33 @@ def test_a_refusal_that_names_no_object_gives_torchs_reason(tmp_path, marker):
     check_refused(
         refused, path, marker, named=f"objects other than tensors, numbers, strings and containers ({reason})"
     )
+
+
+def test_a_refusal_with_neither_a_global_nor_torchs_reason_says_only_what_the_file_is_not(tmp_path, marker):
+    """An unpickling error inside the block that names no global and carries no ``WeightsUnpickler`` reason
+    (a reader other than torch's): the refusal gives the general description alone, with no empty reason."""
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(b"not a zip archive")
+    with pytest.raises(RefusedFile) as refused, refusing_code(path):
+        raise pickle.UnpicklingError("a reader's own refusal")
+    check_refused(refused, path, marker, named="objects other than tensors, numbers, strings and containers")
+
+
+def test_a_checkpoint_is_read_to_the_map_location_and_as_data_whatever_the_environment_says(
+    tmp_path, marker, monkeypatch
+):
+    """``map_location`` reaches torch (tensors on the meta device here), and torch's
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, which turns a ``torch.load`` that leaves ``weights_only`` unset into
+    a full unpickling, does not turn off the refusal."""
+    path = micro_checkpoint(tmp_path / "task.ckpt")
+    loaded = load_checkpoint(path, map_location="meta")
+    assert loaded["state_dict"] and all(t.is_meta for t in loaded["state_dict"].values())
+    assert all(not t.is_meta for t in load_checkpoint(path)["state_dict"].values())  # the default: the CPU
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    unsafe = micro_checkpoint(tmp_path / "unsafe.ckpt", loops={"payload": CreatesMarker(marker)})
+    with pytest.raises(RefusedFile) as refused:
+        load_checkpoint(unsafe)
+    check_refused(refused, unsafe, marker)
 
 
 def test_load_from_checkpoint_refuses_a_code_running_checkpoint(tmp_path, marker):
