@@ -171,6 +171,11 @@ MODULES: dict[str, Module] = {
             "tests/models/test_transformer_reference.py",
             "tests/models/test_transformer.py",
             "tests/models/test_gated_attention.py",
+            # the Llama-style options (RMSNorm, SwiGLU, rotary, grouped-query attention, no biases), checked
+            # against transformers' Llama by the export's tests and against pinned forwards
+            "tests/models/test_transformer_options.py",
+            "tests/models/test_pinned_forwards.py",
+            "tests/export/test_hf.py",
         ),
         keyword="not triton",
     ),
