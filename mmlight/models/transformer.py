@@ -332,13 +332,12 @@ def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
     return F.pad(table, (0, dim - 2 * half))  # (P, dim): a zero column when dim is odd
 
 
-def norm_layer(config: TransformerConfig, dim: int | None = None) -> nn.Module:
-    """The config's norm over ``dim`` channels (``d_model`` by default): LayerNorm (with a bias when
-    ``config.bias``) or RMSNorm, with ``config.norm_eps``."""
-    dim = config.d_model if dim is None else dim
+def norm_layer(config: TransformerConfig) -> nn.Module:
+    """The config's norm over ``d_model`` channels: LayerNorm (with a bias when ``config.bias``) or RMSNorm,
+    with ``config.norm_eps``."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=config.norm_eps)
-    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -502,15 +501,14 @@ class Residual(nn.Module):
     """A sublayer with dropout, residual connection and a norm before (pre-norm) or after it.
 
     Args:
-        d_model: width of the norm.
+        norm: the norm module (:func:`norm_layer`).
         dropout: dropout on the sublayer's output.
         pre_norm: normalise the sublayer's input instead of the sum.
-        norm: the norm module; None = ``nn.LayerNorm(d_model)``.
     """
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool, norm: nn.Module | None = None):
+    def __init__(self, norm: nn.Module, dropout: float, pre_norm: bool):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model) if norm is None else norm
+        self.norm = norm
         self.dropout = nn.Dropout(dropout)
         self.pre_norm = pre_norm
 
@@ -557,8 +555,8 @@ class EncoderLayer(nn.Module):
         c = config
         self.self_attn = attention_layer(c, causal=False, site="encoder self-attention", rope=rope)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout, c.ffn, c.bias)
-        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
-        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+        self.attn_block = Residual(norm_layer(c), c.dropout, c.pre_norm)
+        self.ffn_block = Residual(norm_layer(c), c.dropout, c.pre_norm)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``(B, S, d)`` with source mask ``keep`` ``(B, S)`` -> ``(B, S, d)``."""
@@ -579,13 +577,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.self_attn = attention_layer(c, causal=True, site="decoder self-attention", rope=rope)
-        self.attn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+        self.attn_block = Residual(norm_layer(c), c.dropout, c.pre_norm)
         self.cross_attn = self.cross_block = None
         if cross:
             self.cross_attn = attention_layer(c, causal=False, site="cross-attention", cross=True)
-            self.cross_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+            self.cross_block = Residual(norm_layer(c), c.dropout, c.pre_norm)
         self.ffn = FeedForward(c.d_model, c.ffn_dim, c.activation_dropout, c.ffn, c.bias)
-        self.ffn_block = Residual(c.d_model, c.dropout, c.pre_norm, norm_layer(c))
+        self.ffn_block = Residual(norm_layer(c), c.dropout, c.pre_norm)
 
     def forward(
         self,

@@ -256,6 +256,9 @@ def test_a_mask_that_keeps_everything_becomes_none():
     assert none_if_all(None) is None and none_if_all(torch.ones(2, 3, dtype=torch.bool)) is None
     partial = torch.tensor([[True, False, True]])
     assert none_if_all(partial) is partial
+    # on the meta device (the FLOP count) no value can be read: the mask is kept, whatever it would hold
+    meta = torch.ones(2, 3, dtype=torch.bool, device="meta")
+    assert none_if_all(meta) is meta
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,19 +126,43 @@ def test_parameter_count_of_each_architecture(arch):
     assert sum(p.numel() for p in TransformerLM(c).parameters()) == expected_params(c)
 
 
+def layer_signature(layer: torch.nn.Module) -> dict[str, tuple]:
+    """Each submodule's type, parameter shapes and epsilon, by name: what the config decides of a layer."""
+    return {
+        name: (type(m).__name__, [tuple(p.shape) for p in m.parameters(recurse=False)], getattr(m, "eps", None))
+        for name, m in layer.named_modules()
+        if name and "cross" not in name
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_encoder_layer_takes_every_option_as_a_decoder_layer_does(arch):
+    """An encoder-decoder's encoder layer has the norms (kind and epsilon), biases, heads and feed-forward of
+    the same config's decoder layer (whose options the LM's parameter count checks), its cross-attention
+    aside; norm_eps 1e-3, not the norms' own default, shows that the config's epsilon reaches both."""
+    c = tiny(1, **{**ARCHITECTURES[arch], "norm_eps": 1e-3})
+    model = TransformerSeq2Seq(c)
+    encoder, decoder = layer_signature(model.encoder.layers[0]), layer_signature(model.decoder.layers[0])
+    assert encoder == decoder
+    assert {eps for *_, eps in encoder.values() if eps is not None} == {1e-3}
+
+
 # ---------------------------------------------------------------------------------------------
 # Layers against hand computations
 
 
 def test_rmsnorm_and_bias_free_layernorm():
+    """Both norms against their formulas, with an epsilon (0.5) large enough to change every value."""
     x = torch.randn(3, 8, dtype=torch.float64)
-    rms = norm_layer(tiny(d_model=8, n_heads=2, norm="rmsnorm", norm_eps=1e-6)).double()
+    rms = norm_layer(tiny(d_model=8, n_heads=2, norm="rmsnorm", norm_eps=0.5)).double()
     with torch.no_grad():
         rms.weight.uniform_(0.5, 1.5)
-    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * rms.weight
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * rms.weight
     torch.testing.assert_close(rms(x), want)
-    ln = norm_layer(tiny(d_model=8, n_heads=2, bias=False))
+    ln = norm_layer(tiny(d_model=8, n_heads=2, bias=False, norm_eps=0.5)).double()
     assert isinstance(ln, torch.nn.LayerNorm) and ln.bias is None
+    centred = x - x.mean(-1, keepdim=True)
+    torch.testing.assert_close(ln(x), centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 0.5))
 
 
 @pytest.mark.parametrize("kind", ["relu", "gelu", "swiglu"])
@@ -192,6 +216,35 @@ def test_grouped_query_layer_with_qk_norm_and_rope_by_hand():
         heads.append(torch.cat(row, dim=-1))
     want = torch.stack(heads) @ layer.out_proj.weight.T
     torch.testing.assert_close(layer(x, is_causal=True), want)
+
+
+def test_grouped_cross_attention_with_qk_norm_by_hand():
+    """Cross-attention of 5 queries over 7 memory positions, 4 query heads on 2 key/value heads: the queries
+    and the memory's keys both pass through their QK-norm (no rotary positions, no mask)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(
+        16, 4, ReweightingSpec().build(), cross=True, n_kv_heads=2, bias=False, qk_norm_eps=1e-6
+    ).double()
+    with torch.no_grad():
+        layer.q_norm.weight.uniform_(0.5, 1.5)
+        layer.k_norm.weight.uniform_(0.5, 1.5)
+    x, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+
+    def rms(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    q, k, v = x @ layer.q_proj.weight.T, memory @ layer.k_proj.weight.T, memory @ layer.v_proj.weight.T
+    heads = []
+    for b in range(2):
+        row = []
+        for h in range(4):
+            g = h // 2
+            qh = rms(q[b, :, 4 * h : 4 * h + 4], layer.q_norm.weight)
+            kh = rms(k[b, :, 4 * g : 4 * g + 4], layer.k_norm.weight)
+            row.append(torch.softmax(qh @ kh.T / 2.0, -1) @ v[b, :, 4 * g : 4 * g + 4])
+        heads.append(torch.cat(row, dim=-1))
+    want = torch.stack(heads) @ layer.out_proj.weight.T
+    torch.testing.assert_close(layer(x, memory), want)
 
 
 def test_rotary_and_no_positions_have_no_length_limit_but_tables_do():

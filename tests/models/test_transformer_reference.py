@@ -81,7 +81,7 @@ def layer_norm(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
 
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_residual_norm_placement(pre_norm):
-    block = Residual(6, dropout=0.0, pre_norm=pre_norm).double()
+    block = Residual(torch.nn.LayerNorm(6), dropout=0.0, pre_norm=pre_norm).double()
     with torch.no_grad():
         block.norm.weight.uniform_(0.5, 1.5)
         block.norm.bias.uniform_(-0.5, 0.5)
