@@ -533,7 +533,7 @@ def attention_layer(
         n_kv_heads=c.n_kv_heads,
         bias=c.bias,
         qk_norm_eps=c.norm_eps if c.qk_norm else None,
-        rope=None if cross else rope,
+        rope=rope,  # None for cross-attention: DecoderLayer builds it without the stack's rotary positions
     )
 
 

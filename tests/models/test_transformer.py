@@ -408,6 +408,13 @@ def test_seq2seq_loss_matches_cross_entropy():
 # Reweighting modules and backends
 
 
+def test_each_attention_site_carries_its_layers_gate():
+    model = TransformerSeq2Seq(tiny(1, gate="headwise"))
+    sites = model.attention_sites()
+    assert len(sites) == 5  # 1 encoder layer, 2 decoder layers with cross-attention
+    assert all(site.gate is model.get_submodule(name).gate is not None for name, site in sites.items())
+
+
 def test_each_attention_layer_gets_its_own_reweighting_and_backend():
     c = tiny(2, name="multimax", options={"order": 1}, output_multimax=True, backend="compile", share_embeddings=True)
     model = TransformerSeq2Seq(c)

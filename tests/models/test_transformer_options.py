@@ -72,7 +72,10 @@ def test_defaults_are_fairseq_s_network():
 def test_the_earlier_spelling_of_positions_still_builds_the_same_network():
     assert tiny(sinusoidal_positions=False).positions == "learned"
     assert tiny(sinusoidal_positions=True).positions == "sinusoidal"
-    with pytest.raises(ValueError, match="sinusoidal_positions=False contradicts positions='rope'"):
+    assert tiny(positions="rope", rope_theta=0.5).rope_theta == 0.5  # any positive base, below 1 too
+    with pytest.raises(
+        ValueError, match="sinusoidal_positions=False contradicts positions='rope'; set positions only$"
+    ):
         tiny(sinusoidal_positions=False, positions="rope")
 
 
@@ -101,6 +104,8 @@ def test_a_config_pickled_before_positions_existed_loads_with_its_positions(tmp_
         ({"n_kv_heads": 0}, "n_kv_heads=0 must be positive"),
         ({"d_model": 30, "n_heads": 2, "positions": "rope"}, "even head dimension"),
         ({"rope_theta": -1.0}, "rope_theta and norm_eps must be positive"),
+        ({"rope_theta": 0.0}, "rope_theta and norm_eps must be positive"),
+        ({"norm_eps": 0.0}, "rope_theta and norm_eps must be positive"),
     ],
 )
 def test_bad_options_are_refused_when_the_config_is_made(fields, message):
@@ -124,6 +129,27 @@ def expected_params(c: TransformerConfig) -> int:
 def test_parameter_count_of_each_architecture(arch):
     c = tiny(**ARCHITECTURES[arch])
     assert sum(p.numel() for p in TransformerLM(c).parameters()) == expected_params(c)
+
+
+def test_a_config_without_biases_has_none_in_any_module_its_gates_included():
+    for gate in ("headwise", "elementwise"):
+        model = TransformerSeq2Seq(tiny(1, gate=gate, bias=False))
+        assert [name for name, _ in model.named_parameters() if name.endswith("bias")] == []
+        assert (
+            sum(name.endswith(".gate.weight") for name, _ in model.named_parameters()) == 5
+        )  # 1 encoder, 2 decoder layers
+
+
+def test_the_layers_defaults_are_fairseqs_relu_feed_forward_and_attention_with_biases():
+    torch.manual_seed(0)
+    ffn = FeedForward(6, 10).double()
+    x = torch.randn(2, 3, 6, dtype=torch.float64)
+    with torch.no_grad():
+        ffn.fc1.bias.uniform_(-1, 1)
+    want = F.relu(x @ ffn.fc1.weight.T + ffn.fc1.bias) @ ffn.fc2.weight.T + ffn.fc2.bias
+    torch.testing.assert_close(ffn(x), want)
+    layer = MultiHeadAttention(16, 4, ReweightingSpec().build())
+    assert sum(p.numel() for p in layer.parameters()) == 4 * (16 * 16 + 16)  # q, k, v, out with biases
 
 
 def layer_signature(layer: torch.nn.Module) -> dict[str, tuple]:
