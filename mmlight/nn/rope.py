@@ -60,7 +60,7 @@ class RotaryEmbedding:
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
 
     def __call__(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """``x`` ``(B, nh, T, hs)`` rotated at positions ``start .. start + T - 1``."""
+        """``x`` ``(..., T, hs)`` (e.g. ``(B, nh, T, hs)``) rotated at positions ``start .. start + T - 1``."""
         return apply_rotary(x, *self.cos_sin(start, x.shape[-2], x.device, x.dtype))
 
     def __repr__(self) -> str:

@@ -111,6 +111,9 @@ def test_reweighted_attention_equals_timm_attention():
     torch.testing.assert_close(ours(x, attn_mask=mask), timm_attn(x, attn_mask=mask))
     with pytest.raises(TypeError, match=r"^ReweightedAttention takes a boolean attn_mask \(True = attend\)$"):
         ours(x, attn_mask=mask.float())
+    timm_attn.scale = ours.scale = 0.2  # a changed temperature is used (timm's unfused path reads it)
+    timm_attn.fused_attn = False
+    torch.testing.assert_close(ours(x, attn_mask=mask), timm_attn(x, attn_mask=mask))
 
 
 def test_reweighted_attention_equals_timm_attention_with_every_option():
@@ -449,14 +452,17 @@ def test_sdpa_gets_is_causal_where_it_aligns_and_a_mask_otherwise(monkeypatch, n
 
 @pytest.mark.parametrize("name", reweighting.available())
 @pytest.mark.parametrize("n_kv", [1, 2])
-def test_grouped_keys_equal_each_query_head_with_its_group_s_key_head(name, n_kv):
+@pytest.mark.parametrize("padded", [True, False])
+def test_grouped_keys_equal_each_query_head_with_its_group_s_key_head(name, n_kv, padded):
     """Each query head ``h`` of 4 against key/value head ``h // (4 // n_kv)``, computed one head at a time
-    (every path: SDPA for softmax and ssmax, explicit scores for the others; causal, with a padded key)."""
+    (every path: SDPA for softmax and ssmax, explicit scores for the others; causal, with a padded key or
+    with no mask, SDPA's own causal path)."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 5, 8, dtype=torch.float64)
     k, v = torch.randn(2, n_kv, 5, 8, dtype=torch.float64), torch.randn(2, n_kv, 5, 8, dtype=torch.float64)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     mask[1, ..., 1] = False
+    mask = mask if padded else None
     module = reweighting.build(name, num_heads=4) if name == "sink" else reweighting.build(name)
     module = module.double()
     if name == "sink":

@@ -54,3 +54,68 @@ def test_bad_settings_are_refused():
         RotaryEmbedding(7)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
         RotaryEmbedding(8, theta=0.0)
+
+
+def test_defaults_are_llama_2_s_theta_and_position_zero_is_the_identity():
+    x = torch.randn(2, 3, 5, 8)
+    torch.testing.assert_close(RotaryEmbedding(8)(x).double(), complex_reference(x, 0, 10_000.0), atol=2e-5, rtol=0)
+    want = torch.tensor([10_000.0 ** (-c / 8) for c in range(0, 8, 2)], dtype=torch.float64)
+    torch.testing.assert_close(RotaryEmbedding(8).inverse_frequencies().double(), want, rtol=1e-6, atol=0)
+    first = torch.randn(1, 2, 1, 8)
+    assert torch.equal(RotaryEmbedding(8)(first), first)  # a fresh table's row 0: cos 1, sin 0
+    freqs = RotaryEmbedding(8, theta=0.5).inverse_frequencies()  # a base below 1 is allowed
+    torch.testing.assert_close(freqs, torch.tensor([0.5 ** (-c / 8) for c in range(0, 8, 2)]))
+
+
+def test_any_leading_dimensions_are_rotated():
+    x = torch.randn(6, 8)  # (T, hs)
+    torch.testing.assert_close(RotaryEmbedding(8)(x, 4).double(), complex_reference(x, 4, 10_000.0), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_tables_and_rotations_are_in_the_dtype_asked_for(dtype):
+    rope = RotaryEmbedding(8)
+    assert {t.dtype for t in rope.cos_sin(2, 3, "cpu", dtype)} == {dtype}
+    assert {t.dtype for t in rope.cos_sin_at(torch.tensor([[0, 4], [1, 2]]), dtype)} == {dtype}
+    assert rope(torch.randn(1, 1, 3, 8, dtype=dtype)).dtype == dtype
+
+
+def test_tables_are_made_on_the_device_of_the_call():
+    rope = RotaryEmbedding(8)
+    assert rope.inverse_frequencies("meta").device.type == "meta"
+    cos, sin = rope.cos_sin(0, 3, "meta", torch.float32)
+    assert (cos.device.type, sin.device.type, cos.shape) == ("meta", "meta", (3, 8))
+    assert rope.cos_sin(0, 3, "cpu", torch.float32)[0].device.type == "cpu"  # a table per device, remade
+
+
+def test_gathered_positions_grow_a_fresh_table_and_an_empty_gather_is_empty():
+    cos, sin = RotaryEmbedding(4).cos_sin_at(torch.tensor([5, 2]), torch.float64)
+    want = RotaryEmbedding(4).cos_sin(0, 6, "cpu", torch.float64)
+    assert torch.equal(cos, want[0][[5, 2]]) and torch.equal(sin, want[1][[5, 2]])
+    cos, sin = RotaryEmbedding(4).cos_sin_at(torch.tensor([], dtype=torch.long), torch.float32)
+    assert cos.shape == sin.shape == (0, 4)
+
+
+def test_the_table_is_computed_only_when_it_grows_and_then_doubles(monkeypatch):
+    """Decoding one token at a time to position 63 computes the table 7 times (1, 2, 4, ..., 64 rows), not
+    once per token; a gather asks for exactly the rows it needs, and an empty one computes nothing."""
+    rope, sizes = RotaryEmbedding(4), []
+    original = RotaryEmbedding.inverse_frequencies
+
+    def counted(self, device=None):
+        sizes.append(None)
+        return original(self, device)
+
+    monkeypatch.setattr(RotaryEmbedding, "inverse_frequencies", counted)
+    rope.cos_sin_at(torch.tensor([], dtype=torch.long), torch.float32)
+    assert sizes == []
+    for t in range(64):
+        rope(torch.randn(1, 1, 1, 4), start=t)
+    assert len(sizes) == 7
+    fresh = RotaryEmbedding(4)
+    fresh.cos_sin_at(torch.tensor([3]), torch.float32)  # 4 rows
+    fresh.cos_sin(0, 4, "cpu", torch.float32)  # still 4: nothing computed
+    assert len(sizes) == 8
+    fresh.cos_sin(0, 5, "cpu", torch.float32)  # grows to 8
+    fresh.cos_sin(0, 8, "cpu", torch.float32)
+    assert len(sizes) == 9

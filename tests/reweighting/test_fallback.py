@@ -236,3 +236,18 @@ def test_a_working_cross_entropy_kernel_is_the_one_used_under_auto(triton_chosen
     torch.testing.assert_close(
         loss, F.cross_entropy(module.modulate(logits), target, label_smoothing=0.1, ignore_index=3, reduction="sum")
     )
+
+
+def test_inside_a_compiled_graph_only_a_kernel_that_failed_before_takes_its_fallback():
+    """Traced by torch.compile (a task's ``compile`` option), ``auto`` neither probes nor catches: a kernel
+    remembered as failed (for this dtype and width) computes with its fallback, every other runs fused."""
+    narrow, wide = torch.randn(3, 8), torch.randn(3, 100)
+    backend.FAILED_KERNELS[backend.kernel_key("k", (narrow,))] = "RuntimeError: earlier"
+
+    def call(x):
+        return run_fused("auto", "k", lambda t: t + 1, lambda t: t - 1, x)
+
+    compiled = torch.compile(call, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(narrow), narrow - 1)
+    assert torch.equal(compiled(wide), wide + 1)
+    assert list(backend.FAILED_KERNELS) == ["k (torch.float32, <=8)"] and backend._PROBED == set()

@@ -13,6 +13,7 @@ import torch
 
 from mmlight.data import DigitsDataModule, write_digits_shards
 from mmlight.models import ReweightingSpec
+from mmlight.nn.attention import record_attention
 from mmlight.tasks import ImageClassifier
 from mmlight.tasks.compiling import compile_kwargs
 from tests.helpers.models import micro_vit
@@ -183,3 +184,22 @@ def test_a_compile_failure_quotes_the_first_line_of_dynamos_error(monkeypatch, m
         "run uncompiled."
     )
     assert raised.value.__cause__ is error
+
+
+def test_a_compiled_network_runs_eagerly_while_its_attention_is_recorded(monkeypatch):
+    """Observers (the analysis hooks) see every weight only on the eager path: inside ``record_attention``
+    the compiled call is not made, and the weights of each site are recorded; outside, it is."""
+    compiled_calls = []
+
+    def fake_compile(fn, **kwargs):
+        return lambda *args, **kw: compiled_calls.append(kwargs) or fn(*args, **kw)
+
+    module = ImageClassifier(MICRO, compile=COMPILED, lr_reference_batch=None).eval()
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    images = torch.randn(2, 1, 8, 8)
+    with record_attention(module.model) as recorder:
+        inside = module.compiled(module.model.forward, images)
+    assert compiled_calls == [] and sorted(recorder.sites()) == sorted(module.model.attention_sites())
+    outside = module.compiled(module.model.forward, images)
+    assert compiled_calls == [{"fullgraph": True, **COMPILED}]
+    torch.testing.assert_close(inside, outside)
