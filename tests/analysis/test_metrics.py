@@ -213,6 +213,9 @@ def test_multimodality_and_sparsity_default_thresholds_are_zero():
     s_ref = soft.min() / soft.sum()
     want = (math.exp((s_ref - 0.1) / s_ref - 1) + math.exp(1 - 1)) / 2
     assert s.item() == pytest.approx(want, rel=1e-12)
+    centred = M.centred_scores(scores, keys)  # the functions' own defaults give the same
+    assert M.multimodality(centred, p, keys=keys).item() == m.item()
+    assert M.sparsity(centred, p, keys=keys).item() == s.item()
 
 
 def test_sparsity_reference_is_the_smallest_softmax_probability_even_when_tiny():

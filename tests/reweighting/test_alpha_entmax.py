@@ -81,3 +81,18 @@ def test_monitored_alpha_per_head_and_options():
 def test_compile_backend_matches_reference():
     module = reweighting.build("alpha_entmax", num_heads=3, n_iter=8)  # 8 bisection steps: a shorter graph
     ref.check_compile_backend(module, torch.randn(2, 3, 5, 5) * 3, torch.rand(2, 1, 5, 5) > 0.3)
+
+
+def test_float32_gradients_equal_float64_on_4d_scores_with_many_zero_weights_near_alpha_two():
+    """The backward reduces over the keys of ``(B, nh, Tq, Tk)`` scores, and a zero weight has no gradient
+    even near α = 2, where ``tiny ** (2 - α)`` is not negligible in float32."""
+    scores = torch.randn(2, 3, 4, 9, dtype=torch.float64) * 4
+    direction = torch.randn_like(scores)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        module = alpha_entmax([1.2, 1.5, 1.95]).to(dtype)
+        x = scores.to(dtype).requires_grad_()
+        (module(x) * direction.to(dtype)).sum().backward()
+        grads[dtype] = (x.grad.double(), module.alpha_logit.grad.double())
+    assert (module(scores) == 0).float().mean() > 0.3
+    torch.testing.assert_close(grads[torch.float32], grads[torch.float64], rtol=1e-4, atol=1e-5)

@@ -229,7 +229,7 @@ def test_resolve_backend_for_every_request():
         resolve_backend("triton", SimpleNamespace(is_cuda=True, dtype=torch.float64, device="cuda:0"), True, "f")
 
 
-def test_a_function_without_kernels_names_itself_when_triton_is_asked_for():
+def test_a_function_without_kernels_names_itself_when_its_kernel_backend_is_asked_for():
     with pytest.raises(ValueError, match=r"^Sparsemax has no Triton kernel"):
         build("sparsemax", backend="triton")(torch.randn(2, 5))
 

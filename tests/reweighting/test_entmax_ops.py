@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 BLOCKED = """
@@ -56,3 +58,18 @@ def test_mmlight_imports_and_builds_without_entmax():
     for name, (missing, message) in report["errors"].items():
         assert missing == "entmax"
         assert message.startswith(f"{name} needs the 'entmax' package") and "pip install entmax" in message
+
+
+def test_building_a_map_without_entmax_names_the_package_the_function_and_the_fix(monkeypatch):
+    """The same refusal in this process (``entmax`` made unimportable through ``sys.modules``), whole."""
+    from mmlight.reweighting import build
+
+    monkeypatch.setitem(sys.modules, "entmax", None)
+    for name in ("sparsemax", "entmax15", "alpha_entmax"):
+        with pytest.raises(ModuleNotFoundError) as caught:
+            build(name)
+        assert caught.value.name == "entmax" and isinstance(caught.value.__cause__, ImportError)
+        assert str(caught.value) == (
+            f"{name} needs the 'entmax' package, which does not import here ({caught.value.__cause__}); "
+            "install it with `pip install entmax`"
+        )

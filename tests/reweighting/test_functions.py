@@ -6,6 +6,7 @@ one new file in ``mmlight/reweighting/`` is covered without editing this file: i
 reference test of its own (like ``test_matches_reference_with_masks`` below).
 """
 
+import copy
 import math
 import sys
 from pathlib import Path
@@ -168,6 +169,42 @@ def test_gradcheck_float64(name):
     assert torch.autograd.gradcheck(fn, (scores, *params))
     if name == "multimax":
         assert names == ["ranges", "ts"]
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("sink", {"num_heads": 2}), ("softmax", {"learnable": True, "temperature": 0.7})],
+)
+def test_learned_parameters_are_cast_to_the_scores_precision(name, options):
+    """The weights are computed in the scores' precision: a float64 copy of a function on float32 scores
+    gives the float32 function's weights, bit for bit (its parameters are exact in either; α-entmax's α is a
+    sigmoid of its parameter, computed in the parameter's precision, so it is not)."""
+    torch.manual_seed(0)
+    module = reweighting.build(name, **options)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # away from the initial values
+    scores = torch.randn(2, 2, 3, 6) * 3
+    want = module(scores)
+    got = copy.deepcopy(module).double()(scores)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "alpha_entmax"])
+def test_gradcheck_float64_on_4d_scores(name):
+    """The entmax family's own backward passes (scores and α) reduce over the keys of ``(B, nh, Tq, Tk)``
+    scores."""
+    module = reweighting.build(name, num_heads=2) if name == "alpha_entmax" else reweighting.build(name)
+    module = module.double()
+    scores = (torch.randn(2, 2, 3, 5, dtype=torch.float64) * 2).requires_grad_()
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    params = [p.detach().clone().requires_grad_() for p in module.parameters() if p.requires_grad]
+    assert len(params) == (name == "alpha_entmax")
+
+    def fn(x, *ps):
+        return torch.func.functional_call(module, dict(zip(names, ps)), (x,))
+
+    assert torch.autograd.gradcheck(fn, (scores, *params))
 
 
 @pytest.mark.parametrize("name", NAMES)
