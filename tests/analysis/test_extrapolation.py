@@ -15,11 +15,12 @@ from mmlight.analysis.extrapolation import (
     extrapolation_rows,
     length_extrapolation,
     position_limit,
+    position_rule,
     stream_from_batches,
 )
 from mmlight.data import RecallDataModule
 from mmlight.data.text import EvalWindows
-from mmlight.models.transformer import LLAMA_STYLE, TransformerLM
+from mmlight.models.transformer import LLAMA_STYLE, TokenPositionEmbedding, TransformerLM
 from mmlight.tasks import LanguageModel
 from tests.helpers.models import tiny_transformer
 
@@ -187,3 +188,97 @@ def test_a_stream_shorter_than_one_window_is_refused_with_the_numbers():
     task = LanguageModel(tiny_transformer())
     with pytest.raises(ValueError, match="holds 20 positions, fewer than one window of 8 x 3 = 24"):
         length_extrapolation(task, random_stream(20, 20), 3)
+
+
+def test_a_row_whose_positions_were_all_held_before_adds_nothing_and_no_batch_is_read_past_the_count():
+    """Windows of a stream overlap: a row whose every position an earlier row held adds nothing; once the
+    positions asked for are there, no further batch is read (the rest of the split is never evaluated)."""
+    first = {
+        "input": torch.tensor([[5, 6, 7, 8]]),
+        "target": torch.tensor([[6, 7, 8, 9]]),
+        "loss_mask": torch.ones(1, 4, dtype=torch.bool),
+        "start": torch.tensor([0]),
+    }
+    held = {
+        **first,
+        "input": torch.tensor([[6, 7, 8]]),
+        "target": torch.tensor([[7, 8, 9]]),
+        "loss_mask": torch.ones(1, 3, dtype=torch.bool),
+        "start": torch.tensor([1]),
+    }
+    stream = stream_from_batches([first, held], PAD, num_positions=100)
+    assert stream.inputs.tolist() == [5, 6, 7, 8] and stream.targets.tolist() == [6, 7, 8, 9]
+
+    def batches():
+        yield first
+        raise AssertionError("a batch was read after the stream was complete")
+
+    assert stream_from_batches(batches(), PAD, num_positions=4).inputs.tolist() == [5, 6, 7, 8]
+
+
+def test_no_batch_is_an_empty_stream():
+    stream = stream_from_batches([], PAD, num_positions=10)
+    assert len(stream) == 0
+    assert [(tuple(t.shape), t.dtype) for t in (stream.inputs, stream.targets, stream.scored)] == [
+        ((0,), torch.int64),
+        ((0,), torch.int64),
+        ((0,), torch.bool),
+    ]
+
+
+def test_each_kind_of_position_gets_its_sentence():
+    config = tiny_transformer(max_positions=10, sinusoidal_positions=False)
+    both = torch.nn.ModuleList(
+        [
+            TokenPositionEmbedding(torch.nn.Embedding(20, config.d_model), config),
+            TokenPositionEmbedding(torch.nn.Embedding(20, config.d_model), replace(config, positions="rope")),
+        ]
+    )
+    assert position_rule(both) == (
+        "learned position table of 10 positions: a longer window is not defined; "
+        "rotary positions (no table): every multiple evaluated"
+    )
+
+
+@pytest.mark.parametrize("context, multiples", [(0, (1,)), (4, ()), (4, (1, 0)), (-1, (2,))])
+def test_a_context_or_multiple_below_1_is_refused_whole(context, multiples):
+    task = LanguageModel(tiny_transformer())
+    with pytest.raises(ValueError) as caught:
+        length_extrapolation(task, random_stream(40, 20), context, multiples)
+    assert str(caught.value) == f"context and every multiple must be >= 1, got {context} and {list(multiples)}"
+
+
+def test_every_field_of_the_result_and_the_progress_of_each_batch():
+    """Context 9 (a default bucket of 3, a quarter rounded up), multiples given out of order; a learned table
+    of 18 positions: 1x and 2x defined, 4x not. Each multiple runs ``widest // length`` windows per pass."""
+    torch.manual_seed(0)
+    task = LanguageModel(tiny_transformer(max_positions=18, sinusoidal_positions=False))
+    stream = random_stream(2 * 36 + 1, 20)  # two windows of 4x
+    done = []
+    result = length_extrapolation(task, stream, 9, multiples=(4, 1, 2), progress=done.append)
+    assert {k: result[k] for k in ("context", "bucket", "positions", "limit")} == {
+        "context": 9,
+        "bucket": 3,
+        "positions": 72,
+        "limit": 18,
+    }
+    assert done == [2, 2, 2, 2, 1, 1, 1, 1]  # 8 windows of 9, 2 per pass; 4 windows of 18, 1 per pass
+    assert [result["multiples"][m]["length"] for m in (4, 1, 2)] == [36, 9, 18]
+    used = Stream(stream.inputs[:72], stream.targets[:72], stream.scored[:72])
+    for m in (1, 2):
+        entry = result["multiples"][m]
+        nll, count = reference_nll(task.model, used, 9 * m)
+        assert entry["nll"] == pytest.approx(nll.sum(), rel=1e-5)
+        for bucket in entry["buckets"]:
+            part = slice(bucket["start"], bucket["stop"])
+            assert bucket["ppl"] == pytest.approx(math.exp(nll[part].sum() / count[part].sum()), rel=1e-5)
+    rows = extrapolation_rows(result)
+    assert rows[0] == (4, 36, "window", 0, 36, None, None) and rows[1][:3] == (1, 9, "window")
+    assert len(rows) == 1 + (1 + 3) + (1 + 6)  # the rows after an undefined multiple are kept
+
+
+def test_a_model_that_can_embed_no_multiple_reports_each_as_not_defined():
+    task = LanguageModel(tiny_transformer(max_positions=4, sinusoidal_positions=False))
+    result = length_extrapolation(task, random_stream(20, 20), 5, multiples=(1, 2))
+    assert [result["multiples"][m]["defined"] for m in (1, 2)] == [False, False]
+    assert result["multiples"][1]["reason"] == "the model's learned position table holds 4 positions, fewer than 5"

@@ -425,3 +425,31 @@ def test_ratio_1_loses_nothing_and_no_call_measures_nothing():
     q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     evict.edit_mask(site(), q, k, causal_mask(5, 5))
     assert evict.loss_rows() == [(0, 10, 0.0, 0.0), ("all", 10, 0.0, 0.0)]
+
+
+def random_call(B=3, Tk=6, device="cpu"):
+    q, k = torch.randn(B, 4, 2, 8, device=device), torch.randn(B, 2, Tk, 8, device=device)
+    keys = torch.ones(B, 4, 2, Tk, dtype=torch.bool, device=device)
+    return kv.KVCall(SITE, q, k, keys, keys)
+
+
+def test_random_draws_one_score_per_sample_and_key_from_its_own_seeded_generator():
+    """The floor is reproducible from its seed (0 by default) and leaves the global random state alone."""
+    call = random_call()
+    state = torch.get_rng_state()
+    scores = kv.method("random").scores(call)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert scores.shape == (3, 1, 1, 6) and len({tuple(row.flatten().tolist()) for row in scores}) == 3
+    assert torch.equal(kv.Random(seed=0).scores(random_call()), scores)
+    assert not torch.equal(kv.Random(seed=1).scores(random_call()), scores)
+    assert kv.Random().scores(random_call(device="meta")).device.type == "meta"  # on the keys' device
+
+
+def test_follow_rows_finds_each_reordered_row_and_leaves_the_global_random_state_alone():
+    before = torch.randn(3, 2, 5, 4)
+    order = torch.tensor([2, 2, 0, 1])  # beam search may copy a row and drop another
+    state = torch.get_rng_state()
+    assert kv.follow_rows(before[order], before).tolist() == order.tolist()
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(RuntimeError, match="lost track of the reordered KV cache"):
+        kv.follow_rows(before[order] + 1.0, before)
