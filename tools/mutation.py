@@ -318,6 +318,11 @@ MODULES: dict[str, Module] = {
             "tests/nn/test_sites.py",
             "tests/nn/test_gate.py",
             "tests/nn/test_rope.py",
+            # attention_observed decides whether a compiled task's call runs eagerly
+            *_node_ids(
+                "tests/tasks/test_compile_option.py",
+                "test_a_compiled_network_runs_eagerly_while_its_attention_is_recorded",
+            ),
             "tests/reweighting/test_ssmax.py",
             "tests/reweighting/test_stickbreaking.py",
             "tests/reweighting/test_fallback.py",

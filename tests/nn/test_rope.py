@@ -117,5 +117,6 @@ def test_the_table_is_computed_only_when_it_grows_and_then_doubles(monkeypatch):
     fresh.cos_sin(0, 4, "cpu", torch.float32)  # still 4: nothing computed
     assert len(sizes) == 8
     fresh.cos_sin(0, 5, "cpu", torch.float32)  # grows to 8
+    assert len(sizes) == 9
     fresh.cos_sin(0, 8, "cpu", torch.float32)
     assert len(sizes) == 9
