@@ -233,6 +233,15 @@ def test_rotary_average_is_the_mean_rotation_and_identity_for_additive_positions
     assert both.shape == (2, 8, 8) and torch.allclose(both[0], want)
 
 
+def test_rotary_average_keeps_float64_precision_far_into_the_sequence():
+    """At position 100 000 with Llama's base, an angle in float32 frequencies would be off by about
+    1e-4 rad: the average matches the float64 rotations to 1e-10."""
+    want = torch.stack([rope_matrix(100_000 + 1 + t, 8, 10_000.0) for t in range(4)]).mean(0)
+    torch.testing.assert_close(kv.rotary_average(100_000, 4, 8, 10_000.0), want, rtol=0, atol=1e-10)
+    got = kv.rotary_average(torch.tensor([7, 100_000]), 4, 8, 10_000.0)
+    torch.testing.assert_close(got[1], want, rtol=0, atol=1e-10)
+
+
 def test_qfilter_is_the_signed_first_singular_vector():
     g = torch.Generator().manual_seed(4)
     direction = torch.tensor([3.0, -1.0, 0.5])
@@ -549,12 +558,15 @@ def brute_force_expected_attention(attn, hidden, k, keys, past, n_sink, future, 
         values = attn.v_proj(hidden).view(B, Tk, n_kv, hs)
         w_o = attn.out_proj.weight.detach()
     out = torch.zeros(B, n_kv, Tq, Tk, dtype=torch.float64)
+    rotation = {}
     for b, g, i in itertools.product(range(B), range(n_kv), range(Tq)):
         p = Tk - Tq + i
         if attn.rope_theta is None:
             rot = torch.eye(hs, dtype=torch.float64)
         else:
-            rot = torch.stack([rope_matrix(p + 1 + t, hs, attn.rope_theta) for t in range(future)]).mean(0)
+            if p not in rotation:
+                rotation[p] = torch.stack([rope_matrix(p + 1 + t, hs, attn.rope_theta) for t in range(future)]).mean(0)
+            rot = rotation[p]
         for h in range(g * group, (g + 1) * group):
             sinks = [j for j in range(Tk) if past[b, h, i, j]][:n_sink]
             allowed = [j for j in range(Tk) if keys[b, h, i, j] and j not in sinks]
@@ -574,41 +586,51 @@ def brute_force_expected_attention(attn, hidden, k, keys, past, n_sink, future, 
 
 
 @pytest.mark.parametrize(
-    ("n_kv_heads", "theta", "tq", "value_norm", "chunk_bytes"),
+    ("n_kv_heads", "theta", "tq", "options", "chunk_bytes", "keyword"),
     [
-        (2, 100.0, 3, "out", None),  # grouped keys, decoding 3 queries through a cache
-        (2, 100.0, 7, "out", 1),  # teacher-forced, one query a chunk
-        (4, None, 7, "value", 1),  # no grouping, additive positions, kvpress's value norm
-        (1, 100.0, 4, "out", 600),  # one KV head (multi-query), two queries a chunk
+        (2, 100.0, 3, {"future": 5, "n_sink": 2}, None, False),  # grouped keys, 3 queries through a cache
+        (2, 100.0, 7, {"future": 5, "n_sink": 2}, 1, True),  # teacher-forced, one query a chunk, x=...
+        (4, None, 7, {"future": 5, "n_sink": 2, "value_norm": "value"}, 1, False),  # ungrouped, additive
+        (1, 100.0, 4, {"future": 5, "n_sink": 2}, 600, False),  # one KV head (multi-query), 2 queries a chunk
+        (2, 10_000.0, 7, {}, None, False),  # the defaults: 512 future positions, 4 sinks, ||W_O v||
     ],
 )
-def test_expected_attention_scores_against_brute_force(monkeypatch, n_kv_heads, theta, tq, value_norm, chunk_bytes):
+def test_expected_attention_scores_against_brute_force(
+    monkeypatch, n_kv_heads, theta, tq, options, chunk_bytes, keyword
+):
     """Expected Attention's scores ``(B, n_kv, Tq, Tk)`` for keys given per KV head (4 query heads),
     equal to :func:`brute_force_expected_attention`, with a padded key and a padded query whose only
-    visible keys are sinks (an empty softmax: zero), whatever the chunking of the statistics."""
+    visible keys are sinks (an empty softmax: zero), whatever the chunking of the statistics and
+    whether the layer gets its input by position or as ``x=``."""
     if chunk_bytes is not None:
         monkeypatch.setattr(kv, "running_statistics", functools.partial(kv.running_statistics, chunk_bytes=chunk_bytes))
     g = torch.Generator().manual_seed(10)
-    B, nh, hs, d, Tk, n_sink, future = 2, 4, 4, 8, 7, 2, 5
+    B, nh, hs, d, Tk = 2, 4, 4, 8, 7
     torch.manual_seed(10)
     attn = ToyAttention(d, nh, n_kv_heads, hs, theta)
     hidden = torch.randn(B, Tk, d, generator=g, dtype=torch.float64)
     k = torch.randn(B, n_kv_heads, Tk, hs, generator=g, dtype=torch.float64)
     real = torch.ones(B, Tk, dtype=torch.bool)
-    real[1, 2] = False  # key 2 of sample 1 is padding; query 2 there sees only its 2 sinks
+    real[1, 2] = False  # key 2 of sample 1 is padding; query 2 there sees only 2 past keys, both sinks
     keys = (causal_mask(tq, Tk)[None] & real[:, None, :])[:, None].expand(B, nh, tq, Tk)
     own = torch.arange(Tk) == (Tk - tq + torch.arange(tq))[:, None]
     past = keys & ~own
-    method = kv.ExpectedAttention(future=future, n_sink=n_sink, value_norm=value_norm)
+    method = kv.ExpectedAttention(**options)
     with torch.no_grad(), method.attached(attn):
-        attn(hidden)
+        attn(x=hidden) if keyword else attn(hidden)
         call = kv.KVCall(site(module=attn.reweight), torch.zeros(B, nh, tq, hs), k, keys, past)
         got = method.scores(call)
+    n_sink, future, value_norm = options.get("n_sink", 4), options.get("future", 512), options.get("value_norm", "out")
     want = brute_force_expected_attention(attn, hidden, k, keys, past, n_sink, future, value_norm)
     assert got.shape == (B, n_kv_heads, tq, Tk)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     if tq == Tk:  # the padded query's row: sinks, else zero
         assert ((want[1, :, 2] == 0) | want[1, :, 2].isinf()).all() and want[1, :, 2].isinf().sum() == 2 * n_kv_heads
+
+
+def test_expected_attention_refuses_an_unknown_value_norm():
+    with pytest.raises(ValueError, match=r"^value_norm must be 'out' or 'value', got 'norm'$"):
+        kv.ExpectedAttention(value_norm="norm")
 
 
 def test_a_method_defined_later_is_registered_by_its_name():
