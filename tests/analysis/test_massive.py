@@ -243,3 +243,23 @@ def test_without_a_keep_mask_every_position_counts_and_no_token_is_named():
     top = entry["top"][0]
     assert (top["sample"], top["token"]) == (10 + int(best[0]), None)
     assert (top["position"], top["dim"]) == divmod(int(best[1]), mags.shape[2])
+
+
+def test_massive_rows_list_every_metric_of_every_block_in_order():
+    """The rows of a hand-made result: per block the median, top1 .. topk, the ratio and the count."""
+    result = {
+        "blocks": {
+            "encoder.layers.0": {"median": 0.5, "top_mean": [9.0, 4.0], "ratio": 18.0, "massive": 0, "top": []},
+            "decoder.layers.0": {"median": None, "top_mean": [], "ratio": None, "massive": 2, "top": []},
+        }
+    }
+    assert massive_rows(result) == [
+        ("encoder.layers.0", "median", 0.5),
+        ("encoder.layers.0", "top1", 9.0),
+        ("encoder.layers.0", "top2", 4.0),
+        ("encoder.layers.0", "ratio", 18.0),
+        ("encoder.layers.0", "massive", 0),
+        ("decoder.layers.0", "median", None),
+        ("decoder.layers.0", "ratio", None),
+        ("decoder.layers.0", "massive", 2),
+    ]
