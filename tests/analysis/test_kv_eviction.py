@@ -651,3 +651,70 @@ def test_a_method_defined_later_is_registered_by_its_name():
         assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 6]  # ceil(0.5 * 6) = 3 oldest, itself
     finally:
         kv.METHODS.pop("test_oldest", None)
+
+
+@pytest.mark.parametrize("tq", [6, 2], ids=["teacher-forced", "2-queries"])
+@pytest.mark.parametrize("name", ["oracle", "l2", "qfilters"])
+def test_grouped_keys_evict_as_the_keys_repeated_to_each_query_head(name, tq):
+    """Keys of 2 KV heads for 4 query heads (query head h reads KV head h // 2), teacher-forced or 2
+    queries through a cache (as many as KV heads): the kept keys and the attention losses equal those of
+    the same keys repeated by hand to the 4 heads."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, tq, 8, generator=g)
+    k = torch.randn(2, 2, 6, 8, generator=g)
+    filters = torch.randn(2, 2, 8, generator=g)
+    mask = causal_mask(tq, 6)
+    options = {"filters": filters} if name == "qfilters" else {}
+
+    def run(keys, method):
+        evict = kv.KVEviction(0.5, method, skip_layers=0, measure_loss=True)
+        return evict.edit_mask(site(1), q, keys, mask), evict.loss_rows()
+
+    got, got_loss = run(k, kv.method(name, **options))
+    by_hand = {"filters": filters.repeat_interleave(2, dim=1)} if name == "qfilters" else {}
+    want, want_loss = run(k[:, [0, 0, 1, 1]], kv.method(name, **by_hand))
+    assert torch.equal(got, want)
+    assert [r[:2] for r in got_loss] == [r[:2] for r in want_loss] == [(1, 8 * tq), ("all", 8 * tq)]
+    assert [r[2:] for r in got_loss] == [pytest.approx(r[2:], abs=1e-12) for r in want_loss]
+
+
+def test_masks_and_streaming_scores_are_made_on_the_queries_device():
+    """On the meta device (standing in for an accelerator): the full mask of a call without one, and the
+    streaming scores, are made on the device of the queries and masks."""
+    q, k = torch.randn(2, 3, 4, 8, device="meta"), torch.randn(2, 3, 5, 8, device="meta")
+    full = kv.full_mask(q, k, None)
+    assert (full.device.type, full.dtype, full.shape) == ("meta", torch.bool, (2, 3, 4, 5))
+    assert kv.streaming_scores(torch.ones(2, 3, 4, 5, dtype=torch.bool, device="meta")).device.type == "meta"
+
+
+def test_l2_scores_of_half_precision_keys_are_float32_norms():
+    """float16 keys: the scores are minus the norms in float32 (a float16 norm would be rounded to
+    about 3 digits), against float64."""
+    g = torch.Generator().manual_seed(12)
+    keys = (torch.randn(1, 2, 5, 16, generator=g) * 30).half()
+    got = kv.l2_scores(keys)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), -keys.double().norm(dim=-1), rtol=1e-6, atol=0)
+
+
+def test_qfilter_sign_rule_holds_for_small_queries():
+    """Queries of magnitude about 0.01 spread along a direction (mean projection far below 1), and
+    their negatives: each filter is the direction signed so that the mean projection is positive."""
+    g = torch.Generator().manual_seed(0)
+    direction = torch.tensor([0.3, -0.1, 0.05], dtype=torch.float64)
+    t = torch.randn(50, 1, generator=g, dtype=torch.float64) + 0.5
+    base = (direction * t + 0.01 * torch.randn(50, 3, generator=g, dtype=torch.float64)) * 0.01
+    for sign in (1, -1):
+        f = kv.qfilters(sign * base)
+        assert 0 < float((sign * base @ f).mean()) < 1
+        assert torch.allclose(f, sign * direction / direction.norm(), atol=0.05)
+
+
+def test_attention_loss_leaves_out_rows_of_zero_mass():
+    """Three rows, the second of zero mass (no share to lose): the loss sums the other two's shares of
+    dropped mass, by hand, over 2 counted rows."""
+    weights = torch.tensor([[[[0.5, 0.3, 0.2], [0.0, 0.0, 0.0], [0.1, 0.1, 0.2]]]], dtype=torch.float64)
+    dropped = torch.tensor([[[[True, False, False], [True, True, False], [False, False, True]]]])
+    total, rows = kv.attention_loss(weights, dropped)
+    assert int(rows) == 2
+    assert float(total) == pytest.approx(0.5 + 0.2 / 0.4, abs=1e-12)
