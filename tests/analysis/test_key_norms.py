@@ -102,3 +102,44 @@ def test_pass_over_a_tiny_lm_matches_its_recorded_attention():
             torch.tensor(entry["norm"], dtype=torch.float64), k[..., :-1, :].norm(dim=-1).flatten(), atol=1e-5
         )
         assert entry["spearman"] == pytest.approx(stats.spearmanr(entry["norm"], entry["received"]).statistic)
+
+
+def test_grouped_keys_through_a_cache_give_the_pairs_of_the_repeated_heads():
+    """Grouped-query keys (2 KV heads for 4 query heads) and 3 queries at the end of 8 keys (decoding
+    through a cache), with the task's full-length query_keep: the pairs equal the loops' on the keys
+    repeated by hand to each query head, and on the last 3 rows of the counted queries."""
+    g = torch.Generator().manual_seed(1)
+    B, H, T, Tq = 2, 4, 8, 3
+    q = torch.randn(B, H, Tq, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(B, 2, T, 4, generator=g, dtype=torch.float64)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, 6] = False  # query 6 of sample 1 does not count
+    keep = causal_mask(Tq, T)[None].expand(B, Tq, T)
+    observer = kn.KeyNormAttention()
+    observer.query_keep = {"decoder": real}
+    observer.edit_mask(SITE, q, k, keep[:, None])
+    ((norms, received),) = observer.pairs[SITE.name]
+    repeated = k[:, [0, 0, 1, 1]]  # query head h reads KV head h // 2
+    full_q = torch.cat([torch.zeros(B, H, T - Tq, 4, dtype=torch.float64), q], 2)  # rows 0..4 never count
+    full_keep = torch.cat([torch.zeros(B, T - Tq, T, dtype=torch.bool), keep], 1)
+    want = loop_pairs(full_q, repeated, full_keep, real & (torch.arange(T) >= T - Tq))
+    assert len(want) == B * H * (T - 1)  # every key but the last is seen by query 7 (query 6 of sample 1 not counted)
+    assert torch.allclose(norms, torch.tensor([p[0] for p in want], dtype=torch.float64))
+    assert torch.allclose(received, torch.tensor([p[1] for p in want], dtype=torch.float64))
+
+
+def test_received_attention_stays_on_the_weights_device():
+    """On the meta device (standing in for an accelerator) the positions compared are made there too."""
+    weights = torch.rand(2, 3, 4, 6, device="meta")
+    keys = torch.ones(2, 1, 4, 6, dtype=torch.bool, device="meta")
+    mean, seen = kn.received_attention(weights, keys, torch.ones(2, 4, dtype=torch.bool, device="meta"))
+    assert (mean.device.type, seen.device.type, mean.shape, seen.shape) == ("meta", "meta", (2, 3, 6), (2, 3, 6))
+
+
+def test_pearson_of_two_points_and_of_small_values_as_scipy():
+    """Two points are perfectly (anti-)correlated; values of order 1e-4 (a denominator far below 1)
+    give scipy's r, not NaN."""
+    assert kn.pearson(torch.tensor([1.0, 2.0]), torch.tensor([5.0, 3.0])) == pytest.approx(-1.0, abs=1e-12)
+    x = torch.tensor([1.0, 3.0, 2.0, 5.0], dtype=torch.float64) * 1e-4
+    y = torch.tensor([2.0, 1.0, 4.0, 3.0], dtype=torch.float64) * 1e-4
+    assert kn.pearson(x, y) == pytest.approx(stats.pearsonr(x.numpy(), y.numpy()).statistic, abs=1e-12)

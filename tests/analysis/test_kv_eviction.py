@@ -4,6 +4,7 @@ against exhaustive search, incremental decoding against teacher forcing (kvpress
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -232,6 +233,15 @@ def test_rotary_average_is_the_mean_rotation_and_identity_for_additive_positions
     assert both.shape == (2, 8, 8) and torch.allclose(both[0], want)
 
 
+def test_rotary_average_keeps_float64_precision_far_into_the_sequence():
+    """At position 100 000 with Llama's base, an angle in float32 frequencies would be off by about
+    1e-4 rad: the average matches the float64 rotations to 1e-10."""
+    want = torch.stack([rope_matrix(100_000 + 1 + t, 8, 10_000.0) for t in range(4)]).mean(0)
+    torch.testing.assert_close(kv.rotary_average(100_000, 4, 8, 10_000.0), want, rtol=0, atol=1e-10)
+    got = kv.rotary_average(torch.tensor([7, 100_000]), 4, 8, 10_000.0)
+    torch.testing.assert_close(got[1], want, rtol=0, atol=1e-10)
+
+
 def test_qfilter_is_the_signed_first_singular_vector():
     g = torch.Generator().manual_seed(4)
     direction = torch.tensor([3.0, -1.0, 0.5])
@@ -453,3 +463,258 @@ def test_follow_rows_finds_each_reordered_row_and_leaves_the_global_random_state
     assert torch.equal(torch.get_rng_state(), state)
     with pytest.raises(RuntimeError, match="lost track of the reordered KV cache"):
         kv.follow_rows(before[order] + 1.0, before)
+
+
+def test_follow_rows_follows_a_single_row_and_matches_relative_to_the_keys_magnitude():
+    """One cache row (greedy decoding) is followed; large keys that agree to 1e-9 relative (rounding,
+    not another row) still match, as do the same keys at unit scale; a key off by 1e-3 matches nothing,
+    refused with the full sentence."""
+    g = torch.Generator().manual_seed(8)
+    before = torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64)
+    order = torch.tensor([1, 0, 0])
+    assert kv.follow_rows(before[[2]], before).tolist() == [2]
+    assert kv.follow_rows(before[order] * (1 + 1e-9), before).tolist() == order.tolist()
+    assert kv.follow_rows(before[order] * 1e4 * (1 + 1e-9), before * 1e4).tolist() == order.tolist()
+    off = before[order].clone()
+    off[1, 0, 2, 3] += 1e-3
+    sentence = r"^expected_attention lost track of the reordered KV cache \(a row matches no earlier row\)$"
+    with pytest.raises(RuntimeError, match=sentence):
+        kv.follow_rows(off, before)
+
+
+def window_statistics(q, start, end):
+    """Mean and biased covariance ``(B, h, hs)``, ``(B, h, hs, hs)`` of ``q`` over positions ``start ..
+    end`` by a loop over the positions (zero for an empty range)."""
+    B, h, _, hs = q.shape
+    mu, sigma = torch.zeros(B, h, hs, dtype=torch.float64), torch.zeros(B, h, hs, hs, dtype=torch.float64)
+    rows = range(max(start, 0), end + 1)
+    if len(rows) == 0:
+        return mu, sigma
+    for t in rows:
+        mu += q[:, :, t].double()
+    mu /= len(rows)
+    for t in rows:
+        c = q[:, :, t].double() - mu
+        sigma += c[..., :, None] * c[..., None, :]
+    return mu, sigma / len(rows)
+
+
+def test_running_statistics_from_position_0_one_query_a_chunk():
+    """With ``start`` 0 (no sink) and a chunk too small for even one query's covariances, each query is
+    its own chunk, and each chunk's statistics include position 0 (against a loop over the window)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 3, 7, 4, generator=g)
+    chunks = list(kv.running_statistics(q, start=0, first=1, chunk_bytes=1))
+    assert [c[0].tolist() for c in chunks] == [[e] for e in range(1, 7)]
+    for ends, mu, sigma in chunks:
+        want_mu, want_sigma = window_statistics(q, 0, int(ends[0]))
+        torch.testing.assert_close(mu[:, :, 0], want_mu)
+        torch.testing.assert_close(sigma[:, :, 0], want_sigma)
+
+
+def test_running_statistics_and_the_rotation_stay_on_the_queries_device():
+    """On the meta device (standing in for an accelerator), the positions, means and covariances of
+    every chunk, and Expected Attention's rotated mean and covariance, are made on the queries' device."""
+    q = torch.randn(2, 3, 6, 4, device="meta")
+    chunks = list(kv.running_statistics(q, start=2, first=1, chunk_bytes=1))
+    assert len(chunks) == 5
+    for ends, mu, sigma in chunks:
+        assert (ends.device.type, mu.device.type, sigma.device.type) == ("meta", "meta", "meta")
+        assert mu.shape == (2, 3, 1, 4) and sigma.shape == (2, 3, 1, 4, 4)
+    mu, sigma = torch.zeros(2, 3, 4, 4, device="meta"), torch.zeros(2, 3, 4, 4, 4, device="meta")
+    rotated = kv.ExpectedAttention()._rotated(mu.double(), sigma.double(), torch.arange(4), 100.0, 4)
+    assert [t.device.type for t in rotated] == ["meta", "meta"]
+
+
+class ToyAttention(torch.nn.Module):
+    """What Expected Attention reads from an attention layer (``q_proj``, ``v_proj``, ``out_proj``, the
+    head counts, the positions kind); its forward only lets the method's hook see the layer input."""
+
+    def __init__(self, d, n_heads, n_kv_heads, hs, theta):
+        super().__init__()
+        self.reweight = Softmax()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.q_proj = torch.nn.Linear(d, n_heads * hs, dtype=torch.float64)
+        self.v_proj = torch.nn.Linear(d, n_kv_heads * hs, dtype=torch.float64)
+        self.out_proj = torch.nn.Linear(n_heads * hs, d, dtype=torch.float64)
+        self.positions = "additive" if theta is None else "rotary"
+        self.rope_theta = theta
+
+    def forward(self, x):
+        return x
+
+
+def brute_force_expected_attention(attn, hidden, k, keys, past, n_sink, future, value_norm):
+    """Thesis Eq. 4.11 by loops, per KV head ``g`` and query ``i`` (position ``p``): for each query head
+    of the group, the Gaussian of its queries over positions ``n_sink .. p`` rotated by the mean rope
+    rotation of positions ``p + 1 .. p + future`` (:func:`rope_matrix`), the closed-form expected logit
+    of each key, a softmax over the keys the query sees less the first ``n_sink`` past ones (none: 0),
+    times the value norm; averaged over the group, the sinks infinite."""
+    B, Tk, _ = hidden.shape
+    nh, n_kv, hs, Tq = attn.n_heads, attn.n_kv_heads, k.shape[-1], keys.shape[2]
+    group = nh // n_kv
+    with torch.no_grad():
+        queries = attn.q_proj(hidden).view(B, Tk, nh, hs)
+        values = attn.v_proj(hidden).view(B, Tk, n_kv, hs)
+        w_o = attn.out_proj.weight.detach()
+    out = torch.zeros(B, n_kv, Tq, Tk, dtype=torch.float64)
+    rotation = {}
+    for b, g, i in itertools.product(range(B), range(n_kv), range(Tq)):
+        p = Tk - Tq + i
+        if attn.rope_theta is None:
+            rot = torch.eye(hs, dtype=torch.float64)
+        else:
+            if p not in rotation:
+                rotation[p] = torch.stack([rope_matrix(p + 1 + t, hs, attn.rope_theta) for t in range(future)]).mean(0)
+            rot = rotation[p]
+        for h in range(g * group, (g + 1) * group):
+            sinks = [j for j in range(Tk) if past[b, h, i, j]][:n_sink]
+            allowed = [j for j in range(Tk) if keys[b, h, i, j] and j not in sinks]
+            x = queries[b, n_sink : p + 1, h]
+            mu = x.mean(0) if len(x) else torch.zeros(hs, dtype=torch.float64)
+            sigma = (x - mu).T @ (x - mu) / len(x) if len(x) else torch.zeros(hs, hs, dtype=torch.float64)
+            mu, sigma = rot @ mu, rot @ sigma @ rot.T
+            kg = k[b, g].double()
+            logit = {j: float(mu @ kg[j]) / hs**0.5 + float(kg[j] @ sigma @ kg[j]) / (2 * hs) for j in allowed}
+            total = sum(math.exp(v) for v in logit.values())
+            for j in allowed:
+                v = values[b, j, g]
+                norm = (w_o[:, h * hs : (h + 1) * hs] @ v).norm() if value_norm == "out" else v.norm()
+                out[b, g, i, j] += math.exp(logit[j]) / total * float(norm) / group
+        out[b, g, i, sinks] = math.inf
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n_kv_heads", "theta", "tq", "options", "chunk_bytes", "keyword"),
+    [
+        (2, 100.0, 3, {"future": 5, "n_sink": 2}, None, False),  # grouped keys, 3 queries through a cache
+        (2, 100.0, 7, {"future": 5, "n_sink": 2}, 1, True),  # teacher-forced, one query a chunk, x=...
+        (4, None, 7, {"future": 5, "n_sink": 2, "value_norm": "value"}, 1, False),  # ungrouped, additive
+        (1, 100.0, 4, {"future": 5, "n_sink": 2}, 600, False),  # one KV head (multi-query), 2 queries a chunk
+        (2, 10_000.0, 7, {}, None, False),  # the defaults: 512 future positions, 4 sinks, ||W_O v||
+    ],
+)
+def test_expected_attention_scores_against_brute_force(
+    monkeypatch, n_kv_heads, theta, tq, options, chunk_bytes, keyword
+):
+    """Expected Attention's scores ``(B, n_kv, Tq, Tk)`` for keys given per KV head (4 query heads),
+    equal to :func:`brute_force_expected_attention`, with a padded key and a padded query whose only
+    visible keys are sinks (an empty softmax: zero), whatever the chunking of the statistics and
+    whether the layer gets its input by position or as ``x=``."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kv, "running_statistics", functools.partial(kv.running_statistics, chunk_bytes=chunk_bytes))
+    g = torch.Generator().manual_seed(10)
+    B, nh, hs, d, Tk = 2, 4, 4, 8, 7
+    torch.manual_seed(10)
+    attn = ToyAttention(d, nh, n_kv_heads, hs, theta)
+    hidden = torch.randn(B, Tk, d, generator=g, dtype=torch.float64)
+    k = torch.randn(B, n_kv_heads, Tk, hs, generator=g, dtype=torch.float64)
+    real = torch.ones(B, Tk, dtype=torch.bool)
+    real[1, 2] = False  # key 2 of sample 1 is padding; query 2 there sees only 2 past keys, both sinks
+    keys = (causal_mask(tq, Tk)[None] & real[:, None, :])[:, None].expand(B, nh, tq, Tk)
+    own = torch.arange(Tk) == (Tk - tq + torch.arange(tq))[:, None]
+    past = keys & ~own
+    method = kv.ExpectedAttention(**options)
+    with torch.no_grad(), method.attached(attn):
+        attn(x=hidden) if keyword else attn(hidden)
+        call = kv.KVCall(site(module=attn.reweight), torch.zeros(B, nh, tq, hs), k, keys, past)
+        got = method.scores(call)
+    n_sink, future, value_norm = options.get("n_sink", 4), options.get("future", 512), options.get("value_norm", "out")
+    want = brute_force_expected_attention(attn, hidden, k, keys, past, n_sink, future, value_norm)
+    assert got.shape == (B, n_kv_heads, tq, Tk)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    if tq == Tk:  # the padded query's row: sinks, else zero
+        assert ((want[1, :, 2] == 0) | want[1, :, 2].isinf()).all() and want[1, :, 2].isinf().sum() == 2 * n_kv_heads
+
+
+def test_expected_attention_refuses_an_unknown_value_norm():
+    with pytest.raises(ValueError, match=r"^value_norm must be 'out' or 'value', got 'norm'$"):
+        kv.ExpectedAttention(value_norm="norm")
+
+
+def test_a_method_defined_later_is_registered_by_its_name():
+    """A subclass with ``name`` set is in METHODS (the class itself) and usable by name: here one that
+    keeps the oldest keys, checked against the budget by hand."""
+
+    class Oldest(kv.EvictionMethod):
+        name = "test_oldest"
+
+        def scores(self, call):
+            return -torch.arange(call.keys.shape[-1], dtype=torch.float64)
+
+    try:
+        assert kv.METHODS["test_oldest"] is Oldest
+        assert isinstance(kv.method("test_oldest"), Oldest)
+        q, k = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 7, 4)
+        got = kv.KVEviction(0.5, "test_oldest", skip_layers=0).edit_mask(SITE, q, k, None)
+        assert got[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 6]  # ceil(0.5 * 6) = 3 oldest, itself
+    finally:
+        kv.METHODS.pop("test_oldest", None)
+
+
+@pytest.mark.parametrize("tq", [6, 2], ids=["teacher-forced", "2-queries"])
+@pytest.mark.parametrize("name", ["oracle", "l2", "qfilters"])
+def test_grouped_keys_evict_as_the_keys_repeated_to_each_query_head(name, tq):
+    """Keys of 2 KV heads for 4 query heads (query head h reads KV head h // 2), teacher-forced or 2
+    queries through a cache (as many as KV heads): the kept keys and the attention losses equal those of
+    the same keys repeated by hand to the 4 heads."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, tq, 8, generator=g)
+    k = torch.randn(2, 2, 6, 8, generator=g)
+    filters = torch.randn(2, 2, 8, generator=g)
+    mask = causal_mask(tq, 6)
+    options = {"filters": filters} if name == "qfilters" else {}
+
+    def run(keys, method):
+        evict = kv.KVEviction(0.5, method, skip_layers=0, measure_loss=True)
+        return evict.edit_mask(site(1), q, keys, mask), evict.loss_rows()
+
+    got, got_loss = run(k, kv.method(name, **options))
+    by_hand = {"filters": filters.repeat_interleave(2, dim=1)} if name == "qfilters" else {}
+    want, want_loss = run(k[:, [0, 0, 1, 1]], kv.method(name, **by_hand))
+    assert torch.equal(got, want)
+    assert [r[:2] for r in got_loss] == [r[:2] for r in want_loss] == [(1, 8 * tq), ("all", 8 * tq)]
+    assert [r[2:] for r in got_loss] == [pytest.approx(r[2:], abs=1e-12) for r in want_loss]
+
+
+def test_masks_and_streaming_scores_are_made_on_the_queries_device():
+    """On the meta device (standing in for an accelerator): the full mask of a call without one, and the
+    streaming scores, are made on the device of the queries and masks."""
+    q, k = torch.randn(2, 3, 4, 8, device="meta"), torch.randn(2, 3, 5, 8, device="meta")
+    full = kv.full_mask(q, k, None)
+    assert (full.device.type, full.dtype, full.shape) == ("meta", torch.bool, (2, 3, 4, 5))
+    assert kv.streaming_scores(torch.ones(2, 3, 4, 5, dtype=torch.bool, device="meta")).device.type == "meta"
+
+
+def test_l2_scores_of_half_precision_keys_are_float32_norms():
+    """float16 keys: the scores are minus the norms in float32 (a float16 norm would be rounded to
+    about 3 digits), against float64."""
+    g = torch.Generator().manual_seed(12)
+    keys = (torch.randn(1, 2, 5, 16, generator=g) * 30).half()
+    got = kv.l2_scores(keys)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), -keys.double().norm(dim=-1), rtol=1e-6, atol=0)
+
+
+def test_qfilter_sign_rule_holds_for_small_queries():
+    """Queries of magnitude about 0.01 spread along a direction (mean projection far below 1), and
+    their negatives: each filter is the direction signed so that the mean projection is positive."""
+    g = torch.Generator().manual_seed(0)
+    direction = torch.tensor([0.3, -0.1, 0.05], dtype=torch.float64)
+    t = torch.randn(50, 1, generator=g, dtype=torch.float64) + 0.5
+    base = (direction * t + 0.01 * torch.randn(50, 3, generator=g, dtype=torch.float64)) * 0.01
+    for sign in (1, -1):
+        f = kv.qfilters(sign * base)
+        assert 0 < float((sign * base @ f).mean()) < 1
+        assert torch.allclose(f, sign * direction / direction.norm(), atol=0.05)
+
+
+def test_attention_loss_leaves_out_rows_of_zero_mass():
+    """Three rows, the second of zero mass (no share to lose): the loss sums the other two's shares of
+    dropped mass, by hand, over 2 counted rows."""
+    weights = torch.tensor([[[[0.5, 0.3, 0.2], [0.0, 0.0, 0.0], [0.1, 0.1, 0.2]]]], dtype=torch.float64)
+    dropped = torch.tensor([[[[True, False, False], [True, True, False], [False, False, True]]]])
+    total, rows = kv.attention_loss(weights, dropped)
+    assert int(rows) == 2
+    assert float(total) == pytest.approx(0.5 + 0.2 / 0.4, abs=1e-12)

@@ -123,3 +123,143 @@ def test_padding_is_never_reported_nor_counted_in_the_median():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         MassiveSettings(top_k=0)
+
+
+def scale_output(module, factor: float):
+    """A forward hook (registered first) that multiplies the module's output by ``factor``."""
+    return module.register_forward_hook(lambda m, args, out: out * factor)
+
+
+def test_small_activations_padding_still_sorts_last_and_ratios_are_kept():
+    """Block outputs scaled by 1e-3 (every magnitude and median far below 1), sample 0 padded after 6
+    positions: the largest entries are real ones, with their ratios to medians of about 1e-3, and the
+    per-block means equal a float64 recomputation over the real positions."""
+    task, data = tiny_lm(), batches(seed=2)[:1]
+    data[0]["input"][0, 6:] = PAD
+    handle = scale_output(task.model.decoder.layers[1], 1e-3)
+    outputs = block_outputs(task, data[0])["decoder.layers.1"].double()
+    result = massive_activations(task, data, MassiveSettings(top_k=3, min_magnitude=0.0, min_ratio=2.0))
+    handle.remove()
+    entry = result["blocks"]["decoder.layers.1"]
+    mags = [outputs[0, :6].abs().numpy(), outputs[1].abs().numpy(), outputs[2].abs().numpy()]
+    medians = np.array([lower_median(m) for m in mags])
+    assert medians.max() < 0.01
+    tops = np.array([np.sort(m.ravel())[::-1][:3] for m in mags])
+    assert entry["median"] == pytest.approx(medians.mean(), rel=1e-6)
+    assert entry["top_mean"] == pytest.approx(tops.mean(0).tolist(), rel=1e-6)
+    assert entry["ratio"] == pytest.approx((tops[:, 0] / medians).mean(), rel=1e-6)
+    assert entry["massive"] == sum(int((m > 2.0 * med).sum()) for m, med in zip(mags, medians))
+    want = sorted(((float(v), s) for s, m in enumerate(mags) for v in m.ravel()), reverse=True)[:3]
+    assert [e["magnitude"] for e in entry["top"]] == pytest.approx([v for v, _ in want], rel=1e-6)
+    for e in entry["top"]:
+        assert e["position"] < 6 or e["sample"] != 0
+        assert e["ratio"] == pytest.approx(e["magnitude"] / medians[e["sample"]], rel=1e-6)
+
+
+def test_a_sample_with_fewer_real_entries_than_top_k_lists_only_those():
+    """One sample with one real position (16 entries) and top_k 20: the top lists its 16 entries, in
+    order of magnitude, all at position 0 (none of the padding)."""
+    task = tiny_lm()
+    tokens = torch.full((1, 5), PAD)
+    tokens[0, 0] = 7
+    batch = {"input": tokens, "target": tokens.roll(-1, 1), "loss_mask": torch.ones_like(tokens, dtype=bool)}
+    outputs = block_outputs(task, batch)["decoder.layers.0"].double()
+    entry = massive_activations(task, [batch], MassiveSettings(top_k=20))["blocks"]["decoder.layers.0"]
+    want = np.sort(outputs[0, 0].abs().numpy())[::-1]
+    assert [e["position"] for e in entry["top"]] == [0] * 16
+    assert [e["magnitude"] for e in entry["top"]] == pytest.approx(want.tolist(), rel=1e-6)
+
+
+def test_a_sample_of_median_zero_has_no_ratio():
+    """Sample 1's block output zeroed but for one entry of 7: its median is 0, so its top entry has no
+    ratio and the block's mean ratio is over the other two samples (against a float64 recomputation)."""
+    task, data = tiny_lm(), batches(seed=3)[:1]
+
+    def zero_sample_1(m, args, out):
+        out = torch.zeros_like(out).where(torch.arange(3)[:, None, None] == 1, out)
+        out[1, 4, 2] = 7.0
+        return out
+
+    handle = task.model.decoder.layers[1].register_forward_hook(zero_sample_1)
+    outputs = block_outputs(task, data[0])["decoder.layers.1"].double()
+    entry = massive_activations(task, data, MassiveSettings(top_k=1))["blocks"]["decoder.layers.1"]
+    handle.remove()
+    mags = outputs.abs().numpy()
+    medians = np.array([lower_median(m) for m in mags])
+    assert medians[1] == 0.0 and mags.max() == 7.0
+    assert entry["ratio"] == pytest.approx(np.mean([mags[b].max() / medians[b] for b in (0, 2)]), rel=1e-6)
+    assert entry["top"][0]["sample"] == 1 and entry["top"][0]["ratio"] is None
+    assert entry["median"] == pytest.approx(medians.mean(), rel=1e-6)
+
+
+def test_top_means_are_summed_in_float64():
+    """A planted magnitude of 2^24 beside ordinary ones: the mean largest magnitude is exact to float64
+    rounding (a float32 running sum would be off by about 1/3)."""
+    task, data = tiny_lm(), batches(seed=4)[:1]
+    handle = plant(task.model.decoder.layers[1], sample=0, position=2, dim=5, value=2.0**24)
+    outputs = block_outputs(task, data[0])["decoder.layers.1"].double()
+    entry = massive_activations(task, data, MassiveSettings(top_k=1))["blocks"]["decoder.layers.1"]
+    handle.remove()
+    want = outputs.abs().flatten(1).max(1).values.mean()
+    assert entry["top_mean"][0] == pytest.approx(float(want), rel=1e-12, abs=0)
+
+
+def test_zero_entries_are_listed_and_no_median_above_zero_gives_no_ratio():
+    """Block outputs all zero but one entry of 7: the top 2 are 7 and a zero (a real entry, listed, with
+    no ratio), and no sample has a median above zero, so the block has no mean ratio."""
+    task, data = tiny_lm(), batches(seed=5)[:1]
+
+    def zero_all_but_one(m, args, out):
+        out = torch.zeros_like(out)
+        out[1, 4, 2] = 7.0
+        return out
+
+    handle = task.model.decoder.layers[1].register_forward_hook(zero_all_but_one)
+    entry = massive_activations(task, data, MassiveSettings(top_k=2))["blocks"]["decoder.layers.1"]
+    handle.remove()
+    assert [e["magnitude"] for e in entry["top"]] == [7.0, 0.0]
+    assert [e["ratio"] for e in entry["top"]] == [None, None]
+    assert (entry["median"], entry["ratio"], entry["massive"]) == (0.0, None, 0)
+
+
+def test_without_a_keep_mask_every_position_counts_and_no_token_is_named():
+    """The recorder used directly, told no real positions nor tokens (``next_batch({}, {}, 10)``): every
+    position counts in the median and the top, the samples numbered from 10, with no token."""
+    from mmlight.analysis.massive import MassiveActivations
+
+    task, data = tiny_lm(), batches(seed=6)
+    outputs = block_outputs(task, data[0])["decoder.layers.0"].double()
+    recorder = MassiveActivations(task.model, MassiveSettings(top_k=2))
+    recorder.next_batch({}, {}, 10)
+    with torch.no_grad():
+        task.model(data[0]["input"])
+    recorder.remove()
+    entry = recorder.sums["decoder.layers.0"].summary()
+    mags = outputs.abs().numpy()
+    assert entry["samples"] == 3
+    assert entry["median"] == pytest.approx(np.mean([lower_median(m) for m in mags]), rel=1e-6)
+    flat = mags.reshape(3, -1)
+    best = np.unravel_index(np.argmax(flat), flat.shape)
+    top = entry["top"][0]
+    assert (top["sample"], top["token"]) == (10 + int(best[0]), None)
+    assert (top["position"], top["dim"]) == divmod(int(best[1]), mags.shape[2])
+
+
+def test_massive_rows_list_every_metric_of_every_block_in_order():
+    """The rows of a hand-made result: per block the median, top1 .. topk, the ratio and the count."""
+    result = {
+        "blocks": {
+            "encoder.layers.0": {"median": 0.5, "top_mean": [9.0, 4.0], "ratio": 18.0, "massive": 0, "top": []},
+            "decoder.layers.0": {"median": None, "top_mean": [], "ratio": None, "massive": 2, "top": []},
+        }
+    }
+    assert massive_rows(result) == [
+        ("encoder.layers.0", "median", 0.5),
+        ("encoder.layers.0", "top1", 9.0),
+        ("encoder.layers.0", "top2", 4.0),
+        ("encoder.layers.0", "ratio", 18.0),
+        ("encoder.layers.0", "massive", 0),
+        ("decoder.layers.0", "median", None),
+        ("decoder.layers.0", "ratio", None),
+        ("decoder.layers.0", "massive", 2),
+    ]
