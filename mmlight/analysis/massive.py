@@ -33,7 +33,7 @@ class MassiveSettings:
 
     Args:
         top_k: the largest entries listed per block (over all samples), and the i-th largest averaged
-            over samples for ``i <= top_k``.
+            over the samples that have an i-th real entry, for ``i <= top_k`` (None where none has).
         min_magnitude: an entry is massive above this magnitude ...
         min_ratio: ... and above this multiple of its sample's median magnitude.
     """
@@ -57,6 +57,7 @@ class _BlockSums:
         self.ratio = 0.0
         self.ratio_samples = 0  # samples with a median above zero (a ratio is defined)
         self.top_sum = torch.zeros(k, dtype=torch.float64)
+        self.top_count = torch.zeros(k, dtype=torch.int64)  # samples that have an i-th real entry
         self.massive = 0
         self.top: list[dict] = []
 
@@ -67,7 +68,9 @@ class _BlockSums:
             "layer": self.block.layer,
             "samples": n,
             "median": self.median / n if n else None,
-            "top_mean": [v / n for v in self.top_sum.tolist()] if n else [],
+            "top_mean": [s / c if c else None for s, c in zip(self.top_sum.tolist(), self.top_count.tolist())]
+            if n
+            else [],
             "ratio": self.ratio / self.ratio_samples if self.ratio_samples else None,
             "massive": self.massive,
             "top": self.top,
@@ -126,7 +129,9 @@ class MassiveActivations:
         positive = real & (median > 0)
         sums.ratio += float((values[:, 0] / median)[positive].double().sum())
         sums.ratio_samples += int(positive.sum())
-        sums.top_sum[:k] += values[real].double().sum(0).cpu()
+        present = real[:, None] & (values >= 0)  # (B, k): a real entry, not the padding stand-in
+        sums.top_sum[:k] += torch.where(present, values.double(), 0.0).sum(0).cpu()
+        sums.top_count[:k] += present.sum(0).cpu()
         tokens = self.tokens.get(sums.block.stack)
         found = []
         for b in real.nonzero().flatten().tolist():
@@ -180,7 +185,8 @@ def massive_activations(task, batches: list, settings: MassiveSettings | None = 
 
 
 def massive_rows(result: dict) -> list[tuple[str, str, float | None]]:
-    """``(block, metric, value)`` rows: ``median``, ``top1`` .. ``top{k}`` (means over samples),
+    """``(block, metric, value)`` rows: ``median``, ``top1`` .. ``top{k}`` (means over the samples with as
+    many real entries),
     ``ratio`` (mean over samples of the largest magnitude over the median) and ``massive`` (count)."""
     rows = []
     for name, entry in result["blocks"].items():

@@ -263,3 +263,19 @@ def test_massive_rows_list_every_metric_of_every_block_in_order():
         ("decoder.layers.0", "ratio", None),
         ("decoder.layers.0", "massive", 2),
     ]
+
+
+def test_the_i_th_largest_is_averaged_over_the_samples_that_have_an_i_th_real_entry():
+    """Sample 0 has one real position (16 entries), sample 1 five (80); top_k 20: the first 16 means are
+    over both samples, the next 4 over sample 1 alone (no padding stand-in counted), against float64."""
+    task = tiny_lm()
+    tokens = torch.tensor([[7, PAD, PAD, PAD, PAD], [5, 6, 7, 8, 9]])
+    batch = {"input": tokens, "target": tokens.roll(-1, 1), "loss_mask": tokens != PAD}
+    outputs = block_outputs(task, batch)["decoder.layers.0"].double().abs()
+    short = np.sort(outputs[0, 0].numpy())[::-1]  # (16,)
+    full = np.sort(outputs[1].reshape(-1).numpy())[::-1][:20]
+    entry = massive_activations(task, [batch], MassiveSettings(top_k=20))["blocks"]["decoder.layers.0"]
+    want = [(short[i] + full[i]) / 2 for i in range(16)] + full[16:].tolist()
+    assert entry["top_mean"] == pytest.approx(want, rel=1e-6)
+    alone = massive_activations(task, [{k: v[:1] for k, v in batch.items()}], MassiveSettings(top_k=20))
+    assert alone["blocks"]["decoder.layers.0"]["top_mean"][16:] == [None] * 4
