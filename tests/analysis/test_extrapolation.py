@@ -248,6 +248,12 @@ def test_a_context_or_multiple_below_1_is_refused_whole(context, multiples):
     assert str(caught.value) == f"context and every multiple must be >= 1, got {context} and {list(multiples)}"
 
 
+def test_a_context_of_one_token_is_evaluated():
+    task = LanguageModel(tiny_transformer())
+    result = length_extrapolation(task, random_stream(8, 20), 1, multiples=(1, 2))
+    assert result["context"] == 1 and result["bucket"] == 1 and result["multiples"][2]["count"] > 0
+
+
 def test_every_field_of_the_result_and_the_progress_of_each_batch():
     """Context 9 (a default bucket of 3, a quarter rounded up), multiples given out of order; a learned table
     of 18 positions: 1x and 2x defined, 4x not. Each multiple runs ``widest // length`` windows per pass."""
