@@ -162,7 +162,15 @@ MODULES: dict[str, Module] = {
     ),
     "vit": Module(
         ("mmlight/models/vit.py", "mmlight/models/pretrained.py"),
-        ("tests/models/test_vit.py", "tests/models/test_pretrained.py", "tests/models/test_gated_attention.py"),
+        (
+            "tests/models/test_vit.py",
+            "tests/models/test_pretrained.py",
+            "tests/models/test_gated_attention.py",
+            # read_pretrained's refusal of a code-running .pth (the other safe-loading tests are the cli set's)
+            *_node_ids(
+                "tests/test_safe_load.py", "test_a_code_running_pth_is_refused_by_timm_s_reader_naming_the_file"
+            ),
+        ),
         keyword="not triton",
     ),
     "transformer": Module(

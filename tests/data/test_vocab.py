@@ -308,3 +308,44 @@ def test_a_hugging_face_vocabulary_with_a_gap_or_another_size_is_refused(tmp_pat
         Vocab.from_hf_json(word_level({**{t: i for i, t in enumerate(SPECIALS)}, "x": 5}), dict(SPECIAL_IDS))
     with pytest.raises(ValueError, match="has 9 tokens, _info.json says 10"):
         Vocab.from_hf_json(word_level({t: i for i, t in enumerate(SPECIALS + WORDS)}), dict(SPECIAL_IDS), 10)
+
+
+def test_a_hugging_face_tokenizer_with_a_template_adds_no_specials_when_it_tokenizes():
+    from tokenizers import Tokenizer as HF
+    from tokenizers import processors
+
+    tokenizer = HF.from_str(word_level({tok: i for i, tok in enumerate(SPECIALS + WORDS)}))
+    # as a Llama or RoBERTa tokenizer.json has: <s> put before every encoded text
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    assert tokenizer.encode("the dog").tokens == ["<s>", "the", "dog"]  # the template is live
+    vocab = Vocab.from_hf_json(tokenizer.to_str(), dict(SPECIAL_IDS))
+    assert vocab.tokenizer.tokenize("the dog") == ["the", "dog"]
+    assert vocab.encode("the dog") == [4, 5]
+
+
+def test_the_first_five_gaps_of_a_hugging_face_vocabulary_are_named():
+    # 14 entries, so tokenizers' size is 14 (ids 0-13); the words sit at 14-23, leaving 4-13 without a token
+    ids = {**{t: i for i, t in enumerate(SPECIALS)}, **{f"w{i}": 14 + i for i in range(10)}}
+    with pytest.raises(ValueError) as err:
+        Vocab.from_hf_json(word_level(ids), dict(SPECIAL_IDS))
+    assert str(err.value) == "the tokenizer's ids are not consecutive: no token has id [4, 5, 6, 7, 8]"
+
+
+def test_a_shard_sets_hugging_face_vocabulary_of_another_size_is_refused(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(word_level({t: i for i, t in enumerate(SPECIALS + WORDS)}))
+    info = {"vocab": vocab_entry("tokenizer.json", "hf", 10, Tokenizer())}
+    with pytest.raises(ValueError, match=r"^the tokenizer has 9 tokens, _info.json says 10$"):
+        Vocab.from_shards(tmp_path, info)
+    info["vocab"]["size"] = 9
+    assert Vocab.from_shards(tmp_path, info).tokens == SPECIALS + WORDS
+
+
+def test_without_tokenizers_a_byte_level_vocabulary_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from mmlight.data.vocab import hf_tokenizers
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # what an environment without the package gives
+    with pytest.raises(ImportError) as err:
+        hf_tokenizers()
+    assert str(err.value) == "byte-level BPE vocabularies need Hugging Face tokenizers: pip install tokenizers"

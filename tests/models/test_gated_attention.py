@@ -159,6 +159,19 @@ def test_vit_self_attention_is_the_papers_equation(gate):
     np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_each_vit_attention_site_carries_its_blocks_gate(gate):
+    """The statistics callback and the analysis read a site's gate values through ``AttentionSite.gate``."""
+    config = ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10, gate=gate)
+    model = ReweightedViT(config)
+    sites = model.attention_sites()
+    assert list(sites) == [f"blocks.{i}" for i in range(len(model.vit.blocks))]
+    for i, block in enumerate(model.vit.blocks):
+        assert block.attn.out_gate is not None and sites[f"blocks.{i}"].gate is block.attn.out_gate
+    plain = ReweightedViT(ViTConfig(variant="vit_micro", img_size=8, patch_size=2, in_chans=1, num_classes=10))
+    assert all(site.gate is None for site in plain.attention_sites().values())
+
+
 def test_no_gate_keeps_every_parameter_and_checkpoint_as_it_was():
     """``gate: none`` (the default) adds no parameter: the state dicts of the three models are those of
     plain attention, and a gated model holds one gate per attention layer."""
