@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from mmlight.analysis.massive import massive_activations
+from mmlight.analysis.massive import MassiveSettings, massive_activations
 from mmlight.analysis.stats import collect_statistics
 from mmlight.callbacks import AttentionStats
 from mmlight.data import RecallDataModule
@@ -107,7 +107,8 @@ def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path)
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    stats_cb = AttentionStats(every_n_epochs=1, num_samples=6)  # figures: every recording (the default)
+    # figures: every recording (the default); the massive-activations figure drawn beside them
+    stats_cb = AttentionStats(every_n_epochs=1, num_samples=6, massive_activations=True)
     fit_recall_lm(TensorBoardLogger(tmp_path, name="run"), [stats_cb], epochs=3, sanity_steps=0)
     assert stats_cb._worker is None and not stats_cb._pending  # drained and shut down at teardown
 
@@ -122,6 +123,8 @@ def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path)
     assert [e.step for e in acc.Scalars("attention/figure_seconds")] == recorded
     assert [e.step for e in acc.Scalars("attention/reduce_seconds")] == recorded
     assert len(acc.Scalars("attention/final_wait_seconds")) == 1
+    assert [e.step for e in acc.Images("massive/activations")] == recorded
+    assert [e.step for e in acc.Scalars("massive/figure_seconds")] == recorded
     # the similarity figure of the last recording draws one line per recorded epoch
     assert list(stats_cb.similarity_history) == ["epoch 0", "epoch 1", "epoch 2"]
 
@@ -489,12 +492,22 @@ def test_a_failed_run_cancels_what_waits_and_does_not_wait_for_what_runs():
 
 def test_massive_activations_are_off_by_default_and_when_on_logged_as_the_analysis_computes_them(tmp_path):
     assert AttentionStats().massive is None
-    stats_cb = AttentionStats(every_n_epochs=1, num_samples=10, figures="off", massive_activations=True)
+    # thresholds low enough that entries count as massive: the settings given are the ones applied
+    settings = MassiveSettings(top_k=2, min_magnitude=0.0, min_ratio=1.5)
+    stats_cb = AttentionStats(
+        every_n_epochs=1, num_samples=10, figures="off", massive_activations=True, massive_settings=settings
+    )
     task, data, metrics = tiny_run(tmp_path, [stats_cb], epochs=1)
     logged = [r for r in csv.DictReader(open(metrics)) if r.get("massive/decoder.layers.1/ratio")]
     assert len(logged) == 1 and float(logged[0]["massive/seconds"]) > 0
-    want = massive_activations(task, stats_cb.batches)  # after training = the recording of the only epoch
-    for block in ("decoder.layers.0", "decoder.layers.1"):
+    # per block the median, the mean largest, the ratio and the count; not top2 .. top_k
+    massive_columns = {column for column in logged[0] if column.startswith("massive/")}
+    blocks = ("decoder.layers.0", "decoder.layers.1")
+    metrics_logged = ("median", "top1", "ratio", "massive")
+    assert massive_columns == {"massive/seconds"} | {f"massive/{b}/{m}" for b in blocks for m in metrics_logged}
+    want = massive_activations(task, stats_cb.batches, settings)  # after training = the only epoch's recording
+    assert want != massive_activations(task, stats_cb.batches)  # the default thresholds count another number
+    for block in blocks:
         entry = want["blocks"][block]
         assert float(logged[0][f"massive/{block}/ratio"]) == pytest.approx(entry["ratio"], rel=1e-6)
         assert float(logged[0][f"massive/{block}/median"]) == pytest.approx(entry["median"], rel=1e-6)
