@@ -4,12 +4,14 @@ QK-norm) in float32 on the CPU; ``mmlight export hf`` writes a folder that ``fro
 equal logits, for softmax and, through the registered ``mmlight`` attention, for other functions."""
 
 import json
+from pathlib import Path
 
 import lightning
 import pytest
 import torch
 
 from mmlight.cli import main as mmlight
+from mmlight.commands.export import parse_args
 from mmlight.export.hf import NotExportable, export, hf_state_dict, to_hf
 from mmlight.models.transformer import LLAMA_STYLE, TransformerConfig, TransformerLM
 from mmlight.reweighting import MultiMax, ReweightingSpec
@@ -230,7 +232,8 @@ def test_the_export_command_writes_a_folder_transformers_loads(tmp_path, capsys)
     task.model.load_state_dict(model.state_dict())
     write_checkpoint(task, tmp_path / "llm.ckpt")
     mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "llm.ckpt"), "--out", str(tmp_path / "hf")])
-    assert f"wrote {tmp_path / 'hf' / 'config.json'}" in capsys.readouterr().out
+    written = f"wrote {tmp_path / 'hf' / 'config.json'} and {tmp_path / 'hf' / 'model.safetensors'}"
+    assert capsys.readouterr().out.splitlines()[-1] == written
     loaded = hf_attention.from_pretrained(tmp_path / "hf").eval()
     x = tokens()
     with torch.no_grad():
@@ -245,3 +248,71 @@ def test_the_export_command_names_what_stops_it(tmp_path):
     with pytest.raises(SystemExit, match="fairseq.ckpt: this network cannot be a transformers Llama: pre_norm=False"):
         mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "fairseq.ckpt"), "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_export_command_reads_the_checkpoint_onto_the_cpu(tmp_path, monkeypatch):
+    """A checkpoint saved on a GPU node exports on a machine without one: its tensors are mapped to the CPU."""
+    task = LanguageModel(llama().config)
+    write_checkpoint(task, tmp_path / "llm.ckpt")
+    load, asked = LanguageModel.load_from_checkpoint, []
+
+    def recording_load(path, **kwargs):
+        asked.append(kwargs)
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(LanguageModel, "load_from_checkpoint", recording_load)
+    mmlight(["export", "hf", "--ckpt_path", str(tmp_path / "llm.ckpt"), "--out", str(tmp_path / "hf")])
+    assert asked == [{"map_location": "cpu"}]
+
+
+def test_another_tasks_checkpoint_is_named_with_the_reason(tmp_path):
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"classes": 10}, "pytorch-lightning_version": "2.6.0"}, path)
+    with pytest.raises(SystemExit) as stop:
+        mmlight(["export", "hf", "--ckpt_path", str(path), "--out", str(tmp_path / "hf")])
+    assert str(stop.value).startswith(f"mmlight export: error: {path} is not a LanguageModel checkpoint: ")
+    # the reason: a classifier's hyperparameters have no language-model network
+    assert str(stop.value).endswith("missing 1 required positional argument: 'model'")
+    assert not (tmp_path / "hf").exists()
+
+
+def help_text(argv: list[str], capsys) -> str:
+    """``mmlight <argv>`` (a ``--help``), its standard output with whitespace runs as one space (argparse
+    wraps at the terminal's width)."""
+    with pytest.raises(SystemExit) as stop:
+        mmlight(argv)
+    assert stop.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_export_commands_help_says_what_each_part_is(capsys):
+    top = help_text(["export", "--help"], capsys)
+    assert top.startswith("usage: mmlight export [-h] FORMAT ... export a checkpoint to another ecosystem ")
+    assert " FORMAT hf a transformers model folder (LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm) " in top
+    hf = help_text(["export", "hf", "--help"], capsys)
+    assert hf.startswith(
+        "usage: mmlight export hf [-h] --ckpt_path CKPT_PATH --out OUT "
+        "Write a Llama-style LanguageModel checkpoint as a transformers model folder. "
+    )
+    assert " --ckpt_path CKPT_PATH the LanguageModel checkpoint (.ckpt) " in hf
+    assert hf.endswith(" --out OUT the folder to write (created; files in it are replaced)")
+
+
+@pytest.mark.parametrize(
+    "argv, missing",
+    [
+        (["export"], "FORMAT"),
+        (["export", "hf", "--out", "x"], "--ckpt_path"),
+        (["export", "hf", "--ckpt_path", "y"], "--out"),
+    ],
+)
+def test_the_export_command_names_what_is_missing(argv, missing, capsys):
+    with pytest.raises(SystemExit) as stop:
+        mmlight(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: the following arguments are required: {missing}\n")
+
+
+def test_the_export_commands_arguments_are_paths_under_their_names():
+    args = parse_args(["hf", "--ckpt_path", "runs/best.ckpt", "--out", "exported"])
+    assert vars(args) == {"format": "hf", "ckpt_path": Path("runs/best.ckpt"), "out": Path("exported")}
