@@ -75,7 +75,7 @@ def hf_config(model: TransformerLM):
         bos_token_id=None,  # transformers' defaults (1, 2) are not the ids of mmlight's vocabularies
         eos_token_id=None,
         attention_dropout=c.attention_dropout,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if not uses_plain_softmax(model):
         from mmlight.export import hf_attention

@@ -12,7 +12,7 @@ import torch
 
 from mmlight.cli import main as mmlight
 from mmlight.commands.export import parse_args
-from mmlight.export.hf import NotExportable, export, hf_state_dict, to_hf
+from mmlight.export.hf import NotExportable, export, hf_config, hf_state_dict, to_hf, uses_plain_softmax
 from mmlight.models.transformer import LLAMA_STYLE, TransformerConfig, TransformerLM
 from mmlight.reweighting import MultiMax, ReweightingSpec
 from mmlight.tasks import LanguageModel
@@ -316,3 +316,31 @@ def test_the_export_command_names_what_is_missing(argv, missing, capsys):
 def test_the_export_commands_arguments_are_paths_under_their_names():
     args = parse_args(["hf", "--ckpt_path", "runs/best.ckpt", "--out", "exported"])
     assert vars(args) == {"format": "hf", "ckpt_path": Path("runs/best.ckpt"), "out": Path("exported")}
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_exported_config_states_each_field_of_the_network(qk_norm):
+    """Values away from transformers' defaults (Qwen3's head_dim is 128, Llama's BOS/EOS ids 1 and 2, its
+    rope_theta 10 000), so that each field shows that it was passed."""
+    model = llama(rope_theta=5e5, bias=not qk_norm, attention_dropout=0.25, max_positions=77, pad_id=3, qk_norm=qk_norm)
+    config = hf_config(model)
+    assert type(config).__name__ == ("Qwen3Config" if qk_norm else "LlamaConfig")
+    assert (config.head_dim, config.max_position_embeddings, config.rope_parameters) == (
+        8,
+        77,
+        {"rope_type": "default", "rope_theta": 5e5},
+    )
+    assert (config.attention_bias, config.pad_token_id, config.bos_token_id, config.eos_token_id) == (
+        not qk_norm,
+        3,
+        None,
+        None,
+    )
+    assert config.attention_dropout == 0.25 and config.dtype == torch.float32
+
+
+def test_only_softmax_at_temperature_one_and_fixed_is_transformers_own_attention():
+    assert uses_plain_softmax(llama("softmax")) and uses_plain_softmax(llama("softmax", {"temperature": 1.0}))
+    assert not uses_plain_softmax(llama("softmax", {"temperature": 2.0}))
+    assert not uses_plain_softmax(llama("softmax", {"learnable": True}))
+    assert not uses_plain_softmax(llama("multimax"))
