@@ -12,7 +12,16 @@ import torch
 
 from mmlight.cli import main as mmlight
 from mmlight.commands.export import parse_args
-from mmlight.export.hf import NotExportable, export, hf_config, hf_state_dict, to_hf, uses_plain_softmax
+from mmlight.export import hf as hf_export
+from mmlight.export.hf import (
+    NotExportable,
+    export,
+    hf_config,
+    hf_state_dict,
+    to_hf,
+    unsupported,
+    uses_plain_softmax,
+)
 from mmlight.models.transformer import LLAMA_STYLE, TransformerConfig, TransformerLM
 from mmlight.reweighting import MultiMax, ReweightingSpec
 from mmlight.tasks import LanguageModel
@@ -206,18 +215,34 @@ def test_causal_masking_is_not_dropped():
 
 
 @pytest.mark.parametrize(
-    "fields, reason",
+    "fields, reasons",
     [
-        ({"gate": "headwise"}, "gate='headwise': the gate reads the layer's input"),
-        ({"output_multimax": True}, "output_multimax=True: a transformers LM head has no output modulation"),
-        ({"positions": "sinusoidal"}, "positions='sinusoidal': a Llama has 'rope'"),
-        ({"embed_scale": None, "norm": "layernorm"}, "norm='layernorm': a Llama has 'rmsnorm'; embed_scale=None"),
-        ({"qk_norm": True, "bias": True}, "qk_norm with bias=True: Qwen3's feed-forward has no biases"),
+        (
+            {"gate": "headwise"},
+            ["gate='headwise': the gate reads the layer's input, which transformers' attention functions do not get"],
+        ),
+        ({"output_multimax": True}, ["output_multimax=True: a transformers LM head has no output modulation"]),
+        ({"positions": "sinusoidal"}, ["positions='sinusoidal': a Llama has 'rope'"]),
+        (
+            {"embed_scale": None, "norm": "layernorm"},
+            ["norm='layernorm': a Llama has 'rmsnorm'", "embed_scale=None: a Llama has 1.0"],
+        ),
+        ({"qk_norm": True, "bias": True}, ["qk_norm with bias=True: Qwen3's feed-forward has no biases"]),
+        ({"bias": True}, []),  # a Llama's projections may have biases; Qwen3's (qk_norm) may not
+        ({"qk_norm": True}, []),
     ],
 )
-def test_what_transformers_cannot_express_is_refused_with_the_reason(fields, reason):
-    with pytest.raises(NotExportable, match="cannot be a transformers Llama: .*" + reason.replace("(", r"\(")):
-        to_hf(llama(**fields))
+def test_what_transformers_cannot_express_is_refused_with_the_reasons(fields, reasons):
+    model = llama(**fields)
+    assert unsupported(model) == reasons
+    if reasons:
+        with pytest.raises(NotExportable) as refused:
+            to_hf(model)
+        assert str(refused.value) == "this network cannot be a transformers Llama: " + "; ".join(reasons)
+
+
+def test_a_network_other_than_a_language_model_is_named_by_its_class():
+    assert unsupported(torch.nn.Linear(2, 2)) == ["only a decoder-only TransformerLM exports, not a Linear"]
 
 
 def write_checkpoint(task, path):
@@ -344,3 +369,47 @@ def test_only_softmax_at_temperature_one_and_fixed_is_transformers_own_attention
     assert not uses_plain_softmax(llama("softmax", {"temperature": 2.0}))
     assert not uses_plain_softmax(llama("softmax", {"learnable": True}))
     assert not uses_plain_softmax(llama("multimax"))
+
+
+def test_the_in_memory_model_runs_the_function_it_was_given():
+    """``to_hf`` without a save: a function other than softmax runs as the ``mmlight`` implementation,
+    plain softmax as transformers' own (SDPA), each with mmlight's logits."""
+    x = tokens()
+    for name, implementation in (("multimax", "mmlight"), ("softmax", "sdpa")):
+        model = llama(name)
+        hf = to_hf(model)
+        assert hf.config._attn_implementation == implementation
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits, mmlight_logits(model, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda state: state.pop("model.norm.weight"), "missing ['model.norm.weight'], unexpected []"),
+        (lambda state: state.update(extra=torch.zeros(1)), "missing [], unexpected ['extra']"),
+    ],
+)
+def test_a_weight_that_does_not_map_stops_the_export_naming_it(monkeypatch, edit, message):
+    """A name mapping out of step with transformers' modules is never a silent partial copy, with tied
+    embeddings too (whose ``lm_head.weight`` transformers reports missing and ties after loading)."""
+    model = llama(share_output_embedding=True)
+
+    def edited(m):
+        state = hf_state_dict(m)
+        edit(state)
+        return state
+
+    monkeypatch.setattr(hf_export, "hf_state_dict", edited)
+    with pytest.raises(RuntimeError) as err:
+        to_hf(model)
+    assert str(err.value) == f"weights that did not map: {message}"
+
+
+def test_an_exported_folder_holds_safetensors_and_a_config_laid_out_as_transformers_writes_it(tmp_path):
+    """``model.safetensors`` (no pickle to trust when loading), and ``config.json`` with the ``mmlight``
+    entries added, still indented by two and sorted, as transformers writes its configs."""
+    export(llama("multimax"), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".safetensors", ".bin")) == ["model.safetensors"]
+    text = (tmp_path / "config.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
