@@ -148,7 +148,7 @@ def export(model: TransformerLM, out: str | Path) -> Path:
     ``from_pretrained`` after importing :mod:`mmlight.export.hf_attention`, or load with its
     :func:`~mmlight.export.hf_attention.from_pretrained`, which does both."""
     out = Path(out)
-    to_hf(model).save_pretrained(out, safe_serialization=True)
+    to_hf(model).save_pretrained(out)  # transformers 5 writes safetensors only
     if not uses_plain_softmax(model):
         from mmlight.export.hf_attention import IMPLEMENTATION
 

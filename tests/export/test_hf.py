@@ -362,6 +362,7 @@ def test_the_exported_config_states_each_field_of_the_network(qk_norm):
         None,
     )
     assert config.attention_dropout == 0.25 and config.dtype == torch.float32
+    assert qk_norm or config.mlp_bias  # Qwen3's feed-forward has no biases to state
 
 
 def test_only_softmax_at_temperature_one_and_fixed_is_transformers_own_attention():
