@@ -56,7 +56,9 @@ def test_prepare_makes_a_text_shard_set_of_it(stdlib, tmp_path):
     assert info["dataset"] == "python-docs" and info["python"].count(".") == 2
     assert info["num_documents"] == len(topics) + 2
     assert info["splits"]["train"]["num_documents"] + info["splits"]["valid"]["num_documents"] == len(topics) + 2
-    assert [s["path"] for s in info["skipped"]] == [str(stdlib / "bad.py")] and info["num_skipped"] == 1
+    assert info["num_skipped"] == 1 and len(info["skipped"]) == 1
+    assert info["skipped"][0]["path"] == str(stdlib / "bad.py") and list(info["skipped"][0]) == ["path", "reason"]
+    assert info["skipped"][0]["reason"].startswith("does not parse: SyntaxError: ")
     assert info["vocab"]["size"] == 300 and (out / "tokenizer.json").is_file()
 
 
@@ -66,3 +68,17 @@ def test_the_command_takes_the_text_options(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--vocab-size" in out and "--valid-fraction" in out
+
+
+def test_the_worker_count_reaches_the_text_preparer(stdlib, tmp_path, monkeypatch):
+    from mmlight.data.prepare import text
+
+    prepare, asked = text.prepare, []
+
+    def recording(paths, out, workers=1, **options):
+        asked.append(workers)
+        return prepare(paths, out, workers, **options)
+
+    monkeypatch.setattr(text, "prepare", recording)
+    python_docs.prepare(None, tmp_path / "out", 3, stdlib=stdlib, vocab_size=300, valid_fraction=0.1)
+    assert asked == [3]

@@ -103,7 +103,6 @@ def prepare(src: Path | None, out: Path, workers: int = 1, stdlib: Path | None =
     for s in skipped:
         log.warning("skipped %s: %s", s.path, s.reason)
     extra = [{"path": s.path, "reason": s.reason} for s in skipped]
-    info = {k: v for k, v in info.items() if k != "version"}
     info.update(dataset="python-docs", python=platform.python_version())
     info.update(num_skipped=info["num_skipped"] + len(extra), skipped=extra + info["skipped"])
     return write_info(out, info)
