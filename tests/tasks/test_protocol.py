@@ -371,3 +371,35 @@ def test_the_language_model_names_its_decoder_tokens_and_saves_no_vocabulary_it_
     assert task.data_state() == {}
     task.vocab = Vocab(["<s>", "<pad>", "</s>", "<unk>", "a"])
     assert task.data_state()["vocab"]["tokens"] == ["<s>", "<pad>", "</s>", "<unk>", "a"]
+
+
+def smoothed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, eps: float) -> float:
+    """Mean over the kept positions of ``(1 - eps) * nll + eps * mean over classes of -log p``, in float64."""
+    logp = logits.detach().double().log_softmax(-1)[keep]  # (N, V)
+    nll = -logp.gather(-1, targets[keep][:, None]).squeeze(-1)
+    return float(((1 - eps) * nll - eps * logp.mean(-1)).mean())
+
+
+@pytest.mark.parametrize("kind", ["lm", "translator"])
+def test_the_sequence_tasks_count_and_score_a_training_batch_as_by_hand(kind):
+    """``batch_counts`` and ``training_loss``, what the throughput callback reads: the samples and the
+    scored tokens of a batch with masked targets, and the label-smoothed mean loss by the formula."""
+    from mmlight.models.transformer import TransformerConfig
+    from mmlight.tasks import LanguageModel, Translator
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=11, d_model=16, n_heads=2, ffn_dim=24, n_layers=1, dropout=0.0)
+    keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)  # 12 scored
+    tokens, targets = torch.randint(4, 11, (3, 5)), torch.randint(4, 11, (3, 5))
+    if kind == "lm":
+        task = LanguageModel(TransformerConfig(**fields), label_smoothing=0.2)
+        batch = {"input": tokens, "target": targets, "loss_mask": keep}
+        logits = task.model.logits(task.model(tokens))
+    else:
+        task = Translator(TransformerConfig(**fields, n_encoder_layers=1), label_smoothing=0.2)
+        src, src_mask = torch.randint(4, 11, (3, 4)), torch.ones(3, 4, dtype=torch.bool)
+        batch = {"src": src, "tgt_in": tokens, "tgt_out": targets, "src_mask": src_mask, "tgt_mask": keep}
+        logits = task.model.logits(task.model(src, tokens, src_mask))
+    assert task.batch_counts(batch) == (3, 12)
+    want = smoothed_cross_entropy(logits, targets, keep, 0.2)
+    assert task.training_loss(batch, task.model).item() == pytest.approx(want, rel=1e-5)
