@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from mmlight.commands.prepare import main
 from mmlight.data import WikiTextDataModule
 from mmlight.data.prepare import text
+from mmlight.data.shard_writer import Skipped
 from mmlight.data.shards import read_info
 from mmlight.data.text import read_stream
 from mmlight.data.vocab import Vocab
@@ -334,3 +335,22 @@ def test_trainer_settings_are_deterministic_across_fresh_tokenizers():
     )
     reference.train_from_iterator(DOCS, trainer)
     assert Tokenizer.from_str(first).get_vocab() == reference.get_vocab()
+
+
+def test_parquet_files_are_planned_by_their_row_groups_and_skipped_with_the_reason(tmp_path):
+    """A file of one row is one unit at row 0; row groups start at their first row; no rows, or a column
+    that is not text, is skipped naming it (a large_string column, as Polars writes, is text)."""
+    one, groups, empty, ints, large = (tmp_path / f"{n}.parquet" for n in ("one", "groups", "empty", "ints", "large"))
+    pq.write_table(pa.table({"text": ["only row"]}), one)
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(10)]}), groups, row_group_size=4)
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty)
+    pq.write_table(pa.table({"text": [1, 2]}), ints)
+    pq.write_table(pa.table({"text": pa.array(["a", "b"], pa.large_string())}), large)
+    assert text.parquet_groups(one, "text") == [0]
+    assert text.parquet_groups(groups, "text") == [0, 4, 8]
+    assert text.parquet_groups(large, "text") == [0]
+    assert text.parquet_groups(empty, "text") == Skipped(str(empty), "no rows")
+    assert text.parquet_groups(ints, "text") == Skipped(str(ints), "column 'text' holds int64, not text")
+    units = [text.Unit(str(groups), "parquet", part, first) for part, first in enumerate([0, 4, 8])]
+    rows = [where for unit in units for where, _ in text.parquet_documents(unit, "text")]
+    assert rows == [f"{groups}:{i}" for i in range(10)]
