@@ -249,23 +249,26 @@ def test_a_checkpoint_decodes_with_the_data_folder_deleted(prepared, tmp_path):
     assert score.tokens == len(direct.encode(docs[1][:40]).ids) + 1 and score.log_prob < 0
 
 
-def test_a_given_tokenizer_gets_the_missing_specials_and_large_vocabularies_uint32(prepared, tmp_path):
+@pytest.mark.parametrize("size, dtype", [(40_000, "uint16"), (70_000, "uint32")])
+def test_a_given_tokenizer_gets_the_missing_specials_and_large_ids_keep_their_value(prepared, tmp_path, size, dtype):
+    """The specials appended after ``size`` entries: ids above 2**15 (a signed 16-bit overflow) in uint16, and
+    above 2**16 in uint32, are stored as they are."""
     root, docs, _, _ = prepared
     words = sorted({w for doc in docs for w in doc.split()})
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
-    vocab.update({f"filler{i}": len(vocab) + i for i in range(70_000 - len(vocab))})
+    vocab.update({f"filler{i}": len(vocab) + i for i in range(size - len(vocab))})
     given = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     given.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     given.save(str(tmp_path / "given.json"))
     info = text.prepare(
         [root / "raw" / "c.jsonl.gz"], tmp_path / "out", tokenizer=tmp_path / "given.json", valid_fraction=VALID
     )
-    assert info["vocab"]["special_ids"] == {"bos": 70_000, "pad": 70_001, "eos": 70_002, "unk": 70_003}
-    assert info["vocab"]["size"] == 70_004 and info["dtype"] == "uint32"
+    assert info["vocab"]["special_ids"] == {"bos": size, "pad": size + 1, "eos": size + 2, "unk": size + 3}
+    assert info["vocab"]["size"] == size + 4 and info["dtype"] == dtype
     lines = gzip.decompress((root / "raw" / "c.jsonl.gz").read_bytes()).decode().splitlines()
     for split in ("train", "valid"):
         texts = [t for t in (json.loads(line)["text"] for line in lines) if (split == "valid") == valid_by_hash(t)]
-        expected = [i for t in texts for i in [vocab[w] for w in t.split()] + [70_002]]
+        expected = [i for t in texts for i in [vocab[w] for w in t.split()] + [size + 2]]
         assert read_stream(tmp_path / "out", info, split).tolist() == expected
     assert Vocab.from_shards(tmp_path / "out", read_info(tmp_path / "out")).decode([vocab[words[0]]]) == words[0]
 
