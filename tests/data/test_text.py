@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import zstandard
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from mmlight.commands.prepare import main
 from mmlight.data import WikiTextDataModule
@@ -259,6 +259,8 @@ def test_a_given_tokenizer_gets_the_missing_specials_and_large_ids_keep_their_va
     vocab.update({f"filler{i}": len(vocab) + i for i in range(size - len(vocab))})
     given = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     given.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # as a Llama tokenizer.json has: a template that puts a token before every text, never in the streams
+    given.post_processor = processors.TemplateProcessing(single="[UNK] $A", special_tokens=[("[UNK]", 0)])
     given.save(str(tmp_path / "given.json"))
     info = text.prepare(
         [root / "raw" / "c.jsonl.gz"], tmp_path / "out", tokenizer=tmp_path / "given.json", valid_fraction=VALID
@@ -306,8 +308,9 @@ def test_command_line(prepared, tmp_path, capsys):
         main(["text", "--help"])
     assert exit_info.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
-    for option in ("--src", "--workers"):
-        assert option in help_text
+    assert " --src SRC [SRC ...] text files and folders: .txt, .jsonl (also .gz/.zst), .parquet " in help_text
+    assert " --workers WORKERS " in help_text
+    assert " text options: --vocab-size " in help_text  # the preparer's own options, in a group of its name
     for option, said in (
         ("--vocab-size VOCAB_SIZE", "BPE vocabulary size, specials included"),
         ("--tokenizer TOKENIZER", "an existing tokenizer.json to use instead of training one"),
@@ -319,6 +322,8 @@ def test_command_line(prepared, tmp_path, capsys):
           str(VOCAB), "--valid-fraction", str(VALID), "--workers", "1"])  # fmt: skip
     printed = capsys.readouterr().out
     assert f"{len(bad)} bad inputs skipped, named in _info.json" in printed
+    written = read_info(tmp_path)
+    assert written["vocab"]["size"] == VOCAB and written["valid_fraction"] == VALID  # the options reached it
     with pytest.raises(SystemExit) as exit_info:
         main(["text", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
@@ -357,3 +362,15 @@ def test_parquet_files_are_planned_by_their_row_groups_and_skipped_with_the_reas
     units = [text.Unit(str(groups), "parquet", part, first) for part, first in enumerate([0, 4, 8])]
     rows = [where for unit in units for where, _ in text.parquet_documents(unit, "text")]
     assert rows == [f"{groups}:{i}" for i in range(10)]
+
+
+def test_documents_batched_three_at_a_time_give_the_same_tokenizer_and_streams(prepared, tmp_path, monkeypatch):
+    """Training and tokenising read documents in batches of ``BATCH_DOCS``: batches of 3 (many full ones,
+    and a last partial one in most files) change nothing."""
+    root, _, _, info = prepared
+    monkeypatch.setattr(text, "BATCH_DOCS", 3)
+    options = {"workers": 1, "vocab_size": VOCAB, "valid_fraction": VALID, "chunk_tokens": 500}
+    again = text.prepare([root / "raw"], tmp_path / "out", **options)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (root / "out" / "tokenizer.json").read_bytes()
+    for split in ("train", "valid"):
+        assert read_stream(tmp_path / "out", again, split).tolist() == read_stream(root / "out", info, split).tolist()
