@@ -135,9 +135,16 @@ def test_ids_equal_tokenizers_on_the_same_text_split_by_hash(prepared):
         assert info["splits"][split]["num_tokens"] == len(expected)
         assert info["splits"][split]["num_documents"] == sum((split == "valid") == valid_by_hash(d) for d in docs)
     assert info["num_documents"] == len(docs)
-    with tarfile.open(out / "train-000000.tar") as tar:  # stored as uint16: 300 tokens fit
-        member = next(m for m in tar if m.name.endswith(".ids.npy"))
-        assert np.load(io.BytesIO(tar.extractfile(member).read())).dtype == np.uint16
+    for split, expected in streams.items():  # chunks of chunk_tokens (500), the last one shorter
+        lengths = []
+        for shard in sorted(out.glob(f"{split}-*.tar")):
+            with tarfile.open(shard) as tar:
+                for member in (m for m in tar if m.name.endswith(".ids.npy")):
+                    chunk = np.load(io.BytesIO(tar.extractfile(member).read()))
+                    assert chunk.dtype == np.uint16  # 300 tokens fit
+                    lengths.append(len(chunk))
+        full, last = divmod(len(expected), 500)
+        assert lengths == [500] * full + ([last] if last else [])
 
 
 def test_bad_inputs_are_counted_and_named(prepared):
@@ -374,3 +381,11 @@ def test_documents_batched_three_at_a_time_give_the_same_tokenizer_and_streams(p
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (root / "out" / "tokenizer.json").read_bytes()
     for split in ("train", "valid"):
         assert read_stream(tmp_path / "out", again, split).tolist() == read_stream(root / "out", info, split).tolist()
+
+
+def test_a_jsonl_line_loses_only_its_line_ending():
+    """``\\n`` and ``\\r\\n`` end a line; other trailing bytes are the record's, and JSON refuses a form feed."""
+    assert text.jsonl_document("f:1", b'{"text": "a b"}\r\n', "text") == ("f:1", "a b")
+    assert text.jsonl_document("f:2", b'{"text": "a b"}\n', "text") == ("f:2", "a b")
+    skipped = text.jsonl_document("f:3", b'{"text": "a b"}\x0c\n', "text")
+    assert skipped.path == "f:3" and skipped.reason.startswith("malformed JSON: Extra data")
