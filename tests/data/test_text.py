@@ -389,3 +389,12 @@ def test_a_jsonl_line_loses_only_its_line_ending():
     assert text.jsonl_document("f:2", b'{"text": "a b"}\n', "text") == ("f:2", "a b")
     skipped = text.jsonl_document("f:3", b'{"text": "a b"}\x0c\n', "text")
     assert skipped.path == "f:3" and skipped.reason.startswith("malformed JSON: Extra data")
+
+
+def test_without_zstandard_a_zst_source_names_the_package_to_install(tmp_path, monkeypatch):
+    path = tmp_path / "a.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(jsonl(["one document"])))
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # import fails as if not installed
+    with pytest.raises(ImportError) as err:
+        text.open_binary(str(path))
+    assert str(err.value) == ".zst files need the zstandard package: pip install zstandard"
