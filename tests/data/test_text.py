@@ -398,3 +398,10 @@ def test_without_zstandard_a_zst_source_names_the_package_to_install(tmp_path, m
     with pytest.raises(ImportError) as err:
         text.open_binary(str(path))
     assert str(err.value) == ".zst files need the zstandard package: pip install zstandard"
+
+
+def test_a_lone_surrogate_or_blank_text_in_a_jsonl_record_is_skipped_naming_the_line():
+    """JSON's ``\\ud800`` escape decodes to a lone surrogate, which UTF-8 (and so the tokenizer) cannot hold."""
+    surrogate = text.jsonl_document("f:4", b'{"text": "ab\\ud800c"}\n', "text")
+    assert surrogate == Skipped("f:4", "not encodable as UTF-8 (surrogates not allowed at character 2)")
+    assert text.jsonl_document("f:5", b'{"text": "  "}\n', "text") == Skipped("f:5", "empty document")
