@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -405,3 +406,49 @@ def test_a_lone_surrogate_or_blank_text_in_a_jsonl_record_is_skipped_naming_the_
     surrogate = text.jsonl_document("f:4", b'{"text": "ab\\ud800c"}\n', "text")
     assert surrogate == Skipped("f:4", "not encodable as UTF-8 (surrogates not allowed at character 2)")
     assert text.jsonl_document("f:5", b'{"text": "  "}\n', "text") == Skipped("f:5", "empty document")
+
+
+def test_a_rerun_after_a_source_changed_writes_its_new_ids(tmp_path):
+    """The same words in another order: as many tokens, in the same place, but other ids. The rerun
+    tokenises the changed file again and rewrites the shard that holds them (its items name the arrays'
+    SHA-256, not only their paths and ranges)."""
+    words = ["alpha", "beta", "gamma", "delta"]
+    given = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    given.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    given.save(str(tmp_path / "given.json"))
+    source = tmp_path / "raw" / "a.jsonl"
+    source.parent.mkdir()
+    options = {"tokenizer": tmp_path / "given.json", "valid_fraction": 0.0}
+    source.write_bytes(jsonl(["alpha beta gamma", "delta alpha"]))
+    text.prepare([source], tmp_path / "out", **options)
+    before = source.stat().st_mtime_ns
+    source.write_bytes(jsonl(["gamma beta alpha", "alpha delta"]))
+    os.utime(source, ns=(before + 10**9, before + 10**9))  # a change a coarse file-system clock also shows
+    info = text.prepare([source], tmp_path / "out", **options)
+    eos = info["vocab"]["special_ids"]["eos"]
+    assert read_stream(tmp_path / "out", info, "train").tolist() == [3, 2, 1, eos, 1, 4, eos]
+
+
+@pytest.mark.parametrize(
+    "name, kind, where", [("x.jsonl.gz", "jsonl", "x.jsonl.gz:1"), ("x.txt.gz", "txt", "x.txt.gz")]
+)
+def test_a_file_unreadable_from_its_first_byte_is_named_at_its_first_line(tmp_path, name, kind, where):
+    """A .gz that is no gzip fails before any line is read: a jsonl file at its line 1, a txt file whole."""
+    (tmp_path / name).write_bytes(b"not gzip at all")
+    (skipped,) = text.documents(text.Unit(str(tmp_path / name), kind), "text")
+    reason = "unreadable from here on: BadGzipFile: Not a gzipped file (b'no')"
+    assert skipped == Skipped(f"{tmp_path}/{where}", reason)
+
+
+def test_a_jsonl_line_that_is_no_object_names_what_it_is():
+    assert text.jsonl_document("f:9", b'["text"]\n', "text") == Skipped("f:9", "not a JSON object but list")
+
+
+def test_the_tokenizer_is_trained_on_the_training_documents_only(prepared):
+    """The trainer on the readable training documents in source order (one batch: fewer than ``BATCH_DOCS``)
+    gives the prepared ``tokenizer.json``, byte for byte."""
+    root, docs, _, _ = prepared
+    training = [doc for doc in docs if not valid_by_hash(doc)]
+    assert 0 < len(training) < len(docs) < text.BATCH_DOCS
+    want = text.train_tokenizer(iter([training]), VOCAB)
+    assert (root / "out" / "tokenizer.json").read_text(encoding="utf-8") == want
