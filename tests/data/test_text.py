@@ -388,8 +388,9 @@ def test_a_jsonl_line_loses_only_its_line_ending():
     """``\\n`` and ``\\r\\n`` end a line; other trailing bytes are the record's, and JSON refuses a form feed."""
     assert text.jsonl_document("f:1", b'{"text": "a b"}\r\n', "text") == ("f:1", "a b")
     assert text.jsonl_document("f:2", b'{"text": "a b"}\n', "text") == ("f:2", "a b")
-    skipped = text.jsonl_document("f:3", b'{"text": "a b"}\x0c\n', "text")
-    assert skipped.path == "f:3" and skipped.reason.startswith("malformed JSON: Extra data")
+    for line in (b'{"text": "a b"}\x0c\n', b'{"text": "a b"}X\n'):
+        skipped = text.jsonl_document("f:3", line, "text")
+        assert skipped.path == "f:3" and skipped.reason.startswith("malformed JSON: Extra data")
 
 
 def test_without_zstandard_a_zst_source_names_the_package_to_install(tmp_path, monkeypatch):
@@ -408,25 +409,55 @@ def test_a_lone_surrogate_or_blank_text_in_a_jsonl_record_is_skipped_naming_the_
     assert text.jsonl_document("f:5", b'{"text": "  "}\n', "text") == Skipped("f:5", "empty document")
 
 
-def test_a_rerun_after_a_source_changed_writes_its_new_ids(tmp_path):
-    """The same words in another order: as many tokens, in the same place, but other ids. The rerun
-    tokenises the changed file again and rewrites the shard that holds them (its items name the arrays'
-    SHA-256, not only their paths and ranges)."""
+def given_word_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer of four words (ids 1-4, ``[UNK]`` 0) saved at ``path``."""
     words = ["alpha", "beta", "gamma", "delta"]
     given = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
     given.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    given.save(str(tmp_path / "given.json"))
+    given.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "second, mtime_step, want",
+    [
+        (["gamma beta alpha", "alpha delta"], 10**9, [3, 2, 1, "eos", 1, 4, "eos"]),  # same size, a later time
+        (["gamma beta", "alpha delta delta delta"], 0, [3, 2, "eos", 1, 4, 4, 4, "eos"]),  # another size, same time
+    ],
+)
+def test_a_rerun_after_a_source_changed_writes_its_new_ids(tmp_path, second, mtime_step, want):
+    """A source file rewritten between runs is tokenised again, whether its size or its time shows the
+    change, and the shard holding its tokens is written again (its items name the arrays' SHA-256, not
+    only their paths and ranges: the same words in another order are as many tokens in the same place)."""
+    options = {"tokenizer": given_word_tokenizer(tmp_path / "given.json"), "valid_fraction": 0.0}
     source = tmp_path / "raw" / "a.jsonl"
     source.parent.mkdir()
-    options = {"tokenizer": tmp_path / "given.json", "valid_fraction": 0.0}
     source.write_bytes(jsonl(["alpha beta gamma", "delta alpha"]))
     text.prepare([source], tmp_path / "out", **options)
     before = source.stat().st_mtime_ns
-    source.write_bytes(jsonl(["gamma beta alpha", "alpha delta"]))
-    os.utime(source, ns=(before + 10**9, before + 10**9))  # a change a coarse file-system clock also shows
+    source.write_bytes(jsonl(second))
+    os.utime(source, ns=(before + mtime_step, before + mtime_step))  # a coarse file-system clock's view
     info = text.prepare([source], tmp_path / "out", **options)
     eos = info["vocab"]["special_ids"]["eos"]
-    assert read_stream(tmp_path / "out", info, "train").tolist() == [3, 2, 1, eos, 1, 4, eos]
+    assert read_stream(tmp_path / "out", info, "train").tolist() == [eos if i == "eos" else i for i in want]
+
+
+def test_a_damaged_work_array_is_tokenised_again_on_a_rerun(tmp_path):
+    """A finished unit's array whose size is not the recorded one (a disk that filled, a file cut short) is
+    not reused: the rerun, after a run stopped before its shards, writes it again and the shards hold the
+    right ids."""
+    options = {"tokenizer": given_word_tokenizer(tmp_path / "given.json"), "valid_fraction": 0.0}
+    source = tmp_path / "a.jsonl"
+    source.write_bytes(jsonl(["alpha beta gamma", "delta alpha"]))
+    first = text.prepare([source], tmp_path / "out", **options)
+    (array,) = (tmp_path / "out" / text.WORK_DIR).glob("*.train.npy")
+    np.save(array, np.zeros(2, np.uint16))
+    for shard in (tmp_path / "out").glob("train-*.tar"):  # as if the run had stopped before writing them
+        shard.unlink()
+    info = text.prepare([source], tmp_path / "out", **options)
+    eos = info["vocab"]["special_ids"]["eos"]
+    assert read_stream(tmp_path / "out", info, "train").tolist() == [1, 2, 3, eos, 4, 1, eos]
+    assert info == first
 
 
 @pytest.mark.parametrize(
