@@ -82,3 +82,9 @@ def test_the_worker_count_reaches_the_text_preparer(stdlib, tmp_path, monkeypatc
     monkeypatch.setattr(text, "prepare", recording)
     python_docs.prepare(None, tmp_path / "out", 3, stdlib=stdlib, vocab_size=300, valid_fraction=0.1)
     assert asked == [3]
+
+
+def test_a_modules_docstrings_are_in_source_order_nested_ones_included():
+    """A method's docstring comes before a later function's (``ast.walk`` alone would visit it after)."""
+    source = b'"""M."""\n\n\nclass A:\n    """A."""\n\n    def f(self):\n        """F."""\n\n\ndef g():\n    """G."""\n'
+    assert python_docs.module_text(source) == "M.\n\nA.\n\nF.\n\nG."

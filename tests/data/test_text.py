@@ -425,17 +425,26 @@ def given_word_tokenizer(path: Path) -> Path:
         (["gamma beta", "alpha delta delta delta"], 0, [3, 2, "eos", 1, 4, 4, 4, "eos"]),  # another size, same time
     ],
 )
-def test_a_rerun_after_a_source_changed_writes_its_new_ids(tmp_path, second, mtime_step, want):
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_rerun_after_a_source_changed_writes_its_new_ids(tmp_path, second, mtime_step, want, suffix):
     """A source file rewritten between runs is tokenised again, whether its size or its time shows the
     change, and the shard holding its tokens is written again (its items name the arrays' SHA-256, not
     only their paths and ranges: the same words in another order are as many tokens in the same place)."""
     options = {"tokenizer": given_word_tokenizer(tmp_path / "given.json"), "valid_fraction": 0.0}
-    source = tmp_path / "raw" / "a.jsonl"
+    source = tmp_path / "raw" / f"a.{suffix}"
     source.parent.mkdir()
-    source.write_bytes(jsonl(["alpha beta gamma", "delta alpha"]))
+
+    def write(texts):
+        if suffix == "parquet":
+            pq.write_table(pa.table({"text": texts}), source)
+        else:
+            source.write_bytes(jsonl(texts))
+
+    write(["alpha beta gamma", "delta alpha"])
     text.prepare([source], tmp_path / "out", **options)
-    before = source.stat().st_mtime_ns
-    source.write_bytes(jsonl(second))
+    before, size = source.stat().st_mtime_ns, source.stat().st_size
+    write(second)
+    assert (source.stat().st_size == size) == (mtime_step > 0)  # what each case means to show
     os.utime(source, ns=(before + mtime_step, before + mtime_step))  # a coarse file-system clock's view
     info = text.prepare([source], tmp_path / "out", **options)
     eos = info["vocab"]["special_ids"]["eos"]
