@@ -367,6 +367,9 @@ def test_parquet_files_are_planned_by_their_row_groups_and_skipped_with_the_reas
     assert text.parquet_groups(large, "text") == [0]
     assert text.parquet_groups(empty, "text") == Skipped(str(empty), "no rows")
     assert text.parquet_groups(ints, "text") == Skipped(str(ints), "column 'text' holds int64, not text")
+    pq.write_table(pa.table({"id": [1], "content": ["x"]}), tmp_path / "other.parquet")
+    missing = Skipped(str(tmp_path / "other.parquet"), "no column 'text' (columns: id, content)")
+    assert text.parquet_groups(tmp_path / "other.parquet", "text") == missing
     units = [text.Unit(str(groups), "parquet", part, first) for part, first in enumerate([0, 4, 8])]
     rows = [where for unit in units for where, _ in text.parquet_documents(unit, "text")]
     assert rows == [f"{groups}:{i}" for i in range(10)]
