@@ -88,3 +88,15 @@ def test_a_modules_docstrings_are_in_source_order_nested_ones_included():
     """A method's docstring comes before a later function's (``ast.walk`` alone would visit it after)."""
     source = b'"""M."""\n\n\nclass A:\n    """A."""\n\n    def f(self):\n        """F."""\n\n\ndef g():\n    """G."""\n'
     assert python_docs.module_text(source) == "M.\n\nA.\n\nF.\n\nG."
+
+
+def test_without_a_folder_the_running_pythons_standard_library_is_read_and_written_as_utf_8(tmp_path, monkeypatch):
+    """``stdlib=None`` reads the folder ``sysconfig`` names; the corpus keeps non-ASCII text as UTF-8."""
+    stdlib = tmp_path / "lib"
+    stdlib.mkdir()
+    (stdlib / "cafe.py").write_text('"""Café crème."""\n', encoding="utf-8")
+    monkeypatch.setattr(python_docs.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib), "purelib": "elsewhere"})
+    assert python_docs.write_corpus(tmp_path / "corpus.jsonl") == []
+    lines = (tmp_path / "corpus.jsonl").read_text(encoding="utf-8").splitlines()
+    assert lines[-1] == '{"id": "module:cafe", "text": "Café crème."}'
+    assert len(lines) == len(topics) + 1

@@ -495,3 +495,22 @@ def test_the_tokenizer_is_trained_on_the_training_documents_only(prepared):
     assert 0 < len(training) < len(docs) < text.BATCH_DOCS
     want = text.train_tokenizer(iter([training]), VOCAB)
     assert (root / "out" / "tokenizer.json").read_text(encoding="utf-8") == want
+
+
+def test_a_damaged_parquet_file_or_row_group_is_skipped_naming_the_error(tmp_path):
+    """A file that is no parquet is skipped at planning; a row group whose pages are damaged (the footer
+    intact) is skipped when read, named by its group, and the file's other groups still read."""
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is no parquet file")
+    broken = text.parquet_groups(tmp_path / "broken.parquet", "text")
+    assert broken.path == str(tmp_path / "broken.parquet")
+    assert broken.reason.startswith("unreadable parquet file: ArrowInvalid: Parquet magic bytes not found")
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(10)]}), path, row_group_size=5)
+    data = bytearray(path.read_bytes())
+    data[30:300] = b"\xab" * 270  # inside the first row group's pages
+    path.write_bytes(bytes(data))
+    assert text.parquet_groups(path, "text") == [0, 5]
+    first, second = (text.Unit(str(path), "parquet", part, row) for part, row in enumerate([0, 5]))
+    (damaged,) = text.parquet_documents(first, "text")  # pyarrow's words for the damage vary by version
+    assert damaged.path == f"{path}#group0" and damaged.reason.startswith("unreadable row group: OSError: ")
+    assert [where for where, _ in text.parquet_documents(second, "text")] == [f"{path}:{i}" for i in range(5, 10)]
