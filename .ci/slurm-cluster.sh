@@ -34,6 +34,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
+# A requeued job's tasks (Lightning ignores SIGTERM while it auto-requeues) are killed 5 s after SIGTERM,
+# not SLURM's default 30: the requeue tests wait that long on every requeue
+KillWait=5
 NodeName=$host CPUs=$(nproc) RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 )) State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF

@@ -327,10 +327,12 @@ def stand_in_torch_wheel(folder: Path, version: str) -> Path:
 def test_torch_guard_stops_a_build_that_would_replace_torch(images, tmp_path):
     """A base whose torch (metadata and ``torch.__version__``, 2.3.0) is below pyproject.toml's floor and
     whose constraint file pins another build (a local wheel, so that no CUDA torch is downloaded): pip
-    replaces the image's torch, and the guard fails the build naming both versions."""
+    replaces the image's torch, and the guard fails the build naming both versions. The base is the
+    built mmlight image, back to root as NGC's is, so that the install step finds every other
+    requirement in place (on the stand-in torch base it installed them all first: 2 minutes)."""
     wheel = stand_in_torch_wheel(tmp_path, GUARD_TORCH)
     (tmp_path / "Containerfile").write_text(
-        f"FROM {TORCH_BASE}\nCOPY {wheel.name} /opt/wheels/\nENV PIP_FIND_LINKS=/opt/wheels\n"
+        f"FROM {IMAGE}\nUSER root\nCOPY {wheel.name} /opt/wheels/\nENV PIP_FIND_LINKS=/opt/wheels\n"
         f'RUN python -c "{FAKE_OLD_TORCH}" && sed -i "s/^torch==.*/torch=={GUARD_TORCH}/" /etc/pip/constraint.txt\n'
     )
     build(tmp_path / "Containerfile", GUARD_BASE, {}, context=tmp_path)

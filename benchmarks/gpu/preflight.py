@@ -1,4 +1,4 @@
-"""Section ``preflight``: versions, the device, and which optional packages import (within 10 s).
+"""Section ``preflight``: versions, the device, and which optional packages import.
 
 Each package is imported in a process of its own, all at once, each for at most
 :data:`IMPORT_LIMIT_S` seconds, so a package that is missing, broken or slow to import is a field of
