@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
 from mmlight.data.shard_writer import plan_shards, write_shards
-from mmlight.data.shards import INFO_FILE, read_info, write_info
+from mmlight.data.shards import INFO_FILE, preparing, read_info, write_info
 from mmlight.data.vocab import ClassMap
 
 #: the ten digit classes, in label order.
@@ -138,6 +138,12 @@ class DigitsDataModule(ImageShardDataModule):
         return digit_classes(self.digits)
 
     def prepare_data(self) -> None:
+        """Write the shard set into ``cache_dir`` unless one is there (another process writing it is
+        waited for: :func:`~mmlight.data.shards.preparing`); refuse one split otherwise or of other digits."""
+        with preparing(self.root):
+            self._prepare()
+
+    def _prepare(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():
             write_digits_shards(Path(self.root), self.val_fraction, self.seed, digits=self.digits)
             return

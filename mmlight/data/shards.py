@@ -7,11 +7,14 @@ A shard set is a folder of ``{split}-{index:06d}.tar`` files plus ``_info.json``
 
 Every dataset (the digits quick start, ImageNet, ...) goes through the same writer
 (:mod:`mmlight.data.shard_writer`) and reader. Every file of a shard set is written through
-:func:`atomic_write`, so a killed run never leaves a half-written file under its final name.
+:func:`atomic_write`, so a killed run never leaves a half-written file under its final name, and
+the data modules that write their set on first use do it under :func:`preparing`, so that two runs
+sharing a cache folder (a sweep with ``--parallel 2``, two jobs) write it once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -52,6 +55,21 @@ def atomic_write(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+@contextmanager
+def preparing(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` for the block, waiting while another process (or thread)
+    holds it. The lock is ``flock`` on the file ``.<name>.lock`` beside the folder, so the folder's own
+    contents stay those of the shard set, and a killed holder releases it with its file descriptor."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmlight.data.shards import INFO_FILE, write_text_atomic
+from mmlight.data.shards import INFO_FILE, preparing, write_text_atomic
 from mmlight.data.tokenizers import count_bpe_merges
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.translation_shards import BPE_FILE, ParallelText, write_translation_shards
@@ -282,7 +282,12 @@ class ToyTranslationDataModule(TranslationDataModule):
 
     def prepare_data(self) -> None:
         """Write the corpus and its shard set into ``cache_dir`` unless a complete one with the same
-        generation arguments is there; refuse one written with other arguments."""
+        generation arguments is there; refuse one written with other arguments. Another process
+        preparing the same folder is waited for (:func:`~mmlight.data.shards.preparing`)."""
+        with preparing(self.root):
+            self._prepare()
+
+    def _prepare(self) -> None:
         root = Path(self.root)
         args, args_path = self.generation_args(), root / ARGS_FILE
         if (root / INFO_FILE).is_file():

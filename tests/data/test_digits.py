@@ -3,6 +3,7 @@
 import io
 import json
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import webdataset as wds
 from sklearn.datasets import load_digits
 
 from mmlight.data import DigitsDataModule, read_info, write_digits_shards
-from mmlight.data.shards import sha256
+from mmlight.data.shards import preparing, sha256
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,20 @@ def test_prepare_writes_once(tmp_path):
     dm.prepare_data()
     assert (tmp_path / "_info.json").stat().st_mtime_ns == stamp
     assert json.loads((tmp_path / "_info.json").read_text())["dataset"] == "sklearn-digits"
+
+
+def test_a_run_waits_while_another_prepares_the_same_folder(tmp_path, shards):
+    """While another process holds the cache folder's lock, ``prepare_data`` writes nothing; after, it
+    writes the same shard set as an unshared preparation."""
+    folder = tmp_path / "shared"
+    with preparing(folder):
+        waiting = threading.Thread(target=DigitsDataModule(cache_dir=str(folder)).prepare_data)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not folder.exists()
+    waiting.join(timeout=120)
+    assert not waiting.is_alive()
+    assert read_info(folder)["splits"] == read_info(shards)["splits"]
 
 
 def test_cache_written_with_another_split_is_refused(tmp_path):

@@ -4,6 +4,7 @@ import inspect
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from sacremoses import MosesDetokenizer
 
 from mmlight.data import ToyTranslationDataModule, TranslationDataModule
+from mmlight.data.shards import preparing
 from mmlight.data.tokenizers import moses_tokenize
 from mmlight.data.toy_translation import (
     ADJECTIVES,
@@ -181,6 +183,24 @@ def test_prepare_writes_once_and_refuses_other_arguments(prepared, tmp_path):
     (tmp_path / "_info.json").write_text("{}")  # some other shard set
     with pytest.raises(ValueError, match="not the toy translation corpus"):
         ToyTranslationDataModule(cache_dir=str(tmp_path), **SMALL).prepare_data()
+
+
+def test_a_run_waits_while_another_prepares_the_same_folder_then_keeps_its_set(prepared, tmp_path):
+    """Two runs sharing a cache folder (``mmlight sweep --parallel 2`` on a fresh machine): while one holds
+    the folder's lock, the other writes nothing; once it is released, the other finds a complete set."""
+    _, cache = prepared
+    folder = tmp_path / "shared"
+    dm = ToyTranslationDataModule(cache_dir=str(folder), **SMALL)
+    with preparing(folder):
+        waiting = threading.Thread(target=dm.prepare_data)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not folder.exists()  # nothing written while the other holds it
+    waiting.join(timeout=120)
+    assert not waiting.is_alive()
+    assert (folder / "dict.txt").read_bytes() == (cache / "dict.txt").read_bytes()
+    shards = [s["sha256"] for s in json.loads((folder / "_info.json").read_text())["splits"]["train"]["shards"]]
+    assert shards == [s["sha256"] for s in json.loads((cache / "_info.json").read_text())["splits"]["train"]["shards"]]
 
 
 def test_loaders_before_prepare_data_say_so(tmp_path):
