@@ -140,6 +140,8 @@ class DigitsDataModule(ImageShardDataModule):
     def prepare_data(self) -> None:
         """Write the shard set into ``cache_dir`` unless one is there (another process writing it is
         waited for: :func:`~mmlight.data.shards.preparing`); refuse one split otherwise or of other digits."""
+        if (Path(self.root) / INFO_FILE).is_file():  # complete (written last): no lock, so a read-only set works
+            return self._prepare()
         with preparing(self.root):
             self._prepare()
 

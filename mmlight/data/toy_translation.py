@@ -284,6 +284,8 @@ class ToyTranslationDataModule(TranslationDataModule):
         """Write the corpus and its shard set into ``cache_dir`` unless a complete one with the same
         generation arguments is there; refuse one written with other arguments. Another process
         preparing the same folder is waited for (:func:`~mmlight.data.shards.preparing`)."""
+        if (Path(self.root) / INFO_FILE).is_file():  # complete (written last): no lock, so a read-only set works
+            return self._prepare()
         with preparing(self.root):
             self._prepare()
 
