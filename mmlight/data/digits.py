@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmlight.data.images import ImageAugment, ImageShardDataModule
 from mmlight.data.shard_writer import plan_shards, write_shards
-from mmlight.data.shards import INFO_FILE, preparing, read_info, write_info
+from mmlight.data.shards import INFO_FILE, prepare_once, read_info, write_info
 from mmlight.data.vocab import ClassMap
 
 #: the ten digit classes, in label order.
@@ -139,11 +139,8 @@ class DigitsDataModule(ImageShardDataModule):
 
     def prepare_data(self) -> None:
         """Write the shard set into ``cache_dir`` unless one is there (another process writing it is
-        waited for: :func:`~mmlight.data.shards.preparing`); refuse one split otherwise or of other digits."""
-        if (Path(self.root) / INFO_FILE).is_file():  # complete (written last): no lock, so a read-only set works
-            return self._prepare()
-        with preparing(self.root):
-            self._prepare()
+        waited for: :func:`~mmlight.data.shards.prepare_once`); refuse one split otherwise or of other digits."""
+        prepare_once(self.root, self._prepare)
 
     def _prepare(self) -> None:
         if not (Path(self.root) / INFO_FILE).is_file():

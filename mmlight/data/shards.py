@@ -8,7 +8,7 @@ A shard set is a folder of ``{split}-{index:06d}.tar`` files plus ``_info.json``
 Every dataset (the digits quick start, ImageNet, ...) goes through the same writer
 (:mod:`mmlight.data.shard_writer`) and reader. Every file of a shard set is written through
 :func:`atomic_write`, so a killed run never leaves a half-written file under its final name, and
-the data modules that write their set on first use do it under :func:`preparing`, so that two runs
+the data modules that write their set on first use do it through :func:`prepare_once`, so that two runs
 sharing a cache folder (a sweep with ``--parallel 2``, two jobs) write it once.
 """
 
@@ -70,6 +70,17 @@ def preparing(folder: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def prepare_once(folder: Path, prepare) -> None:
+    """Call ``prepare()`` (which writes the shard set into ``folder`` or checks the one there) under
+    :func:`preparing`, unless the set is complete (its ``_info.json``, written last, is there): then
+    without the lock, so a prepared set in a folder the user cannot write beside still loads."""
+    if (Path(folder) / INFO_FILE).is_file():
+        prepare()
+        return
+    with preparing(folder):
+        prepare()
 
 
 def write_text_atomic(path: Path, text: str) -> None:

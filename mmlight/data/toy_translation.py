@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmlight.data.shards import INFO_FILE, preparing, write_text_atomic
+from mmlight.data.shards import INFO_FILE, prepare_once, write_text_atomic
 from mmlight.data.tokenizers import count_bpe_merges
 from mmlight.data.translation import TranslationDataModule
 from mmlight.data.translation_shards import BPE_FILE, ParallelText, write_translation_shards
@@ -283,11 +283,8 @@ class ToyTranslationDataModule(TranslationDataModule):
     def prepare_data(self) -> None:
         """Write the corpus and its shard set into ``cache_dir`` unless a complete one with the same
         generation arguments is there; refuse one written with other arguments. Another process
-        preparing the same folder is waited for (:func:`~mmlight.data.shards.preparing`)."""
-        if (Path(self.root) / INFO_FILE).is_file():  # complete (written last): no lock, so a read-only set works
-            return self._prepare()
-        with preparing(self.root):
-            self._prepare()
+        preparing the same folder is waited for (:func:`~mmlight.data.shards.prepare_once`)."""
+        prepare_once(self.root, self._prepare)
 
     def _prepare(self) -> None:
         root = Path(self.root)

@@ -206,14 +206,14 @@ def test_a_run_waits_while_another_prepares_the_same_folder_then_keeps_its_set(p
 def test_a_complete_set_is_read_without_the_lock(prepared, monkeypatch):
     """A prepared set in a folder the user cannot write beside (a shared, read-only dataset) still loads:
     the lock file is only made when there is something to write."""
-    import mmlight.data.toy_translation as toy
+    import mmlight.data.shards as shards
 
     dm, cache = prepared
 
     def no_lock(folder):
         raise AssertionError(f"took the lock of a complete set: {folder}")
 
-    monkeypatch.setattr(toy, "preparing", no_lock)
+    monkeypatch.setattr(shards, "preparing", no_lock)
     ToyTranslationDataModule(cache_dir=str(cache), **SMALL).prepare_data()
     with pytest.raises(ValueError, match=r"seed=0 \(asked 1\)"):  # and still checks what it holds
         ToyTranslationDataModule(cache_dir=str(cache), **{**SMALL, "seed": 1}).prepare_data()
