@@ -7,6 +7,7 @@ registered function: ``softmax``, ``multimax``, ``sparsemax``, ``entmax15``, ``a
 Package map, bottom layer first (a module imports only its own package and the lines before its own;
 ``tests/test_layers.py`` checks it):
     kernels/      the Triton kernels of MultiMax (row-wise, fused attention, cross-entropy)
+    safe_load.py  files from elsewhere read as data: checkpoints, pretrained weights, CIFAR pickles
     reweighting/  the reweighting functions (one file each, registered on import), their registry
                   (``build``), the config entry ``ReweightingSpec``, the backends, and the measures of
                   attention weights (``metrics.py``: the paper's M and S, entropy, rollout)
@@ -19,8 +20,9 @@ Package map, bottom layer first (a module imports only its own package and the l
     callbacks/    monitoring: learned reweighting parameters by site, MultiMax curves, final metrics
     ckpt_path.py, slurm.py, experiments/  ``--ckpt_path`` checked and ``last`` resolved; the SLURM run
                   directory and task-count check; table files of runs
+    export/       Llama-style LMs as transformers models, and the functions as transformers attention
     lightning_cli.py  the LightningCLI of fit, validate, test and predict
-    commands/     ``mmlight prepare``, ``analyze``, ``sweep``, ``collect`` and ``doctor``
+    commands/     ``mmlight prepare``, ``analyze``, ``sweep``, ``collect``, ``export`` and ``doctor``
     cli.py        the ``mmlight`` command: its commands and their help
 
 The layers and what each may import: docs/architecture.md, "Layers".

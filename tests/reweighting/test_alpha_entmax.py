@@ -96,3 +96,15 @@ def test_float32_gradients_equal_float64_on_4d_scores_with_many_zero_weights_nea
         grads[dtype] = (x.grad.double(), module.alpha_logit.grad.double())
     assert (module(scores) == 0).float().mean() > 0.3
     torch.testing.assert_close(grads[torch.float32], grads[torch.float64], rtol=1e-4, atol=1e-5)
+
+
+def test_alpha_stays_in_the_documented_range_at_any_logit():
+    """α = 1 + max(sigmoid(a), 0.01): 1.01 exactly for a very negative logit, 2 exactly where the fp32
+    sigmoid saturates, and the paper's 1 + sigmoid(a) in between (docs/reweightings.md: α ∈ [1.01, 2])."""
+    module = reweighting.build("alpha_entmax", num_heads=4)
+    with torch.no_grad():
+        module.alpha_logit.copy_(torch.tensor([-1e4, -3.0, 0.7, 1e4]))
+    alpha = module.alpha.detach().double()
+    want = [1 + np.float32(0.01), 1 + 1 / (1 + np.exp(3.0)), 1 + 1 / (1 + np.exp(-0.7)), 2.0]
+    np.testing.assert_allclose(alpha.numpy(), want, rtol=1e-6)
+    assert alpha[0] > 1 and alpha[-1] == 2.0

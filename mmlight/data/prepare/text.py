@@ -295,8 +295,9 @@ def parquet_documents(unit: Unit, text_column: str) -> Iterator[tuple[str, str] 
 
 
 def in_valid(text: str, valid_fraction: float) -> bool:
-    """Whether a document belongs to the validation split: the first 8 bytes of the BLAKE2b digest of
-    its UTF-8 text, as a big-endian integer, are below ``valid_fraction * 2**64``."""
+    """Whether a document belongs to the validation split: the 8-byte BLAKE2b digest (``digest_size=8``,
+    not the 64-byte default cut short) of its UTF-8 text, as a big-endian integer, is below
+    ``valid_fraction * 2**64``."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") < valid_fraction * 2**64
 
