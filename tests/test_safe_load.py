@@ -174,6 +174,51 @@ def test_load_from_checkpoint_refuses_a_code_running_checkpoint(tmp_path, marker
     check_refused(refused, path, marker)
 
 
+def test_load_from_checkpoint_passes_lightnings_arguments_on_and_reads_as_data_whatever_the_environment_says(
+    tmp_path, marker, monkeypatch
+):
+    """A task's ``load_from_checkpoint`` hands ``map_location``, ``hparams_file`` and ``strict`` to Lightning's,
+    each in its place, and keeps reading as data under ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``."""
+    path = micro_checkpoint(tmp_path / "task.ckpt")
+    places = []  # torch.load calls a callable map_location once per storage, with the saved location
+
+    def to_cpu(storage, location):
+        places.append(location)
+        return storage
+
+    ImageClassifier.load_from_checkpoint(path, map_location=to_cpu)
+    assert places and set(places) == {"cpu"}
+    # Lightning replaces the checkpoint's hyperparameters by the file's: without a model config the task
+    # builds the default DeiT-small, which the micro ViT's weights do not fit
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text("label_smoothing: 0.25\n")
+    with pytest.raises(ValueError, match=r"^the checkpoint was written by another model or config: \d+ parameter"):
+        ImageClassifier.load_from_checkpoint(path, hparams_file=str(hparams))
+    extra = micro_checkpoint(tmp_path / "extra.ckpt")
+    checkpoint = torch.load(extra, weights_only=True)
+    checkpoint["state_dict"]["model.unused"] = torch.zeros(1)
+    torch.save(checkpoint, extra)
+    unknown = (
+        r"^the checkpoint was written by another model or config: 1 unknown to this model, e.g. \['model.unused'\]\.$"
+    )
+    with pytest.raises(ValueError, match=unknown):
+        ImageClassifier.load_from_checkpoint(extra)
+    loaded = ImageClassifier.load_from_checkpoint(extra, strict=False)
+    assert loaded.state_dict().keys() == checkpoint["state_dict"].keys() - {"model.unused"}
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, checkpoint["state_dict"][key], rtol=0, atol=0)
+    del checkpoint["state_dict"]["model.unused"]
+    checkpoint["state_dict"]["model.vit.head.bias"] = torch.zeros(7)  # 6 classes in the model
+    torch.save(checkpoint, extra)
+    with pytest.raises(ValueError, match=r"shapes differ: model.vit.head.bias \(7,\) vs \(6,\)"):
+        ImageClassifier.load_from_checkpoint(extra, strict=False)  # not a key: checked whatever strict says
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    unsafe = micro_checkpoint(tmp_path / "unsafe.ckpt", loops={"payload": CreatesMarker(marker)})
+    with pytest.raises(RefusedFile) as refused:
+        ImageClassifier.load_from_checkpoint(unsafe)
+    check_refused(refused, unsafe, marker)
+
+
 def test_honest_checkpoints_load_with_config_records_paths_and_the_old_module_of_reweighting_spec(
     tmp_path, monkeypatch
 ):

@@ -152,6 +152,12 @@ MODULES: dict[str, Module] = {
             "tests/tasks/test_inference.py",
             "tests/tasks/test_protocol.py",
             "tests/tasks/test_compile_option.py",
+            # CarriesData.load_from_checkpoint: Lightning's arguments passed on, the file read as data
+            *_node_ids(
+                "tests/test_safe_load.py",
+                "test_load_from_checkpoint_refuses_a_code_running_checkpoint",
+                "test_load_from_checkpoint_passes_lightnings_arguments_on_and_reads_as_data_whatever_the_environment_says",
+            ),
             # the analysis protocol's methods (teacher_forced, query_keep, example_inputs, metric_evaluation)
             # are exercised by what analysis does with them
             "tests/analysis/test_stats.py",

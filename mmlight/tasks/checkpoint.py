@@ -6,16 +6,20 @@ from __future__ import annotations
 import lightning as L
 
 
-def check_checkpoint_matches(module: L.LightningModule, checkpoint: dict) -> None:
+def check_checkpoint_matches(module: L.LightningModule, checkpoint: dict, keys: bool = True) -> None:
     """Raise ``ValueError`` if ``checkpoint['state_dict']`` does not fit ``module``.
 
     Args:
         module: the LightningModule about to be restored.
         checkpoint: the loaded checkpoint dict (``on_load_checkpoint``'s argument).
+        keys: whether missing and unexpected keys are refused too (Lightning's ``strict``); a shape that
+            differs always is.
     """
     theirs = {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items()}
     ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
+    if not keys:
+        missing, unexpected = [], []
     reshaped = sorted(k for k in ours.keys() & theirs.keys() if ours[k] != theirs[k])
     if not (missing or unexpected or reshaped):
         return

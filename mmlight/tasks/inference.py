@@ -5,6 +5,7 @@ for the duration of a call."""
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 
 import lightning as L
 import torch
@@ -20,6 +21,10 @@ CHECKPOINT_KEY = "mmlight_data"
 # ``weights_only=True``, so they get the same allow-list as ``load_from_checkpoint`` below (complete here:
 # the tasks import every config record).
 torch.serialization.add_safe_globals(CHECKPOINT_TYPES)
+
+#: ``strict`` of the ``load_from_checkpoint`` call under way (None: the module's ``strict_loading``, as
+#: Lightning decides, and outside such a call, e.g. when a fit resumes)
+_STRICT: ContextVar[bool | None] = ContextVar("mmlight_load_strict", default=None)
 
 
 class CarriesData:
@@ -40,13 +45,18 @@ class CarriesData:
             checkpoint_path: the ``.ckpt`` file.
             map_location: where the tensors go (Lightning's argument).
             hparams_file: a YAML file whose hyperparameters replace the checkpoint's (Lightning's argument).
-            strict: whether the weights must match the model's keys exactly (Lightning's argument).
+            strict: whether the weights must match the model's keys exactly (Lightning's argument); with
+                ``False`` keys may be missing or unknown, but a shape that differs still stops the load.
             **kwargs: hyperparameters that replace the checkpoint's.
         """
-        with reading_checkpoint(checkpoint_path):
-            return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
-            )
+        token = _STRICT.set(strict)
+        try:
+            with reading_checkpoint(checkpoint_path):
+                return super().load_from_checkpoint(
+                    checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+                )
+        finally:
+            _STRICT.reset(token)
 
     def use_data(self, datamodule: L.LightningDataModule) -> None:
         """Take what the task keeps from ``datamodule`` (e.g. for a checkpoint written without it)."""
@@ -66,7 +76,8 @@ class CarriesData:
             checkpoint[CHECKPOINT_KEY] = state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_checkpoint_matches(self, checkpoint)
+        strict = _STRICT.get()
+        check_checkpoint_matches(self, checkpoint, keys=self.strict_loading if strict is None else strict)
         if CHECKPOINT_KEY in checkpoint:
             self.load_data_state(checkpoint[CHECKPOINT_KEY])
 
