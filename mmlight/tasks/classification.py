@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -214,16 +215,19 @@ class ImageClassifier(CarriesData, EvalStages, L.LightningModule):
     def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
         """``network``'s plain training loss on ``batch`` (no mixup), uncompiled: what the throughput
         callback counts FLOPs of, on a meta-device copy of the network."""
+        return self._plain_loss(batch, network.loss)
+
+    def _plain_loss(self, batch, loss_fn) -> torch.Tensor:
+        """``loss_fn`` (a network's ``loss``, compiled or not) of ``batch``, label-smoothed as configured."""
         images, labels = batch
-        return network.loss(images, labels, label_smoothing=self.hparams.label_smoothing)
+        return loss_fn(images, labels, label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch, batch_idx):
-        images, labels = batch
         if self.mixup is not None:
-            images, targets = self.mixup(images, labels)
+            images, targets = self.mixup(*batch)
             loss = self.soft_ce(self.compiled(self.model.forward, images), targets)
         else:
-            loss = self.compiled(self.model.loss, images, labels, label_smoothing=self.hparams.label_smoothing)
+            loss = self._plain_loss(batch, functools.partial(self.compiled, self.model.loss))
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

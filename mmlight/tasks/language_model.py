@@ -78,8 +78,7 @@ class LanguageModel(SequenceTask):
         return loss(batch["input"], batch["target"], batch["loss_mask"], label_smoothing=self.recipe.label_smoothing)
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
-        loss = loss_sum / count.clamp_min(1)
+        loss, _ = self.mean_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -93,8 +93,13 @@ class SequenceTask(CarriesData, EvalStages, L.LightningModule):
     def training_loss(self, batch, network: nn.Module) -> torch.Tensor:
         """``network``'s training loss on ``batch`` (the subclass's ``summed_training_loss`` by
         ``network.loss``), uncompiled: what the throughput callback counts FLOPs of."""
-        loss_sum, count = self.summed_training_loss(batch, network.loss)
-        return loss_sum / count.clamp_min(1)
+        return self.mean_training_loss(batch, network.loss)[0]
+
+    def mean_training_loss(self, batch, loss_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean of :meth:`summed_training_loss` by ``loss_fn`` over the scored targets (0 when there
+        are none), and their count."""
+        loss_sum, count = self.summed_training_loss(batch, loss_fn)
+        return loss_sum / count.clamp_min(1), count
 
     @property
     def config(self) -> TransformerConfig:

@@ -111,8 +111,7 @@ class Translator(SequenceTask):
         return loss(*args, label_smoothing=self.recipe.label_smoothing)
 
     def training_step(self, batch, batch_idx):
-        loss_sum, count = self.summed_training_loss(batch, functools.partial(self.compiled, self.model.loss))
-        loss = loss_sum / count.clamp_min(1)
+        loss, count = self.mean_training_loss(batch, functools.partial(self.compiled, self.model.loss))
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", count.float(), reduce_fx="sum")
         return loss

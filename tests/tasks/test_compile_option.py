@@ -203,3 +203,40 @@ def test_a_compiled_network_runs_eagerly_while_its_attention_is_recorded(monkeyp
     outside = module.compiled(module.model.forward, images)
     assert compiled_calls == [{"fullgraph": True, **COMPILED}]
     torch.testing.assert_close(inside, outside)
+
+
+@pytest.mark.parametrize("task", ["lm", "translator"])
+def test_the_sequence_tasks_compile_their_training_loss_and_describe_their_network(task, monkeypatch):
+    """With ``compile`` on, the LM's and the translator's training step run the network's ``loss`` through
+    torch.compile with the option's arguments (and give the eager loss), and a failure would name the
+    network's functions; with it off nothing is compiled."""
+    from mmlight.tasks import LanguageModel, Translator
+    from tests.helpers.models import PAD, tiny_transformer
+
+    compiled = []
+
+    def fake_compile(method, **kwargs):
+        compiled.append((method.__name__, kwargs))
+        return method
+
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(2, 20, (2, 5), generator=g), torch.randint(2, 20, (2, 5), generator=g)
+    targets[1, 3:] = PAD
+    if task == "lm":
+        batch = {"input": tokens, "target": targets, "loss_mask": torch.ones(2, 5, dtype=torch.bool)}
+        build = lambda option: LanguageModel(tiny_transformer(dropout=0.0), compile=option)  # noqa: E731
+    else:
+        src = torch.randint(2, 20, (2, 4), generator=g)
+        batch = {"src": src, "tgt_in": tokens, "tgt_out": targets, "src_mask": src != PAD, "tgt_mask": targets != PAD}
+        config = tiny_transformer(dropout=0.0, n_encoder_layers=1)
+        build = lambda option: Translator(config, compile=option)  # noqa: E731
+    losses = []
+    for option in (COMPILED, False):
+        torch.manual_seed(0)
+        module = build(option)
+        monkeypatch.setattr(torch, "compile", fake_compile)  # after the task checked the option against it
+        module.log = lambda *args, **kwargs: None
+        losses.append(module.training_step(batch, 0))
+        assert module.compiled.describe() == "reweighting: Softmax (backend auto)"
+    assert compiled == [("loss", {"fullgraph": True, "backend": "aot_eager"})]  # the compiled run's only
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
