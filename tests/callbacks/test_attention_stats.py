@@ -103,10 +103,17 @@ def test_every_k_epochs_and_off_records_nothing(tmp_path):
     assert probe.observed and not any(probe.observed)
 
 
-def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path):
+def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path, monkeypatch):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    massive_labels = []  # the massive figure is drawn under the label of its recording's epoch
+    draw = attention_stats_module.draw_massive
+    monkeypatch.setattr(
+        attention_stats_module,
+        "draw_massive",
+        lambda result, label: massive_labels.append(label) or draw(result, label),
+    )
     # figures: every recording (the default); the massive-activations figure drawn beside them
     stats_cb = AttentionStats(every_n_epochs=1, num_samples=6, massive_activations=True)
     fit_recall_lm(TensorBoardLogger(tmp_path, name="run"), [stats_cb], epochs=3, sanity_steps=0)
@@ -125,6 +132,7 @@ def test_figures_drawn_off_the_loop_are_logged_at_their_recording_step(tmp_path)
     assert len(acc.Scalars("attention/final_wait_seconds")) == 1
     assert [e.step for e in acc.Images("massive/activations")] == recorded
     assert [e.step for e in acc.Scalars("massive/figure_seconds")] == recorded
+    assert massive_labels == ["epoch 0", "epoch 1", "epoch 2"]
     # the similarity figure of the last recording draws one line per recorded epoch
     assert list(stats_cb.similarity_history) == ["epoch 0", "epoch 1", "epoch 2"]
 
@@ -401,6 +409,36 @@ def test_redraw_draws_the_last_recording_again_and_sets_no_new_last():
     assert done["label"] == "epoch 9" and done["stats"] is None
     assert set(done["images"]) == {"attention/weight_histogram", "attention/weight_cdf", "attention/token_similarity"}
     assert 0 < done["scalars"]["attention/figure_seconds"] <= took
+
+
+def test_the_massive_recording_logs_its_seconds_and_draws_the_figure_under_its_label(monkeypatch):
+    from mmlight.analysis import figures
+
+    task, batch = tiny_lm_and_batch()
+    stats = AttentionStats(massive_activations=True)
+    stats.batches = [batch]
+    trainer = stand_in_trainer(step=12)
+    submitted = []
+    stats._submit = lambda trainer, job, *args: submitted.append((job, args))
+    before = time.perf_counter()
+    stats._record_massive(trainer, task, "epoch 4", draw=True)
+    took = time.perf_counter() - before
+    ((step, scalars),) = trainer.loggers[0].logged
+    assert step == 12 and 0 < scalars["massive/seconds"] <= took
+    result = massive_activations(task, [batch], stats.massive)
+    assert submitted == [(attention_stats_module.draw_massive, (result, "epoch 4"))]
+    stats._record_massive(trainer, task, "epoch 5", draw=False)
+    assert len(submitted) == 1 and len(trainer.loggers[0].logged) == 2  # logged, not drawn
+
+    drawn, real = [], figures.massive_figure
+    monkeypatch.setattr(figures, "massive_figure", lambda results: drawn.append(results) or real(results))
+    before = time.perf_counter()
+    done = attention_stats_module.draw_massive(result, "epoch 4")
+    took = time.perf_counter() - before
+    assert drawn == [{"epoch 4": result}]
+    assert done["label"] == "epoch 4" and done["stats"] is None  # not a recording: `last` stays
+    assert set(done["images"]) == {"massive/activations"} and done["images"]["massive/activations"].ndim == 3
+    assert 0 < done["scalars"]["massive/figure_seconds"] <= took
 
 
 def finished(label, stats, scalars=None):
