@@ -158,6 +158,13 @@ MODULES: dict[str, Module] = {
                 "test_load_from_checkpoint_refuses_a_code_running_checkpoint",
                 "test_load_from_checkpoint_passes_lightnings_arguments_on_and_reads_as_data_whatever_the_environment_says",
             ),
+            # LanguageModel.generate: the fast tests of a file left out as a whole (LEFT_OUT)
+            *_node_ids(
+                "tests/tasks/test_language_model.py",
+                "test_greedy_generation_through_the_cache_is_the_full_forward_argmax",
+                "test_generate_decodes_from_the_checkpoint_without_the_data",
+                "test_bad_generate_arguments_are_named",
+            ),
             # the analysis protocol's methods (teacher_forced, query_keep, example_inputs, metric_evaluation)
             # are exercised by what analysis does with them
             "tests/analysis/test_stats.py",
