@@ -11,7 +11,8 @@ class DataPosition(Callback):
     (``loops.fit_loop.state_dict.combined_loader``), to the loaders when a resumed run starts.
 
     Lightning restores those states itself, except when ``configure_optimizers`` reads
-    ``trainer.estimated_stepping_batches`` (every mmlight task does, for its schedule): that builds
+    ``trainer.estimated_stepping_batches`` (the image classifier does, and the sequence tasks with a cosine
+    schedule): that builds
     the loaders before the checkpoint is restored, and Lightning then never loads their states
     (Lightning-AI/pytorch-lightning#20550, open in 2.6). Loading them again in ``on_train_start``,
     before the first batch is drawn, is harmless where Lightning did.

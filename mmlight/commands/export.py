@@ -3,7 +3,7 @@ folder (``config.json``, ``model.safetensors``) that ``from_pretrained`` loads.
 
 ::
 
-    mmlight export hf --ckpt_path runs/llm/version_0/checkpoints/best.ckpt --out exported/llm
+    mmlight export hf --ckpt_path runs/llm_softmax/version_0/checkpoints/last.ckpt --out exported/llm_softmax
 
 What can and cannot be exported, and how to load a function other than softmax: :mod:`mmlight.export.hf`.
 """
