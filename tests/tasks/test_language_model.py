@@ -209,6 +209,9 @@ def test_next_token_samples_from_the_tempered_top_k_distribution():
     frequencies = torch.bincount(drawn, minlength=4).double() / len(drawn)
     assert frequencies[3] == 0
     assert torch.allclose(frequencies[:3], expected.double(), atol=0.015)  # ~4.5 standard errors at 20k draws
+    # temperature 0: each row's own argmax, a batch of them
+    rows = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+    assert next_token(rows, temperature=0.0, top_k=None, generator=generator).tolist() == [1, 0]
 
 
 def test_generate_decodes_from_the_checkpoint_without_the_data(bpe_text, tmp_path):
