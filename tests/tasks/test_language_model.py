@@ -238,13 +238,22 @@ def test_bad_generate_arguments_are_named(bpe_text):
     with pytest.raises(RuntimeError, match="vocabulary"):
         model.generate(["x"], 2)
     model.use_data(data)
-    with pytest.raises(TypeError, match="list of prompts"):
+    with pytest.raises(TypeError, match="^generate takes a list of prompts; wrap a single one in a list$"):
         model.generate("x", 2)
     with pytest.raises(ValueError, match="temperature >= 0"):
         model.generate(["x"], 2, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k >= 1"):
         model.generate(["x"], 2, temperature=1.0, top_k=0)
-    learned = LanguageModel(tiny_transformer(vocab_size=data.vocab_size, max_positions=8, positions="learned"))
-    learned.use_data(data)
-    with pytest.raises(ValueError, match="max_positions=8"):
-        learned.generate(["x"], 8)
+    # a prompt and its continuation take the prompt with its </s> start and every new token but the last
+    # (never fed back): a position table allows exactly max_positions of them
+    for positions in ("learned", "sinusoidal"):
+        table = LanguageModel(tiny_transformer(vocab_size=data.vocab_size, max_positions=8, positions=positions))
+        table.use_data(data)
+        fits = 8 - (1 + len(table.vocab.encode("x"))) + 1
+        assert len(table.generate(["x"], fits, seed=0)) == 1 and table.generate([], 9) == []
+        message = (
+            "^a prompt and its continuation need 9 positions, over the model's max_positions=8: "
+            "shorten the prompt or lower max_new_tokens$"
+        )
+        with pytest.raises(ValueError, match=message):
+            table.generate(["x"], fits + 1)
