@@ -165,6 +165,7 @@ MODULES: dict[str, Module] = {
                 "test_generate_decodes_from_the_checkpoint_without_the_data",
                 "test_bad_generate_arguments_are_named",
                 "test_next_token_samples_from_the_tempered_top_k_distribution",
+                "test_generation_stops_before_the_end_of_sequence_token",
             ),
             # the analysis protocol's methods (teacher_forced, query_keep, example_inputs, metric_evaluation)
             # are exercised by what analysis does with them

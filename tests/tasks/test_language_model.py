@@ -257,3 +257,16 @@ def test_bad_generate_arguments_are_named(bpe_text):
         )
         with pytest.raises(ValueError, match=message):
             table.generate(["x"], fits + 1)
+
+
+def test_generation_stops_before_the_end_of_sequence_token(bpe_text, monkeypatch):
+    """A drawn ``</s>`` ends the continuation: the tokens before it are decoded, and nothing more is drawn."""
+    from mmlight.tasks import language_model
+
+    data = WikiTextDataModule(str(bpe_text), block_size=8, batch_size=2, num_workers=0)
+    model = llama_lm(data.vocab_size)
+    model.use_data(data)
+    drawn = iter([5, 6, model.vocab.eos_id, 7])
+    monkeypatch.setattr(language_model, "next_token", lambda *args: torch.tensor([next(drawn)]))
+    assert model.generate(["x"], 4) == [model.vocab.decode([5, 6])]
+    assert next(drawn) == 7
