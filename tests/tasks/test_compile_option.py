@@ -240,3 +240,18 @@ def test_the_sequence_tasks_compile_their_training_loss_and_describe_their_netwo
         assert module.compiled.describe() == "reweighting: Softmax (backend auto)"
     assert compiled == [("loss", {"fullgraph": True, "backend": "aot_eager"})]  # the compiled run's only
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def test_the_classifier_compiles_its_training_loss(monkeypatch):
+    """Without mixup the image classifier's training step runs the network's ``loss`` compiled."""
+    compiled = []
+
+    def fake_compile(method, **kwargs):
+        compiled.append((method.__name__, kwargs))
+        return method
+
+    module = ImageClassifier(MICRO, compile=COMPILED, lr_reference_batch=None)
+    monkeypatch.setattr(torch, "compile", fake_compile)  # after the task checked the option against it
+    module.log = lambda *args, **kwargs: None
+    loss = module.training_step((torch.randn(2, 1, 8, 8), torch.tensor([1, 3])), 0)
+    assert compiled == [("loss", {"fullgraph": True, "backend": "aot_eager"})] and torch.isfinite(loss)
