@@ -63,6 +63,34 @@ def test_pairs_against_loops_and_correlations_against_scipy():
     assert got["spearman"] == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
 
 
+def test_used_directly_every_query_counts_and_the_sites_own_backend_weighs():
+    """Without ``teacher_forced_pass`` to set the task's ``query_keep``, every query row counts: the pairs
+    are the loops' with all rows counted. The weights come from the site's reweighting called with the
+    backend that reweighting was built with."""
+
+    class Spy(Softmax):
+        def compute(self, scores, mask, backend):
+            self.backends.append(backend)
+            return super().compute(scores, mask, backend)
+
+    spy = Spy(backend="reference")
+    spy.backends = []
+    site = AttentionSite("decoder.layers.0.self_attn", "decoder_self", "decoder", 0, spy)
+    g = torch.Generator().manual_seed(2)
+    B, H, T = 2, 2, 6
+    q = torch.randn(B, H, T, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, T, 4, generator=g, dtype=torch.float64)
+    keep = causal_mask(T, T)[None].expand(B, T, T)
+    observer = kn.KeyNormAttention()
+    observer.edit_mask(site, q, k, keep[:, None])
+    ((norms, received),) = observer.pairs[site.name]
+    want = loop_pairs(q, k, keep, torch.ones(B, T, dtype=torch.bool))
+    assert len(want) == B * H * (T - 1)
+    assert torch.allclose(norms, torch.tensor([p[0] for p in want], dtype=torch.float64))
+    assert torch.allclose(received, torch.tensor([p[1] for p in want], dtype=torch.float64))
+    assert spy.backends == ["reference"]
+
+
 def test_ranks_average_ties_as_scipy_and_constant_inputs_have_no_correlation():
     x = torch.tensor([3.0, 1.0, 3.0, 2.0, 1.0, 3.0, 0.5])
     assert torch.equal(kn.average_ranks(x), torch.tensor(stats.rankdata(x.numpy()), dtype=torch.float64))

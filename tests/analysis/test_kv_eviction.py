@@ -437,6 +437,22 @@ def test_ratio_1_loses_nothing_and_no_call_measures_nothing():
     assert evict.loss_rows() == [(0, 10, 0.0, 0.0), ("all", 10, 0.0, 0.0)]
 
 
+def test_a_layer_without_a_counted_row_has_no_means_and_adds_nothing_to_the_pool():
+    """Every query of layer 0's call is padding (fully masked rows weigh nothing, so no row counts): its
+    means are None over 0 rows, and the pooled row is layer 1's alone."""
+    evict = kv.KVEviction(0.5, "l2", skip_layers=0, measure_loss=True)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+    evict.edit_mask(site(0), q, k, torch.zeros(1, 1, 3, 3, dtype=torch.bool))
+    q, k = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)
+    evict.edit_mask(site(1), q, k, causal_mask(5, 5))
+    rows = evict.loss_rows()
+    assert rows[0] == (0, 0, None, None)
+    layer, n, loss, oracle = rows[1]
+    assert (layer, n) == (1, 1 * 2 * 5) and loss > oracle > 0
+    assert rows[2] == ("all", n, loss, oracle)
+
+
 def random_call(B=3, Tk=6, device="cpu"):
     q, k = torch.randn(B, 4, 2, 8, device=device), torch.randn(B, 2, Tk, 8, device=device)
     keys = torch.ones(B, 4, 2, Tk, dtype=torch.bool, device=device)
