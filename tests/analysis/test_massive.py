@@ -279,3 +279,25 @@ def test_the_i_th_largest_is_averaged_over_the_samples_that_have_an_i_th_real_en
     assert entry["top_mean"] == pytest.approx(want, rel=1e-6)
     alone = massive_activations(task, [{k: v[:1] for k, v in batch.items()}], MassiveSettings(top_k=20))
     assert alone["blocks"]["decoder.layers.0"]["top_mean"][16:] == [None] * 4
+
+
+def test_each_block_names_its_stack_and_layer_and_a_pass_over_no_batch_has_no_figures():
+    """The result names each block's stack and layer (what the figures group by); over an empty list of
+    batches every block reports 0 samples and no median, top means, ratio or entry."""
+    task = tiny_lm()
+    result = massive_activations(task, batches(seed=2))
+    assert [(name, e["stack"], e["layer"]) for name, e in result["blocks"].items()] == [
+        ("decoder.layers.0", "decoder", 0),
+        ("decoder.layers.1", "decoder", 1),
+    ]
+    empty = massive_activations(task, [])
+    assert list(empty["blocks"]) == list(result["blocks"])
+    for name, entry in empty["blocks"].items():
+        assert {k: v for k, v in entry.items() if k not in ("stack", "layer")} == {
+            "samples": 0,
+            "median": None,
+            "top_mean": [],
+            "ratio": None,
+            "massive": 0,
+            "top": [],
+        }, name
