@@ -2,12 +2,13 @@
 shape (N = 197) and causal N = 1,024 and 4,096, forward and backward.
 
 First the check pool checks against fp32, at each kernel specialisation, the kernel as shipped, with
-each switch on alone and with all on (and so compiles them). Then, per shape: SDPA (flash, cuDNN,
-memory-efficient), the kernel as shipped (with and without the sigma-parameter gradients), its plain
-softmax (order 0), each switch that passed alone, all switches on, and the FlexAttention peer's
-forward (MultiMax as a ``score_mod`` with sigma's parameters frozen, ``benchmarks/flex_multimax.py``).
-Ratios are to SDPA flash. A ``switch_rule`` record per switch applies the rule for its default: on where
-it is correct and at least :data:`FASTER_BY` faster (forward + backward) at every target shape.
+each switch alone set away from its shipped value and with all on (and so compiles them). Then, per
+shape: SDPA (flash, cuDNN, memory-efficient), the kernel as shipped (with and without the
+sigma-parameter gradients), its plain softmax (order 0), each switch setting that passed alone, all
+switches on, and the FlexAttention peer's forward (MultiMax as a ``score_mod`` with sigma's parameters
+frozen, ``benchmarks/flex_multimax.py``). Ratios are to SDPA flash. A ``switch_rule`` record per
+setting applies the rule for the defaults: a setting becomes the default where it is correct and at
+least :data:`FASTER_BY` faster (forward + backward) than shipped at every target shape.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ FASTER_BY = 0.03
 
 
 def switch_settings() -> list[tuple[str, dict]]:
-    """``(label, settings)``: as shipped, each switch on alone, all on."""
-    names = [name for _, name, _ in present_switches()]
-    alone = [(f"{name}=True", {name: True}) for name in names]
-    return [("shipped", {}), *alone, *([("all switches", dict.fromkeys(names, True))] if len(names) > 1 else [])]
+    """``(label, settings)``: as shipped, each switch alone set to the value it does not ship with, all on."""
+    import importlib
+
+    shipped = {name: getattr(importlib.import_module(module), name) for module, name, _ in present_switches()}
+    alone = [(f"{name}={not value}", {name: not value}) for name, value in shipped.items()]
+    every = [("all switches", dict.fromkeys(shipped, True))] if len(shipped) > 1 else []
+    return [("shipped", {}), *alone, *every]
 
 
 def check_switches(run: Run, jobs: int) -> dict[str, bool]:
@@ -177,6 +181,7 @@ def switch_rules(run: Run, passed: dict[str, bool], totals: dict[str, dict[str, 
             settings=settings,
             correct=bool(passed.get(label)),
             speedup_fwd_bwd=speedups,
-            default_on=bool(passed.get(label)) and timed_everywhere and min(speedups.values()) >= FASTER_BY,
-            rule=f"on where correct and at least {FASTER_BY:.0%} faster (fwd + bwd) at every shape timed",
+            change_default=bool(passed.get(label)) and timed_everywhere and min(speedups.values()) >= FASTER_BY,
+            rule=f"the setting becomes the default where correct and at least {FASTER_BY:.0%} faster (fwd + bwd) "
+            "than shipped at every shape timed",
         )

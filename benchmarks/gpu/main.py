@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.gpu.record import HARD_GRACE_S, Overrun, Run, first_line
+from benchmarks.gpu.record import HARD_GRACE_S, Overrun, Run, first_line, release_gpu_cache
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: Default budget in seconds: the last section ends by then; the watchdog ends the run at the budget
@@ -117,6 +117,7 @@ def run_section(run: Run, section: Section, jobs: int) -> None:
     except Exception as error:  # a failing section must not cost the others
         run.emit(kind="error", section=section.name, error=first_line(error))
     run.current = None
+    release_gpu_cache()
     run.emit(
         kind="section", section=section.name, seconds=round(time.monotonic() - began, 1), deadline_s=round(seconds)
     )

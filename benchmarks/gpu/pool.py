@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from benchmarks.gpu.record import Run, first_line
+from benchmarks.gpu.record import Run, first_line, release_gpu_cache
 
 #: A task: ``("package.module:function", args)``; the function returns a JSON-able dict.
 Task = tuple[str, tuple]
@@ -40,6 +40,7 @@ def _worker(conn) -> None:
             result = call(task)
         except Exception as error:  # the verdict is the error
             result = {"ok": False, "error": first_line(error)}
+        release_gpu_cache()  # a worker holds no memory between tasks: the others share the device
         conn.send(result)
 
 

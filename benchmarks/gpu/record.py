@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -243,3 +244,12 @@ class Run:
                 with log.open("a") as sink:
                     sink.write(f"$ {' '.join(command)}\n" + "\n".join(output.splitlines()[-200:]) + "\n\n")
         return status, output
+
+
+def release_gpu_cache() -> None:
+    """Hand the CUDA allocator's cached blocks back to the device, so that the check pool's workers
+    (processes of their own) find the memory that a finished section held (tens of GiB after the
+    cross-entropy at the LM's vocabulary)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()

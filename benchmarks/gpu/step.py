@@ -169,6 +169,19 @@ def time_step(step: Callable[[], None], cuda: bool, reps: int = 10) -> dict:
     }
 
 
+def compiled_loss(model, loss_fn: Callable, variant: StepVariant) -> Callable:
+    """The loss with the network compiled as its task compiles it: timm's ``__call__`` (its loss calls
+    ``m(x)``); mmlight's ``loss`` method through the tasks' :class:`~mmlight.tasks.compiling.CompiledCalls`
+    (``fullgraph=True``). ``Module.compile`` would wrap only ``__call__``, which ``loss`` never goes through."""
+    if variant.attention == "timm":
+        model.compile()
+        return loss_fn
+    from mmlight.tasks.compiling import CompiledCalls
+
+    calls = CompiledCalls(True, model)
+    return lambda m, x, y: calls(m.loss, x, y, label_smoothing=0.1)
+
+
 def measure(run: Run, variant: StepVariant) -> dict:
     """The variant's step timing (a fresh model, compiled if asked)."""
     import torch
@@ -180,7 +193,7 @@ def measure(run: Run, variant: StepVariant) -> dict:
     with variant_context(run, variant):
         model, loss_fn = build_model(run, variant)
         if variant.compiled and cuda:
-            model.compile()
+            loss_fn = compiled_loss(model, loss_fn, variant)
         try:
             return time_step(build_step(run, model, loss_fn), cuda)
         finally:

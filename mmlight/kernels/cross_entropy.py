@@ -37,10 +37,11 @@ V = 267,744 in bf16 that is one extra 4.4 GB buffer (none with ``inplace_grad=Tr
 eager composition keeps several fp32 ``T x V`` tensors (upcast, sigma, log-softmax, gradients) of
 8.8 GB each.
 
-With ``GRADIENT_IN_BACKWARD`` the forward runs pass 1 only and saves each row's max and ``1 / sum``
+With ``GRADIENT_IN_BACKWARD`` (the default, 1.8x faster forward + backward on an H200 than the
+gradient in the forward) the forward runs pass 1 only and saves each row's max and ``1 / sum``
 (two fp32 values per row); the backward runs pass 2 with the upstream gradient read on the device,
 so the gradient is written once, already scaled: ``b`` bytes per element in the forward and ``2b``
-in the backward.
+in the backward. The paragraphs above describe the switch turned off.
 
 Ignored rows (target == ignore_index) skip pass 1 entirely (their loads are masked off) and, when
 the logits need a gradient, only write zeros in pass 2.
@@ -79,8 +80,8 @@ SUPPORTED_DTYPES = TRITON_DTYPES  # one list for the kernels and the backend cho
 REDUCTIONS = ("mean", "sum")
 #: Compute the gradient in the backward (a second kernel reading the upstream gradient on the device)
 #: instead of in the forward followed by a pass that scales it: one read and one write of ``T x V``
-#: fewer. A switch for benchmarks/gpu_run.py until a GPU measurement decides.
-GRADIENT_IN_BACKWARD = False
+#: fewer. On: forward + backward 1.8x faster at 8,192 x 267,744 (H200, 2026-12-04).
+GRADIENT_IN_BACKWARD = True
 
 
 @triton.jit
@@ -450,6 +451,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
                               False, stats)
             ctx.save_for_backward(logits, target, params, *stats)
             ctx.args = (order, label_smoothing, ignore_index, reduction, param_grads)
+            ctx.consumed = False
             return loss
         grad = logits.detach()
         loss, d_params = _launch(logits, target, params, order, label_smoothing, ignore_index, reduction, grad,
@@ -460,6 +462,10 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.deferred:
+            if ctx.consumed:
+                raise RuntimeError("multimax_cross_entropy: backward through the same graph twice is not supported "
+                                   "with inplace_grad=True (its first backward overwrote the logits)")
+            ctx.consumed = True
             logits, target, params, row_max, row_inv_sum = ctx.saved_tensors
             order, label_smoothing, ignore_index, reduction, param_grads = ctx.args
             grad = logits.detach()  # each block of a row is read before its gradient overwrites it
@@ -477,7 +483,8 @@ def multimax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ranges: t
 
     Equals ``F.cross_entropy(multimax_sigma(logits.float(), ranges, ts), target, label_smoothing=...,
     ignore_index=..., reduction=...)`` (plain cross-entropy when ``ranges`` and ``ts`` are None), but
-    never materialises an fp32 ``(T, V)`` tensor; the gradient is computed during the forward.
+    never materialises an fp32 ``(T, V)`` tensor; the gradient is computed in the backward (in the
+    forward with ``GRADIENT_IN_BACKWARD`` off).
 
     Args:
         logits: ``(T, V)`` fp32, bf16 or fp16; any row stride, last dim contiguous.

@@ -63,8 +63,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 #: target it compiles for.
 OFFLINE_CAPABILITY: ContextVar[int] = ContextVar("OFFLINE_CAPABILITY", default=90)
 
-# Configs forced for the current context, by kernel name (the sweep and the tests set them).
-_OVERRIDE: ContextVar[dict[str, BlockConfig] | None] = ContextVar("_OVERRIDE", default=None)
+# Configs forced by override_tiles, by kernel name (the sweep and the tests set them). A module global,
+# not a ContextVar: autograd runs the backward of CUDA tensors on a thread of its own, which a
+# ContextVar set by the caller does not reach (the dK/dV and dQ overrides would silently not apply).
+_OVERRIDE: dict[str, BlockConfig] = {}
 
 
 def seq_bucket(n: int) -> int:
@@ -94,7 +96,7 @@ def measured(
         causal: causal attention.
         n: key length (row length for ``rowwise``).
     """
-    forced = (_OVERRIDE.get() or {}).get(kernel)
+    forced = _OVERRIDE.get(kernel)
     if forced is not None:
         return forced
     row = MEASURED.get((capability, head_dim, DTYPE_NAMES.get(dtype, str(dtype)), bool(causal), seq_bucket(n)))
@@ -108,8 +110,10 @@ def override_tiles(**configs: BlockConfig) -> Iterator[None]:
     unknown = set(configs) - {"forward", "dkdv", "dq", "rowwise"}
     if unknown:
         raise ValueError(f"unknown kernel names {sorted(unknown)}; use forward, dkdv, dq or rowwise")
-    token = _OVERRIDE.set({**(_OVERRIDE.get() or {}), **configs})
+    global _OVERRIDE
+    saved = _OVERRIDE
+    _OVERRIDE = {**saved, **configs}
     try:
         yield
     finally:
-        _OVERRIDE.reset(token)
+        _OVERRIDE = saved

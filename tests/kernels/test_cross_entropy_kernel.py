@@ -167,15 +167,23 @@ def test_half_precision_logits(dtype):
     assert_matches(got, want, rtol=tol, atol=1e-5, param_rtol=1e-4, param_atol=1e-5)
 
 
-def test_inplace_grad_writes_into_logits_storage():
+@pytest.mark.parametrize("in_backward", [True, False], ids=["gradient_in_backward", "gradient_in_forward"])
+def test_inplace_grad_writes_into_logits_storage(monkeypatch, in_backward):
+    monkeypatch.setattr(ce, "GRADIENT_IN_BACKWARD", in_backward)
     leaf, target, ranges, ts = make_inputs(6, 197, 2)
     want = reference(leaf, target, ranges, ts, grad_scale=3.0, label_smoothing=0.1)
     logits = leaf * 1.0  # an intermediate, as the LM head's output would be
+    before = logits.detach().clone()
     loss = multimax_cross_entropy(logits, target, ranges, ts, label_smoothing=0.1, inplace_grad=True)
-    # The forward already overwrote the logits with the (unscaled) gradient.
-    torch.testing.assert_close(logits.detach().double(), want[1] / 3.0, rtol=1e-5, atol=1e-6)
-    (3.0 * loss).backward()
+    if in_backward:  # the forward only reads the logits
+        assert torch.equal(logits.detach(), before)
+    else:  # the forward already overwrote the logits with the (unscaled) gradient
+        torch.testing.assert_close(logits.detach().double(), want[1] / 3.0, rtol=1e-5, atol=1e-6)
+    (3.0 * loss).backward(retain_graph=True)
     assert_matches((loss.detach(), leaf.grad, ranges.grad, ts.grad), want)
+    torch.testing.assert_close(logits.detach().double(), want[1], rtol=1e-5, atol=1e-6)  # the scaled gradient
+    with pytest.raises(RuntimeError, match="twice"):  # the logits are gone: no second backward
+        loss.backward()
     with pytest.raises(ValueError, match="leaf"):
         multimax_cross_entropy(leaf, target, ranges, ts, inplace_grad=True)
 
@@ -216,13 +224,22 @@ def test_param_grads_without_logit_grads_and_inference():
         )
 
 
-def test_second_backward_through_same_graph_raises():
+@pytest.mark.parametrize("in_backward", [True, False], ids=["gradient_in_backward", "gradient_in_forward"])
+def test_a_second_backward_through_the_same_graph(monkeypatch, in_backward):
+    """With the gradient in the backward, a second backward recomputes it from the saved logits and
+    accumulates it again; computed in the forward, it is scaled in place once, and a second raises."""
+    monkeypatch.setattr(ce, "GRADIENT_IN_BACKWARD", in_backward)
     logits, target, _, _ = make_inputs(3, 197, 0)
     loss = multimax_cross_entropy(logits, target)
     loss.backward(retain_graph=True)
-    torch.testing.assert_close(logits.grad.double(), reference(logits, target, None, None)[1], rtol=1e-5, atol=1e-7)
-    with pytest.raises(RuntimeError, match="twice"):
+    want = reference(logits, target, None, None)[1]
+    torch.testing.assert_close(logits.grad.double(), want, rtol=1e-5, atol=1e-7)
+    if in_backward:
         loss.backward()
+        torch.testing.assert_close(logits.grad.double(), 2 * want, rtol=1e-5, atol=1e-7)
+    else:
+        with pytest.raises(RuntimeError, match="twice"):
+            loss.backward()
 
 
 def _bad(name):
@@ -280,10 +297,11 @@ def test_float64_parameters_get_float64_grads():
     assert_matches(got, reference(logits, target, ranges, ts, label_smoothing=0.1))
 
 
-@pytest.fixture
-def gradient_in_backward(monkeypatch):
-    """The switch that moves the gradient pass into the backward (GRADIENT_IN_BACKWARD)."""
-    monkeypatch.setattr(ce, "GRADIENT_IN_BACKWARD", True)
+@pytest.fixture(params=[True, False], ids=["gradient_in_backward", "gradient_in_forward"])
+def gradient_in_backward(monkeypatch, request):
+    """Both places of the gradient pass (GRADIENT_IN_BACKWARD): the backward (shipped), and the forward
+    followed by a pass that scales it."""
+    monkeypatch.setattr(ce, "GRADIENT_IN_BACKWARD", request.param)
 
 
 @pytest.mark.parametrize("order, reduction, grad_scale", [(0, "mean", 1.0), (2, "mean", 1.0), (2, "sum", 2.5)])

@@ -122,9 +122,10 @@ CAUSAL_PARAM_RATIO = {"ranges": 4.0, "ts": 4.0}
 @pytest.mark.parametrize("switch", [None, "PARAM_SUMS_PER_PROGRAM", "OUTPUT_IN_CALLER_LAYOUT", "SINGLE_PASS_BACKWARD"])
 @pytest.mark.parametrize("causal, padded", [(False, True), (True, False)])
 def test_attention_gradients(causal, padded, switch, monkeypatch):
-    """As accurate as eager fp32, as shipped and with each kernel switch of kernels/attention.py on."""
+    """As accurate as eager fp32, as shipped and with each kernel switch of kernels/attention.py away
+    from its shipped setting."""
     if switch is not None:
-        monkeypatch.setattr(attention_kernel, switch, True)
+        monkeypatch.setattr(attention_kernel, switch, not getattr(attention_kernel, switch))
     B, H, T, D = 1, 2, 80, 16
 
     def make_case(seed):

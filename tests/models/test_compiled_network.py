@@ -21,6 +21,8 @@ The micro models come from ``tests/helpers/models.py`` (``micro_vit``, ``tiny``)
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -173,8 +175,9 @@ def test_inductor_matches_eager_on_the_vit(name):
     compare_compiled("vit", name, "auto", "inductor", rtol=1e-4, atol=1e-5, vit_blocks=1)
 
 
-#: The kernel switches (docs/kernels.md), all on at once: the operators' fake functions, autograd
-#: registrations and the extra cross-entropy operators carry them through the compiled graph.
+#: The kernel switches (docs/kernels.md), all away from their shipped settings at once (the other
+#: compiled tests run the shipped ones): the operators' fake functions, autograd registrations and
+#: the cross-entropy's operators of either gradient pass carry them through the compiled graph.
 KERNEL_SWITCHES = (
     ("mmlight.kernels.attention", "PARAM_SUMS_PER_PROGRAM"),
     ("mmlight.kernels.attention", "OUTPUT_IN_CALLER_LAYOUT"),
@@ -185,7 +188,7 @@ KERNEL_SWITCHES = (
 )
 
 
-def test_compiles_whole_with_every_kernel_switch_on(monkeypatch):
+def test_compiles_whole_with_every_kernel_switch_flipped(monkeypatch):
     for module, switch in KERNEL_SWITCHES:
-        monkeypatch.setattr(f"{module}.{switch}", True)
+        monkeypatch.setattr(f"{module}.{switch}", not getattr(importlib.import_module(module), switch))
     compare_compiled("lm", "multimax", "triton", "aot_eager", rtol=1e-5, atol=1e-6, layers=1, batch=2)
