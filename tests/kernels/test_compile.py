@@ -18,6 +18,8 @@ from benchmarks.compile_check import SHARED_MEMORY_LIMITS, parse_ptxas_log, ship
 ROOT = Path(__file__).resolve().parents[2]
 
 ATTENTION_KERNELS = {"_forward_kernel", "_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"}
+#: Pass 1 (the loss and row statistics) and pass 2 (the gradient, in the backward as shipped).
+CROSS_ENTROPY_KERNELS = {"_cross_entropy_kernel", "_cross_entropy_backward_kernel"}
 
 
 def compiled_env() -> dict:
@@ -56,7 +58,8 @@ def test_shipped_configs_compile_for_a100_and_h100(tmp_path):
     assert out.with_name(out.name.removesuffix(".json") + ".md").read_text().count("| ok |") == len(results)
     for capability in (80, 90):
         compiled = [r for r in results if r["capability"] == capability]
-        assert {r["kernel"] for r in compiled} == ATTENTION_KERNELS | {"_cross_entropy_kernel"}
+        # the cross-entropy's two kernels: pass 1 in the forward, pass 2 in the backward (GRADIENT_IN_BACKWARD)
+        assert {r["kernel"] for r in compiled} == ATTENTION_KERNELS | CROSS_ENTROPY_KERNELS
         # a specialisation two configs share (e.g. the 10,000- and 267,744-word cross-entropy) is
         # compiled once, for the first; every config has attention kernels of its own head dim or mask
         for origin in {c.origin for c in shipped_cases()}:
