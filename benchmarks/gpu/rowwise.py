@@ -4,12 +4,15 @@
 The ceilings (device-to-device copy bandwidth, a bf16 matrix product) are what the row-wise
 kernel's bandwidth is judged against. Each kernel setting (shipped, each switch, each rows-per-program
 candidate) is checked against the fp32 reference on the same values first, then timed (fwd + bwd
-together for the cross-entropy, whose gradient may be computed in either pass). The fastest row-wise
-config that passed becomes a row of ``tile_rows.py``.
+together for the cross-entropy, whose gradient may be computed in either pass). The row-wise records
+give each tensor's error (output, input and parameter gradients) against fp32 and against float64,
+and a ``reference_error`` record the fp32 reference's own against float64, so that a failed check
+says which side is off. The fastest row-wise config that passed becomes a row of ``tile_rows.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import asdict
 
@@ -141,12 +144,18 @@ def shipped_rowwise(n: int, dtype):
     return BlockConfig(cfg["ROWS"], 0, cfg["num_warps"], 1)
 
 
+def named_errors(got, want) -> dict[str, float]:
+    """Relative error of the output and of each gradient (input, ``ranges``, ``ts``)."""
+    from mmlight.commands.doctor import relative_error
+
+    return {name: relative_error(g, w) for name, g, w in zip(("out", "x", "ranges", "ts"), got, want)}
+
+
 def rowwise(run: Run) -> None:
     import torch
     from bench_multimax import bent_multimax
 
     from benchmarks.gpu.sweep import write_tile_rows
-    from mmlight.commands.doctor import relative_error
     from mmlight.kernels.tiles import override_tiles
 
     device, dtype = placement()
@@ -159,6 +168,11 @@ def rowwise(run: Run) -> None:
     base.update(bytes_fwd=2 * size, bytes_bwd=3 * size)
     exact = x.detach().float().requires_grad_()
     want = outputs_and_grads(lambda t: module.compute(t[0], None, "reference"), [exact, module.ranges, module.ts])
+    # float64 beside the fp32 reference: where the kernel misses fp32, which of the two is off
+    double = copy.deepcopy(module).double()
+    exact64 = x.detach().double().requires_grad_()
+    want64 = outputs_and_grads(lambda t: double.compute(t[0], None, "reference"), [exact64, double.ranges, double.ts])
+    run.emit(kind="reference_error", op="rowwise", shape=list(shape), errors_vs_fp64=named_errors(want, want64))
     softmax = run.attempt(
         "torch.softmax", SETTING_LIMIT_S, lambda: time_pair(run.smoke, lambda: torch.softmax(x, -1), [x])
     )
@@ -167,12 +181,18 @@ def rowwise(run: Run) -> None:
 
     def measure() -> dict:
         got = outputs_and_grads(lambda t: module.compute(t[0], None, "triton"), leaves)
-        errors = {name: relative_error(g, w) for name, g, w in zip(("out", "x", "ranges", "ts"), got, want)}
+        errors = named_errors(got, want)
         error = max(errors.values())
         ok = error <= TOLERANCE[base["dtype"]]
         # timed even when a check fails (it cannot be tuned from): the speed is an answer of its own
         timing = time_pair(run.smoke, lambda: module.compute(x, None, "triton"), leaves)
-        return {"error_vs_fp32": error, "errors": errors, "ok": ok, **timing}
+        return {
+            "error_vs_fp32": error,
+            "errors": errors,
+            "errors_vs_fp64": named_errors(got, want64),
+            "ok": ok,
+            **timing,
+        }
 
     best = None
     for settings, cfg in itertools.product(settings_of(ROWWISE_SWITCHES), [None, *rowwise_candidates(run.smoke)]):
