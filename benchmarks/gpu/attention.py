@@ -13,6 +13,8 @@ least :data:`FASTER_BY` faster (forward + backward) than shipped at every target
 
 from __future__ import annotations
 
+import importlib
+
 from benchmarks.gpu.common import (
     attention_shapes,
     dtype_name,
@@ -38,8 +40,6 @@ FASTER_BY = 0.03
 
 def switch_settings() -> list[tuple[str, dict]]:
     """``(label, settings)``: as shipped, each switch alone set to the value it does not ship with, all on."""
-    import importlib
-
     shipped = {name: getattr(importlib.import_module(module), name) for module, name, _ in present_switches()}
     alone = [(f"{name}={not value}", {name: not value}) for name, value in shipped.items()]
     every = [("all switches", dict.fromkeys(shipped, True))] if len(shipped) > 1 else []
