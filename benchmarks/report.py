@@ -643,6 +643,24 @@ def step_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def text_step_table(records: list[dict]) -> list[str]:
+    """Each text recipe's step, eager and compiled, with the compiled one's ratio to eager."""
+    lines = [
+        "| config | vocabulary | batch × tokens | compiled | step ms | compiled / eager | tokens/s | first step s "
+        "| peak MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("kind") == "text_step":
+            lines.append(
+                f"| `{r['config']}` | {r['vocab']:,} | {r['shape'][0]} × {r['shape'][1]} | "
+                f"{'yes' if r['compiled'] else 'no'} | {fmt(r.get('step_ms'))} | {fmt(r.get('compiled_over_eager'))} | "
+                f"{fmt(r.get('tokens_per_s'), 5)} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+                + (f" {r['error']}" if r.get("error") else "")
+            )
+    return lines
+
+
 def fit_table(records: list[dict]) -> list[str]:
     """Each ``mmlight fit``'s logged images/s (mean of the windows past the warm-up) beside the training
     step's of the same variant, and their ratio: what the data pipeline and Lightning leave of the step's rate."""
@@ -685,6 +703,11 @@ def render_run(records: list[dict]) -> str:
         "\n#### Training step (× baseline: eager against softmax with SDPA flash, compiled against timm's)\n",
         *step_table(records),
     ]
+    if any(r.get("kind") == "text_step" for r in records):
+        lines += [
+            "\n#### Text recipes' training step, eager and compiled (bf16 autocast, fused AdamW, one GPU's batch)\n",
+            *text_step_table(records),
+        ]
     if any(r.get("kind") == "fit" for r in records):
         lines += [
             "\n#### mmlight fit on synthetic ImageNet shards (images/s past the warm-up; fit / step: the data "

@@ -10,7 +10,9 @@ worth, each section as far as the budget (480 s by default) allows:
 4. ``attention`` (:mod:`.attention`): the fused kernel against SDPA at N = 197 and causal 1k/4k, as
    shipped, with each switch, all on, and the FlexAttention peer;
 5. ``rowwise`` (:mod:`.rowwise`): ceilings, the fused cross-entropy and the row-wise kernel;
-6. ``sweep`` (:mod:`.sweep`), ``profile`` (:mod:`.step`), ``fit`` (:mod:`.fit`).
+6. ``text_step`` (:mod:`.text_step`): the text recipes' networks (LM, translator, Llama-style), eager and
+   compiled;
+7. ``sweep`` (:mod:`.sweep`), ``profile`` (:mod:`.step`), ``fit`` (:mod:`.fit`).
 
 :mod:`.record` holds the records and the deadlines, :mod:`.pool` the check pool, :mod:`.main` the
 command line and the order. Records are JSON lines appended as each is measured.

@@ -65,6 +65,8 @@ SECTIONS = [
     Section("step", "benchmarks.gpu.step:section", 30, compilations=20),
     Section("attention", "benchmarks.gpu.attention:section", 40, compilations=6, pool=True),
     Section("rowwise", "benchmarks.gpu.rowwise:section", 20, compilations=12),
+    # the text recipes' networks eager and compiled: 3 compiled models at ~6 compile-units each
+    Section("text_step", "benchmarks.gpu.text_step:section", 20, compilations=18),
     Section("sweep", "benchmarks.gpu.sweep:section", 40, compilations=12, rest=True, pool=True),
     Section("profile", "benchmarks.gpu.step:section_profile", 15, rest=True),
     Section("fit", "benchmarks.gpu.fit:section", 120, start_s=30, rest=True),

@@ -17,7 +17,7 @@ from mmlight.kernels import attention, tiles
 from mmlight.kernels.tiles import BlockConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["preflight", "correctness", "step", "attention", "rowwise", "sweep", "profile", "fit"]
+SECTIONS = ["preflight", "correctness", "step", "attention", "rowwise", "text_step", "sweep", "profile", "fit"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,27 @@ def test_smoke_run_covers_every_section(smoke_run):
     assert all(r["step_ms"] > 0 for r in records if r["kind"] == "step")
     profiles = (out / "profiles.txt").read_text()
     assert "## softmax (SDPA flash)" in profiles and "## multimax tuned" in profiles and "Self CPU" in profiles
+
+
+@pytest.mark.slow
+def test_smoke_text_steps_are_the_configs_networks(smoke_run):
+    """Each text recipe's step ran eagerly on its config's network (narrowed: the parameter count of a
+    ``TransformerConfig`` built here from the same YAML), its tokens/s from its shape and step time; the
+    compiled step is recorded as skipped on the CPU, saying why."""
+    from benchmarks.gpu.text_step import RECIPES, network_config
+    from mmlight.models.transformer import TransformerLM, TransformerSeq2Seq
+
+    records, _, _ = smoke_run
+    steps = [r for r in records if r["kind"] == "text_step"]
+    assert [(r["config"], r["compiled"]) for r in steps] == [(recipe.config, False) for recipe in RECIPES]
+    for recipe, record in zip(RECIPES, steps):
+        config = network_config(recipe, smoke=True)
+        network = (TransformerSeq2Seq if config.n_encoder_layers else TransformerLM)(config)
+        assert record["parameters"] == sum(p.numel() for p in network.parameters())
+        batch, length = record["shape"]
+        assert record["tokens_per_s"] == round(batch * length / record["step_ms"] * 1e3)
+    skipped = {r["what"]: r["reason"] for r in records if r["kind"] == "skipped" and r["section"] == "text_step"}
+    assert skipped == {f"{recipe.config}, compiled": "needs a CUDA GPU" for recipe in RECIPES}
 
 
 @pytest.mark.slow
@@ -161,6 +182,9 @@ def test_report_renders_the_run(smoke_run):
     assert len(fit_rows) == 1 and fit_rows[0].endswith(
         f"| multimax shipped | {fit['step_images_per_s']:.4g} | {fit['fit_to_step']:.3g} |"
     )
+    text = next(r for r in records if r["kind"] == "text_step" and r["config"] == "llm/llama_124m_softmax.yaml")
+    (text_row,) = [line for line in report.splitlines() if line.startswith("| `llm/llama_124m_softmax.yaml` |")]
+    assert text_row.startswith(f"| `llm/llama_124m_softmax.yaml` | 64 | 2 × 16 | no | {text['step_ms']:.3g} | – |")
 
 
 def test_report_targets_from_synthetic_records():
@@ -273,3 +297,20 @@ def test_fit_error_is_the_exception_line():
         "mmlight fit: error: Key 'data.init_args.rot' is not expected",
         "",
     ]
+
+
+@pytest.mark.parametrize(
+    "config, parameters",
+    # the counts that the configs' headers state for their recipes' vocabularies; MultiMax (order 2) has 8
+    # parameters per site, in 6 attention layers and on the output
+    [("lm_wikitext103_multimax.yaml", 155_999_232 + 7 * 8), ("llm/llama_124m_softmax.yaml", 110_119_680)],
+)
+def test_text_step_builds_each_configs_network_at_its_vocabulary(config, parameters):
+    """The text step's network is the config's at full size: the parameter count its header states."""
+    from benchmarks.gpu.text_step import RECIPES, network_config
+    from mmlight.models.transformer import TransformerLM
+
+    (recipe,) = [r for r in RECIPES if r.config == config]
+    with torch.device("meta"):
+        network = TransformerLM(network_config(recipe, smoke=False))
+    assert sum(p.numel() for p in network.parameters()) == parameters
