@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from timm.layers import PatchEmbed
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -99,6 +100,20 @@ def _check_variant(variant: str, found: tuple[int, int], source: str) -> None:
         )
 
 
+class ContiguousPatchEmbed(PatchEmbed):
+    """timm's patch embedding, its tokens ``(B, N, C)`` returned contiguous.
+
+    timm flattens the convolution's ``(B, C, H, W)`` output and transposes it, so the tokens are a
+    ``(B, C, N)``-strided view. Without a class token (whose concatenation copies them) every residual
+    add keeps that layout, and each LayerNorm then copies its input in the forward and its gradient's
+    partner in the backward: four copies per block and step (48 in DeiT-small, as many as its matrix
+    products move). One copy here replaces them; the values are the same.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).contiguous()  # (B, N, C)
+
+
 def _class_token(config: ViTConfig, weights: dict | None) -> bool:
     """Whether the model has a CLS token (see :attr:`ViTConfig.class_token`)."""
     wanted = config.class_token
@@ -139,6 +154,7 @@ class ReweightedViT(nn.Module):
             num_heads=num_heads,
             drop_path_rate=config.drop_path_rate,
             attn_layer=ReweightedAttention,
+            embed_layer=ContiguousPatchEmbed,
         )
         for block in self.vit.blocks:
             block.attn.reweight = config.attention.build(

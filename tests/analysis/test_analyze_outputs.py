@@ -360,3 +360,100 @@ def test_the_docs_state_the_defaults_of_the_language_model_analyses():
     settings = MassiveSettings()
     assert args.massive_top_k == settings.top_k
     assert f"|h| above {settings.min_magnitude:g} and above {settings.min_ratio:g} × the sample's median" in doc
+
+
+# ------------------------------------------------------------------ --extrapolation's inputs
+
+
+class StreamData:
+    """A DataModule stand-in for ``--extrapolation``: ``rows`` val sequences of ``length`` tokens (ids
+    from 3 up, so none is padding), with the given ``block_size``/``seq_len`` attributes."""
+
+    def __init__(self, rows: int = 4, length: int = 6, **attrs):
+        self.batch = {
+            "input": torch.arange(3, 3 + rows * length).view(rows, length),
+            "target": torch.arange(4, 4 + rows * length).view(rows, length),
+            "loss_mask": torch.ones(rows, length, dtype=torch.bool),
+        }
+        self.__dict__.update(attrs)
+
+    def prepare_data(self):
+        pass
+
+    def setup(self, stage):
+        pass
+
+    def val_dataloader(self):
+        return [self.batch]
+
+    def on_after_batch_transfer(self, batch, index):
+        return batch
+
+
+def extrapolation_args(**fields) -> SimpleNamespace:
+    base = {"train_context": None, "extrapolation_windows": 2, "multiples": [1, 2], "split": "val", "ckpt_path": ["a"]}
+    return SimpleNamespace(**{**base, **fields})
+
+
+def test_the_training_context_is_the_option_then_block_size_then_seq_len_else_an_error():
+    args = extrapolation_args()
+    assert analyze.training_context(extrapolation_args(train_context=7), StreamData(block_size=5)) == 7
+    assert analyze.training_context(args, StreamData(block_size=5, seq_len=9)) == 5
+    assert analyze.training_context(args, StreamData(block_size=0, seq_len=9)) == 9  # not a length: passed over
+    assert analyze.training_context(args, StreamData(block_size="5", seq_len=9)) == 9
+    with pytest.raises(analyze.AnalyzeError) as refused:
+        analyze.training_context(args, StreamData(seq_len=None))
+    assert str(refused.value) == (
+        "--extrapolation needs the training context: StreamData has no block_size or seq_len, give --train_context N"
+    )
+
+
+def test_the_extrapolation_inputs_are_the_stream_of_the_windows_asked_for_or_a_refusal_by_size_or_task():
+    from mmlight.tasks import LanguageModel, Translator
+    from tests.helpers.models import tiny_transformer
+
+    lm = LanguageModel(tiny_transformer(vocab_size=40))
+    data = StreamData(rows=4, length=6, block_size=3)  # 24 positions; 2 windows of 2 x 3 need 12
+    stream, context = analyze.extrapolation_inputs(extrapolation_args(), data, [lm])
+    assert context == 3 and len(stream) == 12
+    assert stream.inputs.tolist() == list(range(3, 15)) and stream.targets.tolist() == list(range(4, 16))
+    stream, _ = analyze.extrapolation_inputs(extrapolation_args(extrapolation_windows=4, multiples=[2]), data, [lm])
+    assert len(stream) == 24  # the whole split, exactly
+    with pytest.raises(analyze.AnalyzeError) as refused:
+        analyze.extrapolation_inputs(extrapolation_args(extrapolation_windows=3, multiples=[1, 3]), data, [lm])
+    assert str(refused.value) == (
+        "--extrapolation: 3 window(s) of 3 x 3 tokens need 27 positions, and the val split holds 24: lower "
+        "--extrapolation_windows or --multiples"
+    )
+    translator = Translator(tiny_transformer(n_encoder_layers=1))
+    with pytest.raises(analyze.AnalyzeError) as refused:
+        analyze.extrapolation_inputs(extrapolation_args(ckpt_path=["lm.ckpt", "nmt.ckpt"]), data, [lm, translator])
+    assert str(refused.value) == "--extrapolation needs a language model; nmt.ckpt holds a Translator"
+
+
+@pytest.mark.parametrize("sinusoidal, expected", [(False, 12 + 6 + 3), (True, 12 + 6 + 3 + 1)])
+def test_the_windows_counted_for_the_bar_are_those_of_each_multiple_the_position_table_holds(sinusoidal, expected):
+    """100 positions, context 8: 12, 6, 3 and 1 windows of 1x, 2x, 4x and 8x; a learned table of 32
+    positions holds up to 4x (32), sinusoidal positions hold every multiple."""
+    from mmlight.tasks import LanguageModel
+    from tests.helpers.models import tiny_transformer
+
+    task = LanguageModel(tiny_transformer(max_positions=32, sinusoidal_positions=sinusoidal))
+    args = extrapolation_args(multiples=[1, 2, 4, 8])
+    assert analyze.extrapolation_windows(args, task, 100, 8) == expected
+    assert analyze.extrapolation_windows(extrapolation_args(multiples=[4]), task, 31, 8) == 0
+
+
+def test_each_undefined_multiple_is_said_with_its_reason_in_order():
+    result = {
+        "multiples": {
+            1: {"defined": True},
+            4: {"defined": False, "reason": "the table holds 64 positions"},
+            8: {"defined": False, "reason": "too long"},
+        }
+    }
+    assert analyze.undefined_multiples(result) == [
+        "4x not evaluated: the table holds 64 positions",
+        "8x not evaluated: too long",
+    ]
+    assert analyze.undefined_multiples({"multiples": {2: {"defined": True}}}) == []

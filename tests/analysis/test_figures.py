@@ -677,20 +677,53 @@ def test_layers_figure_draws_counts_unless_asked_for_the_cdf():
 
 
 def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what_is_past_the_table():
-    bucket = [{"start": 0, "stop": 2, "ppl": 3.0}, {"start": 2, "stop": 3, "ppl": 5.0}]
-    result = {
+    """Two runs: each bucket at its centre (a bucket without a perplexity left out), one line per defined
+    multiple, the end of the training context dashed; the last panel the whole-window perplexity per
+    multiple on a log2 axis ticked at every multiple of either run."""
+    buckets = [{"start": 0, "stop": 2, "ppl": 3.0}, {"start": 2, "stop": 3, "ppl": 5.0}]
+    longer = [*buckets, {"start": 3, "stop": 6, "ppl": 6.0}, {"start": 6, "stop": 6, "ppl": None}]
+    first = {
         "context": 3,
         "multiples": {
-            1: {"defined": True, "ppl": 4.0, "buckets": bucket},
-            2: {"defined": False, "reason": "past the table"},
+            1: {"defined": True, "ppl": 4.0, "buckets": buckets},
+            2: {"defined": True, "ppl": 5.5, "buckets": longer},
+            4: {"defined": False, "reason": "past the table"},
         },
     }
-    fig = figures.extrapolation_figure({"run": result})
-    panel, whole = fig.axes[0], fig.axes[1]
-    (line,) = panel.get_lines()[:1]
-    assert list(line.get_xdata()) == [0.5, 2.0] and list(line.get_ydata()) == [3.0, 5.0]
-    assert panel.get_title() == "run (2x: past the position table)"
-    assert [list(ln.get_ydata()) for ln in whole.get_lines()] == [[4.0]]
+    second = {
+        "context": 4,
+        "multiples": {
+            1: {"defined": True, "ppl": 2.0, "buckets": buckets},
+            8: {"defined": True, "ppl": None, "buckets": []},
+        },
+    }
+    fig = figures.extrapolation_figure({"run": first, "other": second})
+    panel, other, whole = fig.axes[:3]
+    one, two, edge = panel.get_lines()
+    assert (one.get_label(), list(one.get_xdata()), list(one.get_ydata())) == ("1x", [0.5, 2.0], [3.0, 5.0])
+    assert (two.get_label(), list(two.get_xdata()), list(two.get_ydata())) == ("2x", [0.5, 2.0, 4.0], [3.0, 5.0, 6.0])
+    assert one.get_marker() == "."
+    assert list(edge.get_xdata()) == [2.5, 2.5] and edge.get_linestyle() == "--" and edge.get_linewidth() == 0.8
+    assert edge.get_color() == "k"
+    assert list(other.get_lines()[-1].get_xdata()) == [3.5, 3.5]
+    assert panel.get_title() == "run (4x: past the position table)" and other.get_title() == "other"
+    assert panel.title.get_fontsize() == 8
+    assert (panel.get_xlabel(), panel.get_ylabel(), panel.get_yscale()) == ("position in window", "perplexity", "log")
+    assert [t.get_text() for t in panel.get_legend().get_texts()] == ["1x", "2x"]
+    assert panel.get_legend().get_texts()[0].get_fontsize() == 6
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in whole.get_lines()}
+    assert lines == {"run": ([1, 2], [4.0, 5.5]), "other": ([1], [2.0])}
+    assert whole.get_lines()[0].get_marker() == "o"
+    assert (whole.get_title(), whole.get_xlabel(), whole.get_ylabel()) == (
+        "whole window",
+        "x training context",
+        "perplexity",
+    )
+    assert (whole.get_xscale(), whole.get_yscale(), whole.xaxis.get_transform().base) == ("log", "log", 2)
+    assert list(whole.get_xticks()) == [1, 2, 4, 8]
+    assert [t.get_text() for t in whole.get_xticklabels()] == ["1x", "2x", "4x", "8x"]
+    assert [t.get_text() for t in whole.get_legend().get_texts()] == ["run", "other"]
+    assert whole.get_legend().get_texts()[0].get_fontsize() == 6
 
 
 def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_ratio_per_block():
