@@ -400,6 +400,7 @@ def test_the_training_context_is_the_option_then_block_size_then_seq_len_else_an
     assert analyze.training_context(extrapolation_args(train_context=7), StreamData(block_size=5)) == 7
     assert analyze.training_context(args, StreamData(block_size=5, seq_len=9)) == 5
     assert analyze.training_context(args, StreamData(block_size=0, seq_len=9)) == 9  # not a length: passed over
+    assert analyze.training_context(args, StreamData(block_size=1, seq_len=9)) == 1
     assert analyze.training_context(args, StreamData(block_size="5", seq_len=9)) == 9
     with pytest.raises(analyze.AnalyzeError) as refused:
         analyze.training_context(args, StreamData(seq_len=None))

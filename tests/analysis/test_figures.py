@@ -688,6 +688,7 @@ def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what
             1: {"defined": True, "ppl": 4.0, "buckets": buckets},
             2: {"defined": True, "ppl": 5.5, "buckets": longer},
             4: {"defined": False, "reason": "past the table"},
+            8: {"defined": False, "reason": "past the table"},
         },
     }
     second = {
@@ -706,7 +707,7 @@ def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what
     assert list(edge.get_xdata()) == [2.5, 2.5] and edge.get_linestyle() == "--" and edge.get_linewidth() == 0.8
     assert edge.get_color() == "k"
     assert list(other.get_lines()[-1].get_xdata()) == [3.5, 3.5]
-    assert panel.get_title() == "run (4x: past the position table)" and other.get_title() == "other"
+    assert panel.get_title() == "run (4x, 8x: past the position table)" and other.get_title() == "other"
     assert panel.title.get_fontsize() == 8
     assert (panel.get_xlabel(), panel.get_ylabel(), panel.get_yscale()) == ("position in window", "perplexity", "log")
     assert [t.get_text() for t in panel.get_legend().get_texts()] == ["1x", "2x"]
@@ -724,6 +725,9 @@ def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what
     assert [t.get_text() for t in whole.get_xticklabels()] == ["1x", "2x", "4x", "8x"]
     assert [t.get_text() for t in whole.get_legend().get_texts()] == ["run", "other"]
     assert whole.get_legend().get_texts()[0].get_fontsize() == 6
+    assert list(fig.get_size_inches()) == [3 * 4.2, 3.2]  # 3 panels of 4.2 x 3.2 inches in a row
+    fig = figures.extrapolation_figure({"a": second, "b": second, "c": second})
+    assert list(fig.get_size_inches()) == [3 * 4.2, 2 * 3.2]  # 4 panels: 3 to a row
 
 
 def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_ratio_per_block():
