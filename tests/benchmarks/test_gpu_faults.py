@@ -171,3 +171,31 @@ SECTIONS = [Section("checks", checks, 1, rest=True)]
     assert verdicts[1]["error"] == "Timeout: not done in 6 s; worker killed"
     assert verdicts[2]["value"] == 49
     assert next(r for r in records if r["kind"] == "left")["indices"] == []
+
+
+def test_a_failed_import_is_missing_and_one_past_the_limit_is_slow_as_the_docs_say():
+    from benchmarks.gpu import preflight
+
+    packages = {
+        "mmlight": "ok 0.1.0",
+        "timm": f"{preflight.TIMEOUT} {preflight.IMPORT_LIMIT_S:.0f} s",
+        "entmax": "ModuleNotFoundError: No module named 'entmax'",
+        "lightning": "failed",
+    }
+    missing, slow = preflight.unavailable(packages)
+    assert missing == {"entmax": preflight.OPTIONAL["entmax"], "lightning": "fit"}
+    assert slow == {"timm": "step (timm's DeiT-small, the compiled peer)"}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
+    assert f"for at most {preflight.IMPORT_LIMIT_S:g} s: one that fails is recorded as `missing`" in doc
+
+
+def test_an_import_still_running_at_the_limit_is_cut_off_and_named(tmp_path, monkeypatch):
+    from benchmarks.gpu import preflight
+
+    (tmp_path / "slow_pkg.py").write_text("import time\ntime.sleep(60)\n")
+    (tmp_path / "quick_pkg.py").write_text("__version__ = '1.2'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    began = time.monotonic()
+    found = preflight.imports(["slow_pkg", "quick_pkg"], limit_s=2.0)
+    assert time.monotonic() - began < 10
+    assert found == {"slow_pkg": f"{preflight.TIMEOUT} 2 s", "quick_pkg": "ok 1.2"}
