@@ -458,3 +458,14 @@ def test_each_undefined_multiple_is_said_with_its_reason_in_order():
         "8x not evaluated: too long",
     ]
     assert analyze.undefined_multiples({"multiples": {2: {"defined": True}}}) == []
+
+
+def test_each_top_token_is_spelled_from_the_vocabulary_where_it_is_in_it():
+    def top(*tokens):
+        return {"top": [{"token": t} for t in tokens]}
+
+    result = {"blocks": {"b0": top(0, 2, 3), "b1": top(None, 1)}}
+    assert analyze.with_token_text(result, ["a", "b", "c"]) is result
+    assert [[t["token_text"] for t in e["top"]] for e in result["blocks"].values()] == [["a", "c", None], [None, "b"]]
+    analyze.with_token_text(result, None)
+    assert [t["token_text"] for e in result["blocks"].values() for t in e["top"]] == [None] * 5

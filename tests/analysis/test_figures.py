@@ -739,3 +739,48 @@ def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_rat
     top, median = fig.axes[0].get_lines()
     assert list(top.get_ydata()) == [10.0, 400.0] and list(median.get_ydata()) == [1.0, 2.0]
     assert list(fig.axes[1].get_lines()[0].get_ydata()) == [9.0, 250.0]
+
+
+def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_per_checkpoint(monkeypatch, tmp_path):
+    """Only the rows of layer ``all`` with a loss are drawn, sorted by keep ratio: a solid line per method
+    (named without ``kv_``) and the oracle's dotted in its colour; the x axis runs from keep 1 down, the
+    top axis is 1 - r. Four checkpoints: three panels to a row."""
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or name)
+    rows = [
+        ("a", "kv_l2", 0.9, 0.1, "all", 10, 0.05, 0.02),
+        ("a", "kv_l2", 0.5, 0.5, "all", 10, 0.2, 0.1),
+        ("a", "kv_l2", 0.5, 0.5, "1", 5, 9.0, 9.0),  # one layer: not drawn
+        ("a", "kv_random", 0.5, 0.5, "all", 10, 0.4, 0.1),
+        ("a", "kv_none", 1.0, 0.0, "all", 10, None, None),  # no loss: not drawn
+        ("only_layers", "kv_l2", 0.5, 0.5, "1", 5, 9.0, 9.0),  # no pooled row: no panel
+        *[(label, "kv_l2", 0.7, 0.3, "all", 10, 0.3, 0.25) for label in ("b", "c", "d")],
+    ]
+    assert figures.attention_loss(rows, tmp_path) == "kv_attention_loss.png"
+    (fig,) = drawn
+    assert list(fig.get_size_inches()) == [3 * 4.5, 2 * 3.4]
+    panel = fig.axes[0]
+    l2, l2_oracle, random, random_oracle = panel.get_lines()
+    assert (list(l2.get_xdata()), list(l2.get_ydata()), list(l2_oracle.get_ydata())) == (
+        [0.5, 0.9],
+        [0.2, 0.05],
+        [0.1, 0.02],
+    )
+    assert (list(random.get_xdata()), list(random.get_ydata()), list(random_oracle.get_ydata())) == (
+        [0.5],
+        [0.4],
+        [0.1],
+    )
+    assert (l2.get_linestyle(), l2.get_marker(), l2_oracle.get_linestyle(), l2_oracle.get_alpha()) == (
+        "-",
+        "o",
+        ":",
+        0.8,
+    )
+    assert l2.get_color() == l2_oracle.get_color() == "C0" and random.get_color() == random_oracle.get_color() == "C1"
+    assert [t.get_text() for t in panel.get_legend().get_texts()] == ["l2", "random"]
+    assert panel.get_title() == "a\n(dotted: oracle at the same budget)" and panel.title.get_fontsize() == 8
+    assert (panel.get_xlabel(), panel.get_ylabel(), panel.xaxis_inverted()) == ("keep ratio r", "attention loss", True)
+    (top,) = [child for child in panel.child_axes]
+    assert top.get_xlabel() == "compression ratio 1 - r" and top.xaxis.label.get_fontsize() == 7
+    assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_lines()] == ["a", "b", "c", "d"]
