@@ -469,3 +469,71 @@ def test_each_top_token_is_spelled_from_the_vocabulary_where_it_is_in_it():
     assert [[t["token_text"] for t in e["top"]] for e in result["blocks"].values()] == [["a", "c", None], [None, "b"]]
     analyze.with_token_text(result, None)
     assert [t["token_text"] for e in result["blocks"].values() for t in e["top"]] == [None] * 5
+
+
+def lm_results():
+    """A massive-activations and an extrapolation result of one checkpoint, written out by hand."""
+    top = {"position": 0, "token": 7, "token_text": None, "dim": 3, "value": 812.5}
+    massive = {
+        "blocks": {
+            "layers.0": {"median": 0.5, "top_mean": [2.0], "ratio": 4.0, "massive": 0, "top": []},
+            "layers.1": {"median": 0.25, "top_mean": [600.0], "ratio": 2400.0, "massive": 3, "top": [top]},
+            "layers.2": {"median": None, "top_mean": [], "ratio": None, "massive": 0, "top": []},
+        }
+    }
+    buckets = [{"start": 0, "stop": 2, "count": 2, "ppl": 3.0}]
+    extrapolation = {
+        "positions": 96,
+        "context": 4,
+        "multiples": {
+            1: {"defined": True, "length": 4, "count": 20, "ppl": 3.5, "buckets": buckets},
+            2: {"defined": False, "length": 8, "reason": "past the table"},
+        },
+    }
+    return massive, extrapolation
+
+
+def test_the_lm_analyses_files_hold_each_checkpoint_s_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(analyze.figures, "save", lambda fig, out, name: name)
+    massive, extrapolation = lm_results()
+    assert analyze.write_lm_analyses(tmp_path, {"run": massive}, {}) == ["massive_activations.png"]
+    assert not (tmp_path / "extrapolation.csv").exists()
+    rows = list(csv.reader((tmp_path / "massive_activations.csv").open()))
+    assert rows[0] == ["checkpoint", "block", "metric", "value"]
+    assert rows[1:5] == [
+        ["run", "layers.0", "median", "0.5"],
+        ["run", "layers.0", "top1", "2.0"],
+        ["run", "layers.0", "ratio", "4.0"],
+        ["run", "layers.0", "massive", "0"],
+    ]
+    assert rows[-3:] == [
+        ["run", "layers.2", "median", ""],
+        ["run", "layers.2", "ratio", ""],
+        ["run", "layers.2", "massive", "0"],
+    ]
+    written = analyze.write_lm_analyses(tmp_path, {"run": massive}, {"run": extrapolation})
+    assert written == ["massive_activations.png", "length_extrapolation.png"]
+    assert list(csv.reader((tmp_path / "extrapolation.csv").open())) == [
+        ["checkpoint", "multiple", "length", "part", "start", "stop", "count", "ppl"],
+        ["run", "1", "4", "window", "0", "4", "20", "3.5"],
+        ["run", "1", "4", "bucket", "0", "2", "2", "3.0"],
+        ["run", "2", "8", "window", "0", "8", "", ""],
+    ]
+
+
+def test_the_summary_names_each_checkpoint_s_most_massive_block_and_its_perplexity_per_multiple():
+    massive, extrapolation = lm_results()
+    lines = analyze.lm_summary({"massive_activations": {"run": massive}, "extrapolation": {"run": extrapolation}})
+    assert lines[:2] == ["", "## Massive activations (block outputs)"]
+    assert lines[6] == "|---|---|---|---|---|---|---|"
+    assert lines[7] == "| run | layers.1 | 0.25 | 600 | 2400 | 3 | 0, 7, 3, 812.5 |"  # no token text: the id
+    assert lines[8:10] == ["", "## Length extrapolation (96 positions, training context 4)"]
+    assert lines[-3:] == ["| checkpoint | 1x | 2x |", "|---|---|---|", "| run | 3.5 | — |"]
+    massive["blocks"]["layers.1"]["top"][0]["token_text"] = "the"
+    for name in ("layers.0", "layers.1"):
+        massive["blocks"][name]["ratio"] = None  # no ratio anywhere: the first block, without a top entry
+    (row,) = [
+        line for line in analyze.lm_summary({"massive_activations": {"run": massive}}) if line.startswith("| run")
+    ]
+    assert row == "| run | layers.0 | 0.5 | 2 | — | 0 | - |"
+    assert analyze.lm_summary({}) == []
