@@ -784,3 +784,37 @@ def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_pe
     (top,) = [child for child in panel.child_axes]
     assert top.get_xlabel() == "compression ratio 1 - r" and top.xaxis.label.get_fontsize() == 7
     assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_lines()] == ["a", "b", "c", "d"]
+
+
+def test_the_key_norm_figure_draws_each_layer_s_pairs_at_most_3000_of_them_distinct(monkeypatch, tmp_path):
+    """A panel per (checkpoint, layer), as many columns as the most layers; a panel of more pairs than
+    ``points`` draws that many distinct pairs of its own (norm i with received 2i), the others all of them."""
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or name)
+
+    def entry(n, r=0.5, rho=-0.25):
+        return {
+            "norm": [float(i) for i in range(n)],
+            "received": [2.0 * i for i in range(n)],
+            "pairs": n,
+            "pearson": r,
+            "spearman": rho,
+        }
+
+    results = {"a": {"layers.0": entry(3001), "layers.1": entry(5, 0.123, 0.987)}, "b": {"layers.0": entry(2)}}
+    assert figures.key_norm_attention(results, tmp_path) == "key_norm_attention.png"
+    (fig,) = drawn
+    assert list(fig.get_size_inches()) == [2 * 3.6, 2 * 3.0]
+    big, small, other = fig.axes[:3]
+    pairs = big.collections[0].get_offsets()
+    assert len(pairs) == 3000 and len({float(x) for x in pairs[:, 0]}) == 3000
+    assert all(y == 2 * x and 0 <= x <= 3000 for x, y in pairs.tolist())
+    assert small.collections[0].get_offsets().tolist() == [[i, 2 * i] for i in range(5)]
+    assert other.collections[0].get_offsets().tolist() == [[0, 0], [1, 2]]
+    assert small.get_title() == "a layers.1\nr = 0.12, rho = 0.99, n = 5" and small.title.get_fontsize() == 7
+    assert other.get_title() == "b layers.0\nr = 0.50, rho = -0.25, n = 2"
+    assert (small.get_xlabel(), small.get_ylabel()) == ("key L2 norm", "mean attention received")
+    dots = small.collections[0]
+    assert list(dots.get_sizes()) == [3] and dots.get_alpha() == 0.4
+    figures.key_norm_attention({"a": {"layers.1": entry(5)}}, tmp_path, points=2)
+    assert len(drawn[-1].axes[0].collections[0].get_offsets()) == 2
