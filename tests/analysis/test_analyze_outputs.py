@@ -537,3 +537,41 @@ def test_the_summary_names_each_checkpoint_s_most_massive_block_and_its_perplexi
     ]
     assert row == "| run | layers.0 | 0.5 | 2 | — | 0 | - |"
     assert analyze.lm_summary({}) == []
+
+
+class Unsafe:
+    """An object a weights-only load refuses to build."""
+
+
+def test_the_qfilters_are_read_from_beside_the_checkpoint_with_a_weights_only_load(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    assert analyze.filters_path(ckpt) == tmp_path / "run.ckpt.qfilters.pt"
+    assert analyze.kv_options(["l2", "random"], ckpt) == {}  # no qfilters asked for: no file read
+    filters = torch.arange(12.0).view(1, 2, 6)
+    torch.save({"filters": filters, "cosine": torch.ones(1, 2)}, analyze.filters_path(ckpt))
+    options = analyze.kv_options(["l2", "qfilters"], str(ckpt))
+    assert list(options) == ["qfilters"] and list(options["qfilters"]) == ["filters"]
+    assert torch.equal(options["qfilters"]["filters"], filters)
+    torch.save({"filters": filters, "extra": Unsafe()}, analyze.filters_path(ckpt))
+    with pytest.raises(Exception, match="Weights only load failed"):
+        analyze.kv_options(["qfilters"], ckpt)
+
+
+def test_calibration_saves_the_filters_beside_the_checkpoint_and_summarises_their_stability(tmp_path, monkeypatch):
+    cosine = torch.tensor([[0.5, 1.0], [0.25, 0.75]])  # (layers, KV heads)
+    result = {"filters": torch.ones(2, 2, 4), "cosine": cosine, "num_sequences": 6}
+    seen = []
+    monkeypatch.setattr(analyze, "calibrate_qfilters", lambda task, batches: seen.append((task, batches)) or result)
+    ckpt = tmp_path / "run.ckpt"
+    summary = analyze.calibrated("task", ["batch"], ckpt)
+    assert seen == [("task", ["batch"])]
+    assert summary == {
+        "file": str(tmp_path / "run.ckpt.qfilters.pt"),
+        "num_sequences": 6,
+        "halves": "the first and the second half of the sequences (disjoint)",
+        "cosine": [[0.5, 1.0], [0.25, 0.75]],
+        "cosine_mean": 0.625,
+        "cosine_min": 0.25,
+    }
+    saved = torch.load(tmp_path / "run.ckpt.qfilters.pt", weights_only=True)
+    assert saved.keys() == result.keys() and torch.equal(saved["cosine"], cosine) and saved["num_sequences"] == 6
