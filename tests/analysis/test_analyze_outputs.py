@@ -575,3 +575,47 @@ def test_calibration_saves_the_filters_beside_the_checkpoint_and_summarises_thei
     }
     saved = torch.load(tmp_path / "run.ckpt.qfilters.pt", weights_only=True)
     assert saved.keys() == result.keys() and torch.equal(saved["cosine"], cosine) and saved["num_sequences"] == 6
+
+
+def test_key_norm_rows_are_one_per_checkpoint_and_layer_with_an_undefined_coefficient_empty():
+    entry = {"pairs": 12, "pearson": 0.25, "spearman": math.nan}
+    rows = analyze.key_norm_rows({"a": {"layers.0": entry, "layers.1": {**entry, "pearson": -1.0}}, "b": {}})
+    assert rows == [("a", "layers.0", 12, 0.25, None), ("a", "layers.1", 12, -1.0, None)]
+
+
+def test_robustness_json_holds_the_settings_both_row_kinds_and_what_the_losses_mean(tmp_path):
+    meta = {
+        "split": "val",
+        "kv_skip_layers": 2,
+        "keep_ratios": [1.0, 0.5],
+        "compression_ratios": [0.0, 0.5],
+        "kv_methods": ["l2"],
+        "num_samples": 4,  # not a robustness setting: left out
+    }
+    robustness = [("run", "kv_l2", 0.5, "ppl", 12.5)]
+    losses = [("run", "kv_l2", 0.5, 0.5, "all", 30, 0.125, 0.0625)]
+    analyze.write_robustness_json(tmp_path, meta, robustness, losses)
+    payload = json.loads((tmp_path / "robustness.json").read_text())
+    assert payload == {
+        "split": "val",
+        "kv_skip_layers": 2,
+        "keep_ratios": [1.0, 0.5],
+        "compression_ratios": [0.0, 0.5],
+        "kv_methods": ["l2"],
+        "attention_loss": "per counted query row, the share of its full attention mass on the past keys the "
+        "method dropped (Devoto thesis, Eq. 4.5), averaged over rows; oracle_loss: the same for the keys the "
+        "row itself weighs least, at the same budget on the same calls (the least possible)",
+        "rows": [{"checkpoint": "run", "intervention": "kv_l2", "level": 0.5, "metric": "ppl", "value": 12.5}],
+        "attention_losses": [
+            {
+                "checkpoint": "run",
+                "intervention": "kv_l2",
+                "keep_ratio": 0.5,
+                "compression_ratio": 0.5,
+                "layer": "all",
+                "rows": 30,
+                "attention_loss": 0.125,
+                "oracle_loss": 0.0625,
+            }
+        ],
+    }

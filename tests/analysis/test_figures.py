@@ -731,14 +731,45 @@ def test_the_extrapolation_figure_draws_each_bucket_at_its_centre_and_names_what
 
 
 def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_ratio_per_block():
+    """Two panels side by side; per run, one colour: its largest (solid, o) and median (dashed, .)
+    magnitude per block, and their ratio; a block without values is a gap (NaN)."""
     blocks = {
         "b0": {"top_mean": [10.0, 2.0], "median": 1.0, "ratio": 9.0},
         "b1": {"top_mean": [400.0, 3.0], "median": 2.0, "ratio": 250.0},
     }
-    fig = figures.massive_figure({"run": {"blocks": blocks}})
-    top, median = fig.axes[0].get_lines()
+    empty = {"b0": {"top_mean": [], "median": None, "ratio": None}, "b1": blocks["b1"]}
+    fig = figures.massive_figure({"run": {"blocks": blocks}, "other": {"blocks": empty}})
+    assert len(fig.axes) == 2 and list(fig.get_size_inches()) == [2 * 4.5, 3.4]
+    magnitude, ratio = fig.axes
+    top, median, other_top, other_median = magnitude.get_lines()
+    assert list(top.get_xdata()) == [1, 2]
     assert list(top.get_ydata()) == [10.0, 400.0] and list(median.get_ydata()) == [1.0, 2.0]
-    assert list(fig.axes[1].get_lines()[0].get_ydata()) == [9.0, 250.0]
+    assert np.isnan(other_top.get_ydata()[0]) and list(other_top.get_ydata())[1:] == [400.0]
+    assert np.isnan(other_median.get_ydata()[0])
+    assert (top.get_linestyle(), top.get_marker(), median.get_linestyle(), median.get_marker()) == ("-", "o", "--", ".")
+    assert top.get_color() == median.get_color() == ratio.get_lines()[0].get_color() == "C0"
+    assert other_top.get_color() == other_median.get_color() == ratio.get_lines()[1].get_color() == "C1"
+    assert [ln.get_label() for ln in magnitude.get_lines()] == [
+        "run top 1",
+        "run median",
+        "other top 1",
+        "other median",
+    ]
+    assert list(ratio.get_lines()[0].get_ydata()) == [9.0, 250.0] and ratio.get_lines()[0].get_label() == "run"
+    assert (magnitude.get_title(), magnitude.get_xlabel(), magnitude.get_ylabel(), magnitude.get_yscale()) == (
+        "hidden-state magnitude",
+        "block (depth order)",
+        "|h|",
+        "log",
+    )
+    assert (ratio.get_title(), ratio.get_xlabel(), ratio.get_ylabel(), ratio.get_yscale()) == (
+        "largest / median",
+        "block (depth order)",
+        "ratio",
+        "log",
+    )
+    assert [t.get_text() for t in ratio.get_legend().get_texts()] == ["run", "other"]
+    assert ratio.get_legend().get_texts()[0].get_fontsize() == 6
 
 
 def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_per_checkpoint(monkeypatch, tmp_path):
