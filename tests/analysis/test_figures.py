@@ -849,3 +849,12 @@ def test_the_key_norm_figure_draws_each_layer_s_pairs_at_most_3000_of_them_disti
     assert list(dots.get_sizes()) == [3] and dots.get_alpha() == 0.4
     figures.key_norm_attention({"a": {"layers.1": entry(5)}}, tmp_path, points=2)
     assert len(drawn[-1].axes[0].collections[0].get_offsets()) == 2
+
+
+def test_the_massive_figure_cycles_ten_colours_over_the_runs():
+    from matplotlib.colors import to_rgba
+
+    run = {"blocks": {"b0": {"top_mean": [4.0], "median": 1.0, "ratio": 4.0}}}
+    fig = figures.massive_figure({f"run{i}": run for i in range(12)})
+    colours = [to_rgba(line.get_color()) for line in fig.axes[1].get_lines()]
+    assert colours == [to_rgba(f"C{i % 10}") for i in range(12)] and colours[11] != colours[10]
