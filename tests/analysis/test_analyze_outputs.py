@@ -619,3 +619,52 @@ def test_robustness_json_holds_the_settings_both_row_kinds_and_what_the_losses_m
             }
         ],
     }
+
+
+def test_robustness_json_is_strict_json_one_space_indented(tmp_path):
+    meta = {"split": "val", "kv_skip_layers": 0, "keep_ratios": [1.0], "compression_ratios": [0.0], "kv_methods": []}
+    analyze.write_robustness_json(tmp_path, meta, [], [])
+    assert (tmp_path / "robustness.json").read_text().startswith('{\n "split": "val",\n "kv_skip_layers": 0,')
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        analyze.write_robustness_json(tmp_path, meta, [("run", "none", 0, "ppl", math.nan)], [])
+
+
+def test_kv_options_are_refused_before_any_work_when_eviction_would_change_nothing_or_lacks_filters(tmp_path):
+    """A 2-layer LM: skipping 2 layers leaves none to evict; qfilters need CKPT.qfilters.pt beside every
+    checkpoint, or --kv_calibrate. Without --robustness, or for a task that evicts nothing, nothing is checked."""
+    from mmlight.tasks import LanguageModel
+    from tests.helpers.models import tiny_transformer
+
+    task = LanguageModel(tiny_transformer())
+    first, second = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    torch.save({"filters": torch.zeros(2, 2, 8)}, analyze.filters_path(first))
+
+    def check(**fields):
+        base = {
+            "robustness": True,
+            "kv_skip_layers": 1,
+            "keep_ratios": [0.5],
+            "kv_methods": ["l2"],
+            "kv_calibrate": False,
+        }
+        analyze.check_kv_options(SimpleNamespace(**{**base, **fields}), task, [first, second])
+
+    check()
+    check(kv_methods=["l2", "qfilters"], kv_calibrate=True)  # calibrated now: the files are written then
+    with pytest.raises(analyze.AnalyzeError) as refused:
+        check(kv_skip_layers=2)
+    assert str(refused.value) == (
+        "--kv_skip_layers 2 leaves no layer to evict in: the decoder self-attention has layers [0, 1]; "
+        "pass --kv_skip_layers 1 or less"
+    )
+    with pytest.raises(analyze.AnalyzeError) as refused:
+        check(kv_methods=["qfilters"])
+    assert str(refused.value) == (
+        f"--kv_methods qfilters needs {tmp_path / 'b.ckpt.qfilters.pt'}: add --kv_calibrate (now or earlier)"
+    )
+    check(robustness=False, kv_skip_layers=2, kv_methods=["qfilters"])
+    analyze.check_kv_options(
+        SimpleNamespace(robustness=True, kv_skip_layers=9, kv_methods=["qfilters"], kv_calibrate=False),
+        SimpleNamespace(interventions=("sink_masking",)),
+        [second],
+    )
