@@ -783,7 +783,7 @@ def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_pe
         ("a", "kv_l2", 0.5, 0.5, "all", 10, 0.2, 0.1),
         ("a", "kv_l2", 0.5, 0.5, "1", 5, 9.0, 9.0),  # one layer: not drawn
         ("a", "kv_random", 0.5, 0.5, "all", 10, 0.4, 0.1),
-        ("a", "kv_none", 1.0, 0.0, "all", 10, None, None),  # no loss: not drawn
+        ("a", "kv_none", 1.0, 0.0, "all", 10, None, 0.0),  # no loss: not drawn
         ("only_layers", "kv_l2", 0.5, 0.5, "1", 5, 9.0, 9.0),  # no pooled row: no panel
         *[(label, "kv_l2", 0.7, 0.3, "all", 10, 0.3, 0.25) for label in ("b", "c", "d")],
     ]
@@ -849,6 +849,14 @@ def test_the_key_norm_figure_draws_each_layer_s_pairs_at_most_3000_of_them_disti
     assert list(dots.get_sizes()) == [3] and dots.get_alpha() == 0.4
     figures.key_norm_attention({"a": {"layers.1": entry(5)}}, tmp_path, points=2)
     assert len(drawn[-1].axes[0].collections[0].get_offsets()) == 2
+    figures.key_norm_attention({"a": {"layers.1": entry(5)}}, tmp_path, points=5)  # all of them, in order
+    assert drawn[-1].axes[0].collections[0].get_offsets().tolist() == [[i, 2 * i] for i in range(5)]
+    torch.manual_seed(1)  # the subset is fixed: the global generator's state does not choose it
+    figures.key_norm_attention(results, tmp_path)
+    torch.manual_seed(2)
+    figures.key_norm_attention(results, tmp_path)
+    first, again = (fig.axes[0].collections[0].get_offsets().tolist() for fig in drawn[-2:])
+    assert first == again == pairs.tolist()
 
 
 def test_the_massive_figure_cycles_ten_colours_over_the_runs():
