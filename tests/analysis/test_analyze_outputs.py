@@ -254,6 +254,9 @@ def test_the_files_written_hold_every_row_the_meta_and_the_summary_table(tmp_pat
         "(ratio form)",
     }
     assert (tmp_path / "stats.json").read_text().startswith('{\n "num_samples": 8,\n')  # indented, one key a line
+    (tmp_path / "nan").mkdir()
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):  # strict JSON
+        analyze.write_stats(tmp_path / "nan", results, {**meta, "num_samples": math.nan})
 
     robustness = [("run_a", "none", 0, "top1", 0.875), ("run_a", "kv_l2", 0.5, "top1", 0.5)]
     analyze.write_summary(tmp_path, results, meta, ["fig.png"], robustness)
