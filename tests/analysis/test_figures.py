@@ -866,3 +866,14 @@ def test_the_massive_figure_cycles_ten_colours_over_the_runs():
     fig = figures.massive_figure({f"run{i}": run for i in range(12)})
     colours = [to_rgba(line.get_color()) for line in fig.axes[1].get_lines()]
     assert colours == [to_rgba(f"C{i % 10}") for i in range(12)] and colours[11] != colours[10]
+
+
+def test_the_attention_loss_figure_cycles_ten_colours_over_the_methods_and_their_oracles(monkeypatch, tmp_path):
+    from matplotlib.colors import to_rgba
+
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda fig, out, name: drawn.append(fig) or name)
+    rows = [("a", f"kv_m{i:02d}", 0.5, 0.5, "all", 10, 0.2, 0.1) for i in range(12)]
+    figures.attention_loss(rows, tmp_path)
+    colours = [to_rgba(line.get_color()) for line in drawn[0].axes[0].get_lines()]
+    assert colours == [to_rgba(f"C{i % 10}") for i in range(12) for _ in (0, 1)]
