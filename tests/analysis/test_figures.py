@@ -745,7 +745,7 @@ def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_rat
     assert list(top.get_xdata()) == [1, 2]
     assert list(top.get_ydata()) == [10.0, 400.0] and list(median.get_ydata()) == [1.0, 2.0]
     assert np.isnan(other_top.get_ydata()[0]) and list(other_top.get_ydata())[1:] == [400.0]
-    assert np.isnan(other_median.get_ydata()[0])
+    assert np.isnan(other_median.get_ydata()[0]) and np.isnan(ratio.get_lines()[1].get_ydata()[0])
     assert (top.get_linestyle(), top.get_marker(), median.get_linestyle(), median.get_marker()) == ("-", "o", "--", ".")
     assert top.get_color() == median.get_color() == ratio.get_lines()[0].get_color() == "C0"
     assert other_top.get_color() == other_median.get_color() == ratio.get_lines()[1].get_color() == "C1"
@@ -812,8 +812,18 @@ def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_pe
     assert [t.get_text() for t in panel.get_legend().get_texts()] == ["l2", "random"]
     assert panel.get_title() == "a\n(dotted: oracle at the same budget)" and panel.title.get_fontsize() == 8
     assert (panel.get_xlabel(), panel.get_ylabel(), panel.xaxis_inverted()) == ("keep ratio r", "attention loss", True)
+    assert list(l2_oracle.get_xdata()) == [0.5, 0.9] and list(random_oracle.get_xdata()) == [0.5]
+    assert panel.get_legend().get_texts()[0].get_fontsize() == 6
+    assert panel.xaxis.get_gridlines()[0].get_alpha() == 0.3
     (top,) = [child for child in panel.child_axes]
     assert top.get_xlabel() == "compression ratio 1 - r" and top.xaxis.label.get_fontsize() == 7
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # lays out the top axis: 1 - r of the bottom one, both ways
+    assert sorted(top.get_xlim()) == pytest.approx(sorted(1 - r for r in panel.get_xlim()))
+    for c in top.get_xticks():
+        at_top, below = top.transData.transform([(c, 0)])[0][0], panel.transData.transform([(1 - c, 0)])[0][0]
+        assert at_top == pytest.approx(below)
     assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_lines()] == ["a", "b", "c", "d"]
 
 
