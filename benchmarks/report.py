@@ -631,56 +631,60 @@ def switch_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def record_rows(records: list[dict], kind: str, row) -> list[str]:
+    """``row(r)`` for each record of ``kind``, the record's error (if any) after the row."""
+    return [row(r) + (f" {r['error']}" if r.get("error") else "") for r in records if r.get("kind") == kind]
+
+
 def step_table(records: list[dict]) -> list[str]:
-    lines = ["| variant | compiled | step ms | × baseline | first step s | peak MB |", "|---|---|---|---|---|---|"]
-    for r in records:
-        if r.get("kind") == "step":
-            lines.append(
-                f"| {r['backend']} | {'yes' if r.get('compiled') else 'no'} | {fmt(r.get('step_ms'))} | "
-                f"{fmt(r.get('step_ratio'))} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
-                + (f" {r['error']}" if r.get("error") else "")
-            )
-    return lines
+    def row(r: dict) -> str:
+        return (
+            f"| {r['backend']} | {'yes' if r.get('compiled') else 'no'} | {fmt(r.get('step_ms'))} | "
+            f"{fmt(r.get('step_ratio'))} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+        )
+
+    header = ["| variant | compiled | step ms | × baseline | first step s | peak MB |", "|---|---|---|---|---|---|"]
+    return header + record_rows(records, "step", row)
 
 
 def text_step_table(records: list[dict]) -> list[str]:
     """Each text recipe's step, eager and compiled, with the compiled one's ratio to eager."""
-    lines = [
+
+    def row(r: dict) -> str:
+        return (
+            f"| `{r['config']}` | {r['vocab']:,} | {r['shape'][0]} × {r['shape'][1]} | "
+            f"{'yes' if r['compiled'] else 'no'} | {fmt(r.get('step_ms'))} | {fmt(r.get('compiled_over_eager'))} | "
+            f"{fmt(r.get('tokens_per_s'), 5)} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
+        )
+
+    header = [
         "| config | vocabulary | batch × tokens | compiled | step ms | compiled / eager | tokens/s | first step s "
         "| peak MB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        if r.get("kind") == "text_step":
-            lines.append(
-                f"| `{r['config']}` | {r['vocab']:,} | {r['shape'][0]} × {r['shape'][1]} | "
-                f"{'yes' if r['compiled'] else 'no'} | {fmt(r.get('step_ms'))} | {fmt(r.get('compiled_over_eager'))} | "
-                f"{fmt(r.get('tokens_per_s'), 5)} | {fmt(r.get('first_step_s'))} | {fmt(r.get('peak_mem_mb'), 5)} |"
-                + (f" {r['error']}" if r.get("error") else "")
-            )
-    return lines
+    return header + record_rows(records, "text_step", row)
 
 
 def fit_table(records: list[dict]) -> list[str]:
     """Each ``mmlight fit``'s logged images/s (mean of the windows past the warm-up) beside the training
     step's of the same variant, and their ratio: what the data pipeline and Lightning leave of the step's rate."""
-    lines = [
+
+    def row(r: dict) -> str:
+        mfu = r.get("mfu")
+        return (
+            f"| `{Path(r['config']).name}`{' (smoke)' if r.get('smoke') else ''} | "
+            f"{'yes' if r.get('compiled') else 'no'} | {r['batch']} | "
+            f"{r['max_steps']} ({fmt(r.get('last_logged_step'))}) | {r['loader_workers']} / {r['cpus']} | "
+            f"{fmt(r.get('images_per_s'), 4)} | {percent(mfu) if mfu else '–'} | {r['step_backend']} | "
+            f"{fmt(r.get('step_images_per_s'), 4)} | {fmt(r.get('fit_to_step'))} |"
+        )
+
+    header = [
         "| config | compiled | batch | steps (last logged) | loader workers / CPUs | fit images/s | MFU | "
         "step variant | step images/s | fit / step |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in records:
-        if r.get("kind") == "fit":
-            mfu = r.get("mfu")
-            lines.append(
-                f"| `{Path(r['config']).name}`{' (smoke)' if r.get('smoke') else ''} | "
-                f"{'yes' if r.get('compiled') else 'no'} | {r['batch']} | "
-                f"{r['max_steps']} ({fmt(r.get('last_logged_step'))}) | {r['loader_workers']} / {r['cpus']} | "
-                f"{fmt(r.get('images_per_s'), 4)} | {percent(mfu) if mfu else '–'} | {r['step_backend']} | "
-                f"{fmt(r.get('step_images_per_s'), 4)} | {fmt(r.get('fit_to_step'))} |"
-                + (f" {r['error']}" if r.get("error") else "")
-            )
-    return lines
+    return header + record_rows(records, "fit", row)
 
 
 def render_run(records: list[dict]) -> str:

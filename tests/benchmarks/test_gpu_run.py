@@ -187,6 +187,17 @@ def test_report_renders_the_run(smoke_run):
     assert text_row.startswith(f"| `llm/llama_124m_softmax.yaml` | 64 | 2 × 16 | no | {text['step_ms']:.3g} | – |")
 
 
+def test_a_record_table_keeps_only_its_kind_and_ends_a_failed_row_with_its_error():
+    from benchmarks.report import text_step_table
+
+    row = {"kind": "text_step", "config": "c.yaml", "vocab": 32768, "shape": [16, 1024], "compiled": True}
+    records = [{**row, "step_ms": 12.0, "compiled_over_eager": 0.5}, {**row, "error": "OutOfMemoryError: CUDA"}]
+    lines = text_step_table([*records, {"kind": "step", "backend": "softmax"}])
+    assert len(lines) == 4
+    assert lines[2].startswith("| `c.yaml` | 32,768 | 16 × 1024 | yes | 12 | 0.5 |") and lines[2].endswith("|")
+    assert lines[3].endswith("| OutOfMemoryError: CUDA")
+
+
 def test_report_targets_from_synthetic_records():
     """The targets table reads each ratio from the right record, and judges it against its bound."""
     versions = {"device": "X", "torch": "t", "triton": "r"}
