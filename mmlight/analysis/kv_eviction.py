@@ -52,7 +52,8 @@ def full_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> to
 
 
 def compression_ratio(keep_ratio: float) -> float:
-    """kvpress's ``compression_ratio``, the fraction of keys dropped, for mmlight's keep ratio."""
+    """kvpress's ``compression_ratio``, the fraction of keys dropped, for mmlight's keep ratio, rounded to
+    12 decimals (``1 - 0.9`` is 0.09999999999999998 in floats, written 0.1)."""
     return round(1.0 - keep_ratio, 12)
 
 

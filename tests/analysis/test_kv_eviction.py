@@ -30,8 +30,31 @@ SITE = site(3)
 
 def test_every_method_is_registered_and_unknown_names_are_refused():
     assert list(kv.METHODS) == ["l2", "streaming", "oracle", "random", "qfilters", "expected_attention"]
-    with pytest.raises(ValueError, match="qfilters needs calibrated filters"):
+    with pytest.raises(
+        ValueError, match=r"^qfilters needs calibrated filters: run `mmlight analyze --kv_calibrate N` first$"
+    ):
         kv.method("qfilters")
+
+
+def test_a_calls_full_attention_is_computed_once_with_the_layers_own_backend():
+    """``KVCall.weights``: the layer's reweighting over the unevicted keys, on the layer's backend (here
+    ``compile``, which the spy records and replaces by the reference), with the KV heads repeated to the
+    query heads, scaled by 1/sqrt(hs), computed once per call."""
+    seen = []
+
+    class Spy(Softmax):
+        def compute(self, scores, mask, backend):
+            seen.append(backend)
+            return super().compute(scores, mask, "reference")
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)  # 4 query heads over 2 KV heads
+    keys = causal_mask(3, 3).expand(1, 4, 3, 3)
+    call = kv.KVCall(site(module=Spy(backend="compile")), q, k, keys, keys)
+    got = call.weights()
+    assert seen == ["compile"] and call.weights() is got and seen == ["compile"]
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / math.sqrt(8)
+    torch.testing.assert_close(got, scores.masked_fill(~keys, -math.inf).softmax(-1))
 
 
 def brute_force_l2(k, keep, ratio):
@@ -135,6 +158,13 @@ def test_budget_rounds_up():
     assert kv.budget(torch.tensor([10]), 0.3).item() == 3 and kv.budget(torch.tensor([10]), 0.31).item() == 4
     assert kv.budget(torch.tensor([10]), 0.9).item() == 9 and kv.budget(torch.tensor([1]), 0.1).item() == 1
     assert kv.budget(torch.tensor([10]), 0.7).item() == 7 and kv.budget(torch.tensor([10]), 0.1).item() == 1
+
+
+def test_compression_ratio_is_the_dropped_fraction_to_12_decimals():
+    """1 - r without float noise for the study's keep ratios, and rounded at the 12th decimal: a ratio
+    given to 13 decimals loses its last one."""
+    assert [kv.compression_ratio(r) for r in kv.KEEP_RATIOS] == [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]
+    assert kv.compression_ratio(0.1234567890123) == 0.876543210988
 
 
 def test_full_mask_expands_or_fills():
@@ -696,11 +726,14 @@ def test_grouped_keys_evict_as_the_keys_repeated_to_each_query_head(name, tq):
 
 def test_masks_and_streaming_scores_are_made_on_the_queries_device():
     """On the meta device (standing in for an accelerator): the full mask of a call without one, and the
-    streaming scores, are made on the device of the queries and masks."""
+    streaming scores, are made on the device of the queries and masks; scores made on the CPU (a method's
+    random draws) are moved to the device of the mask they select from."""
     q, k = torch.randn(2, 3, 4, 8, device="meta"), torch.randn(2, 3, 5, 8, device="meta")
     full = kv.full_mask(q, k, None)
     assert (full.device.type, full.dtype, full.shape) == ("meta", torch.bool, (2, 3, 4, 5))
     assert kv.streaming_scores(torch.ones(2, 3, 4, 5, dtype=torch.bool, device="meta")).device.type == "meta"
+    kept = kv.keep_top(torch.randn(2, 1, 1, 5), full, 0.5)
+    assert (kept.device.type, kept.dtype, kept.shape) == ("meta", torch.bool, (2, 3, 4, 5))
 
 
 def test_l2_scores_of_half_precision_keys_are_float32_norms():
@@ -734,3 +767,119 @@ def test_attention_loss_leaves_out_rows_of_zero_mass():
     total, rows = kv.attention_loss(weights, dropped)
     assert int(rows) == 2
     assert float(total) == pytest.approx(0.5 + 0.2 / 0.4, abs=1e-12)
+
+
+def test_attention_parts_of_a_module_without_grouped_heads_or_rotary_positions():
+    """A module with only ``n_heads`` (no ``n_kv_heads``, ``rope``, ``positions`` or ``q_norm``): as many
+    KV heads as query heads, additive positions (no rotary base), no query norm."""
+    module = torch.nn.Module()
+    module.n_heads = 4
+    module.q_proj, module.v_proj, module.out_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+    parts = kv.attention_parts(module)
+    assert (parts["n_heads"], parts["n_kv_heads"], parts["theta"], parts["q_norm"]) == (4, 4, None, None)
+    assert parts["w_o"] is module.out_proj.weight and parts["q_proj"] is module.q_proj
+    module.positions, module.rope_theta = "rotary", 500  # a module that rotates by a named base
+    assert kv.attention_parts(module)["theta"] == 500.0
+    module.positions = "alibi"
+    with pytest.raises(ValueError, match=r"^Module\.positions must be 'additive' or 'rotary', got 'alibi'$"):
+        kv.attention_parts(module)
+
+
+def test_query_collector_keeps_the_counted_queries_of_decoder_self_attention_only():
+    """The Q-filter calibration's queries: each decoder self-attention call's ``(B, nh, Tq, hs)`` queries
+    become ``(n, nh, hs)`` rows, the padding positions of the call's stack left out; the mask passes
+    through unchanged, and other kinds of attention add nothing. Before any batch sets ``query_keep``
+    (and for a stack without a mask) every position counts."""
+    q = torch.arange(2 * 3 * 4 * 2, dtype=torch.float32).view(2, 3, 4, 2)  # (B, nh, Tq, hs)
+    mask = causal_mask(4, 4)
+    collector = kv.QueryCollector()
+    assert collector.edit_mask(site(1), q, q, mask) is mask
+    assert torch.equal(collector.queries[1][0], q.transpose(1, 2).reshape(8, 3, 2))  # every position, in order
+
+    keep = torch.tensor([[True, True, False, False], [True, False, False, False]])  # 2 + 1 real positions
+    collector.query_keep = {"decoder": keep, "encoder": None}
+    collector.edit_mask(site(1), q, q, mask)
+    collector.edit_mask(site(0, "cross"), q, q, mask)
+    expected = torch.stack([q[0, :, 0], q[0, :, 1], q[1, :, 0]])  # (3, nh, hs)
+    assert torch.equal(collector.queries[1][1], expected)
+    assert list(collector.queries) == [1] and len(collector.queries[1]) == 2
+
+
+def test_split_samples_cuts_inside_a_batch_and_keeps_every_sample_once():
+    """Batches of 2, 1 and 4 samples (a dict and a tuple of tensors) cut after 4 samples: the first part
+    is the first two batches and one sample of the third, the rest its other three; no empty batch."""
+    batches = [{"x": torch.arange(0, 2)}, (torch.arange(2, 3), torch.arange(2, 3) * 10), {"x": torch.arange(3, 7)}]
+    first, rest = kv.split_samples(batches, 4)
+    assert [b["x"].tolist() if isinstance(b, dict) else [t.tolist() for t in b] for b in first] == [
+        [0, 1],
+        [[2], [20]],
+        [3],
+    ]
+    assert [b["x"].tolist() for b in rest] == [[4, 5, 6]]
+    first, rest = kv.split_samples(batches, 3)  # a cut on a batch boundary
+    assert len(first) == 2 and [b["x"].tolist() for b in rest] == [[3, 4, 5, 6]]
+
+
+def test_qfilter_calibration_against_queries_recorded_per_half():
+    """``calibrate_qfilters`` on a grouped-query Llama-style LM (4 query heads over 2 KV heads, rotary
+    positions) over batches of 2, 3 and 1 sequences, padded ones among them: the filters are the top
+    eigenvector of ``Q^T Q`` (signed to the queries' mean) of the real positions' rotated queries of each
+    layer's KV group, pooled over all six sequences; the cosine is that between the filters of sequences
+    0-2 and 3-5. The queries are recorded by an observer of the test's own, one sequence at a time."""
+    from mmlight.models.transformer import LLAMA_STYLE
+    from mmlight.nn.attention import AttentionObserver, observe_attention
+    from mmlight.tasks import LanguageModel
+    from tests.helpers.models import PAD
+
+    torch.manual_seed(0)
+    task = LanguageModel(tiny_transformer(**LLAMA_STYLE, n_heads=4, n_kv_heads=2, d_model=32)).eval()
+    tokens = torch.randint(2, 20, (6, 7))
+    tokens[1, 5:] = PAD
+    tokens[4, 3:] = PAD
+    batches = [{"input": tokens[a:b], "target": tokens[a:b]} for a, b in ((0, 2), (2, 5), (5, 6))]
+
+    class Queries(AttentionObserver):
+        def __init__(self):
+            self.rows = {}
+
+        def edit_mask(self, site, q, k, mask):
+            self.rows.setdefault(site.layer, []).append(q[0].transpose(0, 1))  # (Tq, nh, hs), one sequence
+            return mask
+
+    def queries(samples):  # layer -> (N, nh, hs) over the real positions of these sequences
+        record = Queries()
+        with torch.no_grad(), observe_attention(task, record):
+            for s in samples:
+                task.model(tokens[s : s + 1, : int((tokens[s] != PAD).sum())])
+        return {layer: torch.cat(rows) for layer, rows in record.rows.items()}
+
+    def filters(q):  # (L, 2, hs): query heads 0-1 form KV group 0, heads 2-3 group 1
+        out = []
+        for layer in sorted(q):
+            groups = []
+            for g in range(2):
+                x = q[layer][:, 2 * g : 2 * g + 2].reshape(-1, q[layer].shape[-1]).double()
+                f = torch.linalg.eigh(x.T @ x).eigenvectors[:, -1]
+                groups.append(f * torch.sign((x @ f).mean()))
+            out.append(torch.stack(groups))
+        return torch.stack(out)
+
+    got = kv.calibrate_qfilters(task, batches)
+    assert got["num_sequences"] == 6
+    want = filters(queries(range(6)))
+    torch.testing.assert_close(got["filters"], want.float(), rtol=0, atol=1e-5)
+    cosine = (filters(queries(range(3))) * filters(queries(range(3, 6)))).sum(-1)  # (L, n_kv)
+    assert got["cosine"].shape == (2, 2) and float(cosine.abs().min()) < 0.999  # the halves differ
+    torch.testing.assert_close(got["cosine"], cosine, rtol=0, atol=1e-6)
+
+
+def test_qfilter_calibration_needs_two_sequences():
+    from mmlight.tasks import LanguageModel
+
+    task = LanguageModel(tiny_transformer()).eval()
+    one = [{"input": torch.randint(2, 20, (1, 6)), "target": torch.randint(2, 20, (1, 6))}]
+    message = r"^Q-filter calibration needs at least 2 sequences \(two disjoint halves\), got 1$"
+    with pytest.raises(ValueError, match=message):
+        kv.calibrate_qfilters(task, one)
+    two = [{"input": torch.randint(2, 20, (2, 6)), "target": torch.randint(2, 20, (2, 6))}]
+    assert kv.calibrate_qfilters(task, two)["filters"].shape == (2, 2, 8)  # (L, n_kv, hs)
