@@ -351,6 +351,46 @@ def test_summary_md_whole(tmp_path):
     )
 
 
+def test_summary_md_pools_the_kv_attention_loss_rows_and_lists_the_key_norm_correlations(tmp_path):
+    """The KV and key-norm sections of summary.md, character for character: of the attention losses only
+    the rows pooled over layers (``"all"``), the method without its ``kv_`` prefix, both ratio conventions,
+    4 significant digits and an em dash for a mean over no row; each key-norm row as given. Neither
+    section without its rows."""
+    results = {"run": stats_of({m: [0.25, 0.75] for m in HEAD_METRICS}, [0.5, 0.25])}
+    meta = {"num_samples": 4, "split": "val", "settings": Settings().__dict__}
+    losses = [
+        ("run", "kv_l2", 0.5, 0.5, 2, 30, 0.9, 0.8),  # one layer's: in kv_attention_loss.csv only
+        ("run", "kv_l2", 0.5, 0.5, "all", 60, 0.123456, 0.0625),
+        ("run", "kv_streaming", 0.1, 0.9, "all", 0, None, None),
+    ]
+    key_norms = [("run", "decoder.layers.1.self_attn", 120, -0.4321, None)]
+    analyze.write_summary(tmp_path, results, meta, [], [], losses, key_norms)
+    text = (tmp_path / "summary.md").read_text()
+    assert text.split("\n\n## Figures")[0].split(" | nan |\n\n")[-1] == (
+        "## KV eviction: attention loss (whole split, pooled over the evicted layers)\n"
+        "\n"
+        "Keep ratio r; compression ratio 1 - r (the fraction dropped). Attention loss: the mean share of a query "
+        "row's attention mass on the pairs dropped; oracle: the least possible at the same budget on the same "
+        "calls. Each layer's values: kv_attention_loss.csv.\n"
+        "\n"
+        "| checkpoint | method | keep ratio | compression ratio | attention loss | oracle |\n"
+        "|---|---|---|---|---|---|\n"
+        "| run | l2 | 0.5 | 0.5 | 0.1235 | 0.0625 |\n"
+        "| run | streaming | 0.1 | 0.9 | — | — |\n"
+        "\n"
+        "## Key norm against received attention (4 val samples)\n"
+        "\n"
+        "Pairs (key L2 norm, mean attention from the later queries that see the key) over samples and heads.\n"
+        "\n"
+        "| checkpoint | layer | pairs | Pearson | Spearman |\n"
+        "|---|---|---|---|---|\n"
+        "| run | decoder.layers.1.self_attn | 120 | -0.4321 | — |"
+    )
+    analyze.write_summary(tmp_path, results, meta, [], [], losses[:1])
+    text = (tmp_path / "summary.md").read_text()
+    assert "KV eviction" not in text and "Key norm" not in text
+
+
 def test_the_docs_state_the_defaults_of_the_language_model_analyses():
     """docs/analysis.md states these defaults in prose; they are the code's."""
     from mmlight.analysis.extrapolation import MULTIPLES
@@ -497,7 +537,10 @@ def lm_results():
 
 
 def test_the_lm_analyses_files_hold_each_checkpoint_s_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr(analyze.figures, "save", lambda fig, out, name: name)
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(analyze.figures, "save", lambda fig, out, name: saved.append((fig, out)) or name)
     massive, extrapolation = lm_results()
     assert analyze.write_lm_analyses(tmp_path, {"run": massive}, {}) == ["massive_activations.png"]
     assert not (tmp_path / "extrapolation.csv").exists()
@@ -516,6 +559,7 @@ def test_the_lm_analyses_files_hold_each_checkpoint_s_rows(tmp_path, monkeypatch
     ]
     written = analyze.write_lm_analyses(tmp_path, {"run": massive}, {"run": extrapolation})
     assert written == ["massive_activations.png", "length_extrapolation.png"]
+    assert len(saved) == 3 and all(isinstance(fig, Figure) and out == tmp_path for fig, out in saved)
     assert list(csv.reader((tmp_path / "extrapolation.csv").open())) == [
         ["checkpoint", "multiple", "length", "part", "start", "stop", "count", "ppl"],
         ["run", "1", "4", "window", "0", "4", "20", "3.5"],

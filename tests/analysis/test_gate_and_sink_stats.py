@@ -96,6 +96,10 @@ def test_gate_rows_reach_the_callbacks_scalars_and_the_summary_and_only_for_gate
     assert not any(metric in GATE_METRICS for _, _, metric, _ in metric_rows(plain))
     meta = {"num_samples": 3, "split": "val", "settings": Settings().__dict__}
     write_summary(tmp_path, {"plain": plain, "gated": gated["stats"]}, meta, [], [])
-    header, _, plain_row, gated_row = (tmp_path / "summary.md").read_text().splitlines()[4:8]
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    header, _, plain_row, gated_row = lines[4:8]
+    assert lines[2].endswith(
+        "stats.csv has each layer). gate_mean and gate_below_0.1 (gate values below 0.1): over the gated layers."
+    )
     assert header.split(" | ")[-2:] == ["gate_mean", "gate_below_0.1 |"]
     assert plain_row.split(" | ")[-2:] == ["nan", "nan |"] and "nan" not in gated_row.split(" | ")[-1]
