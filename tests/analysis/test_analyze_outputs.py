@@ -571,11 +571,26 @@ def test_the_lm_analyses_files_hold_each_checkpoint_s_rows(tmp_path, monkeypatch
 def test_the_summary_names_each_checkpoint_s_most_massive_block_and_its_perplexity_per_multiple():
     massive, extrapolation = lm_results()
     lines = analyze.lm_summary({"massive_activations": {"run": massive}, "extrapolation": {"run": extrapolation}})
-    assert lines[:2] == ["", "## Massive activations (block outputs)"]
-    assert lines[6] == "|---|---|---|---|---|---|---|"
-    assert lines[7] == "| run | layers.1 | 0.25 | 600 | 2400 | 3 | 0, 7, 3, 812.5 |"  # no token text: the id
-    assert lines[8:10] == ["", "## Length extrapolation (96 positions, training context 4)"]
-    assert lines[-3:] == ["| checkpoint | 1x | 2x |", "|---|---|---|", "| run | 3.5 | — |"]
+    assert lines == [
+        "",
+        "## Massive activations (block outputs)",
+        "",
+        "Per checkpoint, the block whose largest |h| is the most times its sample's median (mean over samples), "
+        "and the largest entry of that block over all samples.",
+        "",
+        "| checkpoint | block | median | top 1 | ratio | massive | largest: position, token, dim, value |",
+        "|---|---|---|---|---|---|---|",
+        "| run | layers.1 | 0.25 | 600 | 2400 | 3 | 0, 7, 3, 812.5 |",  # no token text: the id
+        "",
+        "## Length extrapolation (96 positions, training context 4)",
+        "",
+        "Perplexity over the same scored tokens, cut into windows of each multiple of the training context "
+        "(—: past the model's learned position table).",
+        "",
+        "| checkpoint | 1x | 2x |",
+        "|---|---|---|",
+        "| run | 3.5 | — |",
+    ]
     massive["blocks"]["layers.1"]["top"][0]["token_text"] = "the"
     for name in ("layers.0", "layers.1"):
         massive["blocks"][name]["ratio"] = None  # no ratio anywhere: the first block, without a top entry
