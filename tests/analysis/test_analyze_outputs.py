@@ -363,7 +363,10 @@ def test_summary_md_pools_the_kv_attention_loss_rows_and_lists_the_key_norm_corr
         ("run", "kv_l2", 0.5, 0.5, "all", 60, 0.123456, 0.0625),
         ("run", "kv_streaming", 0.1, 0.9, "all", 0, None, None),
     ]
-    key_norms = [("run", "decoder.layers.1.self_attn", 120, -0.4321, None)]
+    key_norms = [
+        ("run", "decoder.layers.1.self_attn", 120, -0.4321, 0.25),
+        ("run", "decoder.layers.2.self_attn", 0, None, None),
+    ]
     analyze.write_summary(tmp_path, results, meta, [], [], losses, key_norms)
     text = (tmp_path / "summary.md").read_text()
     assert text.split("\n\n## Figures")[0].split(" | nan |\n\n")[-1] == (
@@ -384,7 +387,8 @@ def test_summary_md_pools_the_kv_attention_loss_rows_and_lists_the_key_norm_corr
         "\n"
         "| checkpoint | layer | pairs | Pearson | Spearman |\n"
         "|---|---|---|---|---|\n"
-        "| run | decoder.layers.1.self_attn | 120 | -0.4321 | — |"
+        "| run | decoder.layers.1.self_attn | 120 | -0.4321 | 0.25 |\n"
+        "| run | decoder.layers.2.self_attn | 0 | — | — |"
     )
     analyze.write_summary(tmp_path, results, meta, [], [], losses[:1])
     text = (tmp_path / "summary.md").read_text()
@@ -598,6 +602,17 @@ def test_the_summary_names_each_checkpoint_s_most_massive_block_and_its_perplexi
         line for line in analyze.lm_summary({"massive_activations": {"run": massive}}) if line.startswith("| run")
     ]
     assert row == "| run | layers.0 | 0.5 | 2 | — | 0 | - |"
+    empty = massive["blocks"]["layers.2"]  # no median, no top entry, no ratio
+    flat = {"median": 1.0, "top_mean": [1.0], "ratio": 1.0, "massive": 0, "top": []}  # the least a ratio can be
+
+    def row_of(blocks):
+        (row,) = [
+            line for line in analyze.lm_summary({"massive_activations": {"run": {"blocks": blocks}}}) if "| run" in line
+        ]
+        return row
+
+    assert row_of({"layers.2": empty, "layers.3": flat}) == "| run | layers.3 | 1 | 1 | 1 | 0 | - |"
+    assert row_of({"layers.2": empty}) == "| run | layers.2 | — | — | — | 0 | - |"
     assert analyze.lm_summary({}) == []
 
 

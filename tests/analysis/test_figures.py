@@ -770,6 +770,10 @@ def test_the_massive_figure_draws_the_largest_and_median_magnitude_and_their_rat
     )
     assert [t.get_text() for t in ratio.get_legend().get_texts()] == ["run", "other"]
     assert ratio.get_legend().get_texts()[0].get_fontsize() == 6
+    lines = magnitude.get_lines() + ratio.get_lines()
+    assert all(list(line.get_xdata()) == [1, 2] for line in lines)  # blocks numbered from 1 in depth order
+    assert [line.get_marker() for line in ratio.get_lines()] == ["o", "o"]
+    assert integer_ticks(magnitude) and integer_ticks(ratio)
 
 
 def test_the_attention_loss_figure_draws_each_method_pooled_beside_its_oracle_per_checkpoint(monkeypatch, tmp_path):
