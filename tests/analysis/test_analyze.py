@@ -3,6 +3,7 @@ against weights recorded here; the errors it gives before any work."""
 
 import csv
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -549,6 +550,17 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     with pytest.raises(SystemExit) as refused:
         analyze(config, [second], tmp_path / "refused", "--num_samples", "4", overrides=fewer_keys)
     assert str(refused.value) == f"mmlight analyze: error: checkpoint {second} has vocab_size=68 but the data has 52"
+    assert not (tmp_path / "refused").exists()
+
+    # so is qfilters without filters beside each checkpoint (the first has them, from --kv_calibrate above)
+    plain = tmp_path / "plain.ckpt"
+    shutil.copy(second, plain)
+    with pytest.raises(SystemExit) as refused:
+        options = ("--num_samples", "4", "--robustness", "--kv_skip_layers", "1", "--kv_methods", "qfilters")
+        analyze(config, [first, plain], tmp_path / "refused", *options, overrides=data)
+    assert str(refused.value) == (
+        f"mmlight analyze: error: --kv_methods qfilters needs {plain}.qfilters.pt: add --kv_calibrate (now or earlier)"
+    )
     assert not (tmp_path / "refused").exists()
 
 
