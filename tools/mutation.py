@@ -363,6 +363,12 @@ MODULES: dict[str, Module] = {
             "tests/analysis/test_figures.py",
             "tests/analysis/test_stats.py",
             "tests/analysis/test_gate_and_sink_stats.py",
+            # the options' table in docs/analysis.md, rendered from OPTIONS and checked against the parser
+            *_node_ids(
+                "tests/tools/test_render_docs.py",
+                "test_the_analyze_options_are_what_its_help_lists_with_the_defaults_it_parses_to",
+                "test_each_rendered_block_is_what_the_code_renders[analysis.md:analyze-options]",
+            ),
         ),
     ),
     # the export to transformers: its tests build a transformers model beside each mmlight one

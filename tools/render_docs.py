@@ -196,6 +196,19 @@ def experiment_tables() -> str:
     return table(["table", "runs", "title"], rows)
 
 
+def analyze_options() -> str:
+    """The options of ``mmlight analyze`` (``commands/analyze.py::OPTIONS``): default and help."""
+    from mmlight.commands.analyze import OPTIONS, shown_default
+
+    def default(options: dict) -> str:
+        if options.get("required"):
+            return "required"
+        return "off" if options.get("action") == "store_true" else shown_default(options) or "—"
+
+    rows = [[f"`{flag}`", default(options), options["help"].replace("|", "\\|")] for flag, options in OPTIONS]
+    return table(["option", "default", "what it sets"], rows)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "reweightings": reweightings,
     "null-mass": null_mass,
@@ -206,6 +219,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "task-members": task_members,
     "targets": targets,
     "experiment-tables": experiment_tables,
+    "analyze-options": analyze_options,
 }
 
 

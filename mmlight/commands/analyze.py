@@ -61,100 +61,147 @@ class AnalyzeError(ValueError):
     """Bad input to ``mmlight analyze``, reported before any work."""
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The analysis options; everything else (``--config``, ``--data.*``, ``--trainer.*``) is returned
-    for the LightningCLI parser."""
+#: The analysis options, ``(flag, add_argument's keyword arguments)``, in the order ``--help`` lists them
+#: (docs/analysis.md renders its table of them from here).
+OPTIONS: tuple[tuple[str, dict], ...] = (
+    ("--ckpt_path", {"nargs": "+", "required": True, "help": "one or more checkpoints to compare"}),
+    ("--out", {"required": True, "help": "output folder (created)"}),
+    ("--num_samples", {"type": int, "default": 256, "help": "the first N samples of the split"}),
+    ("--split", {"choices": ("val", "test"), "default": "val", "help": "which split"}),
+    ("--robustness", {"action": "store_true", "help": "also evaluate under sink masking and KV eviction"}),
+    (
+        "--kv_skip_layers",
+        {
+            "type": int,
+            "default": 2,
+            "help": "KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)",
+        },
+    ),
+    (
+        "--keep_ratios",
+        {
+            "type": float,
+            "nargs": "+",
+            "default": list(KEEP_RATIOS),
+            "metavar": "R",
+            "help": "KV eviction: the keep ratios, each in (0, 1]",
+        },
+    ),
+    (
+        "--kv_methods",
+        {
+            "nargs": "+",
+            "choices": list(METHODS),
+            "default": list(KV_METHODS),
+            "metavar": "M",
+            "help": f"KV eviction methods, of {', '.join(METHODS)} (qfilters needs --kv_calibrate, now or in an "
+            "earlier run)",
+        },
+    ),
+    (
+        "--kv_calibrate",
+        {
+            "action": "store_true",
+            "help": "compute Q-filters from the --num_samples sequences of the split and save them beside each "
+            "checkpoint (CKPT.qfilters.pt), with their stability over two disjoint halves (qfilters.json)",
+        },
+    ),
+    (
+        "--query_patch",
+        {
+            "type": int,
+            "default": None,
+            "help": "ViT: the query patch of the attention-map figure (default: the centre patch)",
+        },
+    ),
+    (
+        "--sink_eps",
+        {
+            "type": float,
+            "default": Settings.sink_eps,
+            "help": "a key is a sink above this multiple of the uniform share",
+        },
+    ),
+    (
+        "--massive_top_k",
+        {
+            "type": int,
+            "default": MassiveSettings.top_k,
+            "help": "massive activations: the largest entries listed per block",
+        },
+    ),
+    (
+        "--extrapolation",
+        {
+            "action": "store_true",
+            "help": "language models: perplexity at multiples of the training context, by position in the window",
+        },
+    ),
+    (
+        "--multiples",
+        {
+            "type": int,
+            "nargs": "+",
+            "default": list(MULTIPLES),
+            "metavar": "M",
+            "help": "extrapolation: window lengths as multiples of the training context",
+        },
+    ),
+    (
+        "--train_context",
+        {
+            "type": int,
+            "default": None,
+            "help": "extrapolation: the training context in tokens (default: the data's block_size, or seq_len)",
+        },
+    ),
+    (
+        "--position_bucket",
+        {
+            "type": int,
+            "default": None,
+            "help": "extrapolation: positions per bucket (default: a quarter of the training context)",
+        },
+    ),
+    (
+        "--extrapolation_windows",
+        {
+            "type": int,
+            "default": 4,
+            "help": "extrapolation: windows of the largest multiple evaluated; every multiple scores the same tokens",
+        },
+    ),
+)
+
+
+def shown_default(options: dict) -> str:
+    """An option's default as ``--help`` and the docs show it (``1 0.9 0.5`` for a list, ``3`` for 3.0);
+    empty for a required option, a flag, or a default of None (which each option's help explains)."""
+    default = options.get("default")
+    if options.get("required") or options.get("action") == "store_true" or default is None:
+        return ""
+    values = default if isinstance(default, list) else [default]
+    return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+def option_parser() -> argparse.ArgumentParser:
+    """The parser of :data:`OPTIONS`, each option's help ending with its default."""
     parser = argparse.ArgumentParser(
         prog="mmlight analyze",
         description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="--config CONFIG (required) and --data.*/--trainer.* options go to the same parser as `mmlight fit`; "
         "the model comes from each checkpoint's own hyperparameters.",
     )
-    parser.add_argument("--ckpt_path", nargs="+", required=True, help="one or more checkpoints to compare")
-    parser.add_argument("--out", required=True, help="output folder (created)")
-    parser.add_argument("--num_samples", type=int, default=256, help="the first N samples of the split (default 256)")
-    parser.add_argument("--split", choices=("val", "test"), default="val", help="which split (default val)")
-    parser.add_argument("--robustness", action="store_true", help="also evaluate under sink masking and KV eviction")
-    parser.add_argument(
-        "--kv_skip_layers",
-        type=int,
-        default=2,
-        help="KV eviction leaves the first this-many layers untouched (Devoto et al.: 2)",
-    )
-    parser.add_argument(
-        "--keep_ratios",
-        type=float,
-        nargs="+",
-        default=list(KEEP_RATIOS),
-        metavar="R",
-        help=f"KV eviction: the keep ratios, each in (0, 1] (default {' '.join(f'{r:g}' for r in KEEP_RATIOS)})",
-    )
-    parser.add_argument(
-        "--kv_methods",
-        nargs="+",
-        choices=list(METHODS),
-        default=list(KV_METHODS),
-        metavar="M",
-        help=f"KV eviction methods, of {', '.join(METHODS)} (default {' '.join(KV_METHODS)}; qfilters needs "
-        "--kv_calibrate, now or in an earlier run)",
-    )
-    parser.add_argument(
-        "--kv_calibrate",
-        action="store_true",
-        help="compute Q-filters from the --num_samples sequences of the split and save them beside each "
-        "checkpoint (CKPT.qfilters.pt), with their stability over two disjoint halves (qfilters.json)",
-    )
-    parser.add_argument(
-        "--query_patch",
-        type=int,
-        default=None,
-        help="ViT: the query patch of the attention-map figure (default: the centre patch)",
-    )
-    parser.add_argument(
-        "--sink_eps",
-        type=float,
-        default=Settings.sink_eps,
-        help="a key is a sink above this multiple of the uniform share (default 3)",
-    )
-    parser.add_argument(
-        "--massive_top_k",
-        type=int,
-        default=MassiveSettings.top_k,
-        help=f"massive activations: the largest entries listed per block (default {MassiveSettings.top_k})",
-    )
-    parser.add_argument(
-        "--extrapolation",
-        action="store_true",
-        help="language models: perplexity at multiples of the training context, by position in the window",
-    )
-    parser.add_argument(
-        "--multiples",
-        type=int,
-        nargs="+",
-        default=list(MULTIPLES),
-        metavar="M",
-        help=f"extrapolation: window lengths as multiples of the training context (default "
-        f"{' '.join(map(str, MULTIPLES))})",
-    )
-    parser.add_argument(
-        "--train_context",
-        type=int,
-        default=None,
-        help="extrapolation: the training context in tokens (default: the data's block_size, or seq_len)",
-    )
-    parser.add_argument(
-        "--position_bucket",
-        type=int,
-        default=None,
-        help="extrapolation: positions per bucket (default: a quarter of the training context)",
-    )
-    parser.add_argument(
-        "--extrapolation_windows",
-        type=int,
-        default=4,
-        help="extrapolation: windows of the largest multiple evaluated; every multiple scores the same tokens "
-        "(default 4)",
-    )
+    for flag, options in OPTIONS:
+        shown = shown_default(options)
+        parser.add_argument(flag, **{**options, "help": options["help"] + (f" (default {shown})" if shown else "")})
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The analysis options, each checked; everything else (``--config``, ``--data.*``, ``--trainer.*``)
+    is returned for the LightningCLI parser."""
+    parser = option_parser()
     args, rest = parser.parse_known_args(argv)
     if "--config" not in rest and not any(a.startswith("--config=") for a in rest):
         parser.error("--config CONFIG is required (the config the checkpoints were trained with)")

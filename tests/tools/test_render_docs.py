@@ -175,3 +175,31 @@ def test_the_experiment_tables_count_cells_times_seeds_of_each_file():
         spec = yaml.safe_load(path.read_text(encoding="utf-8"))
         assert listed[path.name] == (str(len(spec["cells"]) * len(spec["seeds"])), spec["title"]), path.name
     assert listed["cpu_reweighting.yaml"][0] == "90"  # 6 functions x 3 tasks x 5 seeds
+
+
+def test_the_analyze_options_are_what_its_help_lists_with_the_defaults_it_parses_to():
+    """docs/analysis.md's table of ``mmlight analyze`` options against the parser: the options of
+    ``--help`` in its order, each help sentence in it, and each default what a command line without the
+    option parses to (required ones refused when missing)."""
+    from mmlight.commands import analyze
+
+    text = (render_docs.ROOT / "docs" / "analysis.md").read_text()
+    (body,) = [body for name, body in render_docs.BLOCK.findall(text) if name == "analyze-options"]
+    table = rows(body)
+    help_text = analyze.option_parser().format_help()
+    assert [row[0].strip("`") for row in table] == re.findall(r"^  (--\w+)", help_text, re.M)
+    flat_help = " ".join(help_text.split())
+    assert all(row[2].replace("\\|", "|") in flat_help for row in table)
+    args, _ = analyze.parse_args(["--config", "c.yaml", "--ckpt_path", "a.ckpt", "--out", "o"])
+    for flag, default, _ in table:
+        name = flag.strip("`").removeprefix("--")
+        if default == "required":
+            with pytest.raises(SystemExit):
+                analyze.parse_args(["--config", "c.yaml", *(f"--{n}=x" for n in ("ckpt_path", "out") if n != name)])
+            continue
+        value = getattr(args, name)
+        if value is None or isinstance(value, bool):
+            assert {"off": False, "—": None}[default] is value, flag
+            continue
+        values, cells = (value if isinstance(value, list) else [value]), default.split()
+        assert len(cells) == len(values) and all(type(v)(c) == v for v, c in zip(values, cells)), flag
