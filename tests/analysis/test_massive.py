@@ -220,6 +220,26 @@ def test_zero_entries_are_listed_and_no_median_above_zero_gives_no_ratio():
     assert [e["magnitude"] for e in entry["top"]] == [7.0, 0.0]
     assert [e["ratio"] for e in entry["top"]] == [None, None]
     assert (entry["median"], entry["ratio"], entry["massive"]) == (0.0, None, 0)
+    assert entry["top_mean"] == pytest.approx([7 / 3, 0.0])  # a zero is a real entry: every sample has a 2nd
+
+
+@pytest.mark.parametrize("planted, settings", [((256.0, 257.0), (256.0, 1024.0)), ((128.0, 129.0), (64.0, 1024.0))])
+def test_an_entry_is_massive_strictly_above_both_thresholds(planted, settings):
+    """Outputs of magnitude 0.125 (the median of every sample) with two planted entries: one exactly at a
+    threshold (the magnitude threshold, or the ratio threshold 1024 x 0.125 = 128) is not massive, one
+    above both is. Powers of two keep the products exact in float32."""
+    task, data = tiny_lm(), batches(seed=5)[:1]
+
+    def flat_with_two(m, args, out):
+        out = torch.full_like(out, -0.125)
+        out[0, 2, 3], out[0, 5, 1] = planted
+        return out
+
+    handle = task.model.decoder.layers[1].register_forward_hook(flat_with_two)
+    options = MassiveSettings(min_magnitude=settings[0], min_ratio=settings[1])
+    entry = massive_activations(task, data, options)["blocks"]["decoder.layers.1"]
+    handle.remove()
+    assert (entry["median"], entry["massive"]) == (0.125, 1)
 
 
 def test_without_a_keep_mask_every_position_counts_and_no_token_is_named():
