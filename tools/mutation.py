@@ -15,9 +15,9 @@ by hand, docs/testing.md).
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
 module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/``,
-``configs/``, ``tools/`` and ``docs/``. mutmut copies them to ``mutants/`` there, records which selected
-test reaches which function, and then runs only those tests against each mutant, forked from a warm process (``-x``: a
-mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
+``configs/``, ``tools/``, ``docs/`` and ``benchmarks/``. mutmut copies them to ``mutants/`` there, records
+which selected test reaches which function, and then runs only those tests against each mutant, forked from a
+warm process (``-x``: a mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
 only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
 to ``build/mutation/<name>/report.md``; a survivor already judged in ``tools/mutation_equivalents.toml``
 (equivalent, or left with a reason) is marked with that verdict, and the score leaves the equivalent out.
@@ -456,7 +456,8 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for linked in ("mmlight", "tests", "configs", "tools", "docs"):  # docs: tests that run a documented command
+    # docs: tests that run a documented command; benchmarks: tools/render_docs.py reads its targets
+    for linked in ("mmlight", "tests", "configs", "tools", "docs", "benchmarks"):
         link = workdir / linked
         if not link.exists():
             link.symlink_to(ROOT / linked, target_is_directory=True)
@@ -464,7 +465,7 @@ def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     mutmut = {
         "source_paths": ["mmlight"],
         "only_mutate": list(module.mutate),
-        "also_copy": ["configs", "tools", "docs"],
+        "also_copy": ["configs", "tools", "docs", "benchmarks"],
         "pytest_add_cli_args": PYTEST_ARGS + (["-k", module.keyword] if module.keyword else []),
         "pytest_add_cli_args_test_selection": module.existing_tests(),
         "process_isolation": "forkserver",  # torch is not fork-safe once it has run
