@@ -14,11 +14,11 @@ by hand, docs/testing.md).
     python tools/mutation.py tasks --only mmlight/tasks/protocol.py  # some of a set's files
 
 Each module runs in ``build/mutation/<name>/``: a pyproject.toml holding mutmut's settings for that
-module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/``,
-``configs/``, ``tools/``, ``docs/`` and ``benchmarks/``. mutmut copies them to ``mutants/`` there, records
+module (what to mutate, which tests to select from) next to links to ``mmlight/``, ``tests/``
+and :data:`COPIED`. mutmut copies them to ``mutants/`` there, records
 which selected test reaches which function, and then runs only those tests against each mutant, forked from a
-warm process (``-x``: a mutant is killed at its first failing test). Results persist in that folder: a second run re-tests
-only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
+warm process (``-x``: a mutant is killed at its first failing test). Results persist in that folder: a second
+run re-tests only what changed; ``--fresh`` starts over. The summary and every surviving mutant's diff are written
 to ``build/mutation/<name>/report.md``; a survivor already judged in ``tools/mutation_equivalents.toml``
 (equivalent, or left with a reason) is marked with that verdict, and the score leaves the equivalent out.
 
@@ -450,22 +450,26 @@ def toml_value(value) -> str:
     return json.dumps(value)
 
 
+#: What the mutated package's tests read besides ``mmlight/`` and ``tests/``, copied beside them: docs for the
+#: tests that run a documented command; the documents, and benchmarks/ for the targets, for tools/render_docs.py.
+COPIED = ("configs", "tools", "docs", "benchmarks", "README.md", "BENCHMARKS.md")
+
+
 def write_workdir(name: str, module: Module, fresh: bool) -> Path:
     """``build/mutation/<name>/`` with mutmut's config for ``module`` and links to the sources."""
     workdir = BUILD / name
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    # docs: tests that run a documented command; benchmarks: tools/render_docs.py reads its targets
-    for linked in ("mmlight", "tests", "configs", "tools", "docs", "benchmarks"):
+    for linked in ("mmlight", "tests", *COPIED):
         link = workdir / linked
         if not link.exists():
-            link.symlink_to(ROOT / linked, target_is_directory=True)
+            link.symlink_to(ROOT / linked, target_is_directory=(ROOT / linked).is_dir())
     pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     mutmut = {
         "source_paths": ["mmlight"],
         "only_mutate": list(module.mutate),
-        "also_copy": ["configs", "tools", "docs", "benchmarks"],
+        "also_copy": list(COPIED),
         "pytest_add_cli_args": PYTEST_ARGS + (["-k", module.keyword] if module.keyword else []),
         "pytest_add_cli_args_test_selection": module.existing_tests(),
         "process_isolation": "forkserver",  # torch is not fork-safe once it has run
