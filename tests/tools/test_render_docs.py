@@ -189,7 +189,9 @@ def test_the_analyze_options_are_what_its_help_lists_with_the_defaults_it_parses
     help_text = analyze.option_parser().format_help()
     assert [row[0].strip("`") for row in table] == re.findall(r"^  (--\w+)", help_text, re.M)
     flat_help = " ".join(help_text.split())
-    assert all(row[2].replace("\\|", "|") in flat_help for row in table)
+    for _, default, sentence in table:  # each help ends with the table's default, if any, before the next option
+        shown = "" if default in ("required", "off", "—") else f" (default {default})"
+        assert re.search(re.escape(sentence.replace("\\|", "|") + shown) + " --", flat_help), sentence
     args, _ = analyze.parse_args(["--config", "c.yaml", "--ckpt_path", "a.ckpt", "--out", "o"])
     for flag, default, _ in table:
         name = flag.strip("`").removeprefix("--")
