@@ -35,6 +35,15 @@ def test_parse_args_defaults_and_the_rest_for_the_config_parser():
         (["--config", "c", "--kv_skip_layers", "-1"], "--kv_skip_layers must be >= 0, got -1"),
         (["--config", "c", "--keep_ratios", "1.5"], "--keep_ratios must each be in (0, 1], got [1.5]"),
         (["--config", "c", "--keep_ratios", "0.5", "0"], "--keep_ratios must each be in (0, 1], got [0.5, 0.0]"),
+        (
+            ["--config", "c", "--kv_calibrate", "--num_samples", "1"],
+            "--kv_calibrate needs --num_samples >= 2 (two disjoint halves), got 1",
+        ),
+        *(
+            (["--config", "c", f"--{name}", "0"], f"--{name} must be >= 1, got 0")
+            for name in ("massive_top_k", "extrapolation_windows", "train_context", "position_bucket")
+        ),
+        (["--config", "c", "--multiples", "1", "0"], "--multiples must each be >= 1, got [1, 0]"),
     ],
 )
 def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
@@ -42,9 +51,14 @@ def test_parse_args_refuses_each_bad_value_by_name(extra, message, capsys):
         analyze.parse_args(["--ckpt_path", "a", "--out", "o", *extra])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"mmlight analyze: error: {message}"
-    analyze.parse_args(
-        ["--ckpt_path", "a", "--out", "o", "--config", "c", "--num_samples", "1", "--kv_skip_layers", "0"]
+    least = ["--num_samples", "1", "--kv_skip_layers", "0", "--multiples", "1"]
+    least += [f"--{n}=1" for n in ("massive_top_k", "extrapolation_windows", "train_context", "position_bucket")]
+    args, _ = analyze.parse_args(["--ckpt_path", "a", "--out", "o", "--config", "c", *least])  # each at its least
+    assert (args.massive_top_k, args.extrapolation_windows, args.train_context, args.position_bucket) == (1, 1, 1, 1)
+    args, _ = analyze.parse_args(
+        ["--ckpt_path", "a", "--out", "o", "--config", "c", "--kv_calibrate", "--num_samples=2"]
     )
+    assert args.kv_calibrate and args.num_samples == 2
 
 
 def test_help_says_what_each_option_does_and_where_the_config_goes(capsys):
