@@ -176,9 +176,9 @@ OPTIONS: tuple[tuple[str, dict], ...] = (
 
 def shown_default(options: dict) -> str:
     """An option's default as ``--help`` and the docs show it (``1 0.9 0.5`` for a list, ``3`` for 3.0);
-    empty for a required option, a flag, or a default of None (which each option's help explains)."""
+    empty for an option without one (the required ones, the flags, those whose help explains None)."""
     default = options.get("default")
-    if options.get("required") or options.get("action") == "store_true" or default is None:
+    if default is None:
         return ""
     values = default if isinstance(default, list) else [default]
     return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
