@@ -540,8 +540,11 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     assert max(ratios) > 0
 
     # again into the folder that now exists, one checkpoint, no robustness: the bar counts the samples only
-    analyze(config, [first], out, "--num_samples", "4", overrides=data)
+    analyze(config, [first], out, "--num_samples", "4", "--massive_top_k", "2", overrides=data)
     assert json.loads((out / "stats.json").read_text())["checkpoints"] == {"lm_softmax": str(first)}
+    with (out / "massive_activations.csv").open() as f:
+        tops = {row["metric"] for row in csv.DictReader(f) if row["metric"].startswith("top")}
+    assert tops == {"top1", "top2"}  # --massive_top_k reaches the recording
     bar = capsys.readouterr().err.split("\r")[-1]
     assert bar.startswith("mmlight analyze: 100%|") and "| 4/4 [" in bar
 
