@@ -1,7 +1,7 @@
 """Mutation testing of the runtime package with mutmut, one module at a time, each against the test
 files that cover it (not part of CI; see docs/testing.md). Every module under ``mmlight/`` is in
-:data:`MODULES` except ``kernels/``, whose interpreter tests are too slow to mutate (its bugs are made
-by hand, docs/testing.md).
+:data:`MODULES` except the Triton kernel files (:data:`BY_HAND`), whose interpreter tests are too slow
+to mutate (their bugs are made by hand, docs/testing.md).
 
     pip install -e '.[mutation]'
     python tools/mutation.py                    # every module below, one after the other
@@ -81,6 +81,15 @@ LEFT_OUT: dict[str, str] = {
     "tests/tasks/test_language_model.py": "slow: its fixture prepares WikiText shards and its tests train",
 }
 
+
+#: the Triton kernel files: no set mutates them (their host code runs the kernels, whose tests run under
+#: Triton's interpreter, too slow to run once per mutant); their bugs are made by hand (docs/testing.md)
+BY_HAND = (
+    "mmlight/kernels/attention.py",
+    "mmlight/kernels/cross_entropy.py",
+    "mmlight/kernels/rowwise.py",
+    "mmlight/kernels/sigma.py",
+)
 
 MODULES: dict[str, Module] = {
     "streaming": Module(
@@ -231,7 +240,7 @@ MODULES: dict[str, Module] = {
         ("mmlight/experiments/*", "mmlight/commands/sweep.py", "mmlight/commands/collect.py"),
         ("tests/experiments/test_table.py", "tests/experiments/test_sweep.py", "tests/experiments/test_collect.py"),
     ),
-    # the rest of the runtime package (everything but kernels/). Interpreter tests are left out by
+    # the rest of the runtime package (all but the Triton kernel files, BY_HAND). Interpreter tests are left out by
     # "not triton" where a file mixes them with eager ones.
     "shards": Module(
         ("mmlight/data/shards.py", "mmlight/data/shard_writer.py"),
@@ -375,6 +384,12 @@ MODULES: dict[str, Module] = {
     "export": Module(
         ("mmlight/export/*", "mmlight/commands/export.py"),
         ("tests/export/test_hf.py",),
+    ),
+    # the kernels' Python-only modules: the package's lazy imports, the measured tile table and the
+    # interpreter switch (the Triton kernel files, BY_HAND, are not mutated)
+    "kernels": Module(
+        ("mmlight/kernels/__init__.py", "mmlight/kernels/tiles.py", "mmlight/kernels/runtime.py"),
+        ("tests/kernels/test_tiles.py", "tests/kernels/test_runtime.py"),
     ),
     # the two tests that run the real kernels under Triton's interpreter are left out; the others cover the CPU
     # and GPU branches with stand-ins
@@ -610,7 +625,7 @@ def module_of(path: str) -> str:
 
 def changed_mutants(base: str) -> dict[str, list[str]]:
     """``{module name: mutmut name patterns}`` of the functions that ``git diff base`` changes under mmlight/
-    (kernels/ excluded: see docs/testing.md for its hand-made bugs)."""
+    (the Triton kernel files, :data:`BY_HAND`, excluded: see docs/testing.md for their hand-made bugs)."""
     diff = subprocess.run(
         ["git", "diff", "-U0", "--no-color", base, "--", "mmlight"],
         cwd=ROOT,
@@ -620,7 +635,7 @@ def changed_mutants(base: str) -> dict[str, list[str]]:
     ).stdout
     patterns: dict[str, list[str]] = {}
     for path, lines in sorted(changed_lines(diff).items()):
-        if not path.endswith(".py") or path.startswith("mmlight/kernels/"):
+        if not path.endswith(".py") or path in BY_HAND:
             continue
         dotted = path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
         names = mutmut_names((ROOT / path).read_text(), lines)
@@ -710,7 +725,7 @@ def run_changed(base: str, max_children: int, sets: list[str] | None = None) -> 
     mutants only, and a report of those."""
     patterns = {name: only for name, only in changed_mutants(base).items() if not sets or name in sets}
     if not patterns:
-        print(f"== no function under mmlight/ (kernels/ aside) changed since {base}")
+        print(f"== no function under mmlight/ changed since {base} (the Triton kernel files aside)")
     failed = 0
     for name, only in patterns.items():
         functions = [pattern.split(".")[-1].removesuffix("__mutmut_*") for pattern in only]

@@ -209,6 +209,69 @@ def analyze_options() -> str:
     return table(["option", "default", "what it sets"], rows)
 
 
+#: the head dims whose tiles the tile table shows, each standing for its band (the config functions branch at 32 and 64)
+HEAD_DIM_BANDS = ((32, "≤ 32"), (64, "33–64"), (128, "> 64"))
+
+
+def tile(config) -> str:
+    """``128 × 64, 8 warps, 2 stages`` of a :class:`~mmlight.kernels.tiles.BlockConfig`."""
+    return f"{config.block_m} × {config.block_n}, {config.num_warps} warps, {config.num_stages} stages"
+
+
+def tile_sizes() -> str:
+    """The offline tiles of the attention kernels (``forward_config``, ``backward_configs``) by capability,
+    dtype and head dim, and the row-wise kernel's (``_launch_config``) by row length: what launches where
+    ``tiles.MEASURED`` has no row."""
+    from unittest import mock
+
+    import torch
+
+    from mmlight.kernels import attention, rowwise, tiles
+
+    with mock.patch.dict(tiles.MEASURED, clear=True):
+        rows = []
+        for capability in (80, 90):
+            for dtype, dtype_name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16, fp16")):
+                for head_dim, band in HEAD_DIM_BANDS:
+                    configs = (
+                        attention.forward_config(head_dim, dtype, capability),
+                        *attention.backward_configs(head_dim, dtype, capability),
+                    )
+                    rows.append([f"sm_{capability}", dtype_name, band, *map(tile, configs)])
+        top = rowwise.MAX_SINGLE_BLOCK
+        edges = [2**k for k in range(4, top.bit_length())]  # 16, 32, ... up to the longest one-block row
+        bands = [(1 if i == 0 else edges[i - 1] + 1, edge) for i, edge in enumerate(edges)]
+        launches = [rowwise._launch_config(edge) for edge in edges] + [rowwise._launch_config(top + 1)]
+    attention_table = table(["GPU", "dtype", "head dim", "forward", "dK/dV", "dQ (and delta)"], rows)
+    names = [f"{low:,}–{high:,}" for low, high in bands] + [f"more than {top:,}"]
+    rowwise_rows = [
+        [name, str(c["ROWS"]), f"{c['BLOCK_N']:,}", str(c["num_warps"])] for name, c in zip(names, launches)
+    ]
+    return (
+        attention_table
+        + "The row-wise kernel, on every GPU and dtype (a tile is as wide as the row rounded up to a power of two,"
+        + f" and a longer row loops over tiles of {rowwise.LONG_ROW_BLOCK:,}):"
+        + table(["row length", "rows per program", "tile width at the band's top", "warps"], rowwise_rows)
+    )
+
+
+def mutation_sets() -> str:
+    """The sets of ``tools/mutation.py`` (``MODULES``) with the files each mutates, and the Triton kernel
+    files no set mutates (``BY_HAND``)."""
+    from tools.mutation import BY_HAND, MODULES
+
+    rows = [
+        [f"`{name}`", ", ".join(f"`{g.removeprefix('mmlight/')}`" for g in module.mutate)]
+        for name, module in MODULES.items()
+    ]
+    return (
+        table(["set", "files mutated (under `mmlight/`)"], rows)
+        + "Not mutated: "
+        + words_list([f.removeprefix("mmlight/") for f in BY_HAND])
+        + "."
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "reweightings": reweightings,
     "null-mass": null_mass,
@@ -220,6 +283,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "targets": targets,
     "experiment-tables": experiment_tables,
     "analyze-options": analyze_options,
+    "tile-sizes": tile_sizes,
+    "mutation-sets": mutation_sets,
 }
 
 

@@ -67,3 +67,47 @@ def test_unknown_kernel_names_are_refused():
     with pytest.raises(ValueError, match="unknown kernel names \\['backward'\\]"):
         with override_tiles(backward=WIDE):
             pass
+
+
+def test_a_length_falls_in_the_first_bucket_at_least_as_long():
+    """Against a bisection over the edges, for every length up to past the last edge."""
+    import bisect
+
+    edges = tiles.BUCKETS
+    for n in range(1, edges[-1] + 600):
+        assert tiles.seq_bucket(n) == edges[min(bisect.bisect_left(edges, n), len(edges) - 1)], n
+    assert [tiles.seq_bucket(n) for n in (256, 257, 1024, 1025, 16384, 10**6)] == [256, 1024, 1024, 4096, 16384, 16384]
+
+
+def test_a_row_covers_its_bucket_only(monkeypatch):
+    """A row keyed on the bucket of 197 (up to 256 keys) serves 1 to 256 keys, not 257."""
+    monkeypatch.setitem(tiles.MEASURED, (90, 64, "bf16", True, 256), {"dq": WIDE})
+    assert measured("dq", 90, 64, torch.bfloat16, True, 1) == WIDE
+    assert measured("dq", 90, 64, torch.bfloat16, True, 256) == WIDE
+    assert measured("dq", 90, 64, torch.bfloat16, True, 257) is None
+    assert measured("dq", 90, 64, torch.bfloat16, 1, 100) == WIDE  # a truthy causal reads the causal row
+
+
+def test_a_dtype_without_a_short_name_is_keyed_by_its_torch_name(monkeypatch):
+    monkeypatch.setitem(tiles.MEASURED, (90, 64, "torch.float64", False, 256), {"forward": NARROW})
+    assert measured("forward", 90, 64, torch.float64, False, 197) == NARROW
+    assert measured("forward", 90, 64, torch.float32, False, 197) is None
+    assert [tiles.DTYPE_NAMES[d] for d in (torch.float32, torch.bfloat16, torch.float16)] == ["fp32", "bf16", "fp16"]
+
+
+@pytest.mark.parametrize("major, minor, capability", [(8, 0, 80), (8, 6, 86), (9, 0, 90), (10, 0, 100), (12, 1, 121)])
+def test_a_cuda_device_s_capability_is_ten_major_plus_minor(monkeypatch, major, minor, capability):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or (major, minor))
+    device = torch.device("cuda", 1)  # a device object needs no GPU; only the patched query reads it
+    assert tiles.device_capability(device) == capability and asked == [device]
+
+
+def test_cpu_tensors_take_the_offline_capability_which_a_compile_check_sets():
+    assert tiles.device_capability(torch.device("cpu")) == 90  # the default: Hopper
+    token = tiles.OFFLINE_CAPABILITY.set(80)
+    try:
+        assert tiles.device_capability(torch.device("cpu")) == 80
+    finally:
+        tiles.OFFLINE_CAPABILITY.reset(token)
+    assert tiles.device_capability(torch.device("cpu")) == 90

@@ -205,3 +205,43 @@ def test_the_analyze_options_are_what_its_help_lists_with_the_defaults_it_parses
             continue
         values, cells = (value if isinstance(value, list) else [value]), default.split()
         assert len(cells) == len(values) and all(type(v)(c) == v for v, c in zip(values, cells)), flag
+
+
+def test_each_tile_row_holds_for_every_head_dim_and_row_length_of_its_band():
+    """The table names bands; every head dim from 8 to 256 and every row length up to past the longest
+    one-block row launches what its band's row says (the config functions asked one value at a time)."""
+    from mmlight.kernels import attention, rowwise
+
+    attention_rows, rowwise_rows = (rows(part) for part in render_docs.tile_sizes().split("The row-wise kernel"))
+    assert len(attention_rows) == 2 * 2 * len(render_docs.HEAD_DIM_BANDS) and len(rowwise_rows) == 10
+
+    def band_of(head_dim: int) -> str:
+        return "≤ 32" if head_dim <= 32 else "33–64" if head_dim <= 64 else "> 64"
+
+    table = {(gpu, dtype, band): cells for gpu, dtype, band, *cells in attention_rows}
+    for capability in (70, 80, 86, 89, 90, 100):
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16, fp16"), (torch.float16, "bf16, fp16")):
+            for head_dim in range(8, 257, 8):
+                configs = (
+                    attention.forward_config(head_dim, dtype, capability),
+                    *attention.backward_configs(head_dim, dtype, capability),
+                )
+                shown = [f"{c.block_m} × {c.block_n}, {c.num_warps} warps, {c.num_stages} stages" for c in configs]
+                gpu = "sm_90" if capability == 90 else "sm_80"
+                assert table[gpu, name, band_of(head_dim)] == shown, (capability, dtype, head_dim)
+
+    def rowwise_row(n: int) -> list[str]:
+        for band, *cells in rowwise_rows:
+            low, _, high = band.replace(",", "").partition("–")
+            if (band.startswith("more than") and n > int(band.split()[-1].replace(",", ""))) or (
+                high and int(low) <= n <= int(high)
+            ):
+                return cells
+        raise AssertionError(f"no band holds {n}")
+
+    for n in range(1, rowwise.MAX_SINGLE_BLOCK + 300):
+        config = rowwise._launch_config(n, torch.bfloat16, 80)
+        rows_per_program, widest, warps = rowwise_row(n)
+        assert [str(config["ROWS"]), str(config["num_warps"])] == [rows_per_program, warps], n
+        assert config["BLOCK_N"] == (min(1 << (n - 1).bit_length(), rowwise.LONG_ROW_BLOCK)), n
+        assert config["BLOCK_N"] <= int(widest.replace(",", "")), n
