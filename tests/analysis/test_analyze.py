@@ -391,10 +391,13 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     )
     argv = ["mmlight", "analyze"]
     monkeypatch.setattr(sys, "argv", argv)
-    vocabularies, draw = [], analysis_figures.examples  # the vocabulary the text heat maps are labelled with
-    monkeypatch.setattr(analysis_figures, "examples", lambda *args: vocabularies.append(args[-1]) or draw(*args))
+    # the query patch and vocabulary each checkpoint's example figures get (a query patch is the ViT's
+    # attention map's; a text task accepts any and draws heat maps, so here it shows only that it is passed on)
+    passed, draw = [], analysis_figures.examples
+    monkeypatch.setattr(analysis_figures, "examples", lambda *args: passed.append(args[4:]) or draw(*args))
     out = tmp_path / "analyses" / "recall"  # under a folder that does not exist yet
     options = ("--num_samples", "6", "--robustness", "--kv_skip_layers", "1", "--keep_ratios", "1", "0.5")
+    options += ("--query_patch", "2")
     options += ("--kv_calibrate", "--kv_methods", "l2", "streaming", "qfilters")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -406,7 +409,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     # statistics: per label, that checkpoint's weights on the first 6 validation sequences
     recall = RecallDataModule(train_size=64, val_size=8, batch_size=64)
     tokens = ["<s>", "<pad>", "</s>", "<unk>"] + [f"k{i}" for i in range(recall.num_keys)]
-    assert vocabularies == [tokens + [f"v{j}" for j in range(recall.num_values)]] * 2
+    assert passed == [(2, tokens + [f"v{j}" for j in range(recall.num_values)])] * 2
     recall.setup("validate")
     batch = {k: v[:6] for k, v in next(iter(recall.val_dataloader())).items()}
     rows = read_csv(out / "stats.csv")

@@ -111,3 +111,24 @@ def test_cpu_tensors_take_the_offline_capability_which_a_compile_check_sets():
     finally:
         tiles.OFFLINE_CAPABILITY.reset(token)
     assert tiles.device_capability(torch.device("cpu")) == 90
+
+
+def test_the_config_functions_launch_a_measured_row_and_the_offline_choice_elsewhere(monkeypatch):
+    """A row of the table reaches each kernel's launch: the row-wise kernel takes rows per program from
+    ``block_m`` and its warps (its tile width stays the row's power of two); the attention kernels take the
+    whole config. A length in another bucket keeps the offline choice."""
+    from mmlight.kernels import attention, rowwise
+
+    dq = BlockConfig(64, 16, 2, 1)
+    monkeypatch.setitem(tiles.MEASURED, (90, 0, "bf16", False, 256), {"rowwise": BlockConfig(4, 0, 2, 1)})
+    monkeypatch.setitem(tiles.MEASURED, (90, 64, "bf16", False, 256), {"forward": WIDE, "dkdv": NARROW, "dq": dq})
+    assert rowwise._launch_config(197, torch.bfloat16, 90) == {"long": False, "BLOCK_N": 256, "ROWS": 4, "num_warps": 2}
+    assert attention.forward_config(64, torch.bfloat16, 90, False, 197) == WIDE
+    assert attention.backward_configs(64, torch.bfloat16, 90, False, 197) == (NARROW, dq)
+    # 300 is in the next bucket: offline, 4096 // 512 rows of a 512-wide tile, 8 warps (docs/kernels.md's table)
+    assert rowwise._launch_config(300, torch.bfloat16, 90) == {"long": False, "BLOCK_N": 512, "ROWS": 8, "num_warps": 8}
+    assert attention.forward_config(64, torch.bfloat16, 90, False, 300) == BlockConfig(128, 64, 8, 3)
+    assert attention.backward_configs(64, torch.bfloat16, 90, False, 300) == (
+        BlockConfig(32, 64, 8, 2),
+        BlockConfig(128, 32, 8, 2),
+    )
