@@ -517,7 +517,7 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     summary = (out / "summary.md").read_text()
     massive_rows = summary.split("## Massive activations")[1].split("\n## ")[0].splitlines()
     largest = [r.split(" | ")[-1].rstrip(" |").split(", ") for r in massive_rows if r.startswith("| lm_")]
-    assert len(largest) == 2 and all(cell[1] in vocabularies[0] for cell in largest)  # tokens spelled
+    assert len(largest) == 2 and all(cell[1] in passed[0][1] for cell in largest)  # tokens spelled
     assert summary.startswith("# Attention analysis: 6 val samples\n")
     assert "sinks above 1.1 x the uniform share" in summary
     assert "| lm_softmax | " in summary and "| lm_seed1 | " in summary and "## Robustness (whole split)" in summary
