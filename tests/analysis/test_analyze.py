@@ -439,6 +439,8 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
         stats["settings"]["sink_eps"] == 1.1 and "exceeds 1.1 x the uniform share" in stats["thresholds"]["sink_ratio"]
     )
     assert len(stats["rows"]) == len(rows)
+    # the LM analyses: massive activations for each checkpoint, and no extrapolation section when not asked for
+    assert set(stats["massive_activations"]) == {"lm_softmax", "lm_seed1"} and "extrapolation" not in stats
 
     robust = read_csv(out / "robustness.csv")
     assert list(robust[0]) == ["checkpoint", "intervention", "level", "metric", "value"]
@@ -449,7 +451,9 @@ def test_analyze_end_to_end_in_seconds_writes_each_checkpoints_statistics_and_ro
     assert [r["checkpoint"] for r in robust] == ["lm_softmax"] * 10 + ["lm_seed1"] * 10
     assert stats["compression_ratios"] == [0.0, 0.5] and stats["kv_methods"] == ["l2", "streaming", "qfilters"]
     # the Q-filters beside each checkpoint: layer 1's, recomputed here from the 6 sequences' queries
-    calibration = json.loads((out / "qfilters.json").read_text())
+    text = (out / "qfilters.json").read_text()
+    calibration = json.loads(text)
+    assert text == json.dumps(calibration, indent=1) + "\n"  # indented by one space, as the other JSON files
     for label, ckpt in (("lm_softmax", first), ("lm_seed1", second)):
         saved = torch.load(f"{ckpt}.qfilters.pt", weights_only=True)
         assert calibration[label]["num_sequences"] == saved["num_sequences"] == 6
@@ -592,9 +596,8 @@ def test_massive_activations_and_extrapolation_reach_their_files_and_past_the_ta
     assert not (tmp_path / "refused").exists()
 
     out = tmp_path / "out"
-    analyze(
-        config, [ckpt], out, "--num_samples", "4", "--extrapolation", "--extrapolation_windows", "2", overrides=data
-    )
+    extrapolation = ("--extrapolation", "--extrapolation_windows", "2", "--position_bucket", "4")  # not the default 8
+    analyze(config, [ckpt], out, "--num_samples", "4", *extrapolation, overrides=data)
     captured = capsys.readouterr()
     assert "lm_softmax: 4x not evaluated: the model's learned position table holds 64 positions" in captured.out
     done, total = map(int, re.search(r"\| (\d+)/(\d+) \[", captured.err.split("\r")[-1]).groups())
@@ -603,17 +606,20 @@ def test_massive_activations_and_extrapolation_reach_their_files_and_past_the_ta
     recall.setup("validate")
     batches = list(recall.val_dataloader())
     task = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu")
-    expected = length_extrapolation(task, stream_from_batches(batches, 1, 496), 31, bucket=8)
+    expected = length_extrapolation(task, stream_from_batches(batches, 1, 496), 31, bucket=4)
     rows = read_csv(out / "extrapolation.csv")
     windows = {r["multiple"]: r for r in rows if r["part"] == "window"}
     assert float(windows["1"]["ppl"]) == pytest.approx(expected["multiples"][1]["ppl"], rel=1e-9)
     assert float(windows["2"]["ppl"]) == pytest.approx(expected["multiples"][2]["ppl"], rel=1e-9)
     assert windows["4"]["ppl"] == windows["8"]["ppl"] == ""
     assert [(r["start"], r["stop"]) for r in rows if r["multiple"] == "2" and r["part"] == "bucket"] == [
-        (str(s), str(min(s + 8, 62))) for s in range(0, 62, 8)
+        (str(s), str(min(s + 4, 62))) for s in range(0, 62, 4)
     ]
     massive = massive_activations(task, [{k: v[:4] for k, v in batches[0].items()}])
     stats = json.loads((out / "stats.json").read_text())
+    assert [stats["extrapolation"]["lm_softmax"]["multiples"][m]["ppl"] for m in ("1", "2")] == pytest.approx(
+        [expected["multiples"][1]["ppl"], expected["multiples"][2]["ppl"]], rel=1e-9
+    )
     written = stats["massive_activations"]["lm_softmax"]["blocks"]["decoder.layers.1"]
     assert written["ratio"] == pytest.approx(massive["blocks"]["decoder.layers.1"]["ratio"], rel=1e-9)
     assert written["top"][0]["token_text"] == f"k{written['top'][0]['token'] - 4}" or written["top"][0][
