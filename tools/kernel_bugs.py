@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bug", type=int, nargs="*", help="the bugs to plant, 1-based (default: all)")
     args = parser.parse_args(argv)
     bugs = load()
+    outside = [i for i in args.bug or () if not 1 <= i <= len(bugs)]
+    if outside:
+        parser.error(f"--bug takes numbers from 1 to {len(bugs)} (tools/kernel_bugs.toml's order), got {outside}")
     chosen = args.bug or range(1, len(bugs) + 1)
     tree = BUILD / "tree"
     copy_tree(tree)
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     report = ["| bug | file | what | result | seconds |", "|---|---|---|---|---|", *rows]
     (BUILD / "report.md").write_text("\n".join(report) + "\n")
-    print(f"{len(rows) - missed} of {len(rows)} caught; report: {(BUILD / 'report.md').relative_to(ROOT)}")
+    print(f"{len(rows) - missed} of {len(rows)} caught; report: {BUILD / 'report.md'}")
     return 1 if missed else 0
 
 

@@ -42,3 +42,59 @@ def test_planted_changes_the_occurrence_asked_for_and_refuses_an_ambiguous_or_mi
         kernel_bugs.planted("a b a", bug("c"))
     with pytest.raises(ValueError, match="occurs 2 times, not 3 or more"):
         kernel_bugs.planted("a b a", bug("a", 3))
+
+
+def test_main_reports_each_bug_caught_or_not_restores_the_file_and_refuses_a_failing_baseline(
+    tmp_path, monkeypatch, capsys
+):
+    """With pytest stood in for: exit status 1 (a test failed) is caught, anything else is not; the planted
+    file is back as it was after each bug; a baseline that does not pass stops before any bug is planted."""
+    (tmp_path / "tree" / "k").mkdir(parents=True)
+    kernel = tmp_path / "tree" / "k" / "f.py"
+    bugs = [
+        kernel_bugs.Bug("k/f.py", "a + b", "a - b", ("t::one",), "a sign"),
+        kernel_bugs.Bug("k/f.py", "return", "yield", ("t::two",), "a generator"),
+        kernel_bugs.Bug("k/f.py", "b\n", "b +\n", ("t::one",), "a syntax error"),
+    ]
+    seen = []
+
+    def fake_pytest(tree, tests):
+        seen.append((tests, kernel.read_text()))
+        # t::one sees the sign; nothing sees the generator; the syntax error stops pytest before any test
+        if "b +\n" in kernel.read_text():
+            return 2, "1 error"
+        return (1, "t::one[x]") if "t::one" in tests and "a - b" in kernel.read_text() else (0, "passed")
+
+    monkeypatch.setattr(kernel_bugs, "BUILD", tmp_path)
+    monkeypatch.setattr(kernel_bugs, "load", lambda: bugs)
+    monkeypatch.setattr(kernel_bugs, "copy_tree", lambda dest: kernel.write_text("def f(a, b):\n    return a + b\n"))
+    monkeypatch.setattr(kernel_bugs, "run_tests", fake_pytest)
+    assert kernel_bugs.main([]) == 1
+    original = "def f(a, b):\n    return a + b\n"
+    assert seen == [
+        (("t::one", "t::two"), original),  # the baseline: every named test, on the unchanged file
+        (("t::one",), "def f(a, b):\n    return a - b\n"),
+        (("t::two",), "def f(a, b):\n    yield a + b\n"),
+        (("t::one",), "def f(a, b):\n    return a + b +\n"),
+    ]
+    assert kernel.read_text() == original
+    report = (tmp_path / "report.md").read_text().splitlines()
+    assert report[2].startswith("| 1 | `k/f.py` | a sign | caught by `t::one[x]` |")
+    assert report[3].startswith("| 2 | `k/f.py` | a generator | NOT CAUGHT (pytest exit status 0) |")
+    assert report[4].startswith("| 3 | `k/f.py` | a syntax error | NOT CAUGHT (pytest exit status 2) |")
+    assert "1 of 3 caught" in capsys.readouterr().out
+
+    seen.clear()
+    assert kernel_bugs.main(["--bug", "1"]) == 0 and [tests for tests, _ in seen] == [("t::one",), ("t::one",)]
+
+    seen.clear()
+    monkeypatch.setattr(kernel_bugs, "run_tests", lambda tree, tests: seen.append(tests) or (1, "t::one"))
+    assert kernel_bugs.main([]) == 1 and seen == [("t::one", "t::two")]  # stopped after the baseline
+    assert "do not pass on the unchanged tree (pytest exit status 1): t::one" in capsys.readouterr().out
+
+    for outside in ("0", "4"):
+        with pytest.raises(SystemExit):
+            kernel_bugs.main(["--bug", "1", outside])
+        assert f"--bug takes numbers from 1 to 3 (tools/kernel_bugs.toml's order), got [{outside}]" in (
+            capsys.readouterr().err
+        )
