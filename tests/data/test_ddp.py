@@ -1,10 +1,10 @@
 """Two CPU processes (gloo DDP) through the real `mmlight` command over shard sets whose shard
 counts do not divide evenly between the ranks: no hang, equal step counts on both ranks, every
-validation sample counted exactly once, and synced metrics equal to a single-process validation."""
+validation sample counted exactly once, and synced metrics equal to a single-process validation (run in
+the test's own process)."""
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmlight.data.shard_writer import plan_shards, write_shards
 from mmlight.data.shards import write_info
-from tests.helpers.cli import run_mmlight
+from tests.helpers.ddp_probe import run_probed
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart" / "digits_multimax.yaml"
@@ -38,9 +38,8 @@ def write_uneven_shards(out: Path) -> None:
     write_info(out, info)
 
 
-def run_probed(args, probe_dir, tmp_path, timeout):
-    env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
+def run_on_shards(args, probe_dir, tmp_path, processes):
+    """``mmlight ARGS`` on the uneven shards with the probe callback."""
     common = [
         "--config",
         str(QUICKSTART),
@@ -68,10 +67,8 @@ def run_probed(args, probe_dir, tmp_path, timeout):
         ),
         "--trainer.logger.init_args.save_dir",
         str(tmp_path / "runs"),
-        "--trainer.callbacks+=tests.helpers.ddp_probe.Probe",
     ]
-    result = run_mmlight(*args[:1], *common, *args[1:], cwd=tmp_path, env=env, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_probed([*args[:1], *common, *args[1:]], probe_dir, tmp_path, processes, timeout=300)
 
 
 @pytest.mark.slow
@@ -80,7 +77,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     ddp_dir.mkdir()
     single_dir.mkdir()
-    run_probed(
+    run_on_shards(
         [
             "fit",
             "--trainer.accelerator",
@@ -96,7 +93,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
         ],
         ddp_dir,
         tmp_path,
-        timeout=300,
+        processes=2,
     )
     ranks = [json.loads((ddp_dir / f"rank{r}-fit.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -107,9 +104,7 @@ def test_two_rank_ddp_over_uneven_shards(tmp_path):
     assert [r["val_samples"] for r in ranks] == [2 * 13, 2 * 10]
 
     checkpoint = next((tmp_path / "runs").rglob("last.ckpt"))  # the final weights (best-*.ckpt may be older)
-    run_probed(
-        ["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path, timeout=200
-    )
+    run_on_shards(["validate", "--trainer.devices", "1", "--ckpt_path", str(checkpoint)], single_dir, tmp_path, 1)
     single = json.loads((single_dir / "rank0-validate.json").read_text())
     assert single["val_samples"] == 23
     for name in ("val/top1", "val/loss"):

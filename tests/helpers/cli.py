@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from mmlight.cli import main
@@ -25,6 +27,40 @@ def run_mmlight(*args: str, timeout: float = 900, **run) -> subprocess.Completed
         run: any other ``subprocess.run`` argument (``cwd``, ``env``, ``check``).
     """
     return subprocess.run(mmlight_argv(*args), capture_output=True, text=True, timeout=timeout, **run)
+
+
+@contextlib.contextmanager
+def environment(cwd: Path, env: Mapping[str, str]) -> Iterator[None]:
+    """Work in ``cwd`` with the variables of ``env`` set (the others as they are), both restored after."""
+    here, before = os.getcwd(), {name: os.environ.get(name) for name in env}
+    os.chdir(cwd)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def mmlight_in_process(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> None:
+    """Run ``mmlight ARGS`` to the end by :func:`mmlight.cli.main` in this process, from ``cwd`` with
+    ``env``'s variables set: a one-process run of :func:`run_mmlight` less the seconds a new interpreter
+    spends importing Lightning. A command that exits with an error raises ``AssertionError``.
+
+    Args:
+        args: the command line after ``mmlight``.
+        cwd: the working directory of the run.
+        env: variables to set for the run (restored after).
+    """
+    with environment(cwd, env or {}):
+        try:
+            main(list(args))
+        except SystemExit as stop:
+            assert stop.code in (0, None), f"mmlight {args[0]} exited with status {stop.code}"
 
 
 def analyze(config: Path, ckpts: list[Path], out: Path, *options: str, overrides: Sequence[str] = ()) -> None:

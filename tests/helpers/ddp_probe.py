@@ -1,11 +1,15 @@
-"""A callback for the DDP test: each rank writes what it saw (steps, validation samples, metrics)
-to ``$MMLIGHT_PROBE_DIR/rank<r>-<stage>.json``."""
+"""A callback for the DDP tests: each rank writes what it saw (steps, validation samples, metrics)
+to ``$MMLIGHT_PROBE_DIR/rank<r>-<stage>.json``; :func:`run_probed` runs ``mmlight`` with it."""
 
 import json
 import os
 from pathlib import Path
 
 import lightning as L
+
+from tests.helpers.cli import mmlight_in_process, run_mmlight
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Probe(L.Callback):
@@ -40,3 +44,25 @@ class Probe(L.Callback):
 
     def on_test_end(self, trainer, pl_module):
         self._write(trainer, "test")
+
+
+def run_probed(args: list[str], probe_dir: Path, cwd: Path, processes: int, timeout: float = 400) -> None:
+    """``mmlight ARGS`` with :class:`Probe` writing its records to ``probe_dir``.
+
+    Args:
+        args: the command line after ``mmlight``.
+        probe_dir: where each rank writes ``rank<r>-<stage>.json``.
+        cwd: the working directory of the run.
+        processes: more than one (DDP) starts ``python -m mmlight.cli`` in a new interpreter with one
+            thread, as a user's run does; one runs in this process.
+        timeout: seconds the new interpreter may take.
+    """
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    args = [*args, "--trainer.callbacks+=tests.helpers.ddp_probe.Probe"]
+    if processes == 1:
+        mmlight_in_process(*args, cwd=cwd, env={"MMLIGHT_PROBE_DIR": str(probe_dir)})
+        return
+    env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = run_mmlight(*args, cwd=cwd, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -1,25 +1,21 @@
 """Two CPU processes (gloo DDP) through the real `mmlight` command: perplexity and BLEU computed over
-both ranks' shares of a split equal a single-process run, and the hypotheses file is the same."""
+both ranks' shares of a split equal a single-process run, and the hypotheses file is the same. The
+training run and the single-process test run in the test's own process (``mmlight.cli.main``)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import run_mmlight
+from tests.helpers.ddp_probe import run_probed
 
 ROOT = Path(__file__).resolve().parents[2]
 NMT = ROOT / "configs" / "quickstart" / "nmt_multimax.yaml"
 
 
-def mmlight(args: list[str], probe_dir: Path, cwd: Path) -> dict:
-    """Run ``python -m mmlight.cli`` with the probe callback; return rank 0's record."""
-    probe_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MMLIGHT_PROBE_DIR": str(probe_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    result = run_mmlight(*args, "--trainer.callbacks+=tests.helpers.ddp_probe.Probe", cwd=cwd, env=env, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+def mmlight(args: list[str], probe_dir: Path, cwd: Path, processes: int = 1) -> dict:
+    """Run ``mmlight ARGS`` on ``processes`` processes with the probe callback; rank 0's record."""
+    run_probed(args, probe_dir, cwd, processes)
     return json.loads((probe_dir / f"rank0-{args[0]}.json").read_text())
 
 
@@ -82,6 +78,7 @@ def test_two_rank_bleu_perplexity_and_hypotheses_equal_one_rank(tmp_path):
             ],
             out,
             tmp_path,
+            processes=devices,
         )
     one, two = records[1]["metrics"], records[2]["metrics"]
     assert two["test/tokens"] == one["test/tokens"]  # every target token counted once over the ranks
