@@ -5,9 +5,10 @@
 :mod:`mmlight.commands` (:data:`TOOLS`), imported only when named. ``mmlight --help`` lists them all; a
 misspelt command stops with the nearest name, exit status 2, before anything runs.
 
-Lightning (and, through torchmetrics, whatever it finds installed: transformers, scipy) is imported only
-for the trainer commands and the help: ``mmlight sweep --print`` or ``mmlight collect`` starts in a
-fraction of a second instead of the several seconds of CPU that importing Lightning takes.
+Lightning (and, through torchmetrics, whatever it finds installed: transformers, scipy) is imported for
+the trainer commands, the help and ``analyze``, not for the light commands: ``mmlight sweep --print``,
+``mmlight collect`` and ``mmlight prepare`` of any dataset but the quick start's digits (written through
+its DataModule's module) start without the several seconds of CPU that importing Lightning takes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 # Imported so that their classes are known to the parser by their short names too.
-import mmlight.data  # noqa: F401
+import mmlight.data
 import mmlight.tasks  # noqa: F401
 from mmlight.callbacks import (
     DataPosition,
@@ -43,6 +43,8 @@ from mmlight.ckpt_path import check_checkpoint_file, newest_checkpoint
 from mmlight.reweighting import available as available_reweightings
 from mmlight.safe_load import RefusedFile, raised_from
 from mmlight.slurm import check_slurm_tasks, name_slurm_run
+
+mmlight.data.load_all()  # the package imports its DataModules on first use only (for `mmlight prepare`)
 
 #: The Trainer's commands, each with the line ``mmlight --help`` and ``mmlight COMMAND --help`` show.
 TRAINER_COMMANDS = {

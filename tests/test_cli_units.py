@@ -765,3 +765,39 @@ def test_the_table_commands_start_without_lightning(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_prepare_starts_without_lightning(tmp_path):
+    """``mmlight prepare`` (run on login nodes, often before any GPU job) and every preparer but the
+    quick start's digits, which writes through its DataModule's module, import neither Lightning nor
+    torchmetrics: the data package hands out its DataModules on first use."""
+    from mmlight.data.prepare import DATASETS
+
+    modules = ["mmlight.commands.prepare", *(m for name, m in DATASETS.items() if name != "digits")]
+    probe = (
+        "import importlib, sys\n"
+        f"for module in {modules!r}:\n"
+        "    importlib.import_module(module)\n"
+        "print(sorted(m for m in ('lightning', 'torchmetrics', 'timm') if m in sys.modules))\n"
+        "import mmlight.data, mmlight.lightning_cli\n"
+        "print(sorted(set(mmlight.data.EXPORTS.values()) - set(sys.modules)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, wherever it is installed from
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the trainer commands import every DataModule, whose short names (``--data DigitsDataModule``) the
+    # parser knows only once their classes exist
+    assert result.stdout.split("\n")[:2] == ["[]", "[]"]
+
+
+def test_the_data_package_hands_out_each_name_from_its_module():
+    import importlib
+
+    import mmlight.data
+
+    mmlight.data.load_all()
+    for name, module in mmlight.data.EXPORTS.items():
+        assert getattr(mmlight.data, name) is getattr(importlib.import_module(module), name)
+        assert name in vars(mmlight.data) and name in dir(mmlight.data)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchModule'"):
+        mmlight.data.NoSuchModule  # noqa: B018
