@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mmlight.commands import collect, sweep
 from mmlight.experiments.table import load_table
+from tests.helpers.cli import environment
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tables" / "tiny.yaml"
@@ -35,15 +36,12 @@ def sweep_in_process(*args: str, cwd: Path) -> str:
     is still a subprocess), from ``cwd``: its output. The command line's own dispatch to it is the
     SLURM array test's (slurm/sweep.sh calls ``mmlight sweep``); a subprocess here would only import
     Lightning once more."""
-    out, here = io.StringIO(), os.getcwd()
-    os.chdir(cwd)
+    out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out):
+        with environment(cwd, {}), contextlib.redirect_stdout(out):
             sweep.main(list(args))
     except SystemExit as err:
         pytest.fail(f"mmlight sweep exited with {err.code}:\n{out.getvalue()[-3000:]}")
-    finally:
-        os.chdir(here)
     return out.getvalue()
 
 
