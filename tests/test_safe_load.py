@@ -29,6 +29,7 @@ from mmlight.models.pretrained import read_pretrained
 from mmlight.safe_load import CONVERT_COMMAND, PlainUnpickler, RefusedFile, load_checkpoint, refusing_code
 from mmlight.tasks import ImageClassifier
 from tests.helpers import py2_pickle
+from tests.helpers.user_types import Unlisted
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUSED = "holds objects mmlight does not load"
@@ -253,10 +254,6 @@ def _pickle_of(checkpoint: Path) -> bytes:
         return zipped.get_record("data.pkl")
 
 
-class Unlisted:
-    """A type of the user's that no allow-list names."""
-
-
 def test_a_trusted_checkpoint_with_another_type_is_refused_naming_it_and_the_documented_command_converts_it(
     tmp_path,
 ):
@@ -266,12 +263,12 @@ def test_a_trusted_checkpoint_with_another_type_is_refused_naming_it_and_the_doc
     with pytest.raises(RefusedFile) as refused:
         read_pretrained(str(path))
     converted = tmp_path / "mine-weights.ckpt"
-    assert f"{path} {REFUSED}: tests.test_safe_load.Unlisted." in str(refused.value)
+    assert f"{path} {REFUSED}: tests.helpers.user_types.Unlisted." in str(refused.value)
     assert str(refused.value).endswith(f"{CONVERT_COMMAND} {path} {converted}")
     documented = [c for c in re.findall(r"^python -c .*$", (ROOT / "docs/finetuning.md").read_text(), re.M)]
     assert documented == [f"{CONVERT_COMMAND} old.ckpt old-weights.ckpt"]
     command = [sys.executable, *shlex.split(documented[0])[1:-2], str(path), str(converted)]  # this environment's
-    subprocess.run(command, check=True, cwd=ROOT)  # from the root, where the file's Unlisted can be imported
+    subprocess.run(command, check=True, cwd=ROOT)  # from the root, where Unlisted can be imported
     weights = read_pretrained(str(converted))
     want = torch.load(path, weights_only=False)["state_dict"]  # the test's own file, trusted
     assert weights.keys() == {k.removeprefix("model.vit.") for k in want}
