@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers.checks import assert_same_tensors
-from tests.helpers.cli import mmlight_argv
+from tests.helpers.cli import mmlight_argv, mmlight_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,10 +71,10 @@ RUNS = {
 }
 
 
-def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
-    """``mmlight fit`` of ``run`` in ``workdir``, in a process of its own (one thread)."""
+def arguments(workdir: Path, run: str, *extra: str) -> list[str]:
+    """The command line after ``mmlight`` that fits ``run`` in ``workdir``."""
     config, _, kill_at, overrides = RUNS[run]
-    command = mmlight_argv(
+    args = [
         "fit",
         "--config",
         str(config),
@@ -90,13 +90,30 @@ def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
         "--trainer.logger.init_args.save_dir",
         str(workdir / "runs"),
         *extra,
-    )
+    ]
     if run == "digits":
-        command += ["--data.init_args.cache_dir", str(workdir / "digits")]  # one per run: two run at once
+        args += ["--data.init_args.cache_dir", str(workdir / "digits")]  # one per run: two run at once
+    workdir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def start(workdir: Path, run: str, *extra: str) -> subprocess.Popen:
+    """``mmlight fit`` of ``run`` in ``workdir``, in a process of its own (one thread)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    workdir.mkdir(parents=True, exist_ok=True)
+    command = mmlight_argv(*arguments(workdir, run, *extra))
     return subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def fit_in_process(workdir: Path, run: str) -> None:
+    """The same fit in this process, on one thread as the processes of :func:`start` compute (the
+    reference backend either way: ``auto`` takes the Triton kernels for CUDA tensors only)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mmlight_in_process(*arguments(workdir, run), cwd=workdir)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
@@ -127,22 +144,20 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.parametrize("run", list(RUNS))
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, run):
     _, name, kill_at, _ = RUNS[run]
-    uninterrupted = start(tmp_path / "straight", run)  # alongside the killed run and its resumption (2 cores)
+    killer = ["--trainer.callbacks+=tests.test_resume.KillAtStep", f"--trainer.callbacks.step={kill_at}"]
+    killing = start(tmp_path / "killed", run, *killer)
     try:
-        killer = ["--trainer.callbacks+=tests.test_resume.KillAtStep", f"--trainer.callbacks.step={kill_at}"]
-        killed = fit(tmp_path / "killed", run, *killer)
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-        runs = tmp_path / "killed" / "runs" / name
-        assert load(runs / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == kill_at
-
-        resumed = fit(tmp_path / "killed", run, "--ckpt_path", "last")
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        assert "--ckpt_path last -> " in resumed.stdout and "version_0" in resumed.stdout
-        straight = finished(uninterrupted)
-        assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+        # the uninterrupted run in this process (a cold import of Lightning fewer), beside the killed one
+        fit_in_process(tmp_path / "straight", run)
     finally:
-        if uninterrupted.poll() is None:
-            uninterrupted.kill()
+        killed = finished(killing)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    runs = tmp_path / "killed" / "runs" / name
+    assert load(runs / "version_0" / "checkpoints" / "last.ckpt")["global_step"] == kill_at
+
+    resumed = fit(tmp_path / "killed", run, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "--ckpt_path last -> " in resumed.stdout and "version_0" in resumed.stdout
 
     reference = load(tmp_path / "straight" / "runs" / name / "version_0" / "checkpoints" / "last.ckpt")
     final = load(runs / "version_1" / "checkpoints" / "last.ckpt")
