@@ -81,7 +81,8 @@ def test_the_worker_count_reaches_the_text_preparer(stdlib, tmp_path, monkeypatc
 
     monkeypatch.setattr(text, "prepare", recording)
     python_docs.prepare(None, tmp_path / "out", 3, stdlib=stdlib, vocab_size=300, valid_fraction=0.1)
-    assert asked == [3]
+    python_docs.prepare(None, tmp_path / "default", stdlib=stdlib, vocab_size=300, valid_fraction=0.1)
+    assert asked == [3, 1]  # one process unless asked for more
 
 
 def test_a_modules_docstrings_are_in_source_order_nested_ones_included():

@@ -405,6 +405,35 @@ def test_without_zstandard_a_zst_source_names_the_package_to_install(tmp_path, m
     assert str(err.value) == ".zst files need the zstandard package: pip install zstandard"
 
 
+def test_without_zstandard_a_zst_source_stops_the_run_before_any_work(tmp_path, monkeypatch):
+    """The check runs while the sources are listed, for any case of the ending, before a folder is made."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text", encoding="utf-8")
+    (folder / "B.JSONL.ZST").write_bytes(zstandard.ZstdCompressor().compress(jsonl(["one document"])))
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    message = ".zst files need the zstandard package: pip install zstandard"
+    with pytest.raises(ImportError) as listed:
+        text.find_files([folder])
+    with pytest.raises(ImportError) as prepared:
+        text.prepare(folder, tmp_path / "out")
+    assert str(listed.value) == str(prepared.value) == message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_that_is_not_a_text_source_is_named_with_the_endings_read(tmp_path):
+    """Named as ``--src`` it is an error; found in a folder it is skipped, with the same list of endings."""
+    endings = ".txt, .txt.gz, .txt.zst, .jsonl, .jsonl.gz, .jsonl.zst, .parquet"
+    (tmp_path / "notes.md").write_text("not a source", encoding="utf-8")
+    (tmp_path / "a.txt").write_text("plain text", encoding="utf-8")
+    with pytest.raises(ValueError) as named:
+        text.find_files([tmp_path / "notes.md"])
+    assert str(named.value) == f"--src {tmp_path / 'notes.md'} is not a text source ({endings})"
+    files, others = text.find_files([tmp_path])
+    assert files == [tmp_path / "a.txt"]
+    assert others == [Skipped(str(tmp_path / "notes.md"), f"not a text source ({endings})")]
+
+
 def test_a_lone_surrogate_or_blank_text_in_a_jsonl_record_is_skipped_naming_the_line():
     """JSON's ``\\ud800`` escape decodes to a lone surrogate, which UTF-8 (and so the tokenizer) cannot hold."""
     surrogate = text.jsonl_document("f:4", b'{"text": "ab\\ud800c"}\n', "text")
