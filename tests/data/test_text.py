@@ -196,6 +196,7 @@ def test_an_interrupted_run_resumes_to_the_same_result(prepared, tmp_path, monke
     finished = {p: p.stat().st_mtime_ns for p in (tmp_path / "_work").glob("*.npy")}
     assert len(finished) == 2 * 3
     monkeypatch.setattr(text, "tokenize_unit", real)
+    monkeypatch.setattr(text, "train_tokenizer", lambda *args: pytest.fail("trained again, not reused"))
     assert text.prepare([root / "raw"], tmp_path, **options) == info
     assert (tmp_path / "_info.json").read_bytes() == (root / "out" / "_info.json").read_bytes()
     assert all(p.stat().st_mtime_ns == t for p, t in finished.items())  # the finished units were reused
@@ -255,6 +256,13 @@ def test_a_checkpoint_decodes_with_the_data_folder_deleted(prepared, tmp_path):
         assert v.decode([v.bos_id, *ids, v.eos_id]) == docs[0]  # byte for byte, the specials dropped
     (score,) = loaded.score([docs[1][:40]], block_size=16)
     assert score.tokens == len(direct.encode(docs[1][:40]).ids) + 1 and score.log_prob < 0
+
+
+def test_ids_are_stored_in_the_narrowest_unsigned_type_that_holds_the_largest():
+    for size in (300, 2**16 - 1, 2**16, 2**16 + 1, 2**20):
+        largest = size - 1
+        want = np.uint16 if largest <= np.iinfo(np.uint16).max else np.uint32
+        assert text.token_dtype(size) == np.dtype(want), size
 
 
 @pytest.mark.parametrize("size, dtype", [(40_000, "uint16"), (70_000, "uint32")])
