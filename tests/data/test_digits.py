@@ -156,6 +156,26 @@ def test_prepare_refuses_an_unknown_dataset_and_a_missing_or_non_folder_src(tmp_
     assert capsys.readouterr().err == "mmlight prepare: error: iwslt14 needs --src (the raw data folder)\n"
 
 
+def test_prepare_passes_the_paths_workers_and_options_on_to_the_datasets_module(tmp_path, monkeypatch):
+    """A list of sources (``text``), one folder (``food101``) and none (``python-docs``): each module's
+    ``prepare`` gets the paths as ``Path``, the worker count and the module's own options."""
+    from mmlight.data.prepare import dataset_module, prepare
+
+    calls = []
+    for name in ("text", "food101", "python-docs"):
+        module = dataset_module(name)
+        record = lambda *args, _name=name, **options: calls.append((_name, args, options))  # noqa: E731
+        monkeypatch.setattr(module, "prepare", record)
+    prepare("text", [str(tmp_path / "a.txt"), tmp_path / "b"], str(tmp_path / "out"), 3, vocab_size=300)
+    prepare("food101", str(tmp_path), tmp_path / "out", 2, size=64)
+    prepare("python-docs", None, tmp_path / "out", 4, valid_fraction=0.1)
+    assert calls == [
+        ("text", ([tmp_path / "a.txt", tmp_path / "b"], tmp_path / "out", 3), {"vocab_size": 300}),
+        ("food101", (tmp_path, tmp_path / "out", 2), {"size": 64}),
+        ("python-docs", (None, tmp_path / "out", 4), {"valid_fraction": 0.1}),
+    ]
+
+
 def test_prepare_command_line_options(tmp_path, capsys, monkeypatch):
     """``mmlight prepare --help`` names every dataset and option; ``--workers`` defaults to the cores, at most 8;
     ``--out`` is required."""

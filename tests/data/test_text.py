@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import sys
@@ -258,6 +259,64 @@ def test_a_checkpoint_decodes_with_the_data_folder_deleted(prepared, tmp_path):
     assert score.tokens == len(direct.encode(docs[1][:40]).ids) + 1 and score.log_prob < 0
 
 
+def test_one_source_the_smallest_vocabulary_and_no_validation_split(tmp_path, caplog, monkeypatch):
+    """``src`` as one path (not a list), the smallest vocabulary (the 256 bytes and the 4 specials, so no
+    merge), one process by default, and ``valid_fraction`` 0 (warned of): each field of ``_info.json``
+    that the readers take, against a value known here. One entry fewer is refused, naming the floor."""
+    import tokenizers
+
+    source = tmp_path / "a.txt"
+    source.write_text(DOCS[0], encoding="utf-8")
+    with pytest.raises(ValueError) as small:
+        text.prepare(source, tmp_path / "refused", vocab_size=259)
+    assert str(small.value) == "--vocab-size must be at least 260 (bytes and specials), got 259"
+    tokenize_all, asked = text.tokenize_all, []
+
+    def recording(jobs, workers):
+        asked.append(workers)
+        return tokenize_all(jobs, workers)
+
+    monkeypatch.setattr(text, "tokenize_all", recording)
+    options = {"vocab_size": 260, "valid_fraction": 0.0, "chunk_tokens": 64, "text_column": "body"}
+    with caplog.at_level(logging.WARNING, logger=text.log.name):
+        info = text.prepare(source, tmp_path / "out", **options)
+    assert asked == [1]
+    assert read_info(tmp_path / "out") == info
+    fields = (info["dataset"], info["eos_per_line"], info["chunk_tokens"], info["text_column"])
+    assert fields == ("text", True, 64, "body")
+    assert info["vocab"]["size"] == 260 and info["vocab"]["file"] == "tokenizer.json"
+    assert info["vocab"]["tokenizer"]["version"] == f"tokenizers {tokenizers.__version__}"
+    assert json.loads((tmp_path / "out" / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"] == []
+    assert info["splits"]["valid"]["num_documents"] == 0 and info["splits"]["train"]["num_documents"] == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["the validation split is empty: 1 documents at --valid-fraction 0"]
+
+
+def test_units_are_tokenised_by_a_pool_of_at_most_workers_processes_only_where_two_can_share_them(monkeypatch):
+    """A pool for two workers or more and two units or more, never of more processes than units; its
+    results in unit order (the pool here maps in this process and records its size)."""
+    pools = []
+
+    class Pool:
+        def __init__(self, max_workers):
+            pools.append(max_workers)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, items):
+            return map(fn, items)
+
+    monkeypatch.setattr(text, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(text, "tokenize_unit", lambda job: {"unit": job})
+    for workers, units in [(1, 3), (2, 1), (2, 2), (3, 2), (4, 3)]:
+        assert text.tokenize_all(list(range(units)), workers) == [{"unit": i} for i in range(units)]
+    assert pools == [2, 2, 3]
+
+
 def test_ids_are_stored_in_the_narrowest_unsigned_type_that_holds_the_largest():
     for size in (300, 2**16 - 1, 2**16, 2**16 + 1, 2**20):
         largest = size - 1
@@ -307,8 +366,9 @@ def test_bad_options_and_missing_sources_stop_before_work(tmp_path):
             text.prepare(out=tmp_path / "out", **options)
     (tmp_path / "only").mkdir()
     (tmp_path / "only" / "empty.txt").write_text(" ", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"no readable document .* \(1 inputs skipped"):
+    with pytest.raises(ValueError) as nothing:
         text.prepare([tmp_path / "only"], tmp_path / "out2", vocab_size=VOCAB)
+    assert str(nothing.value) == f"no readable document in {[str(tmp_path / 'only')]} (1 inputs skipped, above)"
 
 
 def test_a_missing_optional_package_is_named(tmp_path, monkeypatch):
