@@ -13,16 +13,24 @@ SHARED_SCOPES = {
 }
 
 
-#: scopes that take minutes (``pytest --durations``), handed out first, in this order: xdist orders the
-#: rest by their number of tests, which would leave these few-test scopes to the end of the run, each on
-#: one worker while the others stand idle
+#: scopes of few tests that take half a minute or more (``pytest --durations``), handed out first, longest
+#: first: xdist orders the rest by their number of tests, which would leave these to the end of the run,
+#: each on one worker while the others stand idle (the two DDP files and the kernels' compile check, last
+#: in one run on 2 cores, kept one worker busy 48 s after the other had finished)
 LONG_FIRST = (
     "slurm",
+    "tests/models/test_compiled_network.py",
     "tests/test_docker_image.py",
     "tests/benchmarks/test_gpu_run.py",
-    "tests/experiments/test_sweep.py",
-    "tests/models/test_compiled_network.py",
     "tests/test_resume.py",
+    "tests/experiments/test_sweep.py",
+    "tests/analysis/test_analyze.py",
+    "tests/test_benchmarks.py",
+    "tests/kernels/test_compile.py",
+    "tests/benchmarks/test_gpu_faults.py",
+    "tests/data/test_ddp.py",
+    "tests/callbacks/test_attention_stats.py",
+    "tests/tasks/test_text_ddp.py",
 )
 
 
