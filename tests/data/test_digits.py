@@ -162,10 +162,12 @@ def test_prepare_passes_the_paths_workers_and_options_on_to_the_datasets_module(
     from mmlight.data.prepare import dataset_module, prepare
 
     calls = []
+
+    def recorder(name):
+        return lambda *args, **options: calls.append((name, args, options))
+
     for name in ("text", "food101", "python-docs"):
-        module = dataset_module(name)
-        record = lambda *args, _name=name, **options: calls.append((_name, args, options))  # noqa: E731
-        monkeypatch.setattr(module, "prepare", record)
+        monkeypatch.setattr(dataset_module(name), "prepare", recorder(name))
     prepare("text", [str(tmp_path / "a.txt"), tmp_path / "b"], str(tmp_path / "out"), 3, vocab_size=300)
     prepare("food101", str(tmp_path), tmp_path / "out", 2, size=64)
     prepare("python-docs", None, tmp_path / "out", 4, valid_fraction=0.1)
