@@ -317,11 +317,14 @@ def test_units_are_tokenised_by_a_pool_of_at_most_workers_processes_only_where_t
     assert pools == [2, 2, 3]
 
 
-def test_ids_are_stored_in_the_narrowest_unsigned_type_that_holds_the_largest():
-    for size in (300, 2**16 - 1, 2**16, 2**16 + 1, 2**20):
-        largest = size - 1
-        want = np.uint16 if largest <= np.iinfo(np.uint16).max else np.uint32
-        assert text.token_dtype(size) == np.dtype(want), size
+@pytest.mark.parametrize(
+    "size, want", [(300, "uint16"), (2**16 - 1, "uint16"), (2**16, "uint16"), (2**16 + 1, "uint32"), (2**20, "uint32")]
+)
+def test_ids_are_stored_in_the_narrowest_unsigned_type_that_holds_the_largest(size, want):
+    """The boundary is the vocabulary of 2**16 entries, whose largest id 65,535 is uint16's largest value."""
+    dtype = text.token_dtype(size)
+    assert dtype == np.dtype(want)
+    assert int(np.array([size - 1]).astype(dtype)[0]) == size - 1  # the largest id keeps its value
 
 
 @pytest.mark.parametrize("size, dtype", [(40_000, "uint16"), (70_000, "uint32")])
